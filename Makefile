@@ -1,0 +1,29 @@
+# Two commands matter: `make demo` and `make test`. Each creates .venv when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+LLMSCALE := $(VENV)/bin/llmscale
+STAMP := $(VENV)/.installed
+PYTHON ?= python3
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt setuptools wheel
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(LLMSCALE) train --config configs/default.toml
+	$(LLMSCALE) plot runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

@@ -1,0 +1,3 @@
+from llmscale.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""Command line: parse, validate, call. Bad input exits with code 2 and one line naming the field."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from llmscale.errors import ConfigError, UsageError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line on stderr and exit code 2 (its own default code)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"llmscale {self.prog.split()[-1]}: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+# ---- train --------------------------------------------------------------------------------
+
+
+def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (one process, or many under torchrun)",
+        description=(
+            "Train a decoder LLM from a TOML config. Any config key can be overridden as "
+            "--section.key value (e.g. --train.steps 20 --precision.mode bf16). "
+            "Run under `torchrun --nproc-per-node N` for N processes."
+        ),
+        epilog="Sections: [job] [model] [data] [train] [precision] [optimizer] [lr_scheduler] "
+        "[checkpoint] [metrics] [parallel]; see configs/default.toml for every key.",
+    )
+    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.set_defaults(func=_cmd_train, accepts_overrides=True)
+
+
+def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.config import load_config
+
+    if args.resume:
+        overrides = [*overrides, "--checkpoint.resume", "true"]
+    cfg = load_config(args.config, overrides)
+    from llmscale.train.trainer import run_training
+
+    run_training(cfg)
+    return 0
+
+
+# ---- plot ---------------------------------------------------------------------------------
+
+
+def _add_plot(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw a run's loss curve and throughput to PNG",
+        description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/loss.png (or --out).",
+    )
+    p.add_argument("run_dir", help="folder a `llmscale train` run wrote")
+    p.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png)")
+    p.set_defaults(func=_cmd_plot)
+
+
+def _cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.train.plot import plot_run
+
+    out = plot_run(args.run_dir, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+# ---- models -------------------------------------------------------------------------------
+
+
+def _add_models(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list the model presets with their parameter counts",
+        description="Table of model presets: shape, parameter count, and the published count.",
+    )
+    p.set_defaults(func=_cmd_models)
+
+
+def _cmd_models(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmscale.model.config import PRESETS
+
+    t = Table(title="llmscale model presets")
+    for col in ("name", "layers", "dim", "heads", "kv", "ffn", "vocab", "params", "published"):
+        t.add_column(col, justify="left" if col == "name" else "right")
+    for m in PRESETS.values():
+        pub = f"{m.published_params:,}" if m.published_params else "-"
+        t.add_row(
+            m.name,
+            str(m.n_layers),
+            str(m.dim),
+            str(m.n_heads),
+            str(m.n_kv_heads),
+            str(m.ffn_dim),
+            str(m.vocab_size),
+            f"{m.num_params():,}",
+            pub,
+        )
+    Console().print(t)
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
+    _add_train,
+    _add_plot,
+    _add_models,
+]
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(
+        prog="llmscale",
+        allow_abbrev=False,
+        description="Train GPT-style decoder LLMs past the memory wall, and plan how to scale them.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate `--section.key value` / `--section.key=value` overrides from the other arguments."""
+    plain: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "." in a.split("=", 1)[0]:
+            overrides.append(a)
+            if "=" not in a and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            plain.append(a)
+        i += 1
+    return plain, overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    plain, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(plain)
+    if overrides and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    try:
+        return int(args.func(args, overrides))
+    except (ConfigError, UsageError) as e:
+        sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write(f"llmscale {args.command}: interrupted\n")
+        return 130

@@ -1,0 +1,479 @@
+"""Job configuration: TOML file, one dataclass section per concern, overridable from the CLI.
+
+`llmscale train --config configs/default.toml --train.steps 20 --precision.mode bf16`
+
+This module does not import torch: the planner reads the same sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from llmscale.errors import ConfigError, UsageError
+from llmscale.model.config import ModelConfig, get_preset
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full", "selective", "every_k")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+LR_DECAYS = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+
+
+@dataclass
+class JobSection:
+    """[job]: where a run writes, its seed and its device."""
+
+    name: str = "demo"
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    device: str = "auto"
+
+    def validate(self) -> None:
+        _choice("job.device", self.device, DEVICES)
+        _nonneg("job.seed", self.seed)
+        if not self.run_dir:
+            raise ConfigError("job.run_dir", self.run_dir, "a non-empty folder path")
+
+
+@dataclass
+class DataSection:
+    """[data]: a folder of text files read as bytes; empty path = the Python standard library."""
+
+    path: str = ""
+    glob: str = "**/*.py"
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    max_files: int = 0  # 0 = every file that matches
+
+    def validate(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+        _nonneg("data.max_files", self.max_files)
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError("data.val_fraction", self.val_fraction, "a number in [0, 1)")
+        if self.path and not Path(self.path).is_dir():
+            raise ConfigError("data.path", self.path, "an existing folder of text files")
+
+
+@dataclass
+class TrainSection:
+    """[train]: steps, batch sizes (in sequences), activation recomputation, clipping."""
+
+    steps: int = 50
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    recompute: str = "none"
+    recompute_every_k: int = 2
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    eval_every: int = 0  # 0 = only at the end
+    eval_batches: int = 4
+
+    def validate(self) -> None:
+        _positive("train.steps", self.steps)
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        _positive("train.global_batch_size", self.global_batch_size)
+        _choice("train.recompute", self.recompute, RECOMPUTE_MODES)
+        _positive("train.recompute_every_k", self.recompute_every_k)
+        _nonneg("train.max_grad_norm", self.max_grad_norm)
+        _nonneg("train.eval_every", self.eval_every)
+        _nonneg("train.eval_batches", self.eval_batches)
+
+
+@dataclass
+class PrecisionSection:
+    """[precision]: autocast dtype over fp32 master weights, and fp16 dynamic loss scaling."""
+
+    mode: str = "fp32"
+    initial_scale: float = 2.0**15
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 200
+    min_scale: float = 2.0**3
+    max_scale: float = 2.0**15
+    # Steps (1-based) at which to report the fraction of fp16 gradient values that underflow.
+    underflow_steps: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _choice("precision.mode", self.mode, PRECISIONS)
+        for name in ("initial_scale", "min_scale", "max_scale"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"precision.{name}", getattr(self, name), "a positive number")
+        if self.growth_factor <= 1.0:
+            raise ConfigError("precision.growth_factor", self.growth_factor, "a number > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ConfigError("precision.backoff_factor", self.backoff_factor, "a number in (0, 1)")
+        _positive("precision.growth_interval", self.growth_interval)
+        if self.min_scale > self.max_scale:
+            raise ConfigError("precision.min_scale", self.min_scale, "<= precision.max_scale")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ConfigError(
+                "precision.initial_scale",
+                self.initial_scale,
+                f"within [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
+            )
+        for s in self.underflow_steps:
+            _positive("precision.underflow_steps[]", s)
+
+
+@dataclass
+class OptimizerSection:
+    """[optimizer]: AdamW hyper-parameters and CPU offload."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    offload: str = "none"
+    offload_overlap: bool = True
+
+    def validate(self) -> None:
+        _choice("optimizer.name", self.name, ("adamw",))
+        if self.lr <= 0:
+            raise ConfigError("optimizer.lr", self.lr, "a positive number")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optimizer.{name}", getattr(self, name), "a number in [0, 1)")
+        if self.eps <= 0:
+            raise ConfigError("optimizer.eps", self.eps, "a positive number")
+        _nonneg("optimizer.weight_decay", self.weight_decay)
+        _choice("optimizer.offload", self.offload, OFFLOAD_MODES)
+
+
+@dataclass
+class LRSchedulerSection:
+    """[lr_scheduler]: linear warm-up, then decay to min_lr_ratio * lr."""
+
+    warmup_steps: int = 5
+    decay: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+    def validate(self) -> None:
+        _nonneg("lr_scheduler.warmup_steps", self.warmup_steps)
+        _choice("lr_scheduler.decay", self.decay, LR_DECAYS)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("lr_scheduler.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+
+
+@dataclass
+class CheckpointSection:
+    """[checkpoint]: distributed checkpoints under run_dir/folder, written atomically."""
+
+    enabled: bool = True
+    interval: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2
+    folder: str = "checkpoints"
+    resume: bool = False
+    # Stop after this step as if interrupted (0 = never); used to test resumption.
+    stop_after: int = 0
+
+    def validate(self) -> None:
+        _nonneg("checkpoint.interval", self.interval)
+        _positive("checkpoint.keep_last", self.keep_last)
+        _nonneg("checkpoint.stop_after", self.stop_after)
+
+
+@dataclass
+class MetricsSection:
+    """[metrics]: what is logged, how often, and the peak used for MFU."""
+
+    log_every: int = 1
+    progress: bool = True
+    # Peak dense FLOP/s of one device, in TFLOP/s, for MFU. 0 = from the hardware catalog when
+    # the device is known (CUDA), else MFU is not reported.
+    peak_tflops: float = 0.0
+    # Count saved-activation bytes each step (cheap; needed for CPU memory reports).
+    activation_memory: bool = True
+
+    def validate(self) -> None:
+        _positive("metrics.log_every", self.log_every)
+        _nonneg("metrics.peak_tflops", self.peak_tflops)
+
+
+@dataclass
+class ParallelSection:
+    """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, tp)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_chunks: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    sequence_parallel: bool = False
+    zero_stage: int = 3  # with dp_shard > 1: 1/2 keep params unsharded after forward, 3 reshards
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_chunks"):
+            _positive(f"parallel.{name}", getattr(self, name))
+        _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.pp_schedule != "interleaved_1f1b" and self.pp_chunks != 1:
+            raise ConfigError(
+                "parallel.pp_chunks", self.pp_chunks, "1 unless pp_schedule = 'interleaved_1f1b'"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel", True, "false when parallel.tp = 1")
+
+
+@dataclass
+class JobConfig:
+    """A whole training job: every section, plus the model shape."""
+
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-steps per optimizer step: global = micro x accum x dp."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check every section, then the facts that tie sections together."""
+        for f in fields(self):
+            getattr(self, f.name).validate()
+        t, p, m = self.train, self.parallel, self.model
+        per_step = t.micro_batch_size * p.dp
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"a multiple of micro_batch_size x dp = {t.micro_batch_size} x {p.dp} = {per_step}",
+            )
+        if self.data.seq_len > m.max_seq_len:
+            raise ConfigError("data.seq_len", self.data.seq_len, f"<= model.max_seq_len={m.max_seq_len}")
+        if world_size is not None and p.world_size != world_size:
+            raise ConfigError(
+                "parallel",
+                f"pp x dp_replicate x dp_shard x tp = {p.pp} x {p.dp_replicate} x {p.dp_shard} x {p.tp}"
+                f" = {p.world_size}",
+                f"degrees whose product equals the world size {world_size}",
+            )
+        if m.n_heads % p.tp:
+            raise ConfigError("parallel.tp", p.tp, f"a divisor of model.n_heads={m.n_heads}")
+        if m.n_kv_heads % p.tp:
+            raise ConfigError("parallel.tp", p.tp, f"a divisor of model.n_kv_heads={m.n_kv_heads}")
+        if p.sequence_parallel and self.data.seq_len % p.tp:
+            raise ConfigError("data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}")
+        stages = p.pp * p.pp_chunks
+        if stages > m.n_layers:
+            raise ConfigError(
+                "parallel.pp",
+                p.pp,
+                f"pp x pp_chunks = {stages} stages, at most model.n_layers={m.n_layers}",
+            )
+        if p.pp > 1 and m.tie_embeddings:
+            raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")
+        if p.pp > 1 and self.accum_steps < p.pp and p.pp_schedule != "gpipe":
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"at least pp={p.pp} micro-batches per step (micro_batch_size x dp x pp)",
+            )
+        if t.recompute == "every_k" and t.recompute_every_k > m.n_layers:
+            raise ConfigError(
+                "train.recompute_every_k", t.recompute_every_k, f"<= model.n_layers={m.n_layers}"
+            )
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a TOML file (or the defaults), apply `--section.key value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"--config: no such file {str(p)!r}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"--config: {p} is not valid TOML: {e}") from None
+    for key, value in parse_overrides(overrides or []):
+        section, _, name = key.partition(".")
+        if not name:
+            raise UsageError(f"override --{key}: expected --section.key (e.g. --train.steps 20)")
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(section, table, "a table of keys")
+        table[name] = value
+    cfg = from_dict(raw)
+    cfg.validate()
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn ['--train.steps', '20', '--x.y=3'] into [('train.steps', 20), ('x.y', 3)]."""
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--"):
+            raise UsageError(f"unexpected argument {a!r}; overrides look like --section.key value")
+        key = a[2:]
+        if "=" in key:
+            key, text = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise UsageError(f"override --{key} needs a value")
+            i += 1
+            text = args[i]
+        out.append((key, _parse_value(text)))
+        i += 1
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal when it parses as one (20, 1e-3, true, [1, 2]), else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def from_dict(raw: dict[str, Any]) -> JobConfig:
+    """Build a JobConfig from a parsed TOML table, naming any unknown or mistyped key."""
+    cfg = JobConfig()
+    sections = {f.name: f for f in fields(JobConfig)}
+    for name, table in raw.items():
+        if name not in sections:
+            raise ConfigError(name, "(section)", "one of [" + "], [".join(sections) + "]")
+        if not isinstance(table, dict):
+            raise ConfigError(name, table, "a table of keys")
+        if name == "model":
+            cfg.model = _model_from_table(table)
+        else:
+            setattr(cfg, name, _section_from_table(name, getattr(cfg, name), table))
+    return cfg
+
+
+def _model_from_table(table: dict[str, Any]) -> ModelConfig:
+    base = get_preset(str(table.get("name", "tiny")))
+    hints = typing.get_type_hints(ModelConfig)
+    overrides = {}
+    for key, value in table.items():
+        if key == "name":
+            continue
+        if key not in hints:
+            raise ConfigError(f"model.{key}", value, "a key of [model]: " + ", ".join(hints))
+        overrides[key] = _coerce(f"model.{key}", value, hints[key])
+    return base.with_overrides(**overrides) if overrides else base
+
+
+def _section_from_table(name: str, default: Any, table: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(type(default))
+    values = {}
+    for key, value in table.items():
+        if key not in hints:
+            raise ConfigError(f"{name}.{key}", value, f"a key of [{name}]: " + ", ".join(hints))
+        values[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return dataclasses.replace(default, **values)
+
+
+def _coerce(field_name: str, value: Any, tp: Any) -> Any:
+    """Check a TOML value against a field's type; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(field_name, value, f"a list of {_type_name(item_tp)}")
+        return [_coerce(f"{field_name}[]", v, item_tp) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(field_name, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(field_name, value, " or ".join(_type_name(t) for t in typing.get_args(tp)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(field_name, value, "true or false")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(field_name, value, "an integer")
+        return value
+    if tp is float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(field_name, value, "a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(field_name, value, "a string")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {field_name}")
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "booleans", int: "integers", float: "numbers", str: "strings"}.get(tp, str(tp))
+
+
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, " | ".join(str(a) for a in allowed))
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(name, value, "a positive integer" if isinstance(value, int) else "> 0")
+
+
+def _nonneg(name: str, value: int | float) -> None:
+    if value < 0:
+        raise ConfigError(name, value, ">= 0")
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+
+def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """Every section as a plain table (the model as its full shape)."""
+    return {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in fields(cfg)}
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML, written into each run folder."""
+    lines: list[str] = []
+    for section, table in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
