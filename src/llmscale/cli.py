@@ -86,10 +86,10 @@ def _add_models(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def _cmd_models(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from llmscale.model.config import PRESETS
+    from llmscale.ui import console
 
     t = Table(title="llmscale model presets")
     for col in ("name", "layers", "dim", "heads", "kv", "ffn", "vocab", "params", "published"):
@@ -107,7 +107,7 @@ def _cmd_models(args: argparse.Namespace, overrides: list[str]) -> int:
             f"{m.num_params():,}",
             pub,
         )
-    Console().print(t)
+    console().print(t)
     return 0
 
 

@@ -185,7 +185,7 @@ class MetricsSection:
     """[metrics]: what is logged, how often, and the peak used for MFU."""
 
     log_every: int = 1
-    progress: bool = True
+    progress: bool = True  # a progress bar when printing to a terminal
     # Peak dense FLOP/s of one device, in TFLOP/s, for MFU. 0 = from the hardware catalog when
     # the device is known (CUDA), else MFU is not reported.
     peak_tflops: float = 0.0
@@ -265,7 +265,9 @@ class JobConfig:
                 f"a multiple of micro_batch_size x dp = {t.micro_batch_size} x {p.dp} = {per_step}",
             )
         if self.data.seq_len > m.max_seq_len:
-            raise ConfigError("data.seq_len", self.data.seq_len, f"<= model.max_seq_len={m.max_seq_len}")
+            raise ConfigError(
+                "data.seq_len", self.data.seq_len, f"<= model.max_seq_len={m.max_seq_len}"
+            )
         if world_size is not None and p.world_size != world_size:
             raise ConfigError(
                 "parallel",
@@ -278,7 +280,9 @@ class JobConfig:
         if m.n_kv_heads % p.tp:
             raise ConfigError("parallel.tp", p.tp, f"a divisor of model.n_kv_heads={m.n_kv_heads}")
         if p.sequence_parallel and self.data.seq_len % p.tp:
-            raise ConfigError("data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}")
+            raise ConfigError(
+                "data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}"
+            )
         stages = p.pp * p.pp_chunks
         if stages > m.n_layers:
             raise ConfigError(
@@ -409,7 +413,9 @@ def _coerce(field_name: str, value: Any, tp: Any) -> Any:
                 return _coerce(field_name, value, option)
             except ConfigError:
                 continue
-        raise ConfigError(field_name, value, " or ".join(_type_name(t) for t in typing.get_args(tp)))
+        raise ConfigError(
+            field_name, value, " or ".join(_type_name(t) for t in typing.get_args(tp))
+        )
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(field_name, value, "true or false")

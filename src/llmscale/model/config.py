@@ -53,7 +53,15 @@ class ModelConfig:
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
-        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        for f in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"model.{f}", v, "a positive integer")
@@ -109,8 +117,8 @@ class ModelConfig:
         return self.mlp_weights() + biases
 
     def norm_params(self) -> int:
-        """One normalisation layer: a scale, plus a shift for LayerNorm."""
-        return self.dim * (2 if self.norm == "layernorm" else 1)
+        """One normalisation layer: a scale, plus a shift for LayerNorm with biases."""
+        return self.dim * (2 if self.norm == "layernorm" and self.bias else 1)
 
     def layer_params(self) -> int:
         """One transformer block: attention, MLP and its two norms."""
@@ -131,26 +139,32 @@ class ModelConfig:
         return self.embedding_params() + self.n_layers * self.layer_params() + self.head_params()
 
     # ---- FLOPs ------------------------------------------------------------------------------
-    def forward_flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token: 2 per multiply-accumulate of every matmul, plus attention.
+    def block_forward_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of all transformer blocks: 2 per multiply-accumulate.
 
         Attention scores (QK^T) and the weighted sum (AV) cost 2*s*d multiply-accumulates per
         token per layer when the full s x s product is computed, as Narayanan et al. (2021)
         count it. Norms, softmax and element-wise ops are left out (< 1% at the sizes that
-        matter). The output projection to the vocabulary is included.
+        matter).
         """
-        weights = self.n_layers * (self.attention_weights() + self.mlp_weights())
-        weights += self.vocab_size * self.dim
-        attention = self.n_layers * 2 * seq_len * self.dim
-        return 2.0 * (weights + attention)
+        weights = self.attention_weights() + self.mlp_weights()
+        return 2.0 * self.n_layers * (weights + 2 * seq_len * self.dim)
+
+    def head_forward_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the output projection to the vocabulary."""
+        return 2.0 * self.vocab_size * self.dim
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        return self.block_forward_flops_per_token(seq_len) + self.head_forward_flops_per_token()
 
     def train_flops_per_token(self, seq_len: int, recompute_fraction: float = 0.0) -> float:
-        """Training FLOPs per token: forward, backward (2x forward), and any recomputed forward.
+        """Training FLOPs per token: forward, backward (2x forward), and recomputed forward.
 
-        recompute_fraction is the share of the forward pass that is run a second time
-        (1.0 for full recomputation of every block).
+        recompute_fraction is the share of the blocks' forward that runs a second time (1.0 for
+        full recomputation); the output projection is never recomputed.
         """
-        return (3.0 + recompute_fraction) * self.forward_flops_per_token(seq_len)
+        fwd = self.forward_flops_per_token(seq_len)
+        return 3.0 * fwd + recompute_fraction * self.block_forward_flops_per_token(seq_len)
 
     # ---- conversion -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

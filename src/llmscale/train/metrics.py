@@ -1,0 +1,108 @@
+"""Per-step metrics: throughput, FLOP/s and MFU, memory; written as JSONL."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmscale.train.precision import local_tensor
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's part of each tensor, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        t = local_tensor(t)
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.device.type == "meta":
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def param_bytes(modules: Iterable[nn.Module]) -> int:
+    return tensor_bytes(p for m in modules for p in m.parameters())
+
+
+def grad_bytes(modules: Iterable[nn.Module]) -> int:
+    return tensor_bytes(p.grad for m in modules for p in m.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of tensor optimizer state (Adam's moments; the 0-d `step` counters are included)."""
+    return tensor_bytes(
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def peak_flops_for_device(device: torch.device, configured_tflops: float) -> float | None:
+    """Peak dense FLOP/s for MFU: the configured figure, else the catalog's for a known GPU."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    try:
+        from llmscale.hardware.catalog import gpu_for_device_name
+    except ImportError:
+        return None
+    gpu = gpu_for_device_name(torch.cuda.get_device_name(device))
+    return gpu.peak_flops("bf16") if gpu is not None else None
+
+
+class JsonlWriter:
+    """Appends one JSON object per line; rows are flushed at once so a killed run keeps them."""
+
+    def __init__(self, path: str | Path, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        self._fh: Any = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._fh is None:
+            return
+        self._fh.write(json.dumps(_finite(row)) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def truncate_after(path: str | Path, step: int) -> None:
+    """Drop rows of steps after `step` (resuming from it redoes them)."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    kept = [
+        line
+        for line in p.read_text().splitlines()
+        if line and json.loads(line).get("step", 0) <= step
+    ]
+    p.write_text("".join(line + "\n" for line in kept))
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf/nan: write them as strings so the file stays valid."""
+    return {
+        k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()
+    }

@@ -1,0 +1,168 @@
+"""Mixed precision: autocast over fp32 master weights, dynamic loss scaling, underflow report.
+
+Why a scaler of our own rather than `torch.amp.GradScaler`: GradScaler's growth/backoff rule is
+what we want (and `DynamicLossScaler` reproduces its scale trajectory exactly; see the tests),
+but it has no bounds (we keep the scale in [min_scale, max_scale], 2^3..2^15 by default, as
+DeepSpeed and Megatron do), it does not report a skipped step through a public API, and its
+inf/nan check covers only the local gradients: under pipeline or tensor parallelism every rank
+must agree to skip, so the overflow flag is all-reduced over the whole job here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmscale.config import PrecisionSection
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_MIN_SUBNORMAL = 2.0**-24
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds, for a DTensor; the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def autocast(mode: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast to bf16/fp16 for `mode`; a no-op context for fp32."""
+    if mode == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=DTYPES[mode])
+
+
+class DynamicLossScaler:
+    """Loss scale that grows after `growth_interval` clean steps and backs off on inf/nan.
+
+    With enabled=False (fp32, bf16) it is the identity and never skips.
+    """
+
+    def __init__(self, cfg: PrecisionSection, enabled: bool) -> None:
+        self.enabled = enabled
+        self.scale = float(cfg.initial_scale) if enabled else 1.0
+        self.growth_factor = cfg.growth_factor
+        self.backoff_factor = cfg.backoff_factor
+        self.growth_interval = cfg.growth_interval
+        self.min_scale = cfg.min_scale
+        self.max_scale = cfg.max_scale
+        self.growth_tracker = 0  # clean steps since the last change
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_and_check(
+        self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
+    ) -> bool:
+        """Divide grads by the scale in place; True when any rank saw inf/nan (skip the step)."""
+        if not self.enabled:
+            return False
+        grads = [local_tensor(g) for g in grads]
+        inv = 1.0 / self.scale
+        flags = []
+        for g in grads:
+            g.mul_(inv)
+            flags.append(torch.logical_not(torch.isfinite(g).all()))
+        found = torch.stack(flags).any().float() if flags else torch.zeros(())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        """GradScaler's rule, then clamped to [min_scale, max_scale]."""
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+        self.scale = min(max(self.scale, self.min_scale), self.max_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+# ---- underflow report ---------------------------------------------------------------------
+
+DEFAULT_SCALES: tuple[float, ...] = tuple(2.0**k for k in range(0, 16))
+
+
+@dataclass
+class UnderflowRow:
+    scale: float
+    nonzero: int  # gradient elements that are non-zero in fp32
+    underflow: int  # ... of those, how many become zero when (g * scale) is cast to fp16
+    overflow: int  # ... and how many become inf
+
+    @property
+    def underflow_fraction(self) -> float:
+        return self.underflow / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def overflow_fraction(self) -> float:
+        return self.overflow / self.nonzero if self.nonzero else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "scale": self.scale,
+            "nonzero": self.nonzero,
+            "underflow": self.underflow,
+            "overflow": self.overflow,
+            "underflow_fraction": self.underflow_fraction,
+            "overflow_fraction": self.overflow_fraction,
+        }
+
+
+@torch.no_grad()
+def underflow_report(
+    grads: Iterable[torch.Tensor], scales: Iterable[float] = DEFAULT_SCALES
+) -> list[UnderflowRow]:
+    """For each loss scale: how many fp32 gradient values vanish (or overflow) in fp16.
+
+    `grads` are true (unscaled) fp32 gradients. A value g survives as fp16 when |g * scale| is
+    at least half the smallest fp16 subnormal, 2^-25 (round to nearest), so a larger scale
+    rescues small values until the large ones overflow past 65504. Counts are summed over all
+    ranks when a process group is up, over each rank's own shard.
+    """
+    flat = [local_tensor(g).detach().float().reshape(-1) for g in grads]
+    scales = list(scales)
+    counts = torch.zeros(len(scales), 3, dtype=torch.float64)
+    for g in flat:
+        nz = g != 0
+        gz = g[nz]
+        for i, s in enumerate(scales):
+            h = (gz * s).to(torch.float16)
+            counts[i, 0] += gz.numel()
+            counts[i, 1] += (h == 0).sum().item()
+            counts[i, 2] += torch.isinf(h).sum().item()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    return [
+        UnderflowRow(s, int(counts[i, 0]), int(counts[i, 1]), int(counts[i, 2]))
+        for i, s in enumerate(scales)
+    ]
+
+
+def gradients(params: Iterable[torch.nn.Parameter]) -> Iterator[torch.Tensor]:
+    for p in params:
+        if p.grad is not None:
+            yield p.grad

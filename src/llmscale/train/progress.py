@@ -1,0 +1,109 @@
+"""What a run prints: a header, a progress bar on a terminal, a line every log_every steps."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from llmscale.config import JobConfig
+from llmscale.ui import console
+
+if TYPE_CHECKING:
+    from llmscale.train.trainer import Trainer, TrainResult
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_row(row: dict[str, Any]) -> str:
+    parts = [
+        f"step {row['step']:>5}",
+        f"loss {row['loss']:.4f}",
+        f"lr {row['lr']:.2e}",
+        f"|g| {row['grad_norm']:.3f}",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+        f"{row['flops_per_s'] / 1e9:,.2f} GFLOP/s",
+    ]
+    if "mfu" in row:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if "cuda_peak_bytes" in row:
+        parts.append(f"peak {human_bytes(row['cuda_peak_bytes'])}")
+    else:
+        parts.append(f"act {human_bytes(row['activation_bytes'])}")
+    if row.get("skipped"):
+        parts.append(f"[yellow]overflow: step skipped, scale -> {row['loss_scale']:g}[/]")
+    elif row.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"scale {row['loss_scale']:g}")
+    if "val_loss" in row:
+        parts.append(f"val {row['val_loss']:.4f}")
+    if "underflow" in row:
+        u = row["underflow"]
+        parts.append(f"fp16 underflow {100 * u[0]['underflow_fraction']:.1f}% unscaled")
+    return "  ".join(parts)
+
+
+class StepReporter:
+    """Prints on rank 0 only; the bar needs a terminal and metrics.progress = true."""
+
+    def __init__(self, cfg: JobConfig, enabled: bool) -> None:
+        self.cfg = cfg
+        self.enabled = enabled
+        self.console = console()
+        self.progress: Progress | None = None
+        self.task: Any = None
+
+    def start(self, trainer: Trainer, resumed: bool) -> None:
+        if not self.enabled:
+            return
+        c = self.cfg
+        self.console.print(
+            f"[bold]llmscale train[/] {c.job.name}: model {c.model.name} "
+            f"({trainer.n_params:,} params) on {trainer.device}, {c.precision.mode}, "
+            f"recompute={c.train.recompute}, global batch {c.train.global_batch_size} x "
+            f"{c.data.seq_len} tokens = {c.train.micro_batch_size} x {c.accum_steps} accum"
+        )
+        self.console.print(f"data: {trainer.corpus_summary}")
+        if resumed:
+            self.console.print(f"resumed from step {trainer.step}")
+        if c.metrics.progress and self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[progress.description]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task(
+                "training", total=c.train.steps, completed=trainer.step
+            )
+
+    def step(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if row["step"] % self.cfg.metrics.log_every == 0 or row["step"] == self.cfg.train.steps:
+            self.console.print(format_row(row))
+        if self.progress is not None:
+            self.progress.update(
+                self.task, completed=row["step"], description=f"loss {row['loss']:.3f}"
+            )
+
+    def finish(self, result: TrainResult) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if not self.enabled:
+            return
+        if result.interrupted:
+            self.console.print(
+                f"stopped after step {result.steps_done}; checkpoint written, resume with --resume"
+            )
+        elif result.val_loss is not None:
+            self.console.print(f"validation loss {result.val_loss:.4f}")
+        self.console.print(f"run folder: {self.cfg.job.run_dir}")

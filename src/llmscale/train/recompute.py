@@ -1,0 +1,139 @@
+"""Activation checkpointing (recomputation) and a counter of the bytes autograd saves.
+
+Modes (train.recompute):
+- none: every block keeps what autograd saves;
+- selective: only the attention core (SDPA) is recomputed: it keeps q, k, v instead of its
+  output and log-sum-exp (Korthikanti et al. 2022 recompute the core for the s x s matrix; with
+  SDPA that matrix is never stored, so the saving is smaller, but the mode is the same);
+- every_k: every k-th block (layers k-1, 2k-1, ...) is recomputed whole;
+- full: every block is recomputed; only its input is kept.
+
+Checkpointing uses `torch.utils.checkpoint` in its non-reentrant form. It is applied by replacing
+a module's `forward` on the instance, so that parameter names (and so checkpoints) do not
+change with the mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llmscale.model.transformer import AttentionCore, TransformerBlock
+
+_state = threading.local()
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    counter: SavedActivations | None = getattr(_state, "counter", None)
+    if counter is not None:
+        # The checkpoint keeps its inputs alive for the recomputation; autograd hooks don't see them.
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                counter.add(a)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _wrap(module: nn.Module) -> None:
+    if getattr(module, "_llmscale_recompute", False):
+        return
+    module.forward = functools.partial(_checkpointed, module.forward)  # type: ignore[method-assign]
+    module._llmscale_recompute = True  # type: ignore[assignment]
+
+
+def apply_recompute(model: nn.Module, mode: str, every_k: int = 2) -> list[str]:
+    """Checkpoint the parts that `mode` names; returns the names of the wrapped modules."""
+    wrapped: list[str] = []
+    if mode == "none":
+        return wrapped
+    for name, module in model.named_modules():
+        if (
+            mode == "selective"
+            and isinstance(module, AttentionCore)
+            or isinstance(module, TransformerBlock)
+            and (mode == "full" or (mode == "every_k" and (module.layer_id + 1) % every_k == 0))
+        ):
+            pass
+        else:
+            continue
+        _wrap(module)
+        wrapped.append(name)
+    return wrapped
+
+
+def recompute_fraction(mode: str, n_layers: int, every_k: int = 2) -> float:
+    """Share of the forward FLOPs run a second time (for MFU: recomputation is not useful work)."""
+    if mode == "full":
+        return 1.0
+    if mode == "every_k":
+        return (n_layers // every_k) / n_layers
+    return 0.0  # selective: the attention core is a small share; counted by the planner
+
+
+class SavedActivations:
+    """Counts the bytes autograd keeps for backward while active (a forward pass).
+
+    Each storage is counted once (views share one); parameters and buffers are left out, so what
+    remains is activations. Tensors kept by checkpointed regions count as their inputs only.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._seen: set[tuple[int, int]] = set()
+        self.bytes = 0
+        self.tensors = 0
+        self._hooks: Any = None
+
+    def add(self, t: torch.Tensor) -> None:
+        t = _local(t)
+        if t.device.type == "meta" or t.layout != torch.strided or _is_parameter(t):
+            return
+        key = _storage_key(t)
+        if key in self._excluded or key in self._seen:
+            return
+        self._seen.add(key)
+        self.bytes += t.untyped_storage().nbytes()
+        self.tensors += 1
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._hooks.__enter__()
+        _state.counter = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _state.counter = None
+        self._hooks.__exit__(*exc)
+        self._seen.clear()
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (matmul saves weight.t())."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    local = _local(t)
+    return (local.untyped_storage().data_ptr(), local.device.index or 0)
+
+
+def model_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers, to exclude from activation counts."""
+    return [*model.parameters(), *model.buffers()]

@@ -1,0 +1,38 @@
+"""k micro-steps of b equal one step of k*b."""
+
+import torch
+
+from llmscale.train.trainer import Trainer
+
+
+def _grads(t: Trainer) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in t.model.parameters()]
+
+
+def test_four_micro_steps_of_two_equal_one_step_of_eight(cfg_factory) -> None:
+    common = ("--train.global_batch_size", "8", "--train.max_grad_norm", "0")
+    accum = Trainer(cfg_factory(*common, "--train.micro_batch_size", "2", run="a"))
+    whole = Trainer(cfg_factory(*common, "--train.micro_batch_size", "8", run="b"))
+    assert accum.cfg.accum_steps == 4 and whole.cfg.accum_steps == 1
+    batch = accum.train_stream.next_batch(8)
+    assert torch.equal(batch, whole.train_stream.next_batch(8))
+    loss_a, _ = accum.forward_backward(batch)
+    loss_w, _ = whole.forward_backward(batch)
+    torch.testing.assert_close(loss_a, loss_w, rtol=1e-6, atol=0)
+    for ga, gw in zip(_grads(accum), _grads(whole), strict=True):
+        rel = (ga - gw).norm() / gw.norm()
+        assert rel < 1e-6, rel
+
+
+def test_parameters_equal_after_three_optimizer_steps(cfg_factory) -> None:
+    common = ("--train.global_batch_size", "8", "--train.steps", "3")
+    accum = Trainer(cfg_factory(*common, "--train.micro_batch_size", "2", run="a"))
+    whole = Trainer(cfg_factory(*common, "--train.micro_batch_size", "8", run="b"))
+    ra, rw = accum.fit(), whole.fit()
+    assert ra.steps_done == rw.steps_done == 3
+    for (name, pa), pw in zip(
+        accum.model.named_parameters(), whole.model.parameters(), strict=True
+    ):
+        rel = ((pa - pw).norm() / pw.norm()).item()
+        assert rel < 1e-6, (name, rel)
+    assert all(abs(a - w) < 1e-5 for a, w in zip(ra.losses, rw.losses, strict=True))

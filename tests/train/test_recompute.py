@@ -1,0 +1,70 @@
+"""Recomputation changes memory, not numbers."""
+
+import pytest
+import torch
+
+from llmscale.model.config import get_preset
+from llmscale.model.transformer import build_model
+from llmscale.train.recompute import SavedActivations, apply_recompute, model_state_tensors
+from llmscale.train.trainer import lm_loss
+
+MODES = [("none", 2), ("selective", 2), ("every_k", 2), ("full", 2)]
+
+
+def _run(mode: str, k: int, tokens: torch.Tensor):
+    model = build_model(get_preset("tiny"), seed=0)
+    wrapped = apply_recompute(model, mode, k)
+    with SavedActivations(model_state_tensors(model)) as counter:
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return loss.detach(), grads, counter.bytes, wrapped
+
+
+@pytest.fixture(scope="module")
+def results():
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+    return {mode: _run(mode, k, tokens) for mode, k in MODES}
+
+
+def test_loss_and_gradients_identical_to_no_recompute(results) -> None:
+    loss0, grads0, _, _ = results["none"]
+    for mode in ("selective", "every_k", "full"):
+        loss, grads, _, _ = results[mode]
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0)
+        for g, g0 in zip(grads, grads0, strict=True):
+            torch.testing.assert_close(g, g0, rtol=1e-6, atol=1e-9)
+
+
+def test_saved_activation_bytes_strictly_ordered(results) -> None:
+    b = {mode: r[2] for mode, r in results.items()}
+    assert b["none"] > b["selective"] > b["every_k"] > b["full"] > 0, b
+
+
+def test_wrapped_modules(results) -> None:
+    assert results["none"][3] == []
+    assert results["selective"][3] == [f"layers.{i}.attention.core" for i in range(4)]
+    assert results["every_k"][3] == ["layers.1", "layers.3"]
+    assert results["full"][3] == [f"layers.{i}" for i in range(4)]
+
+
+def test_parameter_names_do_not_change() -> None:
+    plain = build_model(get_preset("tiny"))
+    full = build_model(get_preset("tiny"))
+    apply_recompute(full, "full")
+    assert list(plain.state_dict()) == list(full.state_dict())
+
+
+def test_full_recompute_keeps_only_block_inputs_per_layer() -> None:
+    """With every block checkpointed, a block holds exactly its input (b*s*d fp32)."""
+    cfg = get_preset("tiny")
+    tokens = torch.randint(0, 256, (2, 33))
+    counts = {}
+    for layers in (2, 4):
+        model = build_model(cfg.with_overrides(n_layers=layers))
+        apply_recompute(model, "full")
+        with SavedActivations(model_state_tensors(model)) as c:
+            model(tokens[:, :-1])
+        counts[layers] = c.bytes
+    per_layer = (counts[4] - counts[2]) / 2
+    assert per_layer == 2 * 32 * cfg.dim * 4
