@@ -102,3 +102,22 @@ def test_low_precision_runs_train_and_keep_fp32_master_weights(cfg_factory, mode
     fractions = [u["underflow_fraction"] for u in under]
     assert fractions == sorted(fractions, reverse=True)  # more scale, fewer vanish
     assert 0.0 <= fractions[-1] < fractions[0] or fractions[0] == 0.0
+
+
+def test_fp16_backward_underflow_shrinks_with_scale() -> None:
+    from llmscale.model.config import get_preset
+    from llmscale.model.transformer import build_model
+    from llmscale.train.precision import fp16_backward_underflow
+    from llmscale.train.trainer import lm_loss
+
+    model = build_model(get_preset("tiny").with_overrides(init_std=0.002))
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    rows = fp16_backward_underflow(
+        lambda: lm_loss(model(tokens[:, :-1]), tokens[:, 1:]), params, scales=[1.0, 2.0**8, 2.0**15]
+    )
+    f = [r.underflow_fraction for r in rows]
+    assert 0.5 * sum(p.numel() for p in params) < rows[0].nonzero <= sum(p.numel() for p in params)
+    assert f[0] > 0.01  # tiny init: many gradients are below fp16's range unscaled
+    assert f[0] > f[1] >= f[2]
+    assert all(p.grad is None for p in params)

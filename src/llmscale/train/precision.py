@@ -11,7 +11,7 @@ must agree to skip, so the overflow flag is all-reduced over the whole job here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,3 +166,43 @@ def gradients(params: Iterable[torch.nn.Parameter]) -> Iterator[torch.Tensor]:
     for p in params:
         if p.grad is not None:
             yield p.grad
+
+
+def fp16_backward_underflow(
+    loss_fn: Callable[[], torch.Tensor],
+    params: list[torch.nn.Parameter],
+    scales: Iterable[float] = DEFAULT_SCALES,
+    device_type: str = "cpu",
+) -> list[UnderflowRow]:
+    """Underflow measured end to end: backward under fp16 autocast with each loss scale.
+
+    `underflow_report` casts finished fp32 gradients; here the whole backward runs in fp16, so
+    activation gradients can vanish inside it too. A parameter-gradient element counts as
+    underflowed when it is non-zero in the fp32 reference backward but exactly zero after the
+    fp16 backward (divided by the scale); as overflowed when it is not finite. `loss_fn` runs
+    the forward and returns the loss; it is called under fp16 autocast for the measured passes.
+    """
+    for p in params:
+        p.grad = None
+    loss_fn().backward()
+    reference = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+    rows = []
+    for s in scales:
+        for p in params:
+            p.grad = None
+        with autocast("fp16", device_type):
+            loss = loss_fn()
+        (loss.float() * s).backward()
+        nonzero = underflow = overflow = 0
+        for p, ref in zip(params, reference, strict=True):
+            if ref is None:
+                continue
+            nz = ref != 0
+            g = p.grad / s if p.grad is not None else torch.zeros_like(ref)
+            nonzero += int(nz.sum())
+            underflow += int((nz & (g == 0)).sum())
+            overflow += int((nz & ~torch.isfinite(g)).sum())
+        rows.append(UnderflowRow(s, nonzero, underflow, overflow))
+    for p in params:
+        p.grad = None
+    return rows
