@@ -138,6 +138,7 @@ def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--t-fwd", default="1", help="forward time, or per-stage list (default 1)")
     p.add_argument("--t-bwd", default="2", help="backward time, or per-stage list (default 2)")
     p.add_argument("--t-p2p", default="0", help="latency of each cross-rank send (default 0)")
+    p.add_argument("--width", type=int, default=160, help="most characters of text Gantt")
     p.add_argument("--png", help="also draw the Gantt chart to this PNG")
     p.set_defaults(func=_cmd_schedule)
 
@@ -170,7 +171,9 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     closed = bubble_fraction(schedule, args.pp, args.microbatches, args.chunks)
     closed_peak = peak_inflight_closed_form(schedule, args.pp, args.microbatches, args.chunks)
     formula = "(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"
-    quantum, lines = text_gantt(res)
+    if args.width < 10:
+        raise ConfigError("width", args.width, "an integer >= 10")
+    quantum, lines = text_gantt(res, args.width)
     peaks = "  ".join(f"rank {r}: {n}" for r, n in enumerate(res.peak_inflight))
     print(
         f"schedule        {schedule}  pp={res.pp}  microbatches={res.microbatches}  "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -307,6 +310,19 @@ def test_text_gantt_one_line_per_rank_on_one_time_scale():
     assert {len(line) for line in narrow} == {len("rank 0 ||") + 40}
 
 
+@pytest.mark.parametrize("schedule,p,m,v", [("1f1b", 2, 12, 1), ("interleaved_1f1b", 3, 12, 2)])
+def test_text_gantt_labels_read_back_as_each_ranks_order(schedule, p, m, v):
+    res = simulate(schedule, p, m, v)
+    _, lines = text_gantt(res, max_width=10_000)
+    for r, line in enumerate(lines):
+        labels = re.findall(r"([FBfb])(\d+)", line.split("|")[1])
+        want = [
+            (op.kind if op.chunk % 2 == 0 else op.kind.lower(), str(op.microbatch))
+            for op in build_schedule(schedule, p, m, v)[r]
+        ]
+        assert labels == want
+
+
 def test_cli_schedule_prints_numbers_and_writes_png(tmp_path, capsys):
     png = tmp_path / "gantt.png"
     argv = ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved"]
@@ -340,6 +356,7 @@ def test_cli_per_stage_costs(capsys):
         (["--t-fwd", "fast"], "t_fwd"),
         (["--t-bwd", "1,2"], "t_bwd"),
         (["--t-p2p", "1,2"], "t_p2p"),
+        (["--width", "3"], "width"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(extra, field, capsys):
@@ -354,3 +371,12 @@ def test_cli_non_integer_pp_is_an_argparse_error(capsys):
         main(["schedule", "--pp", "four"])
     assert e.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_schedule_and_gantt_import_neither_torch_nor_matplotlib():
+    code = (
+        "import sys, llmscale.plan.schedule, llmscale.plan.gantt; "
+        "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -18,11 +18,11 @@ def _label(kind: str, chunk: int, microbatch: int) -> str:
 def text_gantt(result: SimResult, max_width: int = 160) -> tuple[float, list[str]]:
     """Return (time per character, one line per rank); each op box starts with e.g. "F3"/"b3".
 
-    The shortest op gets two characters when that fits in `max_width`, else the chart is
-    scaled to `max_width` and short boxes show only their kind letter.
+    The shortest op is as wide as the longest label when that fits in `max_width`; else the
+    chart is scaled to `max_width` and boxes too narrow for their label show only its letter.
     """
     shortest = min(t.end - t.start for t in result.timeline)
-    quantum = shortest / 2
+    quantum = shortest / (1 + len(str(result.microbatches - 1)))
     if result.makespan / quantum > max_width:
         quantum = result.makespan / max_width
     width = max(1, round(result.makespan / quantum))
@@ -31,8 +31,9 @@ def text_gantt(result: SimResult, max_width: int = 160) -> tuple[float, list[str
         a = min(width - 1, round(t.start / quantum))
         b = max(a + 1, min(width, round(t.end / quantum)))
         label = _label(t.op.kind, t.op.chunk, t.op.microbatch)
-        # The box is the label, then its kind letter repeated to the box's end.
-        box = (label + label[0] * (b - a))[: b - a]
+        # The box is the label, then its kind letter repeated to the box's end; never a cut
+        # label, which would name the wrong microbatch.
+        box = label + label[0] * (b - a - len(label)) if b - a >= len(label) else label[0] * (b - a)
         rows[t.rank][a:b] = list(box)
     pad = len(str(result.pp - 1))
     return quantum, [f"rank {r:>{pad}} |{''.join(row)}|" for r, row in enumerate(rows)]
