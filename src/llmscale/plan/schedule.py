@@ -3,9 +3,9 @@
 `build_schedule` gives the ordered forward (F) / backward (B) ops each pipeline rank runs for
 GPipe, 1F1B and interleaved 1F1B, in the order torch.distributed.pipelining executes them
 (Schedule{GPipe,1F1B,Interleaved1F1B}), which for 1F1B and interleaved 1F1B is also
-Megatron-Core's order (where torch has none, 1F1B with microbatches < pp, we follow Megatron-Core;
-docs/schedule.md lists every difference). `simulate` replays those orders against the data dependencies between
-stages and reports makespan, bubble and activations held.
+Megatron-Core's order. Where torch has none (1F1B with microbatches < pp) we follow Megatron-Core;
+docs/schedule.md lists every difference. `simulate` replays those orders against the data
+dependencies between stages and reports makespan, bubble and activations held.
 
 Stages are numbered loop-style, as torch and Megatron do: rank r holds chunks c = 0..v-1, i.e.
 global stages s = c * pp + r, so microbatch i visits rank 0, 1, ..., pp-1, 0, 1, ... in forward.
