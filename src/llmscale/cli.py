@@ -111,12 +111,102 @@ def _cmd_models(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---- schedule -----------------------------------------------------------------------------
+
+_SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b"}
+
+
+def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "schedule",
+        help="simulate a pipeline schedule: bubble, activations held, Gantt chart",
+        description=(
+            "Simulate one training step of a pipeline-parallel schedule and print its bubble "
+            "fraction, makespan, peak activations held per rank and a text Gantt chart. "
+            "Costs are per microbatch through one rank's whole model slice (a chunk op costs "
+            "t/chunks); give a comma-separated list for one cost per stage (pp*chunks)."
+        ),
+    )
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="gpipe | 1f1b | interleaved_1f1b (alias: interleaved); default 1f1b",
+    )
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--t-fwd", default="1", help="forward time, or per-stage list (default 1)")
+    p.add_argument("--t-bwd", default="2", help="backward time, or per-stage list (default 2)")
+    p.add_argument("--t-p2p", default="0", help="latency of each cross-rank send (default 0)")
+    p.add_argument("--width", type=int, default=160, help="most characters of text Gantt")
+    p.add_argument("--png", help="also draw the Gantt chart to this PNG")
+    p.set_defaults(func=_cmd_schedule)
+
+
+def _parse_costs(field: str, text: str) -> float | list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(field, text, "a number, or comma-separated numbers per stage") from None
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.plan.gantt import draw_gantt_png, text_gantt
+    from llmscale.plan.schedule import bubble_fraction, peak_inflight_closed_form, simulate
+
+    schedule = _SCHEDULE_ALIASES.get(args.schedule, args.schedule)
+    t_p2p = _parse_costs("t_p2p", args.t_p2p)
+    if isinstance(t_p2p, list):
+        raise ConfigError("t_p2p", args.t_p2p, "one number >= 0")
+    res = simulate(
+        schedule,
+        args.pp,
+        args.microbatches,
+        args.chunks,
+        t_fwd=_parse_costs("t_fwd", args.t_fwd),
+        t_bwd=_parse_costs("t_bwd", args.t_bwd),
+        t_p2p=t_p2p,
+    )
+    closed = bubble_fraction(schedule, args.pp, args.microbatches, args.chunks)
+    closed_peak = peak_inflight_closed_form(schedule, args.pp, args.microbatches, args.chunks)
+    formula = "(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"
+    if args.width < 10:
+        raise ConfigError("width", args.width, "an integer >= 10")
+    quantum, lines = text_gantt(res, args.width)
+    peaks = "  ".join(f"rank {r}: {n}" for r, n in enumerate(res.peak_inflight))
+    print(
+        f"schedule        {schedule}  pp={res.pp}  microbatches={res.microbatches}  "
+        f"chunks={res.chunks}"
+    )
+    print(f"costs           t_fwd={args.t_fwd}  t_bwd={args.t_bwd}  t_p2p={args.t_p2p}")
+    print(f"makespan        {res.makespan:g}")
+    print(
+        f"bubble          {res.bubble_fraction:.4f}  "
+        f"(closed form {formula} = {closed:.4f}, for equal stages and free p2p)"
+    )
+    print(
+        f"peak in-flight  {peaks}  (microbatch-chunks of activations held; "
+        f"closed form {' '.join(map(str, closed_peak))})"
+    )
+    print(
+        f"gantt           1 char = {quantum:g}; F/B forward/backward + microbatch, "
+        "lower case = odd chunk, . = idle"
+    )
+    for line in lines:
+        print(line)
+    if args.png:
+        print(f"wrote {draw_gantt_png(res, args.png)}")
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
     _add_train,
     _add_plot,
     _add_models,
+    _add_schedule,
 ]
 
 
