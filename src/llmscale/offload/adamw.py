@@ -1,0 +1,686 @@
+"""OffloadedAdamW: AdamW whose fp32 master weights and moments live in host memory.
+
+ZeRO-Offload (Ren et al. 2021) keeps the optimizer state and the fp32 master weights on the CPU,
+streams gradients down and updated weights up; LSP-Offload and ZeRO-Offload both pipeline those
+transfers layer by layer. Here the pipeline works on *units* (each transformer block, plus the
+parameters before the first block and after the last one), in this order:
+
+1. backward: as each parameter's gradient is accumulated (a post-accumulate-grad hook), it is
+   copied to the host (device-to-host copier) and the device gradient is released; the host
+   worker adds it into an fp32 host buffer (gradient accumulation happens there, in fp32, every
+   micro-step). When a unit has all its gradients of the step, the worker takes their norms.
+2. step: the global gradient norm (for clipping) and the fp16 overflow flag (a non-finite norm)
+   need *every* unit's gradients, so the update cannot start before the last gradient is in.
+   It then runs unit by unit in forward order on the host worker (`torch._fused_adamw_` on CPU,
+   else foreach), each unit's new weights cast to the working dtype and copied up at once.
+   Without clipping and without loss scaling (`update_in_backward=True`) nothing waits for a
+   global quantity, and a unit is updated as soon as its gradients are in, during backward.
+3. next forward: a unit's forward pre-hook waits for that unit's upload only, so the updates and
+   uploads of later units run under the forward of earlier ones.
+
+On CUDA the copiers are side streams with pinned host buffers; elsewhere worker threads (see
+`engine`). With `overlap=False` every copy and update runs inline: the serial baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adamw import adamw as functional_adamw
+
+from llmscale.offload.engine import DONE, Ticket, make_agents
+from llmscale.offload.timeline import COMPUTE_LANE, Timeline
+from llmscale.train.metrics import tensor_bytes
+from llmscale.train.precision import DynamicLossScaler, local_tensor
+
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
+_LAYER = re.compile(r"^(.*?layers\.\d+)\.")
+
+
+@functools.cache
+def fused_cpu_adamw_available() -> bool:
+    """Whether this torch has a fused AdamW kernel for CPU tensors (2.4+ does)."""
+    try:
+        p, g = torch.zeros(2), torch.ones(2)
+        m, v, s = torch.zeros(2), torch.zeros(2), torch.zeros(())
+        functional_adamw(
+            [p], [g], [m], [v], [], [s], fused=True, amsgrad=False, beta1=0.9, beta2=0.99,
+            lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False,
+        )  # fmt: skip
+        return bool(torch.isfinite(p).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def layer_units(names: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Group parameter names into pipeline units, in the given (forward) order.
+
+    Each `...layers.N` block is a unit; the parameters before the first block form "embed", those
+    after the last block "head". A name may not come back to an earlier unit.
+    """
+    units: list[tuple[str, list[str]]] = []
+    seen_layer = False
+    for name in names:
+        m = _LAYER.match(name)
+        if m:
+            key = m.group(1)
+            seen_layer = True
+        else:
+            key = "head" if seen_layer else "embed"
+        if not units or units[-1][0] != key:
+            if any(k == key for k, _ in units):
+                raise ValueError(f"parameter {name!r} returns to unit {key!r} out of order")
+            units.append((key, []))
+        units[-1][1].append(name)
+    return units
+
+
+def _host_empty(like: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One parameter's offload record."""
+
+    index: int  # position among the optimizer's parameters (model order)
+    name: str
+    param: nn.Parameter  # the device parameter (a DTensor under FSDP2)
+    unit: int
+    group: int
+    master: torch.Tensor  # host fp32
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor  # 0-d fp32 on the host, as torch's AdamW keeps it
+    grad: torch.Tensor  # host fp32 gradient, accumulated over micro-steps
+    staging: torch.Tensor | None  # host buffer in the working dtype (None: fp32, no accumulation)
+    micro: int = 0  # backward passes accumulated this step (training thread only)
+    pending: Future[Any] | None = None  # the host accumulation still reading `staging`
+    norm: torch.Tensor | None = None  # of the accumulated host gradient (host worker)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's device tensor: what is offloaded and written back."""
+        return local_tensor(self.param).detach()
+
+
+@dataclass(eq=False)
+class _Unit:
+    index: int
+    name: str
+    slots: list[_Slot]
+    fired: int = 0  # gradient hooks run this step
+    final_submitted: bool = False  # norms (and, in backward, the update) are queued
+    norm_future: Future[Any] | None = None
+    upload: Future[Any] | None = None  # resolves to the unit's last upload Ticket
+    modules: list[nn.Module] = field(default_factory=list)
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with its state in host memory and a layer-wise pipeline.
+
+    `named_params` are (name, parameter) pairs in forward order (`model.named_parameters()`);
+    under FSDP2 the parameters are DTensors and their local shards are what is offloaded.
+    Weight decay applies to tensors of two or more dimensions, as `train.optim.param_groups`.
+    The working parameters are cast to `working_dtype` in place (bf16/fp16 runs hold only
+    low-precision weights on the device). Call `attach(model)` to install the forward pre-hooks
+    (wait for a unit's upload) and the state-dict hooks (wait for all uploads).
+
+    The training loop's protocol, once per optimizer step after backward:
+    `unscale_and_check(scaler)`, `clip_grad_norm_(max_norm)`, `step()` unless skipped,
+    `zero_grad()`.
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        working_dtype: torch.dtype | None = None,
+        overlap: bool = True,
+        update_in_backward: bool = False,
+        accum_steps: int = 1,
+        kernel: str = "auto",
+        pin_memory: bool | None = None,
+        link_bytes_per_s: float | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        units: Callable[[Sequence[str]], list[tuple[str, list[str]]]] = layer_units,
+        timeline_steps: int = 4,
+    ) -> None:
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        if not named:
+            raise ValueError("OffloadedAdamW needs at least one parameter that requires grad")
+        if update_in_backward and not overlap:
+            raise ValueError("update_in_backward needs overlap=True")
+        if kernel not in ("auto", "fused", "foreach"):
+            raise ValueError(f"kernel={kernel!r}: auto | fused | foreach")
+        self.fused = kernel == "fused" or (kernel == "auto" and fused_cpu_adamw_available())
+        decay = [p for _, p in named if p.dim() >= 2]
+        no_decay = [p for _, p in named if p.dim() < 2]
+        groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups = [g for g in groups if g["params"]]
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+        self.device = local_tensor(named[0][1]).device
+        self.overlap = overlap
+        self.update_in_backward = update_in_backward
+        self.accum_steps = accum_steps
+        self.process_group = process_group
+        self.pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.working_dtype = working_dtype or local_tensor(named[0][1]).dtype
+        self.timeline = Timeline(self.device, keep_steps=timeline_steps)
+        self.d2h, self.h2d, self.worker = make_agents(
+            self.device, overlap, self.timeline, link_bytes_per_s
+        )
+        self._finalizer = weakref.finalize(self, _close_agents, (self.d2h, self.h2d, self.worker))
+
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        by_name = dict(named)
+        self.units: list[_Unit] = []
+        self.slots: list[_Slot] = []
+        self._slot_of: dict[int, _Slot] = {}
+        for ui, (uname, names) in enumerate(units([n for n, _ in named])):
+            unit = _Unit(ui, uname, [])
+            for name in names:
+                slot = self._make_slot(len(self.slots), name, by_name[name], ui, group_of)
+                unit.slots.append(slot)
+                self.slots.append(slot)
+                self._slot_of[id(slot.param)] = slot
+            self.units.append(unit)
+        self.slots.sort(key=lambda s: s.index)
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.slots
+        ]
+        self._module_hooks: list[Any] = []
+        self._step_index = 0
+        self._coef: torch.Tensor | None = None  # 1/loss_scale x clip coefficient, for this step
+        self._inv_scale = 1.0
+        self._cursor: Any = None  # compute-lane mark where the current compute interval began
+        self._fwd_unit: int | None = None
+
+    def _make_slot(
+        self, index: int, name: str, p: nn.Parameter, unit: int, group_of: dict[int, int]
+    ) -> _Slot:
+        local = local_tensor(p).detach()
+        master = _host_empty(local, torch.float32, self.pin)
+        master.copy_(local)
+        if self.working_dtype != local.dtype:
+            with torch.no_grad():
+                p.data = p.data.to(self.working_dtype)
+        needs_staging = self.working_dtype != torch.float32 or self.accum_steps > 1
+        slot = _Slot(
+            index=index,
+            name=name,
+            param=p,
+            unit=unit,
+            group=group_of[id(p)],
+            master=master,
+            exp_avg=torch.zeros(local.shape, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(local.shape, dtype=torch.float32),
+            step=torch.zeros((), dtype=torch.float32),
+            grad=_host_empty(local, torch.float32, self.pin),
+            staging=_host_empty(local, self.working_dtype, self.pin) if needs_staging else None,
+        )
+        # Non-empty from the start, so DCP's get_state_dict never runs a fake step to make it.
+        self.state[p] = {
+            "step": slot.step,
+            "exp_avg": slot.exp_avg,
+            "exp_avg_sq": slot.exp_avg_sq,
+            "master": slot.master,
+        }
+        return slot
+
+    # ---- module hooks ----------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> OffloadedAdamW:
+        """Wait for each unit's upload before its forward; sync around state-dict use."""
+        root_units = [u for u in self.units if u.name == "embed"]
+        for u in self.units:
+            if u.name == "embed":  # waited for at the root: its weights may be read directly
+                continue
+            m = _LAYER.match(u.slots[0].name)
+            if m:
+                owners = [m.group(1)]  # the whole block
+            else:
+                owners = sorted({s.name.rpartition(".")[0] for s in u.slots})
+            for owner in owners:
+                mod = model.get_submodule(owner)
+                u.modules.append(mod)
+                self._module_hooks.append(
+                    mod.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+                )
+        self._module_hooks.append(
+            model.register_forward_pre_hook(functools.partial(self._pre_forward_root, root_units))
+        )
+        self._module_hooks.append(model.register_forward_hook(self._post_forward_root))
+        self._module_hooks.append(model.register_state_dict_pre_hook(self._sync_hook))
+        self._module_hooks.append(model.register_load_state_dict_pre_hook(self._sync_hook))
+        self._module_hooks.append(
+            model.register_load_state_dict_post_hook(self._master_from_params_hook)
+        )
+        return self
+
+    def _sync_hook(self, *args: Any, **kwargs: Any) -> None:
+        self.synchronize()
+
+    def _master_from_params_hook(self, *args: Any, **kwargs: Any) -> None:
+        """After loading model weights alone, the host master follows them."""
+        for s in self.slots:
+            s.master.copy_(s.local)
+
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _compute(self, unit: str, phase: str, start: Any, end: Any) -> None:
+        self.timeline.add(self._step_index, unit, phase, COMPUTE_LANE, start, end)
+
+    def _pre_forward_root(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
+        for u in units:
+            self._pre_forward(u, module, args)
+
+    def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
+        if self._in_backward():  # recomputation inside backward: weights already waited for
+            self._wait_unit(unit)
+            return
+        now = self.timeline.stream_now()
+        if self._fwd_unit is not None and self._cursor is not None:
+            self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
+        self._wait_unit(unit, now)
+        self._cursor = self.timeline.stream_now()
+        self._fwd_unit = unit.index
+
+    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        now = self.timeline.stream_now()
+        if self._fwd_unit is not None and self._cursor is not None:
+            self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
+        self._fwd_unit = None
+        self._cursor = now
+
+    def _wait_unit(self, unit: _Unit, start: Any = None) -> None:
+        fut, unit.upload = unit.upload, None
+        if fut is None:
+            return
+        ticket: Ticket = fut.result()
+        ticket.wait_stream()
+        if start is not None:
+            self._compute(unit.name, "wait", start, self.timeline.stream_now())
+
+    # ---- backward: gradient download and host accumulation ----------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        now = self.timeline.stream_now()
+        slot = self._slot_of[id(p)]
+        unit = self.units[slot.unit]
+        if self._cursor is not None:
+            self._compute(unit.name, "backward", self._cursor, now)
+        assert p.grad is not None
+        g = local_tensor(p.grad)
+        p.grad = None  # the device gradient lives only until its copy has read it
+        first = slot.micro == 0
+        slot.micro += 1
+        direct = first and g.dtype == torch.float32
+        if not direct and slot.staging is None:  # more micro-steps than accum_steps said
+            slot.staging = _host_empty(slot.master, self.working_dtype, self.pin)
+        dst = slot.grad if direct else slot.staging
+        assert dst is not None
+        # The buffer must be free: the last step's upload out of it done (the forward waited for
+        # it unless this unit's modules never ran), the last micro-step's host add done with it.
+        self._wait_unit(unit)
+        if slot.pending is not None and not slot.pending.done():
+            t0 = self.timeline.stream_now()
+            slot.pending.result()
+            self._compute(unit.name, "wait", t0, self.timeline.stream_now())
+        ticket = self.d2h.copy(dst, g, self._step_index, unit.name, "download")
+        del g
+        slot.pending = self.worker.submit(
+            self._accumulate, slot, ticket, first, direct, self._step_index
+        )
+        unit.fired += 1
+        if unit.final_submitted:
+            if self.update_in_backward:
+                raise RuntimeError(
+                    f"unit {unit.name!r} got gradients after its update ran in backward: more "
+                    f"backward passes than accum_steps={self.accum_steps} in one step"
+                )
+            unit.final_submitted = False  # its norms are stale; taken again at step time
+        if unit.fired == len(unit.slots) * self.accum_steps:
+            self._submit_final(unit)
+        self._cursor = self.timeline.stream_now()
+
+    def _accumulate(
+        self, slot: _Slot, ticket: Ticket, first: bool, direct: bool, step: int
+    ) -> None:
+        ticket.wait()
+        if direct:
+            return
+        t0 = time.perf_counter()
+        assert slot.staging is not None
+        if first:
+            slot.grad.copy_(slot.staging)
+        else:
+            slot.grad.add_(slot.staging)
+        self.timeline.add(step, self.units[slot.unit].name, "accumulate", "cpu", t0, _now())
+
+    def _hyper(self) -> list[dict[str, Any]]:
+        """The groups' hyper-parameters as they are now (the scheduler may change lr later)."""
+        return [
+            {"lr": g["lr"], "betas": g["betas"], "eps": g["eps"], "weight_decay": g["weight_decay"]}
+            for g in self.param_groups
+        ]
+
+    def _submit_final(self, unit: _Unit) -> None:
+        unit.final_submitted = True
+        slots = [s for s in unit.slots if s.micro > 0]
+        unit.norm_future = self.worker.submit(self._norms, unit, slots, self._step_index)
+        if self.update_in_backward:
+            unit.upload = self.worker.submit(
+                self._update_unit, unit, slots, None, self._hyper(), self._step_index
+            )
+
+    def _norms(self, unit: _Unit, slots: list[_Slot], step: int) -> None:
+        t0 = time.perf_counter()
+        if slots:
+            # The same kernel as clip_grad_norm_(foreach=True): per-tensor 2-norms.
+            for s, n in zip(slots, torch._foreach_norm([s.grad for s in slots], 2), strict=True):
+                s.norm = n
+        self.timeline.add(step, unit.name, "norm", "cpu", t0, _now())
+
+    def _finish_backward(self) -> None:
+        """Queue the norms of units still missing them, then wait for all norms."""
+        for u in self.units:
+            if not u.final_submitted and any(s.micro > 0 for s in u.slots):
+                self._submit_final(u)
+        for u in self.units:
+            if u.norm_future is not None:
+                u.norm_future.result()
+
+    # ---- the step protocol ------------------------------------------------------------------
+    def _active(self) -> list[_Slot]:
+        return [s for s in self.slots if s.micro > 0]
+
+    def unscale_and_check(self, scaler: DynamicLossScaler) -> bool:
+        """True when any rank's gradients hold inf/nan (skip the step); the unscale is deferred.
+
+        The check reads each tensor's norm (taken on the host as its unit's gradients arrived):
+        a norm is finite exactly when every element is. The division by the loss scale is
+        folded into the update (and into the reported norm).
+        """
+        if not scaler.enabled:
+            return False
+        if self.update_in_backward:
+            raise RuntimeError("update_in_backward cannot be used with loss scaling")
+        self._finish_backward()
+        norms = [s.norm for s in self._active() if s.norm is not None]
+        found = (
+            torch.logical_not(torch.isfinite(torch.stack(norms)).all()).float()
+            if norms
+            else torch.zeros(())
+        )
+        if dist.is_available() and dist.is_initialized():
+            found = found.to(_collective_device(self.process_group))
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._inv_scale = 1.0 / scaler.scale
+        self._coef = torch.tensor(self._inv_scale, dtype=torch.float32)
+        return bool(found.item())
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient 2-norm (unscaled); the clip coefficient is applied in the update.
+
+        Computed as `torch.nn.utils.clip_grad_norm_` does, from the per-tensor norms; across
+        ranks (each holding a shard) as the root of the all-reduced sum of squares.
+        """
+        if self.update_in_backward and math.isfinite(max_norm):
+            raise RuntimeError("update_in_backward cannot be used with gradient clipping")
+        self._finish_backward()
+        norms = [s.norm for s in self._active() if s.norm is not None]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.tensor(0.0)
+        if dist.is_available() and dist.is_initialized():
+            sq = (total.double() ** 2).to(_collective_device(self.process_group))
+            dist.all_reduce(sq, group=self.process_group)
+            total = sq.sqrt().float().cpu()
+        if self._inv_scale != 1.0:
+            total = total * self._inv_scale
+        if math.isfinite(max_norm):
+            clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self._coef = clip * self._inv_scale if self._inv_scale != 1.0 else clip
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Queue the update and upload of every unit (forward order); inline without overlap."""
+        if closure is not None:
+            raise ValueError("OffloadedAdamW.step takes no closure")
+        self._finish_backward()
+        if not self.update_in_backward:
+            hyper = self._hyper()
+            for u in self.units:
+                slots = [s for s in u.slots if s.micro > 0]
+                if slots:
+                    u.upload = self.worker.submit(
+                        self._update_unit, u, slots, self._coef, hyper, self._step_index
+                    )
+        if not self.overlap:
+            self.synchronize()
+
+    def _update_unit(
+        self,
+        unit: _Unit,
+        slots: list[_Slot],
+        coef: torch.Tensor | None,
+        hyper: list[dict[str, Any]],
+        step: int,
+    ) -> Ticket:
+        t0 = time.perf_counter()
+        for gi, hp in enumerate(hyper):
+            group = [s for s in slots if s.group == gi]
+            if not group:
+                continue
+            grads = [s.grad for s in group]
+            if coef is not None:
+                torch._foreach_mul_(grads, coef)
+            beta1, beta2 = hp["betas"]
+            functional_adamw(
+                [s.master for s in group],
+                grads,
+                [s.exp_avg for s in group],
+                [s.exp_avg_sq for s in group],
+                [],
+                [s.step for s in group],
+                foreach=not self.fused,
+                fused=self.fused,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=hp["lr"],
+                weight_decay=hp["weight_decay"],
+                eps=hp["eps"],
+                maximize=False,
+            )
+        self.timeline.add(step, unit.name, "update", "cpu", t0, _now())
+        return self._upload(unit, slots, step)
+
+    def _upload(self, unit: _Unit, slots: list[_Slot], step: int) -> Ticket:
+        """Cast each master to the working dtype (host) and copy it up; the last ticket."""
+        ticket: Ticket = DONE
+        for s in slots:
+            if self.working_dtype == torch.float32:
+                src = s.master
+            else:
+                t0 = time.perf_counter()
+                assert s.staging is not None
+                s.staging.copy_(s.master)
+                self.timeline.add(step, unit.name, "cast", "cpu", t0, _now())
+                src = s.staging
+            ticket = self.h2d.copy(s.local, src, step, unit.name, "upload")
+        return ticket
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """End of the step: forget this step's gradient bookkeeping (host buffers are reused)."""
+        for s in self.slots:
+            s.param.grad = None
+            s.micro = 0
+        for u in self.units:
+            u.fired = 0
+            u.final_submitted = False
+            u.norm_future = None
+        self._coef = None
+        self._inv_scale = 1.0
+        self._step_index += 1
+        self.timeline.prune(self._step_index)
+
+    def synchronize(self) -> None:
+        """Block until every queued host task and copy (uploads included) has finished."""
+        self.worker.submit(_noop).result()
+        for u in self.units:
+            fut, u.upload = u.upload, None
+            if fut is not None:
+                fut.result().wait()
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (per-parameter step, exp_avg, exp_avg_sq) plus the fp32 `master`.
+
+        The tensors are the host buffers themselves, so DCP loads into them in place. Under
+        FSDP2 they are wrapped as DTensors sharded like their parameter.
+        """
+        self.synchronize()
+        sd = super().state_dict()
+        for key, p in zip(
+            (k for g in sd["param_groups"] for k in g["params"]),
+            (p for g in self.param_groups for p in g["params"]),
+            strict=True,
+        ):
+            if _is_dtensor(p):
+                sd["state"][key] = {
+                    k: (_dtensor_like(p, v) if k != "step" else v)
+                    for k, v in sd["state"][key].items()
+                }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy saved state into the host buffers (bitwise), then upload the masters."""
+        self.synchronize()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(saved_groups)} param groups, expected "
+                f"{len(self.param_groups)}"
+            )
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("optimizer state's param groups do not match this model's")
+            for key, p in zip(saved["params"], group["params"], strict=True):
+                entry = state_dict["state"].get(key)
+                if entry is None:
+                    continue
+                mine = self.state[p]
+                for k in STATE_KEYS:
+                    src = local_tensor(entry[k])
+                    dst = mine[k]
+                    if src.data_ptr() != dst.data_ptr():
+                        dst.copy_(src)
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = v
+        for u in self.units:
+            self._upload(u, u.slots, self._step_index).wait()
+
+    # ---- memory ledger ----------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes by role and place: the optimizer state and master weights are on the host.
+
+        `host_optimizer_bytes` is the two moments, `host_master_bytes` the fp32 master weights:
+        12 bytes per offloaded parameter together (the 0-d step counters are not counted).
+        `host_grad_bytes`/`host_staging_bytes` are the host gradient and transfer buffers.
+        """
+
+        def on_device(ts: Iterable[torch.Tensor]) -> int:
+            return tensor_bytes(t for t in ts if t.device.type != "cpu")
+
+        def on_host(ts: Iterable[torch.Tensor]) -> int:
+            return tensor_bytes(t for t in ts if t.device.type == "cpu")
+
+        moments = [t for s in self.slots for t in (s.exp_avg, s.exp_avg_sq)]
+        masters = [s.master for s in self.slots]
+        return {
+            "optimizer_bytes": on_device(moments),  # device-resident, as for the plain path
+            "device_optimizer_bytes": on_device(moments),
+            "device_master_bytes": on_device(masters),
+            "host_optimizer_bytes": on_host(moments),
+            "host_master_bytes": on_host(masters),
+            "host_grad_bytes": on_host(s.grad for s in self.slots),
+            "host_staging_bytes": on_host(s.staging for s in self.slots if s.staging is not None),
+        }
+
+    def write_timeline(self, path: Any) -> Any:
+        self.synchronize()
+        return self.timeline.write(
+            path,
+            device=str(self.device),
+            overlap=self.overlap,
+            update_in_backward=self.update_in_backward,
+            units=[u.name for u in self.units],
+            kernel="fused" if self.fused else "foreach",
+        )
+
+    def close(self) -> None:
+        """Remove the hooks and stop the worker threads."""
+        self.synchronize()
+        for h in [*self._hooks, *self._module_hooks]:
+            h.remove()
+        self._hooks, self._module_hooks = [], []
+        self._finalizer()
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _noop() -> None:
+    return None
+
+
+def _close_agents(agents: tuple[Any, ...]) -> None:
+    for a in agents:
+        a.close()
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _dtensor_like(param: Any, host: torch.Tensor) -> Any:
+    """`host` (this rank's shard, in host memory) as a DTensor sharded like `param`.
+
+    Built from the spec directly: `DTensor.from_local` would move a CPU shard onto the mesh's
+    device.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = param._spec
+    meta = TensorMeta(shape=param.shape, stride=param.stride(), dtype=host.dtype)
+    new_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(host, new_spec, requires_grad=False)

@@ -1,0 +1,244 @@
+"""Where the offload pipeline's copies and host work run.
+
+Two kinds of agent, each with a serial (FIFO) queue:
+- a *copier* per direction (device-to-host gradients, host-to-device parameters). On CUDA it is a
+  side stream: `copy` launches a non-blocking copy between pinned host memory and the device
+  and returns at once; completion is an event. Elsewhere it is one worker thread per direction,
+  so the same pipeline runs (and is tested) on a CPU-only host. `InlineCopier` copies at once on
+  the calling thread: the no-overlap baseline.
+- a *host worker* for the CPU side of the update (accumulate, norms, Adam, cast): one thread,
+  or inline.
+
+A copy returns a `Ticket`: `wait()` blocks the calling host thread until the copy is done;
+`wait_stream()` makes the current device stream wait for it (on CUDA without blocking the
+host). FIFO order matters: a unit's last ticket done means all its earlier copies are done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from llmscale.offload.timeline import Timeline
+
+
+class Ticket(Protocol):
+    def wait(self) -> None: ...
+
+    def wait_stream(self) -> None: ...
+
+
+class DoneTicket:
+    """A copy that has already finished."""
+
+    def wait(self) -> None:
+        return None
+
+    def wait_stream(self) -> None:
+        return None
+
+
+DONE = DoneTicket()
+
+
+class FutureTicket:
+    """A copy running on a worker thread."""
+
+    def __init__(self, future: cf.Future[Any]) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+    def wait_stream(self) -> None:
+        self.future.result()
+
+
+class CudaTicket:
+    """A copy queued on a CUDA stream; `event` is recorded right after it."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def wait_stream(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class Copier(Protocol):
+    lane: str
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
+    ) -> Ticket: ...
+
+    def close(self) -> None: ...
+
+
+def _throttle(started: float, nbytes: int, bytes_per_s: float | None) -> None:
+    """Sleep until a copy of `nbytes` would have finished over a link of `bytes_per_s`."""
+    if bytes_per_s:
+        remaining = started + nbytes / bytes_per_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+class InlineCopier:
+    """Copies at once on the calling thread (the no-overlap baseline)."""
+
+    def __init__(
+        self, lane: str, timeline: Timeline | None, link_bytes_per_s: float | None = None
+    ) -> None:
+        self.lane = lane
+        self.timeline = timeline
+        self.link_bytes_per_s = link_bytes_per_s
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
+    ) -> Ticket:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _throttle(t0, src.nbytes, self.link_bytes_per_s)
+        if self.timeline is not None:
+            self.timeline.add(step, unit, phase, self.lane, t0, time.perf_counter())
+        return DONE
+
+    def close(self) -> None:
+        return None
+
+
+class ThreadCopier:
+    """One worker thread per direction: the CPU-host stand-in for a copy engine.
+
+    `link_bytes_per_s` makes each copy last at least as long as it would over a link of that
+    bandwidth (sleeping, so the cores stay free): a way to see on a CPU host how much of a
+    PCIe-like transfer the pipeline hides.
+    """
+
+    def __init__(
+        self, lane: str, timeline: Timeline | None, link_bytes_per_s: float | None = None
+    ) -> None:
+        self.lane = lane
+        self.timeline = timeline
+        self.link_bytes_per_s = link_bytes_per_s
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"llmscale-{lane}")
+
+    def _run(self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str) -> None:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _throttle(t0, src.nbytes, self.link_bytes_per_s)
+        if self.timeline is not None:
+            self.timeline.add(step, unit, phase, self.lane, t0, time.perf_counter())
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
+    ) -> Ticket:
+        return FutureTicket(self._pool.submit(self._run, dst, src, step, unit, phase))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaCopier:
+    """A side stream for one copy direction, with pinned host buffers on the other end.
+
+    Device-to-host copies first wait for the compute stream as it is when the copy is issued
+    (the gradient was produced there); the source's memory is then recorded on the side stream
+    so the caching allocator does not reuse it before the copy has read it. Host-to-device copies
+    do not wait for compute: their destination is a parameter no kernel will read again until
+    the next forward, which waits for the copy's event.
+    """
+
+    def __init__(self, lane: str, device: torch.device, timeline: Timeline | None) -> None:
+        self.lane = lane
+        self.device = device
+        self.timeline = timeline
+        self.stream = torch.cuda.Stream(device=device)
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
+    ) -> Ticket:
+        if self.lane == "d2h":
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        timing = self.timeline is not None
+        start = torch.cuda.Event(enable_timing=timing)
+        end = torch.cuda.Event(enable_timing=timing)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(self.stream)
+        if src.is_cuda:
+            src.record_stream(self.stream)
+        if self.timeline is not None:
+            self.timeline.add(step, unit, phase, self.lane, start, end)
+        return CudaTicket(end)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+class HostWorker(Protocol):
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class InlineWorker:
+    """Runs host work at once on the calling thread; returns a finished future."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        fut: cf.Future[Any] = cf.Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # surfaced by .result(), as a thread's would be
+            fut.set_exception(e)
+            raise
+        return fut
+
+    def close(self) -> None:
+        return None
+
+
+class ThreadWorker:
+    """One host thread for the CPU side of the update, fed in FIFO order."""
+
+    def __init__(self) -> None:
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="llmscale-cpu-adam")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def make_agents(
+    device: torch.device,
+    overlap: bool,
+    timeline: Timeline | None,
+    link_bytes_per_s: float | None = None,
+) -> tuple[Copier, Copier, HostWorker]:
+    """(download copier, upload copier, host worker) for a device and an overlap setting."""
+    if not overlap:
+        return (
+            InlineCopier("d2h", timeline, link_bytes_per_s),
+            InlineCopier("h2d", timeline, link_bytes_per_s),
+            InlineWorker(),
+        )
+    if device.type == "cuda":
+        return (
+            CudaCopier("d2h", device, timeline),
+            CudaCopier("h2d", device, timeline),
+            ThreadWorker(),
+        )
+    return (
+        ThreadCopier("d2h", timeline, link_bytes_per_s),
+        ThreadCopier("h2d", timeline, link_bytes_per_s),
+        ThreadWorker(),
+    )
