@@ -145,6 +145,13 @@ class OptimizerSection:
             raise ConfigError("optimizer.eps", self.eps, "a positive number")
         _nonneg("optimizer.weight_decay", self.weight_decay)
         _choice("optimizer.offload", self.offload, OFFLOAD_MODES)
+        if self.offload == "optimizer+params":
+            raise ConfigError(
+                "optimizer.offload",
+                self.offload,
+                "none | optimizer (optimizer+params, parameters on the host between uses, is "
+                "not supported yet)",
+            )
 
 
 @dataclass
@@ -297,6 +304,12 @@ class JobConfig:
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"at least pp={p.pp} micro-batches per step (micro_batch_size x dp x pp)",
+            )
+        if self.optimizer.offload != "none" and self.precision.underflow_steps:
+            raise ConfigError(
+                "precision.underflow_steps",
+                self.precision.underflow_steps,
+                "[] with optimizer.offload (gradients are on the host, still scaled)",
             )
         if t.recompute == "every_k" and t.recompute_every_k > m.n_layers:
             raise ConfigError(

@@ -21,9 +21,10 @@ from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import build_model, count_params
+from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
-from llmscale.train.optim import build_optimizer, build_scheduler
+from llmscale.train.optim import build_scheduler
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
 from llmscale.train.recompute import (
@@ -119,7 +120,7 @@ class Trainer:
         self.model = build_model(cfg.model, self.device, seed=cfg.job.seed)
         apply_recompute(self.model, cfg.train.recompute, cfg.train.recompute_every_k)
         self.n_params = count_params(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model, cfg)  # torch AdamW, or offloaded AdamW
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.lr_scheduler)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         self.step = 0
@@ -188,12 +189,19 @@ class Trainer:
         """Unscale, check for overflow, clip, step (unless skipped), update the loss scale."""
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
-        found_inf = self.scaler.unscale_and_check(gradients(params))
+        offloaded = isinstance(self.optimizer, OffloadedAdamW)  # its gradients are on the host
+        if offloaded:
+            found_inf = self.optimizer.unscale_and_check(self.scaler)
+        else:
+            found_inf = self.scaler.unscale_and_check(gradients(params))
         out: dict[str, Any] = {"lr": self.optimizer.param_groups[0]["lr"]}
         if self.step + 1 in cfg.precision.underflow_steps:
             out["underflow"] = [r.to_dict() for r in underflow_report(gradients(params))]
         max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
-        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+        if offloaded:
+            out["grad_norm"] = float(self.optimizer.clip_grad_norm_(max_norm))
+        else:
+            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
         out["grad_bytes"] = M.grad_bytes([self.model])
         if not found_inf:
             self.optimizer.step()
@@ -212,7 +220,7 @@ class Trainer:
         loss, act_bytes = self.forward_backward(batch)
         row: dict[str, Any] = self.optimizer_step()
         row["param_bytes"] = M.param_bytes([self.model])
-        row["optimizer_bytes"] = M.optimizer_state_bytes(self.optimizer)
+        row.update(optimizer_memory(self.optimizer))
         row["activation_bytes"] = act_bytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -296,6 +304,8 @@ class Trainer:
                 if result.val_loss is not None:
                     writer.write({"kind": "eval", "step": self.step, "val_loss": result.val_loss})
         finally:
+            if isinstance(self.optimizer, OffloadedAdamW):  # uploads done; pipeline timeline
+                self.optimizer.write_timeline(self.run_dir / f"timeline-rank{self.rank}.json")
             self._restore_signal_handlers(previous)
             writer.close()
             reporter.finish(result)
