@@ -45,6 +45,7 @@ def build_optimizer(
         overlap=o.offload_overlap,
         update_in_backward=update_in_backward(cfg),
         accum_steps=cfg.accum_steps,
+        kernel=o.offload_kernel,
         link_bytes_per_s=link_bytes_per_s,
     )
     return opt.attach(model)
