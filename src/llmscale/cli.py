@@ -58,17 +58,36 @@ def _add_plot(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "plot",
         help="draw a run's loss curve and throughput to PNG",
-        description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/loss.png (or --out).",
+        description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/loss.png (or --out). With "
+        "--timeline, draw the CPU-offload pipeline of RUN_DIR/timeline-rank0.json to "
+        "RUN_DIR/timeline.png instead.",
     )
     p.add_argument("run_dir", help="folder a `llmscale train` run wrote")
-    p.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png)")
+    p.add_argument("--out", help="PNG path (default: RUN_DIR/loss.png or RUN_DIR/timeline.png)")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="draw the offload pipeline timeline (runs with optimizer.offload = 'optimizer')",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        action="append",
+        help="with --timeline: an optimizer step to draw (1-based; repeatable; default the last two)",
+    )
     p.set_defaults(func=_cmd_plot)
 
 
 def _cmd_plot(args: argparse.Namespace, overrides: list[str]) -> int:
-    from llmscale.train.plot import plot_run
+    from llmscale.train.plot import plot_run, plot_timeline
 
-    out = plot_run(args.run_dir, args.out)
+    if args.step and not args.timeline:
+        raise UsageError("--step only applies with --timeline")
+    if args.timeline:
+        steps = [s - 1 for s in args.step] if args.step else None
+        out = plot_timeline(args.run_dir, args.out, steps)
+    else:
+        out = plot_run(args.run_dir, args.out)
     print(f"wrote {out}")
     return 0
 

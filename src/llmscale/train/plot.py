@@ -45,3 +45,101 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(target, dpi=120)
     plt.close(fig)
     return target
+
+
+# ---- the offload pipeline's timeline ------------------------------------------------------
+
+PHASE_COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "wait": "tab:red",
+    "download": "tab:purple",
+    "accumulate": "tab:pink",
+    "norm": "tab:olive",
+    "update": "tab:green",
+    "cast": "tab:cyan",
+    "upload": "tab:brown",
+}
+
+
+def timeline_path(run_dir: str | Path, rank: int = 0) -> Path:
+    return Path(run_dir) / f"timeline-rank{rank}.json"
+
+
+def plot_timeline(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    steps: list[int] | None = None,
+    rank: int = 0,
+) -> Path:
+    """Draw the offload pipeline's lanes (compute, d2h, cpu, h2d) over two optimizer steps.
+
+    By default the last two steps that ran an update; every interval inside their time window
+    is drawn, whichever step it belongs to (a step's uploads run under the next one's forward).
+    """
+    from llmscale.offload.timeline import LANES, overlap_stats, read_timeline
+
+    path = timeline_path(run_dir, rank)
+    if not path.is_file():
+        raise UsageError(
+            f"run_dir: no {path.name} in {str(run_dir)!r} (written by runs with "
+            "optimizer.offload = 'optimizer')"
+        )
+    meta, ivs = read_timeline(path)
+    updated = sorted({iv.step for iv in ivs if iv.phase == "update"})
+    if not updated:
+        raise UsageError(f"run_dir: {path} has no optimizer update yet")
+    chosen = steps or updated[-2:]
+    missing = [s for s in chosen if s not in {iv.step for iv in ivs}]
+    if missing:
+        raise UsageError(f"--step: {missing} not in {path} (it keeps steps {sorted(updated)})")
+    mine = [iv for iv in ivs if iv.step in chosen]
+    t0 = min(iv.start for iv in mine)
+    t1 = max(iv.end for iv in mine)
+    shown = [iv for iv in ivs if iv.end > t0 and iv.start < t1]
+    stats = overlap_stats(ivs, chosen)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(13, 3.8))
+    lanes = list(LANES)[::-1]
+    for iv in shown:
+        y = lanes.index(iv.lane)
+        ax.broken_barh(
+            [(1e3 * (iv.start - t0), 1e3 * (iv.end - iv.start))],
+            (y - 0.4, 0.8),
+            facecolors=PHASE_COLORS.get(iv.phase, "gray"),
+            linewidth=0,
+        )
+    for s in chosen:
+        first = min(iv.start for iv in ivs if iv.step == s and iv.lane == "compute")
+        ax.axvline(1e3 * (first - t0), color="black", linestyle=":", linewidth=0.8)
+        ax.text(1e3 * (first - t0), len(lanes) - 0.45, f" step {s + 1}", fontsize=8)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("ms")
+    ax.set_ylim(-0.6, len(lanes) - 0.2)
+    used = [p for p in PHASE_COLORS if any(iv.phase == p for iv in shown)]
+    ax.legend(
+        handles=[Patch(color=PHASE_COLORS[p], label=p) for p in used],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=len(used),
+        fontsize=8,
+    )
+    ax.set_title(
+        f"offload pipeline on {meta.get('device', '?')} (overlap={meta.get('overlap')}, "
+        f"update in backward={meta.get('update_in_backward')}): "
+        f"{stats.hidden_fraction:.0%} of {1e3 * stats.offload_s:.1f} ms transfer+update "
+        "time under compute",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    target = Path(out) if out else Path(run_dir) / "timeline.png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=120)
+    plt.close(fig)
+    return target
