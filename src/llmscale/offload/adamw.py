@@ -211,6 +211,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.slots
         ]
         self._module_hooks: list[Any] = []
+        self._update_order = list(self.units)  # forward order; `attach` may move some first
         self._step_index = 0
         self._coef: torch.Tensor | None = None  # 1/loss_scale x clip coefficient, for this step
         self._inv_scale = 1.0
@@ -223,6 +224,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         local = local_tensor(p).detach()
         master = _host_empty(local, torch.float32, self.pin)
         master.copy_(local)
+        if self.working_dtype != local.dtype and _is_dtensor(p):
+            raise ValueError(
+                f"{name}: a DTensor parameter in {local.dtype} cannot be cast to the working "
+                f"dtype {self.working_dtype} in place; cast the model before sharding it"
+            )
         if self.working_dtype != local.dtype:
             with torch.no_grad():
                 p.data = p.data.to(self.working_dtype)
@@ -251,24 +257,33 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     # ---- module hooks ----------------------------------------------------------------------
     def attach(self, model: nn.Module) -> OffloadedAdamW:
-        """Wait for each unit's upload before its forward; sync around state-dict use."""
-        root_units = [u for u in self.units if u.name == "embed"]
+        """Wait for each unit's upload before its forward; sync around state-dict use.
+
+        A unit is waited for in the forward pre-hook of the module that first reads its weights:
+        its block; the root for "embed" (the model may read those weights directly); the owning
+        modules otherwise. Under FSDP2 it is the nearest `fully_shard`-ed module above the
+        weights, whose own pre-forward hook all-gathers them: ours is prepended to run first.
+        Units waited for at the root are updated first.
+        """
+        sharded = any(_is_fsdp_module(m) for m in model.modules())
+        at_root: list[_Unit] = []
         for u in self.units:
-            if u.name == "embed":  # waited for at the root: its weights may be read directly
-                continue
-            m = _LAYER.match(u.slots[0].name)
-            if m:
-                owners = [m.group(1)]  # the whole block
-            else:
-                owners = sorted({s.name.rpartition(".")[0] for s in u.slots})
-            for owner in owners:
+            owners = self._wait_points(model, u, sharded)
+            if "" in owners:
+                at_root.append(u)
+            for owner in sorted(o for o in owners if o):
                 mod = model.get_submodule(owner)
                 u.modules.append(mod)
                 self._module_hooks.append(
-                    mod.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+                    mod.register_forward_pre_hook(
+                        functools.partial(self._pre_forward, u), prepend=True
+                    )
                 )
+        self._update_order = at_root + [u for u in self.units if u not in at_root]
         self._module_hooks.append(
-            model.register_forward_pre_hook(functools.partial(self._pre_forward_root, root_units))
+            model.register_forward_pre_hook(
+                functools.partial(self._pre_forward_root, at_root), prepend=True
+            )
         )
         self._module_hooks.append(model.register_forward_hook(self._post_forward_root))
         self._module_hooks.append(model.register_state_dict_pre_hook(self._sync_hook))
@@ -277,6 +292,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
             model.register_load_state_dict_post_hook(self._master_from_params_hook)
         )
         return self
+
+    @staticmethod
+    def _wait_points(model: nn.Module, unit: _Unit, sharded: bool) -> set[str]:
+        """Names of the modules whose forward pre-hook waits for `unit` ("" = the root)."""
+        if sharded:
+            points = set()
+            for s in unit.slots:
+                path = s.name.rpartition(".")[0]
+                while path and not _is_fsdp_module(model.get_submodule(path)):
+                    path = path.rpartition(".")[0]
+                points.add(path)
+            return points
+        if unit.name == "embed":
+            return {""}
+        m = _LAYER.match(unit.slots[0].name)
+        if m:
+            return {m.group(1)}  # the whole block
+        return {s.name.rpartition(".")[0] for s in unit.slots}
 
     def _sync_hook(self, *args: Any, **kwargs: Any) -> None:
         self.synchronize()
@@ -471,7 +504,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._finish_backward()
         if not self.update_in_backward:
             hyper = self._hyper()
-            for u in self.units:
+            for u in self._update_order:
                 slots = [s for s in u.slots if s.micro > 0]
                 if slots:
                     u.upload = self.worker.submit(
@@ -668,6 +701,14 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _is_fsdp_module(m: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(m, FSDPModule)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
