@@ -640,8 +640,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes by role and place: the optimizer state and master weights are on the host.
 
-        `host_optimizer_bytes` is the two moments, `host_master_bytes` the fp32 master weights:
-        12 bytes per offloaded parameter together (the 0-d step counters are not counted).
+        `host_optimizer_bytes` is the two moments and the 0-d fp32 step counters (as
+        `train.metrics.optimizer_state_bytes` counts them), `host_master_bytes` the fp32 master
+        weights: 12 bytes per offloaded parameter plus 4 per tensor, as the planner predicts.
         `host_grad_bytes`/`host_staging_bytes` are the host gradient and transfer buffers.
         """
 
@@ -651,7 +652,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         def on_host(ts: Iterable[torch.Tensor]) -> int:
             return tensor_bytes(t for t in ts if t.device.type == "cpu")
 
-        moments = [t for s in self.slots for t in (s.exp_avg, s.exp_avg_sq)]
+        moments = [t for s in self.slots for t in (s.exp_avg, s.exp_avg_sq, s.step)]
         masters = [s.master for s in self.slots]
         return {
             "optimizer_bytes": on_device(moments),  # device-resident, as for the plain path

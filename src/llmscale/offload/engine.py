@@ -61,14 +61,15 @@ class FutureTicket:
 class CudaTicket:
     """A copy queued on a CUDA stream; `event` is recorded right after it."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, device: torch.device) -> None:
         self.event = event
+        self.device = device
 
     def wait(self) -> None:
         self.event.synchronize()
 
     def wait_stream(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 class Copier(Protocol):
@@ -177,7 +178,7 @@ class CudaCopier:
             src.record_stream(self.stream)
         if self.timeline is not None:
             self.timeline.add(step, unit, phase, self.lane, start, end)
-        return CudaTicket(end)
+        return CudaTicket(end, self.device)
 
     def close(self) -> None:
         self.stream.synchronize()
