@@ -82,12 +82,29 @@ class Copier(Protocol):
     def close(self) -> None: ...
 
 
-def _throttle(started: float, nbytes: int, bytes_per_s: float | None) -> None:
-    """Sleep until a copy of `nbytes` would have finished over a link of `bytes_per_s`."""
-    if bytes_per_s:
-        remaining = started + nbytes / bytes_per_s - time.perf_counter()
+class Link:
+    """A simulated link of `bytes_per_s`: copies queue on it, each taking nbytes / bandwidth.
+
+    Deadlines run from the previous copy's deadline, not from when the thread woke up, so a
+    late wake-up (a loaded host) is absorbed rather than added to every copy.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._busy_until = 0.0
+
+    def wait(self, started: float, nbytes: int) -> None:
+        """Sleep until a copy of `nbytes` begun at `started` would have left the link."""
+        done = max(started, self._busy_until) + nbytes / self.bytes_per_s
+        self._busy_until = done
+        remaining = done - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+
+
+def _throttle(link: Link | None, started: float, nbytes: int) -> None:
+    if link is not None:
+        link.wait(started, nbytes)
 
 
 class InlineCopier:
@@ -98,14 +115,14 @@ class InlineCopier:
     ) -> None:
         self.lane = lane
         self.timeline = timeline
-        self.link_bytes_per_s = link_bytes_per_s
+        self.link = Link(link_bytes_per_s) if link_bytes_per_s else None
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
     ) -> Ticket:
         t0 = time.perf_counter()
         dst.copy_(src)
-        _throttle(t0, src.nbytes, self.link_bytes_per_s)
+        _throttle(self.link, t0, src.nbytes)
         if self.timeline is not None:
             self.timeline.add(step, unit, phase, self.lane, t0, time.perf_counter())
         return DONE
@@ -127,13 +144,13 @@ class ThreadCopier:
     ) -> None:
         self.lane = lane
         self.timeline = timeline
-        self.link_bytes_per_s = link_bytes_per_s
+        self.link = Link(link_bytes_per_s) if link_bytes_per_s else None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"llmscale-{lane}")
 
     def _run(self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str) -> None:
         t0 = time.perf_counter()
         dst.copy_(src)
-        _throttle(t0, src.nbytes, self.link_bytes_per_s)
+        _throttle(self.link, t0, src.nbytes)
         if self.timeline is not None:
             self.timeline.add(step, unit, phase, self.lane, t0, time.perf_counter())
 
