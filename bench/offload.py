@@ -4,7 +4,7 @@
                             [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
                             [--save-timeline DIR]
 
-Three trainers on the same batches, steps interleaved so machine noise hits all alike:
+Three trainers on the same batches, in alternating blocks of consecutive steps:
 - off:     torch AdamW on the device (the trainer's default path);
 - serial:  `optimizer.offload = "optimizer"`, `offload_overlap = false`: every copy and the CPU
            update run inline, one after the other (the cost to hide);
@@ -69,19 +69,30 @@ def _offload_work_s(trainer: Trainer, steps: list[int]) -> list[float]:
 
 def run(args: argparse.Namespace, link_gbps: float) -> None:
     trainers = {m: _trainer(args, m, link_gbps) for m in ("off", "serial", "overlap")}
+    for t in trainers.values():
+        if hasattr(t.optimizer, "timeline"):
+            t.optimizer.timeline.keep_steps = 10_000
     times: dict[str, list[float]] = {m: [] for m in trainers}
-    work: list[float] = []
-    hidden_tl: list[float] = []
-    for i in range(args.steps + args.warmup):
+    timed: dict[str, list[int]] = {m: [] for m in trainers}
+    for t in trainers.values():  # warm-up
+        for _ in range(args.warmup):
+            t.train_step()
+    # Each trainer runs blocks of consecutive steps, so a step's uploads overlap its own next
+    # forward (interleaving single steps would hide them under another trainer's step). The
+    # blocks alternate, so machine noise hits all three alike; a block's first step, whose
+    # predecessor's tail ran under another block, is not timed.
+    per_block = max(2, args.steps // args.rounds + 1)
+    for _ in range(args.rounds):
         for mode, t in trainers.items():
-            row = t.train_step()
-            if i >= args.warmup:
-                times[mode].append(row["step_time_s"])
-        if i >= args.warmup and i >= 1:
-            # Step i-1 is complete in both timelines (its uploads ran under step i's forward).
-            work += _offload_work_s(trainers["serial"], [i - 1])
-            ivs = trainers["overlap"].optimizer.timeline.intervals()
-            hidden_tl.append(overlap_stats(ivs, [i - 1]).hidden_fraction)
+            for j in range(per_block):
+                row = t.train_step()
+                if j > 0:
+                    times[mode].append(row["step_time_s"])
+                    timed[mode].append(t.step - 1)  # its index in the optimizer's timeline
+    work = _offload_work_s(trainers["serial"], timed["serial"])
+    ivs = trainers["overlap"].optimizer.timeline.intervals()
+    done = set(timed["overlap"])
+    hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed["overlap"] if s + 1 in done]
     med = {m: min(v) for m, v in times.items()}  # least disturbed by other load
     w = min(work)
     t = trainers["off"]
@@ -132,6 +143,7 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="blocks of consecutive steps per mode")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--accum", type=int, default=2)

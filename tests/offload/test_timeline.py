@@ -30,6 +30,9 @@ def test_overlap_stats_counts_each_instant_once() -> None:
     assert s.compute_s == pytest.approx(10.0)  # step 0's own compute
     assert s.per_lane_s == pytest.approx({"d2h": 4.0, "cpu": 2.0, "h2d": 2.0})
     assert overlap_stats(ivs).offload_s == pytest.approx(8.0)
+    # A forward that waits for an upload does not hide it.
+    waited = [*ivs, _iv("compute", 12, 14, step=1, phase="wait")]
+    assert overlap_stats(waited, [0]).hidden_s == pytest.approx(3.0)
 
 
 def test_timeline_keeps_the_last_steps_and_round_trips(tmp_path) -> None:

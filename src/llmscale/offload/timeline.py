@@ -173,9 +173,10 @@ def overlap_stats(
     """Hidden share of offload work, over the intervals of `steps` (all when None).
 
     A step's offload work (its uploads run into the next step's forward) is compared with all
-    the compute that ran meanwhile, whichever step that compute belongs to.
+    the compute that ran meanwhile, whichever step that compute belongs to. Time the compute
+    lane spent waiting for an upload is not compute: what it waited for was exposed.
     """
-    ivs = list(intervals)
+    ivs = [iv for iv in intervals if not (iv.lane == COMPUTE_LANE and iv.phase == "wait")]
     wanted = None if steps is None else set(steps)
     compute = union((iv.start, iv.end) for iv in ivs if iv.lane == COMPUTE_LANE)
     mine = [iv for iv in ivs if iv.lane in OFFLOAD_LANES and (wanted is None or iv.step in wanted)]
