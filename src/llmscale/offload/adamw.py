@@ -276,13 +276,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 u.modules.append(mod)
                 self._module_hooks.append(
                     mod.register_forward_pre_hook(
-                        functools.partial(self._pre_forward, u), prepend=True
+                        functools.partial(self._pre_forward, [u]), prepend=True
                     )
                 )
         self._update_order = at_root + [u for u in self.units if u not in at_root]
         self._module_hooks.append(
             model.register_forward_pre_hook(
-                functools.partial(self._pre_forward_root, at_root), prepend=True
+                functools.partial(self._pre_forward, at_root), prepend=True
             )
         )
         self._module_hooks.append(model.register_forward_hook(self._post_forward_root))
@@ -326,20 +326,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _compute(self, unit: str, phase: str, start: Any, end: Any) -> None:
         self.timeline.add(self._step_index, unit, phase, COMPUTE_LANE, start, end)
 
-    def _pre_forward_root(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
-        for u in units:
-            self._pre_forward(u, module, args)
-
-    def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
+        if not units:
+            return
         if self._in_backward():  # recomputation inside backward: weights already waited for
-            self._wait_unit(unit)
+            for u in units:
+                self._wait_unit(u)
             return
         now = self.timeline.stream_now()
         if self._fwd_unit is not None and self._cursor is not None:
             self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
-        self._wait_unit(unit, now)
+        for u in units:
+            self._wait_unit(u, self.timeline.stream_now())
         self._cursor = self.timeline.stream_now()
-        self._fwd_unit = unit.index
+        self._fwd_unit = units[0].index
 
     def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
         now = self.timeline.stream_now()

@@ -303,9 +303,9 @@ class Trainer:
                 result.val_loss = self.evaluate()
                 if result.val_loss is not None:
                     writer.write({"kind": "eval", "step": self.step, "val_loss": result.val_loss})
-        finally:
             if isinstance(self.optimizer, OffloadedAdamW):  # uploads done; pipeline timeline
                 self.optimizer.write_timeline(self.run_dir / f"timeline-rank{self.rank}.json")
+        finally:
             self._restore_signal_handlers(previous)
             writer.close()
             reporter.finish(result)
