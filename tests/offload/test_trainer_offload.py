@@ -10,7 +10,7 @@ from llmscale.config import load_config
 from llmscale.errors import ConfigError
 from llmscale.offload import OffloadedAdamW, overlap_stats, read_timeline
 from llmscale.train.metrics import read_jsonl
-from llmscale.train.plot import plot_timeline, timeline_path
+from llmscale.train.plot import timeline_path
 from llmscale.train.trainer import Trainer
 
 OFFLOAD = ("--optimizer.offload", "optimizer")
@@ -26,8 +26,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("overlap", ["false", "true"])
-@pytest.mark.parametrize("clip", ["1.0", "0"])
+@pytest.mark.parametrize(
+    "overlap, clip",
+    [("false", "1.0"), ("true", "1.0"), ("true", "0")],  # the last updates during backward
+)
 def test_five_steps_equal_the_on_device_optimizer(cfg_factory, overlap: str, clip: str) -> None:
     common = (*STEPS, "--train.max_grad_norm", clip)
     ref = Trainer(cfg_factory(*common, run="ref"))
@@ -161,11 +163,10 @@ def test_timeline_is_written_and_plotted(cfg_factory, tmp_path, capsys) -> None:
         assert all(iv.end >= iv.start for iv in mine)
     stats = overlap_stats(ivs, [1])
     assert stats.offload_s > 0 and stats.compute_s > 0
-    png = plot_timeline(t.run_dir)
-    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
     out = tmp_path / "tl.png"
     cli = ["plot", str(t.run_dir), "--timeline"]
-    assert main([*cli, "--step", "2", "--out", str(out)]) == 0 and out.is_file()
+    assert main([*cli, "--step", "2", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
     assert main([*cli, "--step", "40"]) == 2
     assert "--step" in capsys.readouterr().err
 
