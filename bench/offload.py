@@ -90,9 +90,18 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
                     times[mode].append(row["step_time_s"])
                     timed[mode].append(t.step - 1)  # its index in the optimizer's timeline
     work = _offload_work_s(trainers["serial"], timed["serial"])
+    trainers["overlap"].optimizer.synchronize()  # the last step's uploads, too
     ivs = trainers["overlap"].optimizer.timeline.intervals()
     done = set(timed["overlap"])
     hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed["overlap"] if s + 1 in done]
+    # The barrier: from the end of backward to the first update, and to the last upload.
+    barrier, tail = [], []
+    for s in timed["overlap"]:
+        back_end = max(iv.end for iv in ivs if iv.step == s and iv.phase == "backward")
+        first_update = min(iv.start for iv in ivs if iv.step == s and iv.phase == "update")
+        last_up = max(iv.end for iv in ivs if iv.step == s and iv.phase == "upload")
+        barrier.append(first_update - back_end)
+        tail.append(last_up - back_end)
     med = {m: min(v) for m, v in times.items()}  # least disturbed by other load
     w = min(work)
     t = trainers["off"]
@@ -121,6 +130,10 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
     print(
         f"  overhead vs off: serial {med['serial'] / med['off'] - 1:+.1%}, "
         f"overlap {med['overlap'] / med['off'] - 1:+.1%}"
+    )
+    print(
+        f"  overlap run: first update {1e3 * statistics.median(barrier):+.1f} ms after backward "
+        f"ends (negative: during backward), last upload {1e3 * statistics.median(tail):+.1f} ms"
     )
     if args.save_timeline:
         from pathlib import Path
