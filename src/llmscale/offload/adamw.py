@@ -367,11 +367,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
         assert p.grad is not None
         g = local_tensor(p.grad)
         p.grad = None  # the device gradient lives only until its copy has read it
+        if unit.final_submitted:
+            if self.update_in_backward:
+                raise RuntimeError(
+                    f"unit {unit.name!r} got gradients after its update ran in backward: more "
+                    f"backward passes than accum_steps={self.accum_steps} in one step"
+                )
+            unit.final_submitted = False  # its norms are stale; taken again at step time
         first = slot.micro == 0
         slot.micro += 1
         direct = first and g.dtype == torch.float32
-        if not direct and slot.staging is None:  # more micro-steps than accum_steps said
-            slot.staging = _host_empty(slot.master, self.working_dtype, self.pin)
+        if not direct and (slot.staging is None or slot.staging.dtype != g.dtype):
+            # More micro-steps than accum_steps said, or gradients in another dtype than the
+            # weights (FSDP2's reduce_dtype): a download buffer of the gradient's own dtype.
+            slot.staging = _host_empty(slot.master, g.dtype, self.pin)
         dst = slot.grad if direct else slot.staging
         assert dst is not None
         # The buffer must be free: the last step's upload out of it done (the forward waited for
@@ -387,13 +396,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._accumulate, slot, ticket, first, direct, self._step_index
         )
         unit.fired += 1
-        if unit.final_submitted:
-            if self.update_in_backward:
-                raise RuntimeError(
-                    f"unit {unit.name!r} got gradients after its update ran in backward: more "
-                    f"backward passes than accum_steps={self.accum_steps} in one step"
-                )
-            unit.final_submitted = False  # its norms are stale; taken again at step time
         if unit.fired == len(unit.slots) * self.accum_steps:
             self._submit_final(unit)
         self._cursor = self.timeline.stream_now()
