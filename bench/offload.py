@@ -1,19 +1,21 @@
 """Step time with the optimizer on the device, offloaded serially, and offloaded with overlap.
 
-    python bench/offload.py [--model small] [--steps 8] [--seq 128] [--batch 4] [--accum 2]
-                            [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
+    python bench/offload.py [--model small] [--rounds 4] [--block 3] [--seq 128] [--batch 4]
+                            [--accum 2] [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
                             [--save-timeline DIR]
 
-Three trainers on the same batches, in alternating blocks of consecutive steps:
+Three trainers on the same batches, in rounds of one block of consecutive steps each:
 - off:     torch AdamW on the device (the trainer's default path);
 - serial:  `optimizer.offload = "optimizer"`, `offload_overlap = false`: every copy and the CPU
            update run inline, one after the other (the cost to hide);
 - overlap: the layer-wise pipeline (side streams on CUDA; worker threads on a CPU host).
 
-Reported: step times (the minimum over the timed steps: the least disturbed by other load); the offload work per step (download + host accumulate/norm/Adam/cast
-+ upload, the union of those lanes in the serial run's timeline); and the share of it hidden by
-overlap, two ways: by wall time, (serial - overlap) / offload work, and by the overlap run's own
-timeline, the part of its offload lanes that ran while compute ran.
+Reported: step times (per round the block's fastest step, then the median over rounds); the
+offload work per step (download + host accumulate/norm/Adam/cast + upload: the union of those
+lanes in the serial run's timeline); the share of it hidden by overlap, two ways: by wall time,
+(serial - overlap) / offload work, per round then the median, and by the overlap run's own
+timeline, the part of its offload lanes that ran while compute ran; and where the update starts
+and the last upload ends relative to the end of backward (the clipping/fp16 barrier).
 
 On a CPU host the "device" is the CPU: copies are memcpy and compete with compute for the same
 cores and memory bandwidth, so little can hide. `--link-gbps G` makes each CPU-host copy last as
@@ -42,7 +44,8 @@ def _trainer(args: argparse.Namespace, mode: str, link_gbps: float) -> Trainer:
         "--data.seq_len", str(args.seq), "--data.max_files", "200",
         "--train.micro_batch_size", str(args.batch),
         "--train.global_batch_size", str(args.batch * args.accum),
-        "--train.steps", str(args.steps + args.warmup), "--train.max_grad_norm", str(args.clip),
+        "--train.steps", str(args.rounds * args.block + args.warmup),
+        "--train.max_grad_norm", str(args.clip),
         "--precision.mode", args.precision,
         "--metrics.progress", "false", "--metrics.activation_memory", "false",
         "--checkpoint.enabled", "false",
@@ -72,38 +75,50 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
     for t in trainers.values():
         if hasattr(t.optimizer, "timeline"):
             t.optimizer.timeline.keep_steps = 10_000
-    times: dict[str, list[float]] = {m: [] for m in trainers}
-    timed: dict[str, list[int]] = {m: [] for m in trainers}
     for t in trainers.values():  # warm-up
         for _ in range(args.warmup):
             t.train_step()
     # Each trainer runs blocks of consecutive steps, so a step's uploads overlap its own next
     # forward (interleaving single steps would hide them under another trainer's step). The
-    # blocks alternate, so machine noise hits all three alike; a block's first step, whose
-    # predecessor's tail ran under another block, is not timed.
-    per_block = max(2, args.steps // args.rounds + 1)
+    # three blocks of a round run back to back, so they see about the same machine load, and
+    # each figure is taken per round (the block's fastest step) and then the median over
+    # rounds. A block's first step, whose predecessor's tail ran under another block, is not
+    # timed.
+    block = max(2, args.block)
+    per_round: dict[str, list[float]] = {m: [] for m in trainers}
+    work_round: list[float] = []
+    timed: list[int] = []
     for _ in range(args.rounds):
         for mode, t in trainers.items():
-            for j in range(per_block):
+            times, steps = [], []
+            for j in range(block):
                 row = t.train_step()
                 if j > 0:
-                    times[mode].append(row["step_time_s"])
-                    timed[mode].append(t.step - 1)  # its index in the optimizer's timeline
-    work = _offload_work_s(trainers["serial"], timed["serial"])
+                    times.append(row["step_time_s"])
+                    steps.append(t.step - 1)  # its index in the optimizer's timeline
+            per_round[mode].append(min(times))
+            if mode == "serial":
+                work_round.append(min(_offload_work_s(t, steps)))
+            if mode == "overlap":
+                timed += steps
     trainers["overlap"].optimizer.synchronize()  # the last step's uploads, too
     ivs = trainers["overlap"].optimizer.timeline.intervals()
-    done = set(timed["overlap"])
-    hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed["overlap"] if s + 1 in done]
+    done = set(timed)
+    hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed if s + 1 in done]
     # The barrier: from the end of backward to the first update, and to the last upload.
     barrier, tail = [], []
-    for s in timed["overlap"]:
+    for s in timed:
         back_end = max(iv.end for iv in ivs if iv.step == s and iv.phase == "backward")
         first_update = min(iv.start for iv in ivs if iv.step == s and iv.phase == "update")
         last_up = max(iv.end for iv in ivs if iv.step == s and iv.phase == "upload")
         barrier.append(first_update - back_end)
         tail.append(last_up - back_end)
-    med = {m: min(v) for m, v in times.items()}  # least disturbed by other load
-    w = min(work)
+    med = {m: statistics.median(v) for m, v in per_round.items()}
+    hidden_wall = statistics.median(
+        (per_round["serial"][r] - per_round["overlap"][r]) / work_round[r]
+        for r in range(args.rounds)
+    )
+    w = statistics.median(work_round)
     t = trainers["off"]
     opt = trainers["overlap"].optimizer
     print(
@@ -118,12 +133,9 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
         )
     )
     for mode in trainers:
-        print(f"  {mode:8s} step (min over steps) {1e3 * med[mode]:8.1f} ms")
-    print(f"  offload work per step (serial timeline, min)  {1e3 * w:8.1f} ms")
-    print(
-        f"  hidden by overlap, wall time: (serial - overlap) / work = "
-        f"{(med['serial'] - med['overlap']) / w:6.1%}"
-    )
+        print(f"  {mode:8s} step {1e3 * med[mode]:8.1f} ms")
+    print(f"  offload work per step (serial run's timeline) {1e3 * w:8.1f} ms")
+    print(f"  hidden by overlap, wall time: (serial - overlap) / work = {hidden_wall:6.1%}")
     print(
         f"  hidden by overlap, timeline: under compute       = {statistics.median(hidden_tl):6.1%}"
     )
@@ -154,9 +166,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="small")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of one block per mode")
+    ap.add_argument("--block", type=int, default=3, help="consecutive steps per block (>= 2)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="blocks of consecutive steps per mode")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--accum", type=int, default=2)

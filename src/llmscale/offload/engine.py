@@ -145,7 +145,13 @@ class ThreadCopier:
         self.lane = lane
         self.timeline = timeline
         self.link = Link(link_bytes_per_s) if link_bytes_per_s else None
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"llmscale-{lane}")
+        # Copies are memory-bound; one intra-op thread each keeps them off compute's cores.
+        self._pool = cf.ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"llmscale-{lane}",
+            initializer=torch.set_num_threads,
+            initargs=(1,),
+        )
 
     def _run(self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str) -> None:
         t0 = time.perf_counter()
@@ -224,10 +230,18 @@ class InlineWorker:
 
 
 class ThreadWorker:
-    """One host thread for the CPU side of the update, fed in FIFO order."""
+    """One host thread for the CPU side of the update, fed in FIFO order.
 
-    def __init__(self) -> None:
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="llmscale-cpu-adam")
+    `intra_op_threads` caps the threads its kernels use (torch's setting is per thread): on a
+    CUDA host the update should have the cores (None: torch's default); on a CPU host the
+    cores belong to compute, which it overlaps, and oversubscribing them costs both.
+    """
+
+    def __init__(self, intra_op_threads: int | None = None) -> None:
+        init = (torch.set_num_threads, (intra_op_threads,)) if intra_op_threads else (None, ())
+        self._pool = cf.ThreadPoolExecutor(
+            1, thread_name_prefix="llmscale-cpu-adam", initializer=init[0], initargs=init[1]
+        )
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
         return self._pool.submit(fn, *args)
@@ -258,5 +272,5 @@ def make_agents(
     return (
         ThreadCopier("d2h", timeline, link_bytes_per_s),
         ThreadCopier("h2d", timeline, link_bytes_per_s),
-        ThreadWorker(),
+        ThreadWorker(intra_op_threads=1),
     )
