@@ -57,7 +57,9 @@ def predicted(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2
     plan = Plan(model_cfg, S, B, B, recompute=recompute, recompute_every_k=k, precision=precision)
     kern = act.RUNTIME_CPU
     modes = _block_modes(plan, list(range(model_cfg.n_layers)))
-    total = sum(n * act.block_bytes(model_cfg, B, S, precision, 1, False, kern, m) for m, n in modes.items())
+    total = sum(
+        n * act.block_bytes(model_cfg, B, S, precision, 1, False, kern, m) for m, n in modes.items()
+    )
     total += sum(t.nbytes for t in act.embedding_tensors(B, S))
     total += sum(t.nbytes for t in act.head_tensors(model_cfg, B, S, precision, 1, False, kern))
     if precision != "fp32":  # linears keep their bf16 weight casts (biases are not kept)
@@ -89,7 +91,11 @@ def test_runtime_block_formula_by_hand() -> None:
     per_token = (
         (4 * d + 4)  # attention_norm: fp32 input + rstd
         + 3 * 2 * d  # wq, wk, wv each keep a bf16 cast of the normed x
-        + 2 * d + 2 * kv + 2 * kv + 2 * d + 4 * h  # q, k, v, output (= wo input), lse
+        + 2 * d
+        + 2 * kv
+        + 2 * kv
+        + 2 * d
+        + 4 * h  # q, k, v, output (= wo input), lse
         + (4 * d + 4)  # ffn_norm
         + 2 * 2 * d  # w1, w3 input casts
         + 4 * 2 * f  # silu input, silu output, w3 output, product

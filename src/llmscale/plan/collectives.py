@@ -34,6 +34,9 @@ as NCCL's tuner picks per call:
 - tree: a double binary tree over the k nodes with a chain inside each node (NCCL's layout):
   T = 2*((g-1)*alpha_intra + ceil(log2 k)*alpha_inter) + 2*nbytes/bw_bottleneck
 
+Where a tree is chosen, its bandwidth is taken as TREE_BW_EFFICIENCY (0.9) of the link's, as
+NCCL's tuner does; the single-link functions below are the plain formulas.
+
 All-gather and reduce-scatter across nodes take the flat ring or the hierarchical form (the
 inter-node phase runs on 1/g of the data). p2p across nodes uses one GPU's NIC share.
 """
@@ -48,6 +51,9 @@ from llmscale.hardware.catalog import Link, Node
 from llmscale.hardware.spec import Sourced
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+# NCCL's tuner derates tree bandwidth to 0.9 of the ring's bus bandwidth (tuning.cc:
+# `busBw = min(busBw * .9, maxTreeBw)`), which is why rings win for large messages.
+TREE_BW_EFFICIENCY = 0.9
 
 
 # ---- single-link formulas -----------------------------------------------------------------
@@ -183,7 +189,9 @@ def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) ->
         if op == "all_reduce":
             across = min(
                 ring_all_reduce(shard, k, fabric.nic_bw_per_gpu, inter.latency),
-                tree_all_reduce(shard, k, fabric.nic_bw_per_gpu, inter.latency),
+                tree_all_reduce(
+                    shard, k, TREE_BW_EFFICIENCY * fabric.nic_bw_per_gpu, inter.latency
+                ),
             )
             local = 2 * ring_all_gather(nbytes, g, intra.bandwidth, intra.latency)
         else:
@@ -192,7 +200,7 @@ def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) ->
         options.append(Cost(local + across, "hierarchical"))
     if op == "all_reduce":
         tree = 2 * ((g - 1) * intra.latency + math.ceil(math.log2(k)) * inter.latency)
-        tree += 2 * nbytes / bottleneck
+        tree += 2 * nbytes / (TREE_BW_EFFICIENCY * bottleneck)
         options.append(Cost(tree, "tree"))
     return min(options, key=lambda c: c.seconds)
 
@@ -201,7 +209,7 @@ def _intra(op: str, nbytes: float, n: int, link: Link) -> Cost:
     bw, a = link.bandwidth, link.latency
     if op == "all_reduce":
         ring = ring_all_reduce(nbytes, n, bw, a)
-        tree = tree_all_reduce(nbytes, n, bw, a)
+        tree = tree_all_reduce(nbytes, n, TREE_BW_EFFICIENCY * bw, a)
         return Cost(ring, "ring") if ring <= tree else Cost(tree, "tree")
     if op == "all_to_all":
         return Cost(all_to_all(nbytes, n, bw, a), "pairwise")
