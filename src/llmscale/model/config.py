@@ -183,6 +183,10 @@ class ModelConfig:
         weights = self.attention_weights() + self.mlp_weights()
         return 2.0 * self.n_layers * (weights + 2 * seq_len * self.dim)
 
+    def attention_core_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of every block's QK^T and AV (what selective recompute redoes)."""
+        return 2.0 * self.n_layers * 2 * seq_len * self.dim
+
     def head_forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the output projection to the vocabulary."""
         return 2.0 * self.vocab_size * self.dim

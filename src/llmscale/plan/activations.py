@@ -67,9 +67,13 @@ RUNTIME = Kernels()
 RUNTIME_CPU = Kernels(device="cpu")
 # Megatron-LM as Korthikanti et al. and Narayanan et al. ran it: fp16 activations throughout,
 # dropout after attention probabilities and both residual branches, softmax materialised,
-# sequence-parallel inputs re-gathered in backward.
+# sequence-parallel inputs re-gathered in backward, vocabulary-parallel embedding and LM head.
 MEGATRON_2021 = Kernels(
-    attention="materialized", dropout=True, residual_fp32=False, sp_saves_gathered_input=False
+    attention="materialized",
+    dropout=True,
+    residual_fp32=False,
+    sp_saves_gathered_input=False,
+    vocab_parallel=True,
 )
 
 
