@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from llmscale.errors import ConfigError
 from llmscale.model.config import ModelConfig
+from llmscale.plan.fastcache import identity_cache
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
 BLOCK_MODES = ("none", "selective", "full")
@@ -198,6 +199,7 @@ def _scale(
     ]
 
 
+@identity_cache()
 def block_bytes(
     model: ModelConfig,
     micro_batch_size: int,
@@ -252,6 +254,25 @@ def head_tensors(
         Saved("loss total weight", 4, "seq"),
     ]
     return out
+
+
+@identity_cache()
+def head_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> float:
+    """Sum of `head_tensors`."""
+    return sum(
+        t.nbytes
+        for t in head_tensors(
+            model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels
+        )
+    )
 
 
 def loss_transient_bytes(

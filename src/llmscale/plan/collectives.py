@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import Link, Node
 from llmscale.hardware.spec import Sourced
+from llmscale.plan.fastcache import identity_cache
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 # NCCL's tuner derates tree bandwidth to 0.9 of the ring's bus bandwidth (tuning.cc:
@@ -151,6 +152,7 @@ class Cost:
     algorithm: str
 
 
+@identity_cache()
 def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) -> Cost:
     """Cost of `op` over `n` ranks placed `per_node` to a node (the cheapest algorithm).
 

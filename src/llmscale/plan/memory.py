@@ -228,8 +228,30 @@ def _block_bytes(plan: Plan, mode: str, opt: MemoryOptions) -> float:
     )
 
 
+_ACT_CACHE: dict[tuple[object, ...], float] = {}
+
+
 def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
     """Saved activations on pipeline `rank` at its peak (all in-flight micro-batches)."""
+    key = (
+        id(plan.model), id(opt), plan.seq_len, plan.micro_batch_size, plan.precision, plan.tp,
+        plan.sequence_parallel, plan.recompute, plan.recompute_every_k, plan.pp,
+        plan.pp_schedule, plan.chunks, plan.microbatches, rank,
+    )  # fmt: skip
+    hit = _ACT_CACHE.get(key)
+    if hit is None:
+        if len(_ACT_CACHE) > 1 << 16:
+            _ACT_CACHE.clear()
+        # Keep the model and options alive with the entry, so that their ids stay unique.
+        _KEEP[id(plan.model)], _KEEP[id(opt)] = plan.model, opt
+        hit = _ACT_CACHE[key] = _stage_activation_bytes(plan, rank, opt)
+    return hit
+
+
+_KEEP: dict[int, object] = {}
+
+
+def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     modes = _block_modes(plan, _rank_layers(plan, rank))
     per_micro = sum(n * _block_bytes(plan, m, opt) for m, n in modes.items())
     units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
@@ -238,7 +260,7 @@ def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_O
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
         total += embedding_inflight(plan) * emb
     if rank == plan.pp - 1:
-        head = act.head_tensors(
+        head = act.head_bytes(
             plan.model,
             plan.micro_batch_size,
             plan.seq_len,
@@ -247,7 +269,7 @@ def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_O
             plan.sequence_parallel,
             opt.kernels,
         )
-        total += head_inflight(plan) * sum(t.nbytes for t in head)
+        total += head_inflight(plan) * head
     return total
 
 
@@ -257,23 +279,38 @@ def estimate_memory(plan: Plan, options: MemoryOptions = DEFAULT_OPTIONS) -> Mem
     return _estimate(plan, options)
 
 
-def _estimate(plan: Plan, opt: MemoryOptions) -> MemoryEstimate:
-    stages = []
+def _rank_pieces(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]:
+    """(params, grads, optimizer, working, activations, transient, host) of one rank."""
     vp = opt.kernels.vocab_parallel
-    for rank in range(plan.pp):
-        sp = stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp)
-        params, grads, optim, working, rs, host = _states(plan, sp, opt)
-        acts = stage_activation_bytes(plan, rank, opt)
-        transients = [rs]
-        if rank == plan.pp - 1:
-            transients.append(
-                act.loss_transient_bytes(
-                    plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
-                )
-            )
-        if plan.recompute in ("full", "every_k"):
-            transients.append(_block_bytes(plan, "none", opt))
-        transient = max(transients)
+    sp = stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp)
+    params, grads, optim, working, transient, host = _states(plan, sp, opt)
+    acts = stage_activation_bytes(plan, rank, opt)
+    if rank == plan.pp - 1:
+        loss = act.loss_transient_bytes(
+            plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
+        )
+        transient = max(transient, loss)
+    if plan.recompute in ("full", "every_k"):
+        transient = max(transient, _block_bytes(plan, "none", opt))
+    return params, grads, optim, working, acts, transient, host
+
+
+def worst_total(plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...]) -> float:
+    """The largest `StageMemory.total` over `ranks`, without building the records."""
+    worst = 0.0
+    for rank in ranks:
+        p = _rank_pieces(plan, rank, opt)
+        worst = max(worst, (1 + opt.allocator_overhead) * sum(p[:6]))
+    return worst
+
+
+def _estimate(
+    plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...] | None = None
+) -> MemoryEstimate:
+    """Without validation; `ranks` limits the stages computed (the search's first and last)."""
+    stages = []
+    for rank in ranks if ranks is not None else range(plan.pp):
+        params, grads, optim, working, acts, transient, host = _rank_pieces(plan, rank, opt)
         allocated = params + grads + optim + working + acts + transient
         units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
         stages.append(

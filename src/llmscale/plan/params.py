@@ -11,11 +11,11 @@ what is reported (the largest rank).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from llmscale.model.config import ModelConfig
+from llmscale.plan.fastcache import identity_cache
 
 _COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 _ROWWISE = ("attention.wo", "feed_forward.w2")
@@ -71,40 +71,43 @@ class Group:
 
 @dataclass(frozen=True)
 class StageParams:
-    """What one pipeline rank owns: `blocks` identical blocks, and embedding / head if any."""
+    """What one pipeline rank owns: `blocks` identical blocks, and embedding / head if any.
+
+    Totals are filled in by `make` (they are read in the search's inner loop).
+    """
 
     blocks: int
     block: Group
     embedding: Group | None
     head: Group | None
+    numel: int = 0
+    shard_numel: int = 0
+    tensors: int = 0
+    autocast_numel: int = 0
+    root_numel: int = 0
+
+    @staticmethod
+    def make(blocks: int, block: Group, embedding: Group | None, head: Group | None) -> StageParams:
+        root = [g for g in (embedding, head) if g is not None]
+        return StageParams(
+            blocks,
+            block,
+            embedding,
+            head,
+            numel=blocks * block.numel + sum(g.numel for g in root),
+            shard_numel=blocks * block.shard_numel + sum(g.shard_numel for g in root),
+            tensors=blocks * block.tensors + sum(g.tensors for g in root),
+            autocast_numel=blocks * block.autocast_numel + sum(g.autocast_numel for g in root),
+            root_numel=sum(g.numel for g in root),
+        )
 
     @property
     def root(self) -> tuple[Group, ...]:
         """Groups outside the blocks (FSDP2's root module: embedding, final norm, head)."""
         return tuple(g for g in (self.embedding, self.head) if g is not None)
 
-    @property
-    def numel(self) -> int:
-        return self.blocks * self.block.numel + sum(g.numel for g in self.root)
 
-    @property
-    def shard_numel(self) -> int:
-        return self.blocks * self.block.shard_numel + sum(g.shard_numel for g in self.root)
-
-    @property
-    def tensors(self) -> int:
-        return self.blocks * self.block.tensors + sum(g.tensors for g in self.root)
-
-    @property
-    def autocast_numel(self) -> int:
-        return self.blocks * self.block.autocast_numel + sum(g.autocast_numel for g in self.root)
-
-    @property
-    def root_numel(self) -> int:
-        return sum(g.numel for g in self.root)
-
-
-@functools.lru_cache(maxsize=4096)
+@identity_cache()
 def stage_params(
     model: ModelConfig,
     tp: int,
@@ -124,4 +127,4 @@ def stage_params(
         emb_cast = v * d // (tp if vocab_parallel else 1)
         emb = Group(emb.tensors, emb.numel, emb.shard_numel, emb.autocast_numel + emb_cast)
     block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
-    return StageParams(model.n_layers // pp, block, emb, head)
+    return StageParams.make(model.n_layers // pp, block, emb, head)

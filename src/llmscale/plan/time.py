@@ -112,7 +112,28 @@ class _Stage:
     parts: dict[str, float]
 
 
+_STAGE_CACHE: dict[tuple[object, ...], _Stage] = {}
+_KEEP: dict[int, object] = {}
+
+
 def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
+    """Cached on the fields a stage's micro-batch time depends on (not offload or schedule)."""
+    key = (
+        id(plan.model), id(cluster), id(tp_), plan.seq_len, plan.micro_batch_size,
+        plan.precision, plan.tp, plan.pp, plan.chunks, rank, plan.recompute,
+        plan.recompute_every_k, plan.sequence_parallel, plan.dp_shard, plan.zero_stage,
+    )  # fmt: skip
+    hit = _STAGE_CACHE.get(key)
+    if hit is None:
+        if len(_STAGE_CACHE) > 1 << 16:
+            _STAGE_CACHE.clear()
+        for obj in (plan.model, cluster, tp_):  # alive while cached: ids stay unique
+            _KEEP[id(obj)] = obj
+        hit = _STAGE_CACHE[key] = _compute_stage_times(plan, rank, cluster, tp_)
+    return hit
+
+
+def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
     m, s, b = plan.model, plan.seq_len, plan.micro_batch_size
     tokens = b * s
     tp, kern = plan.tp, tp_.kernels
@@ -139,8 +160,7 @@ def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _S
     else:
         redone = modes.get("full", 0) * saved_bytes("none")
     if rank == plan.pp - 1:
-        head = act.head_tensors(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
-        saved += sum(t.nbytes for t in head)
+        saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
     hbm = cluster.gpu.hbm_bandwidth
     elem_f = tp_.fwd_passes * saved / hbm
     elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
@@ -209,8 +229,17 @@ def estimate_step_time(
     return _estimate(plan, cluster, params, simulate)
 
 
-def _estimate(plan: Plan, cluster: Cluster, tparams: TimeParams, simulate: bool) -> StepTime:
-    stages = [_stage_times(plan, r, cluster, tparams) for r in range(plan.pp)]
+def _estimate(
+    plan: Plan,
+    cluster: Cluster,
+    tparams: TimeParams,
+    simulate: bool,
+    ranks: tuple[int, ...] | None = None,
+) -> StepTime:
+    """Without validation; `ranks` limits the stages computed (others are taken as rank 0's)."""
+    todo = ranks if ranks is not None and not simulate else tuple(range(plan.pp))
+    computed = {r: _stage_times(plan, r, cluster, tparams) for r in todo}
+    stages = [computed.get(r, computed[todo[0]]) for r in range(plan.pp)]
     m_, p, v = plan.microbatches, plan.pp, plan.chunks
     t_p2p = _p2p_seconds(plan, cluster, tparams)
     slow = max(stages, key=lambda st: st.fwd + st.bwd)
@@ -235,8 +264,9 @@ def _estimate(plan: Plan, cluster: Cluster, tparams: TimeParams, simulate: bool)
     # Replicated data parallelism: one fp32 all-reduce of the (sharded) gradients per step.
     m = plan.model
     vp = tparams.kernels.vocab_parallel
+    # The first and last ranks hold the embedding and the head on top of their blocks.
     worst_params = max(
-        stage_params(m, plan.tp, p, r, plan.dp_shard, vp).shard_numel for r in range(p)
+        stage_params(m, plan.tp, p, r, plan.dp_shard, vp).shard_numel for r in {0, p - 1}
     )
     dp_sync = 0.0
     if plan.dp_replicate > 1:
