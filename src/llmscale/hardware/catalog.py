@@ -101,6 +101,11 @@ class Node:
     nic: str
     gpus: Sourced
     nics: Sourced
+    host_memory_GiB: Sourced
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_GiB.value * GiB)
 
     @property
     def gpus_per_node(self) -> int:
@@ -261,10 +266,11 @@ def _node(name: str, e: Entry) -> Node:
         nic=e.text("nic"),
         gpus=e.number("gpus"),
         nics=e.number("nics"),
+        host_memory_GiB=e.number("host_memory_GiB"),
     )
     if node.gpus.value < 1 or node.gpus.value != int(node.gpus.value):
         raise ConfigError(f"{e.where}.gpus", node.gpus.value, "a whole number >= 1")
-    e.done("a node field: display, gpu, scale_up, nic, gpus, nics")
+    e.done("a node field: display, gpu, scale_up, nic, gpus, nics, host_memory_GiB")
     return node
 
 

@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import GPU, GiB
+from llmscale.hardware.catalog import GPU, GiB, Node
 from llmscale.plan import activations as act
 from llmscale.plan.params import StageParams, stage_params
 from llmscale.plan.setup import Plan
@@ -125,6 +125,10 @@ class MemoryEstimate:
     def fits(self, gpu: GPU) -> bool:
         return self.total + self.options.device_reserve_GiB * GiB <= gpu.memory_bytes
 
+    def fits_host(self, node: Node) -> bool:
+        """The node's GPUs' host bytes (offload) within its host memory."""
+        return max(s.host for s in self.stages) * node.gpus_per_node <= node.host_memory_bytes
+
     def headroom(self, gpu: GPU) -> float:
         """Bytes left on the fullest GPU (negative: does not fit)."""
         return gpu.memory_bytes - self.options.device_reserve_GiB * GiB - self.total
@@ -189,8 +193,12 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         # Low-precision params stay on the device; autocast has nothing left to cast.
         working = unsharded if plan.sharded else 0.0
         return pb * shard, pb * shard, 0.0, working, rs_transient, host
-    # optimizer+params: only the blocks in flight are on the device, with their gradients.
-    live = min(opt.prefetch_blocks, sp.blocks) * sp.block.numel + sp.root_numel
+    # optimizer+params: only the blocks in flight are on the device, with their gradients
+    # (zero_stage 1/2 still keep every block from its forward to its backward).
+    keep = (
+        sp.blocks if plan.sharded and plan.zero_stage < 3 else min(opt.prefetch_blocks, sp.blocks)
+    )
+    live = keep * sp.block.numel + sp.root_numel
     return 0.0, pb * live, 0.0, pb * live, rs_transient, host + pb * shard
 
 

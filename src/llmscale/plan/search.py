@@ -5,7 +5,7 @@ ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, o
 when: tp <= GPUs per node and tp divides n_heads, n_kv_heads and ffn_dim; pp x chunks divides
 n_layers; the global batch divides by micro-batch x dp (and gives >= pp micro-batches, a multiple
 of pp for interleaved); the fullest GPU fits (plan/memory.py, with its allocator overhead and
-device reserve). Ranked by predicted step time (plan/time.py), closed-form bubble in the loop;
+device reserve), and offloaded states fit the node's host memory. Ranked by predicted step time (plan/time.py), closed-form bubble in the loop;
 the best `resimulate` are re-timed with the pipeline simulator before the final ranking.
 
 Speed (a 70B model over 4096 GPUs in well under a second, bench/plan_speed.py): memory is
@@ -134,6 +134,7 @@ def search(
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
     over = 1.0 + memory_options.allocator_overhead
+    host_per_gpu = cluster.node.host_memory_bytes / cluster.gpus_per_node
     found: list[tuple[float, float, Plan]] = []
     evaluated = 0
     recs = [r for r in RECOMPUTE_ORDER if r in space.recompute]
@@ -152,7 +153,7 @@ def search(
                 for zi, zero in enumerate(zeros)
                 for oi, off in enumerate(offloads)
                 if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends,
-                                      memory_options, budget / over)
+                                      memory_options, budget / over, host_per_gpu)
             ]  # fmt: skip
             if not states_ok:
                 continue
@@ -206,14 +207,14 @@ def search(
 
 
 def _states_exceed(
-    base: Plan, ends: tuple[int, ...], opt: mem.MemoryOptions, budget: float
+    base: Plan, ends: tuple[int, ...], opt: mem.MemoryOptions, budget: float, host: float
 ) -> bool:
-    """True when parameters, gradients and optimizer states alone overflow some stage."""
+    """True when the states alone overflow some stage's GPU, or its node's host memory."""
     vp = opt.kernels.vocab_parallel
     for rank in ends:
         sp = stage_params(base.model, base.tp, base.pp, rank, base.dp_shard, vp)
-        params, grads, optim, working, _, _ = mem._states(base, sp, opt)
-        if params + grads + optim + working > budget:
+        params, grads, optim, working, _, host_bytes = mem._states(base, sp, opt)
+        if params + grads + optim + working > budget or host_bytes > host:
             return True
     return False
 

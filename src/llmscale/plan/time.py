@@ -33,6 +33,7 @@ counts recomputation too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmscale.errors import ConfigError
@@ -101,8 +102,10 @@ def recompute_fraction(plan: Plan) -> float:
 
 
 def _per_node(group: int, stride: int, gpus_per_node: int) -> int:
-    """Members of a group with rank stride `stride` that share a node."""
-    return max(1, min(group, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    """Members of a group with rank stride `stride` that share a node (a divisor of group)."""
+    if stride >= gpus_per_node:
+        return 1
+    return math.gcd(group, gpus_per_node // stride)
 
 
 @dataclass(frozen=True)
