@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-_PRIMITIVE = (int, float, str, bool, type(None))
+_PRIMITIVE = frozenset((int, float, str, bool, type(None)))
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -26,7 +26,7 @@ def identity_cache(maxsize: int = 1 << 16) -> Callable[[Callable[P, R]], Callabl
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             if kwargs:
                 return fn(*args, **kwargs)
-            key = tuple(a if type(a) in _PRIMITIVE else id(a) for a in args)
+            key = tuple([a if a.__class__ in _PRIMITIVE else id(a) for a in args])
             hit = cache.get(key)
             if hit is not None:
                 return hit[1]

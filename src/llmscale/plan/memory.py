@@ -287,11 +287,29 @@ def estimate_memory(plan: Plan, options: MemoryOptions = DEFAULT_OPTIONS) -> Mem
     return _estimate(plan, options)
 
 
+_STATES_CACHE: dict[tuple[object, ...], tuple[float, ...]] = {}
+
+
+def _rank_states(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]:
+    """`_states` of pipeline `rank`, cached on the fields it reads."""
+    key = (
+        id(plan.model), id(opt), plan.tp, plan.pp, rank, plan.dp_shard, plan.zero_stage,
+        plan.offload, plan.precision,
+    )  # fmt: skip
+    hit = _STATES_CACHE.get(key)
+    if hit is None:
+        if len(_STATES_CACHE) > 1 << 16:
+            _STATES_CACHE.clear()
+        _KEEP[id(plan.model)], _KEEP[id(opt)] = plan.model, opt
+        vp = opt.kernels.vocab_parallel
+        sp = stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp)
+        hit = _STATES_CACHE[key] = _states(plan, sp, opt)
+    return hit
+
+
 def _rank_pieces(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]:
     """(params, grads, optimizer, working, activations, transient, host) of one rank."""
-    vp = opt.kernels.vocab_parallel
-    sp = stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp)
-    params, grads, optim, working, transient, host = _states(plan, sp, opt)
+    params, grads, optim, working, transient, host = _rank_states(plan, rank, opt)
     acts = stage_activation_bytes(plan, rank, opt)
     if rank == plan.pp - 1:
         loss = act.loss_transient_bytes(

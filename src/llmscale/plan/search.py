@@ -173,10 +173,10 @@ def search(
                             for zi, oi in states_ok:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
-                                plan = replace(
-                                    base, micro_batch_size=mbs, recompute=rec,
-                                    sequence_parallel=sp, pp_schedule=sched, pp_chunks=v,
-                                    zero_stage=zeros[zi], offload=offloads[oi],
+                                plan = Plan(
+                                    model, seq_len, mbs, global_batch_size, rec,
+                                    space.recompute_every_k, precision, offloads[oi], dp_rep,
+                                    dp_shard, tp, pp, sched, v, sp, zeros[zi],
                                 )  # fmt: skip
                                 total = mem.worst_total(plan, memory_options, ends)
                                 evaluated += 1
