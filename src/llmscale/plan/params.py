@@ -50,6 +50,7 @@ class Group:
     numel: int  # TP-local, unsharded
     shard_numel: int  # rank 0's FSDP shard (padded)
     autocast_numel: int  # of which linear weights and biases: what autocast casts to bf16
+    saved_cast_numel: int = 0  # of which weights: the casts autograd keeps (biases it does not)
 
     @staticmethod
     def of(
@@ -57,7 +58,7 @@ class Group:
     ) -> Group:
         local = [(n, tp_local_shape(n, s, tp, vocab_parallel)) for n, s in shapes]
         linear = [
-            s
+            (n, s)
             for n, s in local
             if ".attention." in n or ".feed_forward." in n or n == "output.weight"
         ]
@@ -65,7 +66,8 @@ class Group:
             tensors=len(local),
             numel=sum(math.prod(s) for _, s in local),
             shard_numel=sum(shard_numel(s, dp_shard) for _, s in local),
-            autocast_numel=sum(math.prod(s) for s in linear),
+            autocast_numel=sum(math.prod(s) for _, s in linear),
+            saved_cast_numel=sum(math.prod(s) for n, s in linear if n.endswith(".weight")),
         )
 
 
@@ -125,6 +127,12 @@ def stage_params(
         assert emb is not None and head is not None
         v, d = model.vocab_size, model.dim
         emb_cast = v * d // (tp if vocab_parallel else 1)
-        emb = Group(emb.tensors, emb.numel, emb.shard_numel, emb.autocast_numel + emb_cast)
+        emb = Group(
+            emb.tensors,
+            emb.numel,
+            emb.shard_numel,
+            emb.autocast_numel + emb_cast,
+            emb.saved_cast_numel + emb_cast,
+        )
     block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
     return StageParams.make(model.n_layers // pp, block, emb, head)
