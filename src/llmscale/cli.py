@@ -257,11 +257,15 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
         epilog="Example: llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 "
         "--global-batch 1024 --top 10 --png plans.png",
     )
-    p.add_argument("--model", default="llama2-70b", help="model preset (llmscale models)")
-    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw)")
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
+    )
+    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    p.add_argument(
+        "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
+    )
     p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--node", help="node shape (default: the GPU's; llmscale hw)")
     p.add_argument("--nic", help="NIC link (default: the node's; e.g. ib-xdr)")
@@ -331,8 +335,10 @@ def _add_roofline(sub: argparse._SubParsersAction[_Parser]) -> None:
         ),
         epilog="Example: llmscale roofline --gpu h200 --model llama2-70b --batch 1 --seq 4096",
     )
-    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw)")
-    p.add_argument("--model", default="llama2-70b", help="model preset (llmscale models)")
+    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's maximum)")
     p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
@@ -383,10 +389,14 @@ def _add_network(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (whole nodes)")
     p.add_argument("--gpu", default="h100", help="GPU name (default h100)")
-    p.add_argument("--model", default="llama2-70b", help="model preset for the plan")
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset for the plan (default llama2-70b)"
+    )
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: GPUs)")
-    p.add_argument("--a2a-mb", type=float, default=256.0, help="all-to-all MB per GPU")
+    p.add_argument(
+        "--a2a-mb", type=float, default=256.0, help="all-to-all MB per GPU (default 256)"
+    )
     p.set_defaults(func=_cmd_network)
 
 
