@@ -32,12 +32,27 @@ CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
             "--model.tie_embeddings",
             "true",
         ],
-        ["--model.name", "gpt2-124m", "--model.n_layers", "2", "--precision.mode", "bf16"],
+        [  # the GPT variant on the tiny shape: LayerNorm, GELU, learned positions, biases, tied
+            "--model.norm",
+            "layernorm",
+            "--model.mlp",
+            "gelu",
+            "--model.pos_emb",
+            "learned",
+            "--model.bias",
+            "true",
+            "--model.tie_embeddings",
+            "true",
+            "--model.n_kv_heads",
+            "4",
+            "--precision.mode",
+            "bf16",
+        ],  # fmt: skip
     ],
-    ids=["fp32", "bf16", "bf16-full", "fp16-selective", "bf16-every_k-tied", "gpt2-bf16"],
+    ids=["fp32", "bf16", "bf16-full", "fp16-selective", "bf16-every_k-tied", "gpt-bf16"],
 )
 def test_states_and_saved_activations_match_the_trainer(cfg_factory, extra: list[str]) -> None:
-    cfg = cfg_factory(*extra, "--checkpoint.enabled", "false")
+    cfg = cfg_factory(*extra, "--data.max_files", "8")
     row = Trainer(cfg).train_step()
     want = expected_runtime_metrics(cfg, options=CPU)
     got = {k: row[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")}
