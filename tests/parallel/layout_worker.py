@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -21,24 +20,61 @@ import torch.distributed as dist
 
 from llmscale.config import load_config
 from llmscale.parallel import full_parameters
+from llmscale.train import trainer as trainer_mod
 from llmscale.train.trainer import Trainer
 
 
-def _counting(counts: Counter[str]) -> list[tuple[str, object]]:
-    """Wrap the collectives FSDP2 uses for gradients so that calls are counted."""
-    patched = []
-    for name in ("reduce_scatter_tensor", "all_reduce", "reduce_scatter_single"):
-        orig = getattr(dist, name, None)
-        if orig is None:
-            continue
+class FirstStepEvents:
+    """Records, during a trainer's first step, gradient-sync switches and gradient reductions.
 
-        def wrapper(*args, __orig=orig, __name=name, **kwargs):
-            counts[__name] += 1
-            return __orig(*args, **kwargs)
+    Gradient reductions are the reduce-scatters (FSDP2) and all-reduces (replicate, HSDP) issued
+    on a mesh sub-group; the trainer's own loss / norm / overflow all-reduces use the default
+    group and are left out.
+    """
 
-        setattr(dist, name, wrapper)
-        patched.append((name, orig))
-    return patched
+    def __init__(self, trainer: Trainer) -> None:
+        self.events: list[str] = []
+        self.active = True
+        self._undo: list[tuple[object, str, object]] = []
+        for name, tag in (
+            ("reduce_scatter_single", "reduce_scatter"),
+            ("all_reduce", "all_reduce"),
+        ):
+            self._wrap(dist, name, self._collective(getattr(dist, name), tag))
+        orig_sync = trainer_mod.set_gradient_sync
+
+        def sync(parts, flag):
+            if self.active:
+                self.events.append(f"sync={flag}")
+            return orig_sync(parts, flag)
+
+        self._wrap(trainer_mod, "set_gradient_sync", sync)
+        orig_step = trainer.train_step
+
+        def first_step():
+            row = orig_step()
+            self.stop()
+            return row
+
+        trainer.train_step = first_step
+
+    def _collective(self, orig, tag):
+        def wrapper(*args, **kwargs):
+            if self.active and kwargs.get("group") is not None:
+                self.events.append(tag)
+            return orig(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap(self, owner, name, new):
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            for owner, name, orig in reversed(self._undo):
+                setattr(owner, name, orig)
 
 
 def main() -> None:
@@ -49,6 +85,7 @@ def main() -> None:
         run_dir = out / layout.get("run", layout["name"])
         cfg = load_config(None, [*spec["base"], "--job.run_dir", str(run_dir), *layout["args"]])
         t = Trainer(cfg)
+        recorder = FirstStepEvents(t)
         result = t.fit()
         params = full_parameters(t.model_parts)
         d = t.dims
@@ -59,6 +96,7 @@ def main() -> None:
                 "steps_done": result.steps_done,
                 "params": params,
                 "stage_ids": t.parallel.stage_ids,
+                "events": recorder.events,
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         dist.barrier()
