@@ -293,7 +293,9 @@ class JobConfig:
             raise ConfigError("parallel.tp", p.tp, f"a divisor of model.ffn_dim={m.ffn_dim}")
         if not m.tie_embeddings and m.vocab_size % p.tp:
             raise ConfigError(
-                "parallel.tp", p.tp, f"a divisor of model.vocab_size={m.vocab_size} (vocab-parallel)"
+                "parallel.tp",
+                p.tp,
+                f"a divisor of model.vocab_size={m.vocab_size} (vocab-parallel)",
             )
         if p.sequence_parallel and (m.tie_embeddings or m.pos_emb != "rope"):
             raise ConfigError(

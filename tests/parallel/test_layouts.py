@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from parallel_harness import BASE, run_layouts
+from parallel_harness import BASE, run_layouts, torchrun
 
 from llmscale.config import load_config
 from llmscale.train.metrics import read_jsonl
@@ -208,3 +208,15 @@ def test_gathered_parameters_are_the_model(world2, reference) -> None:
     got = world2["pp2_interleaved"]["params"]
     assert sum(p.numel() for p in got.values()) == load_config(None, BASE).model.num_params()
     assert all(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in got.values())
+
+
+def test_llmscale_train_under_torchrun(reference, tmp_path) -> None:
+    """The CLI itself, 2 pipeline ranks: rank 0 (first stage) prints and logs the true loss."""
+    run = tmp_path / "cli"
+    r = torchrun(2, "-m", "llmscale", "train", *BASE, "--job.run_dir", str(run), *_p(pp=2))
+    rows = [x for x in read_jsonl(run / "metrics.jsonl") if x["kind"] == "train"]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    for x, want in zip(rows, reference["losses"], strict=True):
+        assert _rel(x["loss"], want) < RTOL
+    assert r.stdout.count("step     1 ") == 1, r.stdout  # one rank prints
+    assert "pp=2 (2 ranks)" in r.stdout

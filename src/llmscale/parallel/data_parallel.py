@@ -20,6 +20,7 @@ fp32. Without data parallelism the trainer's autocast does this job instead.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -38,6 +39,11 @@ def apply_fsdp(
     model: nn.Module, dp_mesh: Any, *, shard: bool, zero_stage: int, precision: str
 ) -> None:
     """Wrap each block, then the root, with fully_shard (shard=True) or replicate."""
+    # The root returns the logits, under TP a view of the all-gathered output; FSDP2 warns that
+    # an in-place op on it would skip its backward hook. The trainer only reads them.
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor"
+    )
     mp = mixed_precision_policy(precision)
     if shard:
         reshard = zero_stage == 3

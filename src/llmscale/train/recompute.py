@@ -91,8 +91,9 @@ class SavedActivations:
         self._hooks: Any = None
 
     def add(self, t: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(t):
-            # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside.
+        if is_traceable_wrapper_subclass(t) and not _is_parameter(t):
+            # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside. A
+            # DTensor parameter (FSDP's unsharded one under TP) is checked before unwrapping.
             attrs, _ = t.__tensor_flatten__()
             for a in attrs:
                 inner = getattr(t, a)
