@@ -121,7 +121,7 @@ class _AppState(Stateful):
 
 
 class Trainer:
-    """One process's view of a training run."""
+    """One rank's view of a training run (the only rank, in a single process)."""
 
     def __init__(self, cfg: JobConfig) -> None:
         # The layout is checked against the world size before any process-group work, so a bad
