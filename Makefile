@@ -13,8 +13,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[dev]'
 	touch $(STAMP)
 
+# The demo trains on 4 CPU processes: FSDP over 2 ranks x tensor parallelism over 2 (docs/parallel.md).
 demo: $(STAMP)
-	$(LLMSCALE) train --config configs/default.toml
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m llmscale train --config configs/default.toml \
+		--parallel.dp_shard 2 --parallel.tp 2
 	$(LLMSCALE) plot runs/demo
 
 test: $(STAMP)
