@@ -18,6 +18,8 @@ demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m llmscale train --config configs/default.toml \
 		--parallel.dp_shard 2 --parallel.tp 2
 	$(LLMSCALE) plot runs/demo
+	$(LLMSCALE) plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 --global-batch 1024 --top 5 \
+		--png runs/demo/plan-llama2-70b-h200.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q
