@@ -439,6 +439,87 @@ def _cmd_network(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---- bench --------------------------------------------------------------------------------
+
+
+def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
+    from llmscale.bench.suites import SUITES
+
+    p = sub.add_parser(
+        "bench",
+        help="measure what the planner predicts: short real trainings, predicted vs measured",
+        description=(
+            "Run short real trainings on this machine and print, for each configuration, what "
+            "the planner predicts, what was measured, and their ratio (predicted / measured). "
+            "Suites: memory (parameters, gradients, optimizer, activations per recompute mode and "
+            "micro-batch), time (step time against a device calibrated by micro-benchmarks), "
+            "recompute (time overhead of each mode), accum (micro-batch x accumulation pairs), "
+            "precision (fp32/bf16/fp16 and the fp16 underflow report), pipeline (measured bubble "
+            "of real pp runs vs the schedule simulator). `all` runs every suite."
+        ),
+    )
+    p.add_argument("--model", default="small", help="model preset (default: small)")
+    p.add_argument(
+        "--what",
+        default="all",
+        help="comma-separated suites: " + ", ".join(SUITES) + ", or all (default: all)",
+    )
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default: 128)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="timed steps per configuration (default: 3)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: 1)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--png", metavar="DIR", help="write the suites' plots into DIR")
+    p.add_argument("--json", metavar="FILE", help="write every row as JSON")
+    p.add_argument(
+        "--markdown", metavar="FILE", help="write the results as Markdown (docs/results.md)"
+    )
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pathlib import Path
+
+    from llmscale.bench.report import markdown, print_suite, write_json
+    from llmscale.bench.runner import BenchOptions
+    from llmscale.bench.suites import SUITES, get_suite
+    from llmscale.model.config import get_preset
+
+    names = list(SUITES) if args.what == "all" else [w.strip() for w in args.what.split(",")]
+    for n in names:
+        if n not in SUITES:
+            raise ConfigError("--what", n, " | ".join([*SUITES, "all"]))
+    get_preset(args.model)
+    for name in ("seq", "steps"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name}", getattr(args, name), "a positive integer")
+    if args.warmup < 0:
+        raise ConfigError("--warmup", args.warmup, ">= 0")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("--device", args.device, "auto | cpu | cuda")
+    opts = BenchOptions(
+        model=args.model,
+        seq_len=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device,
+        png_dir=Path(args.png) if args.png else None,
+    )
+    results = []
+    for n in names:
+        res = get_suite(n)(opts)
+        print_suite(res)
+        results.append(res)
+    if args.json:
+        write_json(results, Path(args.json))
+    if args.markdown:
+        md = Path(args.markdown)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(markdown(results, base=md.parent))
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
@@ -450,6 +531,7 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
     _add_plan,
     _add_roofline,
     _add_network,
+    _add_bench,
 ]
 
 
