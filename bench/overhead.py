@@ -23,7 +23,9 @@ from llmscale.train.trainer import Trainer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="small")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -46,7 +48,9 @@ def main() -> None:
 
     # The plain loop: what one would write by hand.
     model = build_model(cfg.model, trainer.device, seed=cfg.job.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optimizer.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True
+    )
 
     def plain_step(batch: torch.Tensor) -> float:
         t0 = time.perf_counter()
@@ -68,8 +72,10 @@ def main() -> None:
             t_trainer.append(row["step_time_s"])
             t_plain.append(dt_plain)
     mt, mp = statistics.median(t_trainer), statistics.median(t_plain)
-    print(f"model {args.model} ({cfg.model.num_params():,} params), batch {args.batch} x {args.seq}, "
-          f"{args.steps} timed steps, {torch.get_num_threads()} threads")
+    print(
+        f"model {args.model} ({cfg.model.num_params():,} params), batch {args.batch} x {args.seq}, "
+        f"{args.steps} timed steps, {torch.get_num_threads()} threads"
+    )
     print(f"plain loop   median step {1000 * mp:8.1f} ms")
     print(f"llmscale     median step {1000 * mt:8.1f} ms")
     print(f"ratio trainer/plain = {mt / mp:.3f}  (goal <= 1.03)")

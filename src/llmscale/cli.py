@@ -219,6 +219,326 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---- hw -----------------------------------------------------------------------------------
+
+
+def _add_hw(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "hw",
+        help="the hardware catalog: GPUs, links, node shapes, topologies",
+        description=(
+            "Print the planner's hardware catalog (src/llmscale/hardware/data/*.toml): "
+            "accelerators with HBM and dense peak FLOP/s per dtype, links with per-direction "
+            "bandwidth and alpha latency, node shapes and network topologies. Every number "
+            "carries a source; --sources lists them."
+        ),
+        epilog="Example: llmscale hw --compare nvlink5 pcie5   (or two GPUs: h200 mi325x)",
+    )
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="ratios of two links or two GPUs")
+    p.add_argument("--sources", action="store_true", help="list the source of every number")
+    p.set_defaults(func=_cmd_hw)
+
+
+def _cmd_hw(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.hardware.catalog import default_catalog
+    from llmscale.plan import report
+    from llmscale.ui import console
+
+    cat = default_catalog()
+    out = console()
+    if args.compare:
+        a, b = args.compare
+        out.print(report.compare_table(cat, a, b))
+        return 0
+    if args.sources:
+        out.print(report.sources_table(cat))
+        return 0
+    for table in report.hardware_tables(cat):
+        out.print(table)
+    return 0
+
+
+# ---- plan ---------------------------------------------------------------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search parallel layouts: the fastest plans that fit, with memory and step time",
+        description=(
+            "Enumerate tp x pp x dp (replicated, FSDP-sharded or hybrid) with micro-batch size, "
+            "recompute mode, ZeRO stage, pipeline schedule and chunks, sequence parallelism and "
+            "offload; keep those whose divisibility holds (tp <= GPUs per node and divides the "
+            "heads, kv heads and ffn_dim; pp divides the layers; the global batch divides by "
+            "micro-batch x dp) and whose fullest GPU fits; rank by predicted step time. Memory "
+            "is per GPU (docs/memory-model.md), time from plan/time.py (docs/planner.md)."
+        ),
+        epilog="Example: llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 "
+        "--global-batch 1024 --top 10 --png plans.png",
+    )
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
+    )
+    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument(
+        "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
+    )
+    p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--node", help="node shape (default: the GPU's; llmscale hw)")
+    p.add_argument("--nic", help="NIC link (default: the node's; e.g. ib-xdr)")
+    p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
+    p.add_argument("--png", help="also draw the top plans' memory as stacked bars to this PNG")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from llmscale.model.config import get_preset
+    from llmscale.plan import report
+    from llmscale.plan.cluster import Cluster
+    from llmscale.plan.search import search
+    from llmscale.ui import console
+
+    model = get_preset(args.model)
+    cluster = Cluster.of(args.gpu, node=args.node, nic=args.nic)
+    res = search(model, args.gpus, cluster, args.seq, args.global_batch, args.precision, args.top)
+    inputs = {
+        "model": args.model, "gpu": args.gpu, "gpus": args.gpus, "seq": args.seq,
+        "global_batch": args.global_batch, "precision": args.precision,
+        "node": cluster.node.name, "nic": cluster.fabric.inter.name,
+    }  # fmt: skip
+    if args.png and res.candidates:
+        report.memory_png(res, args.png)
+    if args.json:
+        print(json.dumps(report.search_json(res, inputs), indent=2))
+        return 0
+    out = console()
+    out.print(
+        f"{args.model} on {args.gpus} x {cluster.gpu.display} ({cluster.node.name}, "
+        f"{cluster.fabric.inter.name}); seq {args.seq}, global batch {args.global_batch}, "
+        f"{args.precision}: {res.evaluated:,} plans costed, {res.feasible:,} fit, "
+        f"searched in {res.seconds:.2f} s"
+    )
+    if not res.candidates:
+        out.print("no plan fits: try more GPUs, a smaller global batch or a shorter sequence")
+        return 0
+    out.print(report.search_table(res))
+    best = res.candidates[0]
+    out.print("best: llmscale train " + " ".join(best.plan.overrides()))
+    out.print(
+        "memory columns are the fullest GPU, GiB: states = params + grads + optimizer; "
+        "working = bf16 weight copies or FSDP-unsharded params; transient includes the "
+        "allocator's 5%"
+    )
+    if args.png:
+        out.print(f"wrote {args.png}")
+    return 0
+
+
+# ---- roofline -----------------------------------------------------------------------------
+
+
+def _add_roofline(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "roofline",
+        help="arithmetic intensity of training and decoding vs the GPU's ridge point",
+        description=(
+            "FLOPs per byte of HBM traffic for a training step (batch x seq tokens) and for "
+            "decoding one token for each of `batch` sequences with `seq` tokens of KV cache, "
+            "compared with the GPU's ridge point (dense peak / HBM bandwidth): above it the "
+            "work is compute-bound, below it memory-bound."
+        ),
+        epilog="Example: llmscale roofline --gpu h200 --model llama2-70b --batch 1 --seq 4096",
+    )
+    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's maximum)")
+    p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.set_defaults(func=_cmd_roofline)
+
+
+def _cmd_roofline(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.hardware.catalog import get_gpu
+    from llmscale.model.config import get_preset
+    from llmscale.plan import report, roofline
+    from llmscale.ui import console
+
+    model, gpu = get_preset(args.model), get_gpu(args.gpu)
+    if args.precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError("precision", args.precision, "fp32 | bf16 | fp16")
+    seq = args.seq or model.max_seq_len
+    rows = [
+        roofline.training(model, gpu, args.batch, seq, args.precision),
+        roofline.decode(model, gpu, args.batch, seq, args.precision),
+    ]
+    out = console()
+    out.print(f"{model.name} on {gpu.display}")
+    out.print(report.roofline_table(rows))
+    b = roofline.decode_batch_at_ridge(model, gpu, seq, args.precision)
+    if b == float("inf"):
+        where = f"stays memory-bound at any batch with {seq} tokens of context (KV cache)"
+    else:
+        where = f"turns compute-bound above batch {b:,.0f} with {seq} tokens of context"
+    out.print(f"training: {rows[0].bound}; decode {where}")
+    return 0
+
+
+# ---- network ------------------------------------------------------------------------------
+
+
+def _add_network(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "network",
+        help="rail-optimized fat-tree vs rail-only (and optics): switches, cost, step time",
+        description=(
+            "Size a non-blocking rail-optimized fat-tree and a rail-only network (Wang et al. "
+            "2023) for the GPUs: tiers, switches, links, transceivers and cost (assumed prices "
+            "in hardware/data/network.toml), plus a co-packaged-optics fat-tree; then the step "
+            "time of the best plan for --model on each, and an all-to-all (MoE-style) time, "
+            "where rail-only forwards cross-rail bytes over NVLink."
+        ),
+        epilog="Example: llmscale network --gpus 1024 --gpu h100",
+    )
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (whole nodes)")
+    p.add_argument("--gpu", default="h100", help="GPU name (default h100)")
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset for the plan (default llama2-70b)"
+    )
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: GPUs)")
+    p.add_argument(
+        "--a2a-mb", type=float, default=256.0, help="all-to-all MB per GPU (default 256)"
+    )
+    p.set_defaults(func=_cmd_network)
+
+
+def _cmd_network(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.model.config import get_preset
+    from llmscale.plan import network, report
+    from llmscale.plan.cluster import Cluster
+    from llmscale.plan.search import search
+    from llmscale.plan.time import estimate_step_time
+    from llmscale.ui import console
+
+    model = get_preset(args.model)
+    base = Cluster.of(args.gpu)
+    if args.gpus < 1 or args.gpus % base.gpus_per_node:
+        raise ConfigError(
+            "gpus", args.gpus, f"a positive multiple of {base.gpus_per_node} (whole nodes)"
+        )
+    gbs = args.global_batch or args.gpus
+    found = search(model, args.gpus, base, args.seq, gbs, top=1)
+    if not found.candidates:
+        raise ConfigError("gpus", args.gpus, f"enough GPUs for a {model.name} plan to fit")
+    best = found.candidates[0].plan
+    rows = network.compare(
+        args.gpus, args.gpu, lambda c: estimate_step_time(best, c).seconds, args.a2a_mb * 1e6
+    )
+    out = console()
+    out.print(report.network_table(rows, args.gpus, args.gpu))
+    lab = report.plan_label(best)
+    layout = ", ".join(f"{k} {lab[k]}" for k in ("tp", "pp", "dp", "mbs", "recompute"))
+    out.print(
+        f"plan: {model.name}, seq {args.seq}, global batch {gbs}: {layout}. Its tensor-, data- "
+        "and pipeline-parallel peers across nodes share a rail, so rail-only leaves its step "
+        "time unchanged"
+    )
+    fat, rail = rows[0].all_to_all_seconds, rows[1].all_to_all_seconds
+    out.print(
+        f"all-to-all of {args.a2a_mb:g} MB per GPU (MoE-style): rail-only {rail / fat - 1:+.1%} "
+        "for forwarding cross-rail bytes over NVLink (Wang et al. 2023 report +8.2% to +11.2%)"
+    )
+    return 0
+
+
+# ---- bench --------------------------------------------------------------------------------
+
+
+def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
+    from llmscale.bench.suites import SUITES
+
+    p = sub.add_parser(
+        "bench",
+        help="measure what the planner predicts: short real trainings, predicted vs measured",
+        description=(
+            "Run short real trainings on this machine and print, for each configuration, what "
+            "the planner predicts, what was measured, and their ratio (predicted / measured). "
+            "Suites: memory (parameters, gradients, optimizer, activations per recompute mode and "
+            "micro-batch), time (step time against a device calibrated by micro-benchmarks), "
+            "recompute (time overhead of each mode), accum (micro-batch x accumulation pairs), "
+            "precision (fp32/bf16/fp16 and the fp16 underflow report), pipeline (measured bubble "
+            "of real pp runs vs the schedule simulator). `all` runs every suite."
+        ),
+    )
+    p.add_argument("--model", default="small", help="model preset (default: small)")
+    p.add_argument(
+        "--what",
+        default="all",
+        help="comma-separated suites: " + ", ".join(SUITES) + ", or all (default: all)",
+    )
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default: 128)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="timed steps per configuration (default: 3)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: 1)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--png", metavar="DIR", help="write the suites' plots into DIR")
+    p.add_argument("--json", metavar="FILE", help="write every row as JSON")
+    p.add_argument(
+        "--markdown", metavar="FILE", help="write the results as Markdown (docs/results.md)"
+    )
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pathlib import Path
+
+    from llmscale.bench.report import markdown, print_suite, write_json
+    from llmscale.bench.runner import BenchOptions
+    from llmscale.bench.suites import SUITES, get_suite
+    from llmscale.model.config import get_preset
+
+    names = list(SUITES) if args.what == "all" else [w.strip() for w in args.what.split(",")]
+    for n in names:
+        if n not in SUITES:
+            raise ConfigError("--what", n, " | ".join([*SUITES, "all"]))
+    get_preset(args.model)
+    for name in ("seq", "steps"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name}", getattr(args, name), "a positive integer")
+    if args.warmup < 0:
+        raise ConfigError("--warmup", args.warmup, ">= 0")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("--device", args.device, "auto | cpu | cuda")
+    opts = BenchOptions(
+        model=args.model,
+        seq_len=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device,
+        png_dir=Path(args.png) if args.png else None,
+    )
+    results = []
+    for n in names:
+        res = get_suite(n)(opts)
+        print_suite(res)
+        results.append(res)
+    if args.json:
+        write_json(results, Path(args.json))
+    if args.markdown:
+        md = Path(args.markdown)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(markdown(results, base=md.parent))
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
@@ -226,6 +546,11 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
     _add_plot,
     _add_models,
     _add_schedule,
+    _add_hw,
+    _add_plan,
+    _add_roofline,
+    _add_network,
+    _add_bench,
 ]
 
 

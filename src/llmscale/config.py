@@ -239,8 +239,18 @@ class ParallelSection:
             raise ConfigError(
                 "parallel.pp_chunks", self.pp_chunks, "1 unless pp_schedule = 'interleaved_1f1b'"
             )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.pp_chunks < 2:
+            raise ConfigError(
+                "parallel.pp_chunks", self.pp_chunks, ">= 2 with pp_schedule = 'interleaved_1f1b'"
+            )
+        if self.pp == 1 and self.pp_chunks != 1:
+            raise ConfigError("parallel.pp_chunks", self.pp_chunks, "1 when parallel.pp = 1")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel", True, "false when parallel.tp = 1")
+        if self.dp_shard > 1 and self.zero_stage == 0:
+            raise ConfigError(
+                "parallel.zero_stage", 0, "1 | 2 | 3 when parallel.dp_shard > 1 (FSDP shards)"
+            )
 
 
 @dataclass
@@ -290,6 +300,20 @@ class JobConfig:
             raise ConfigError("parallel.tp", p.tp, f"a divisor of model.n_heads={m.n_heads}")
         if m.n_kv_heads % p.tp:
             raise ConfigError("parallel.tp", p.tp, f"a divisor of model.n_kv_heads={m.n_kv_heads}")
+        if m.ffn_dim % p.tp:
+            raise ConfigError("parallel.tp", p.tp, f"a divisor of model.ffn_dim={m.ffn_dim}")
+        if not m.tie_embeddings and m.vocab_size % p.tp:
+            raise ConfigError(
+                "parallel.tp",
+                p.tp,
+                f"a divisor of model.vocab_size={m.vocab_size} (vocab-parallel)",
+            )
+        if p.sequence_parallel and (m.tie_embeddings or m.pos_emb != "rope"):
+            raise ConfigError(
+                "parallel.sequence_parallel",
+                True,
+                "false for models with tied embeddings or learned positions",
+            )
         if p.sequence_parallel and self.data.seq_len % p.tp:
             raise ConfigError(
                 "data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}"
@@ -308,6 +332,13 @@ class JobConfig:
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"at least pp={p.pp} micro-batches per step (micro_batch_size x dp x pp)",
+            )
+        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and self.accum_steps % p.pp:
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"micro-batches per step (global / (micro_batch_size x dp) = {self.accum_steps})"
+                f" a multiple of pp={p.pp} for interleaved_1f1b",
             )
         if self.optimizer.offload != "none" and self.precision.underflow_steps:
             raise ConfigError(

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from llmscale.config import PrecisionSection
 from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
-from llmscale.offload import OffloadedAdamW, layer_units, overlap_stats
+from llmscale.offload import OffloadedAdamW, layer_units, overlap_stats, unscale_and_clip
+from llmscale.parallel.dims import ParallelDims
+from llmscale.parallel.grads import clip_grad_norm_
 from llmscale.train.optim import build_optimizer as torch_adamw
 from llmscale.train.precision import DynamicLossScaler, autocast
 
@@ -52,7 +54,7 @@ def _train_reference(model, batches, max_norm):
             loss = _loss(model, mb)
             (loss / len(micro)).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True)
+        clip_grad_norm_(list(model.parameters()), max_norm, ParallelDims())  # the trainer's
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / len(micro))
@@ -68,8 +70,8 @@ def _train_offloaded(model, opt, batches, max_norm, scaler=None):
             loss = _loss(model, mb)
             scaler.scale_loss(loss / len(micro)).backward()
             total += loss.item()
-        found = opt.unscale_and_check(scaler)
-        norms.append(float(opt.clip_grad_norm_(max_norm)))
+        found, norm = unscale_and_clip([opt], scaler, max_norm)
+        norms.append(float(norm))
         if not found:
             opt.step()
         scaler.update(found)
@@ -150,7 +152,7 @@ def test_update_in_backward_runs_during_backward_and_matches(kernel: str) -> Non
         # The head's update starts before the embedding's gradient is even computed.
         assert first_update < max(iv.end for iv in back)
     with pytest.raises(RuntimeError, match="clipping"):
-        opt.clip_grad_norm_(1.0)
+        unscale_and_clip([opt], DynamicLossScaler(PrecisionSection(), enabled=False), 1.0)
 
 
 def test_more_micro_steps_than_declared_is_an_error_when_updating_in_backward() -> None:
@@ -209,8 +211,8 @@ def test_fp16_unscale_is_folded_in_and_an_overflow_skips_the_step() -> None:
     masters = [opt.state[p]["master"].clone() for p in model.parameters()]
     (mb,) = _batches(1, 1)[0]
     scaler.scale_loss(_loss(model, mb, "fp16")).backward()
-    assert not opt.unscale_and_check(scaler)
-    norm = opt.clip_grad_norm_(1.0)
+    found, norm = unscale_and_clip([opt], scaler, 1.0)
+    assert not found
     expect = torch.linalg.vector_norm(
         torch.stack(
             [torch.linalg.vector_norm(grads[n] / 2.0**10) for n, _ in model.named_parameters()]
@@ -239,8 +241,8 @@ def test_fp16_unscale_is_folded_in_and_an_overflow_skips_the_step() -> None:
     before = [opt.state[p]["master"].clone() for p in model.parameters()]
     weights = [p.detach().clone() for p in model.parameters()]
     (_loss(model, mb, "fp16") * 1e30).backward()
-    assert opt.unscale_and_check(scaler)
-    assert not math.isfinite(opt.clip_grad_norm_(1.0).item())
+    found, norm = unscale_and_clip([opt], scaler, 1.0)
+    assert found and not math.isfinite(norm.item())
     scaler.update(True)
     opt.zero_grad()
     assert scaler.scale == 2.0**9

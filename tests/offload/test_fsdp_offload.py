@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from llmscale.config import OptimizerSection, PrecisionSection
 from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
-from llmscale.offload import OffloadedAdamW
+from llmscale.offload import OffloadedAdamW, unscale_and_clip
 from llmscale.train.optim import build_optimizer as torch_adamw
 from llmscale.train.precision import DynamicLossScaler
 
@@ -57,8 +57,8 @@ def _run(model, opt, batches, offloaded: bool) -> list[float]:
             (loss / len(micro)).backward()
             losses.append(loss.item())
         if offloaded:
-            assert not opt.unscale_and_check(scaler)
-            opt.clip_grad_norm_(0.5)
+            found, _ = unscale_and_clip([opt], scaler, 0.5, stage_size=WORLD)
+            assert not found
         else:
             torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
         opt.step()

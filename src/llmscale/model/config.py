@@ -138,6 +138,39 @@ class ModelConfig:
         """Total number of parameters (tied weights counted once)."""
         return self.embedding_params() + self.n_layers * self.layer_params() + self.head_params()
 
+    def parameter_shapes(self, layer: int = 0) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """Every parameter tensor's name and shape, as `model/transformer.py` registers them.
+
+        Grouped as {"embedding": [...], "block": [...], "head": [...]}; block names are those of
+        layer `layer` (every block has the same shapes). The planner needs shapes, not just
+        counts: FSDP pads each tensor's first dimension to a multiple of the shard count.
+        """
+        d, kv, f, v = self.dim, self.kv_dim, self.ffn_dim, self.vocab_size
+        bias = self.bias
+
+        def linear(name: str, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]]:
+            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
+
+        def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
+            shift = self.norm == "layernorm" and bias
+            return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if shift else [])
+
+        emb: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (v, d))]
+        if self.pos_emb == "learned":
+            emb.append(("pos_embeddings.weight", (self.max_seq_len, d)))
+        p = f"layers.{layer}."
+        block = norm(p + "attention_norm")
+        block += linear(p + "attention.wq", d, d) + linear(p + "attention.wk", kv, d)
+        block += linear(p + "attention.wv", kv, d) + linear(p + "attention.wo", d, d)
+        block += norm(p + "ffn_norm")
+        block += linear(p + "feed_forward.w1", f, d) + linear(p + "feed_forward.w2", d, f)
+        if self.gated:
+            block += linear(p + "feed_forward.w3", f, d)
+        head = norm("norm")
+        if not self.tie_embeddings:
+            head.append(("output.weight", (v, d)))
+        return {"embedding": emb, "block": block, "head": head}
+
     # ---- FLOPs ------------------------------------------------------------------------------
     def block_forward_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token of all transformer blocks: 2 per multiply-accumulate.
@@ -149,6 +182,10 @@ class ModelConfig:
         """
         weights = self.attention_weights() + self.mlp_weights()
         return 2.0 * self.n_layers * (weights + 2 * seq_len * self.dim)
+
+    def attention_core_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of every block's QK^T and AV (what selective recompute redoes)."""
+        return 2.0 * self.n_layers * 2 * seq_len * self.dim
 
     def head_forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the output projection to the vocabulary."""

@@ -3,7 +3,12 @@
 See docs/offload.md. `build_optimizer(model, cfg)` is what the trainer calls.
 """
 
-from llmscale.offload.adamw import OffloadedAdamW, fused_cpu_adamw_available, layer_units
+from llmscale.offload.adamw import (
+    OffloadedAdamW,
+    fused_cpu_adamw_available,
+    layer_units,
+    unscale_and_clip,
+)
 from llmscale.offload.build import build_optimizer, optimizer_memory, update_in_backward
 from llmscale.offload.timeline import Interval, Timeline, overlap_stats, read_timeline
 
@@ -17,5 +22,6 @@ __all__ = [
     "optimizer_memory",
     "overlap_stats",
     "read_timeline",
+    "unscale_and_clip",
     "update_in_backward",
 ]

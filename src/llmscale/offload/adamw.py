@@ -141,8 +141,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     (wait for a unit's upload) and the state-dict hooks (wait for all uploads).
 
     The training loop's protocol, once per optimizer step after backward:
-    `unscale_and_check(scaler)`, `clip_grad_norm_(max_norm)`, `step()` unless skipped,
-    `zero_grad()`.
+    `unscale_and_clip(optimizers, scaler, max_norm)` (overflow flag and global norm), `step()`
+    unless skipped, `zero_grad()`.
     """
 
     def __init__(
@@ -160,7 +160,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         kernel: str = "fused",
         pin_memory: bool | None = None,
         link_bytes_per_s: float | None = None,
-        process_group: dist.ProcessGroup | None = None,
         units: Callable[[Sequence[str]], list[tuple[str, list[str]]]] = layer_units,
         timeline_steps: int = 4,
     ) -> None:
@@ -184,7 +183,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.overlap = overlap
         self.update_in_backward = update_in_backward
         self.accum_steps = accum_steps
-        self.process_group = process_group
         self.pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.working_dtype = working_dtype or local_tensor(named[0][1]).dtype
         self.timeline = Timeline(self.device, keep_steps=timeline_steps)
@@ -214,7 +212,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._update_order = list(self.units)  # forward order; `attach` may move some first
         self._step_index = 0
         self._coef: torch.Tensor | None = None  # 1/loss_scale x clip coefficient, for this step
-        self._inv_scale = 1.0
         self._cursor: Any = None  # compute-lane mark where the current compute interval began
         self._fwd_unit: int | None = None
 
@@ -224,14 +221,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         local = local_tensor(p).detach()
         master = _host_empty(local, torch.float32, self.pin)
         master.copy_(local)
-        if self.working_dtype != local.dtype and _is_dtensor(p):
-            raise ValueError(
-                f"{name}: a DTensor parameter in {local.dtype} cannot be cast to the working "
-                f"dtype {self.working_dtype} in place; cast the model before sharding it"
-            )
-        if self.working_dtype != local.dtype:
-            with torch.no_grad():
-                p.data = p.data.to(self.working_dtype)
         needs_staging = self.working_dtype != torch.float32 or self.accum_steps > 1
         slot = _Slot(
             index=index,
@@ -257,14 +246,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     # ---- module hooks ----------------------------------------------------------------------
     def attach(self, model: nn.Module) -> OffloadedAdamW:
-        """Wait for each unit's upload before its forward; sync around state-dict use.
+        """Cast the weights to the working dtype; hook the forward and the state dict.
 
-        A unit is waited for in the forward pre-hook of the module that first reads its weights:
+        The master copies were taken in full precision when the optimizer was made; from here
+        the model's parameters are the working copy (under FSDP2 the sharded ones: FSDP2 keeps
+        the same parameter objects and its all-gathers read them in that dtype). Buffers keep
+        their dtype (RoPE tables stay fp32).
+
+        Each unit is waited for in the forward pre-hook of the module that first reads its weights:
         its block; the root for "embed" (the model may read those weights directly); the owning
         modules otherwise. Under FSDP2 it is the nearest `fully_shard`-ed module above the
         weights, whose own pre-forward hook all-gathers them: ours is prepended to run first.
         Units waited for at the root are updated first.
         """
+        _cast_parameters(model, self.working_dtype)
+        for s in self.slots:
+            if s.local.dtype != self.working_dtype:
+                raise ValueError(f"{s.name} is not a parameter of the attached model")
         sharded = any(_is_fsdp_module(m) for m in model.modules())
         at_root: list[_Unit] = []
         for u in self.units:
@@ -365,7 +363,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._cursor is not None:
             self._compute(unit.name, "backward", self._cursor, now)
         assert p.grad is not None
-        g = local_tensor(p.grad)
+        g = p.grad
+        if _is_dtensor(g) and _is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
+            # Under TP autograd may leave a Partial (sequence-parallel norms) or Replicate
+            # (vocab-parallel embedding) gradient: give it its parameter's layout first, as
+            # parallel.grads.match_grad_placements_ does on the device path.
+            g = g.redistribute(device_mesh=p.device_mesh, placements=p.placements)
+        g = local_tensor(g)
         p.grad = None  # the device gradient lives only until its copy has read it
         if unit.final_submitted:
             if self.update_in_backward:
@@ -451,52 +455,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _active(self) -> list[_Slot]:
         return [s for s in self.slots if s.micro > 0]
 
-    def unscale_and_check(self, scaler: DynamicLossScaler) -> bool:
-        """True when any rank's gradients hold inf/nan (skip the step); the unscale is deferred.
+    def local_grad_norms(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, 2-norm of this rank's accumulated host gradient), in parameter order.
 
-        The check reads each tensor's norm (taken on the host as its unit's gradients arrived):
-        a norm is finite exactly when every element is. The division by the loss scale is
-        folded into the update (and into the reported norm).
+        For the parameters that got a gradient this step; waits for the norms (taken on the
+        host as each unit's gradients arrived), not for any update.
         """
-        if not scaler.enabled:
-            return False
-        if self.update_in_backward:
-            raise RuntimeError("update_in_backward cannot be used with loss scaling")
         self._finish_backward()
-        norms = [s.norm for s in self._active() if s.norm is not None]
-        found = (
-            torch.logical_not(torch.isfinite(torch.stack(norms)).all()).float()
-            if norms
-            else torch.zeros(())
-        )
-        if dist.is_available() and dist.is_initialized():
-            found = found.to(_collective_device(self.process_group))
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
-        self._inv_scale = 1.0 / scaler.scale
-        self._coef = torch.tensor(self._inv_scale, dtype=torch.float32)
-        return bool(found.item())
+        return [(s.param, s.norm) for s in self._active() if s.norm is not None]
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The global gradient 2-norm (unscaled); the clip coefficient is applied in the update.
-
-        Computed as `torch.nn.utils.clip_grad_norm_` does, from the per-tensor norms; across
-        ranks (each holding a shard) as the root of the all-reduced sum of squares.
-        """
-        if self.update_in_backward and math.isfinite(max_norm):
-            raise RuntimeError("update_in_backward cannot be used with gradient clipping")
-        self._finish_backward()
-        norms = [s.norm for s in self._active() if s.norm is not None]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.tensor(0.0)
-        if dist.is_available() and dist.is_initialized():
-            sq = (total.double() ** 2).to(_collective_device(self.process_group))
-            dist.all_reduce(sq, group=self.process_group)
-            total = sq.sqrt().float().cpu()
-        if self._inv_scale != 1.0:
-            total = total * self._inv_scale
-        if math.isfinite(max_norm):
-            clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            self._coef = clip * self._inv_scale if self._inv_scale != 1.0 else clip
-        return total
+    def set_grad_multiplier(self, coef: torch.Tensor | None) -> None:
+        """What the update multiplies this step's host gradients by: 1/loss scale x clip."""
+        if coef is not None and self.update_in_backward:
+            raise RuntimeError(
+                "update_in_backward: the update ran before any clipping or loss scaling"
+            )
+        self._coef = coef
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -577,7 +551,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             u.final_submitted = False
             u.norm_future = None
         self._coef = None
-        self._inv_scale = 1.0
         self._step_index += 1
         self.timeline.prune(self._step_index)
 
@@ -657,7 +630,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         moments = [t for s in self.slots for t in (s.exp_avg, s.exp_avg_sq, s.step)]
         masters = [s.master for s in self.slots]
         return {
-            "optimizer_bytes": on_device(moments),  # device-resident, as for the plain path
             "device_optimizer_bytes": on_device(moments),
             "device_master_bytes": on_device(masters),
             "host_optimizer_bytes": on_host(moments),
@@ -684,6 +656,73 @@ class OffloadedAdamW(torch.optim.Optimizer):
             h.remove()
         self._hooks, self._module_hooks = [], []
         self._finalizer()
+
+
+@torch.no_grad()
+def unscale_and_clip(
+    optimizers: Sequence[OffloadedAdamW],
+    scaler: DynamicLossScaler,
+    max_norm: float,
+    stage_size: int = 1,
+) -> tuple[bool, torch.Tensor]:
+    """Overflow check, unscale and clip for offloaded optimizers (one per model part).
+
+    The on-device path's reductions (`DynamicLossScaler.unscale_and_check`,
+    `parallel.grads.clip_grad_norm_`), from the per-tensor norms the pipeline took on the host:
+    the overflow flag (a norm is finite exactly when every element is) is all-reduced with MAX
+    over the job; the norm is the root of the job-wide sum of each local norm's square, weighted
+    by (shards of the tensor) / `stage_size` (dp x tp: the ranks holding a stage's parameters).
+    Returns (found_inf, unscaled global norm). Nothing is multiplied here: 1/scale and the clip
+    coefficient become one factor that the update applies to the host gradients.
+    """
+    from llmscale.parallel.grads import _shards
+
+    pairs = [pn for opt in optimizers for pn in opt.local_grad_norms()]
+    found = False
+    inv = 1.0
+    if scaler.enabled:
+        flag = (
+            torch.logical_not(torch.isfinite(torch.stack([n for _, n in pairs]))).any().float()
+            if pairs
+            else torch.zeros(())
+        )
+        found = bool(_all_reduce(flag, dist.ReduceOp.MAX).item())
+        inv = 1.0 / scaler.scale
+    if pairs:
+        norms = torch.stack([n for _, n in pairs]).float()
+        weights = torch.tensor([_shards(p) / stage_size for p, _ in pairs])
+        sq = (norms**2 * weights).sum()
+    else:
+        sq = torch.zeros(())
+    total = _all_reduce(sq, dist.ReduceOp.SUM).sqrt()
+    if inv != 1.0:  # exact: the scale is a power of two
+        total = total * inv
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0) if math.isfinite(max_norm) else None
+    if inv != 1.0:
+        coef = coef * inv if coef is not None else torch.tensor(inv)
+    for opt in optimizers:
+        opt.set_grad_multiplier(coef)
+    return found, total
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
+    """Over the whole job when a process group is up (on the backend's device); else `t`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return t
+    on = t.to(_collective_device(None))
+    dist.all_reduce(on, op=op)
+    return on.cpu()
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)` for the parameters only (FSDP2 handles its sharded ones in `_apply`)."""
+    if all(p.dtype == dtype for p in model.parameters()):
+        return
+    buffers = dict(model.named_buffers())
+    model.to(dtype)
+    for name, b in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = b
 
 
 def _now() -> float:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmscale.config import JobConfig
-from llmscale.offload.adamw import OffloadedAdamW
+from llmscale.offload.adamw import OffloadedAdamW, _is_fsdp_module
 from llmscale.train import optim
 from llmscale.train.metrics import optimizer_state_bytes
 from llmscale.train.precision import DTYPES
@@ -35,6 +36,9 @@ def build_optimizer(
     o = cfg.optimizer
     if o.offload == "none":
         return optim.build_optimizer(model, o)
+    # FSDP2 and replicate reduce gradients on the last micro-step only (the trainer turns the
+    # sync off before), and only then run the parameters' gradient hooks: once per step.
+    reduced_once = any(_is_fsdp_module(m) for m in model.modules())
     opt = OffloadedAdamW(
         model.named_parameters(),
         lr=o.lr,
@@ -44,22 +48,26 @@ def build_optimizer(
         working_dtype=DTYPES[cfg.precision.mode],
         overlap=o.offload_overlap,
         update_in_backward=update_in_backward(cfg),
-        accum_steps=cfg.accum_steps,
+        accum_steps=1 if reduced_once else cfg.accum_steps,
         kernel=o.offload_kernel,
         link_bytes_per_s=link_bytes_per_s,
     )
     return opt.attach(model)
 
 
-def optimizer_memory(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The metrics row's optimizer ledger: device- and host-resident bytes by role."""
-    if isinstance(optimizer, OffloadedAdamW):
-        return dict(optimizer.memory_report())
-    b = optimizer_state_bytes(optimizer)
-    return {
-        "optimizer_bytes": b,
-        "device_optimizer_bytes": b,
-        "device_master_bytes": 0,  # the fp32 parameters are the master weights
-        "host_optimizer_bytes": 0,
-        "host_master_bytes": 0,
-    }
+def optimizer_memory(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The metrics row's optimizer ledger over this rank's optimizers (one per model part).
+
+    `optimizer_bytes` is the Adam moments and step counters wherever they live (as before,
+    and as the planner predicts it); the `device_*`/`host_*` keys say where.
+    """
+    keys = ("device_optimizer_bytes", "device_master_bytes", "host_optimizer_bytes")
+    row: dict[str, Any] = dict.fromkeys((*keys, "host_master_bytes"), 0)
+    for opt in optimizers:
+        if isinstance(opt, OffloadedAdamW):
+            for k, v in opt.memory_report().items():
+                row[k] = row.get(k, 0) + v
+        else:
+            row["device_optimizer_bytes"] += optimizer_state_bytes(opt)
+    row["optimizer_bytes"] = row["device_optimizer_bytes"] + row["host_optimizer_bytes"]
+    return row

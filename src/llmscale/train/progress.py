@@ -67,7 +67,20 @@ class StepReporter:
             f"({trainer.n_params:,} params) on {trainer.device}, {c.precision.mode}, "
             f"recompute={c.train.recompute}, global batch {c.train.global_batch_size} x "
             f"{c.data.seq_len} tokens = {c.train.micro_batch_size} x {c.accum_steps} accum"
+            + (f" x dp {trainer.dims.dp}" if trainer.dims.dp > 1 else "")
         )
+        if trainer.dims.world_size > 1:
+            p = c.parallel
+            extras = [
+                f"schedule {p.pp_schedule}" + (f" x{p.pp_chunks} chunks" if p.pp_chunks > 1 else "")
+                if p.pp > 1
+                else "",
+                "sequence parallel" if p.sequence_parallel else "",
+                f"zero {p.zero_stage}" if p.dp_shard > 1 else "",
+            ]
+            self.console.print(
+                f"layout: {trainer.dims.describe()}" + "".join(f", {e}" for e in extras if e)
+            )
         self.console.print(f"data: {trainer.corpus_summary}")
         if resumed:
             self.console.print(f"resumed from step {trainer.step}")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 
 from llmscale.model.transformer import AttentionCore, TransformerBlock
@@ -90,7 +91,15 @@ class SavedActivations:
         self._hooks: Any = None
 
     def add(self, t: torch.Tensor) -> None:
-        t = _local(t)
+        if is_traceable_wrapper_subclass(t) and not _is_parameter(t):
+            # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside. A
+            # DTensor parameter (FSDP's unsharded one under TP) is checked before unwrapping.
+            attrs, _ = t.__tensor_flatten__()
+            for a in attrs:
+                inner = getattr(t, a)
+                if isinstance(inner, torch.Tensor):
+                    self.add(inner)
+            return
         if t.device.type == "meta" or t.layout != torch.strided or _is_parameter(t):
             return
         key = _storage_key(t)

@@ -1,4 +1,11 @@
-"""The training loop: data, model, mixed precision, accumulation, checkpoints, metrics."""
+"""The training loop: data, model, mixed precision, accumulation, checkpoints, metrics.
+
+One process, or one rank of many under torchrun: the parallel layout (`parallel/`) decides which
+model chunks this rank holds and how they are sharded; the loop around them is the same. Data is
+split by data-parallel rank only (TP and PP ranks of one replica read the same batch); losses,
+gradient norms and overflow flags are reduced over the job so every rank logs and decides alike;
+rank 0 prints and writes metrics.jsonl.
+"""
 
 from __future__ import annotations
 
@@ -13,26 +20,33 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from llmscale.config import JobConfig, to_toml
 from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
-from llmscale.model.transformer import build_model, count_params
-from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory
+from llmscale.model.transformer import build_model
+from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
+from llmscale.parallel.data_parallel import set_gradient_sync
+from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
+from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
+from llmscale.parallel.parallelize import parallelize
+from llmscale.parallel.pipeline import build_schedule
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.optim import build_scheduler
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
-from llmscale.train.recompute import (
-    SavedActivations,
-    apply_recompute,
-    model_state_tensors,
-    recompute_fraction,
-)
+from llmscale.train.recompute import SavedActivations, model_state_tensors, recompute_fraction
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,14 +75,28 @@ class TrainResult:
     interrupted: bool = False
 
 
+# Optimizer state keyed by parameter name (not by position in a param group), so that it is the
+# union of the pipeline stages' states and loads into any other split.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class _AppState(Stateful):
-    """Everything a resume needs, as one DCP-savable object."""
+    """Everything a resume needs, as one DCP-savable object.
+
+    Model and optimizer entries are the union over this rank's model parts (pipeline stages hold
+    disjoint names); DCP stores each DTensor shard with its global place, so a checkpoint written
+    under one layout loads under any other.
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizer)
+        model_sd: dict[str, Any] = {}
+        optim_sd: dict[str, Any] = {}
+        for part, opt in zip(self.t.model_parts, self.t.optimizers, strict=True):
+            model_sd.update(get_model_state_dict(part))
+            optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -76,35 +104,36 @@ class _AppState(Stateful):
                 "step": self.t.step,
                 "data": self.t.train_stream.state.to_dict(),
                 "scaler": self.t.scaler.state_dict(),
-                "scheduler": self.t.scheduler.state_dict(),
+                "scheduler": self.t.schedulers[0].state_dict(),
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.t.model,
-            self.t.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        for part, opt in zip(self.t.model_parts, self.t.optimizers, strict=True):
+            # Each part takes its own names from the union.
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
         tr = state["trainer"]
         self.t.step = int(tr["step"])
         self.t.train_stream.state = StreamState.from_dict(tr["data"])
         self.t.scaler.load_state_dict(tr["scaler"])
-        self.t.scheduler.load_state_dict(tr["scheduler"])
+        for sched in self.t.schedulers:
+            sched.load_state_dict(tr["scheduler"])
 
 
 class Trainer:
-    """One process's view of a training run."""
+    """One rank's view of a training run (the only rank, in a single process)."""
 
     def __init__(self, cfg: JobConfig) -> None:
-        cfg.validate(world_size=1)
-        if cfg.parallel.world_size > 1:
-            raise ConfigError("parallel", cfg.parallel.world_size, "1 (a single process)")
+        # The layout is checked against the world size before any process-group work, so a bad
+        # one fails with its one-line message instead of hanging on peers.
+        cfg.validate(world_size=env_world_size())
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
-        self.run_dir = Path(cfg.job.run_dir)
-        self.rank = 0
+        init_distributed(self.device)
+        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims.build_mesh(self.device)
+        self.rank = self.dims.rank
         torch.manual_seed(cfg.job.seed)
 
         corpus = load_corpus(
@@ -114,15 +143,44 @@ class Trainer:
             f"{corpus.root} ({corpus.n_train_files} train / {corpus.n_val_files} val files, "
             f"{len(corpus.train):,} train tokens)"
         )
-        self.train_stream = PackedStream(corpus.train, cfg.data.seq_len, cfg.job.seed)
+        self.train_stream = PackedStream(
+            corpus.train,
+            cfg.data.seq_len,
+            cfg.job.seed,
+            dp_rank=self.dims.dp_rank,
+            dp_size=self.dims.dp,
+        )
         self.val_tokens = corpus.val
 
-        self.model = build_model(cfg.model, self.device, seed=cfg.job.seed)
-        apply_recompute(self.model, cfg.train.recompute, cfg.train.recompute_every_k)
-        self.n_params = count_params(self.model)
-        self.optimizer = build_optimizer(self.model, cfg)  # torch AdamW, or offloaded AdamW
-        self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.lr_scheduler)
+        # Every rank builds the whole model from the same seed, then keeps and shards its part,
+        # so initial weights equal the single-process ones whatever the layout.
+        self.parallel = parallelize(
+            build_model(cfg.model, self.device, seed=cfg.job.seed), self.dims, cfg
+        )
+        self.model_parts: list[nn.Module] = self.parallel.parts
+        self.n_params = cfg.model.num_params()
+        # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here).
+        self.optimizers = [build_optimizer(part, cfg) for part in self.model_parts]
+        self.offloaded = isinstance(self.optimizers[0], OffloadedAdamW)
+        self.schedulers = [
+            build_scheduler(opt, cfg.train.steps, cfg.lr_scheduler) for opt in self.optimizers
+        ]
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
+        # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
+        self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
+        self.pp_schedule: Any = None
+        self._pp_losses: list[torch.Tensor] = []
+        if self.dims.pp > 1:
+            self.pp_schedule = build_schedule(
+                self.model_parts,
+                self.parallel.stage_ids,
+                self.parallel.n_stages,
+                cfg.parallel.pp_schedule,
+                cfg.accum_steps,
+                self._pp_loss,
+                self.device,
+                self.dims.pp_group(),
+            )
         self.step = 0
         self.checkpointer = Checkpointer(
             self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.keep_last
@@ -137,8 +195,35 @@ class Trainer:
                 cfg.train.recompute, cfg.model.n_layers, cfg.train.recompute_every_k
             ),
         )
+        # Per device: MFU compares one rank's share of the job's FLOP/s with one device's peak.
         self.peak_flops = M.peak_flops_for_device(self.device, cfg.metrics.peak_tflops)
         self._stop_requested = False
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.job.run_dir)
+
+    # A single model part (no pipeline, or one stage per rank) is `model`; so for the optimizer.
+    @property
+    def model(self) -> nn.Module:
+        """This rank's model, when it holds one part (use `model_parts` under interleaving)."""
+        if len(self.model_parts) != 1:
+            raise AttributeError("this rank holds several model chunks; use model_parts")
+        return self.model_parts[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if len(self.optimizers) != 1:
+            raise AttributeError("this rank holds several model chunks; use optimizers")
+        return self.optimizers[0]
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.schedulers[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every trainable parameter this rank holds (DTensor shards under FSDP/TP)."""
+        return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
 
     # ---- state ----------------------------------------------------------------------------
     def app_state(self) -> dict[str, Any]:
@@ -159,16 +244,22 @@ class Trainer:
     def forward_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Accumulate gradients of this rank's batch, micro-batch by micro-batch.
 
-        Returns the mean loss and the activation bytes saved by the first micro-batch's forward.
-        Each micro-batch's loss is divided by the number of micro-batches, so k micro-steps of b
-        sequences leave the same gradient as one step of k*b.
+        Returns the global batch's mean loss (the same on every rank) and the activation bytes
+        saved by one micro-batch's forward on this rank. Each micro-batch's loss is divided by the
+        number of micro-batches, so k micro-steps of b sequences leave the same gradient as one
+        step of k*b. Under data parallelism gradients are reduced on the last micro-step only;
+        under pipeline parallelism the micro-batches are the pipeline's.
         """
+        if self.pp_schedule is not None:
+            return self._forward_backward_pipeline(batch)
         cfg = self.cfg
         micro_batches = batch.split(cfg.train.micro_batch_size)
         accum = len(micro_batches)
         act_bytes = 0
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
+            if self.dims.dp > 1:
+                set_gradient_sync(self.model_parts, i == accum - 1)
             mb = mb.to(self.device, non_blocking=True)
             inputs, targets = mb[:, :-1], mb[:, 1:]
             counter = None
@@ -176,51 +267,99 @@ class Trainer:
                 counter = SavedActivations(model_state_tensors(self.model))
             with (
                 counter or contextlib.nullcontext(),
-                autocast(cfg.precision.mode, self.device.type),
+                autocast(self.autocast_mode, self.device.type),
             ):
                 loss = lm_loss(self.model(inputs), targets)
             if counter is not None:
                 act_bytes = counter.bytes
             self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach()
-        return loss_sum / accum, act_bytes
+        return self.dims.global_mean_loss(loss_sum / accum), act_bytes
+
+    def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss_fn (last stage): mean loss / micro-batches, loss-scaled."""
+        loss = lm_loss(logits, targets)
+        self._pp_losses.append(loss.detach())
+        return self.scaler.scale_loss(loss / self.cfg.accum_steps)
+
+    def _run_pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
+        """One schedule step (or eval) over `batch`; the global mean micro-batch loss."""
+        batch = batch.to(self.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        n = self.cfg.accum_steps
+        self._pp_losses = []
+        run = self.pp_schedule.step if train else self.pp_schedule.eval
+        args = (inputs,) if self.parallel.has_first_stage else ()
+        with autocast(self.autocast_mode, self.device.type):
+            if train:
+                run(*args, target=targets, return_outputs=False)
+            else:
+                run(*args, target=targets)
+        # Metadata inference on the first step may have called the loss once more: keep the last n.
+        mine = self._pp_losses[-n:]
+        local = torch.stack(mine).mean() if mine else torch.zeros((), device=self.device)
+        return self.dims.global_mean_loss(local)
+
+    def _forward_backward_pipeline(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        counters: list[SavedActivations] = []
+        hooks = []
+        if self.cfg.metrics.activation_memory:
+            # Count the first micro-batch's forward of each of this rank's stages.
+            for part in self.model_parts:
+                hooks.extend(_count_first_forward(part, counters))
+        try:
+            loss = self._run_pipeline(batch, train=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        return loss, sum(c.bytes for c in counters)
 
     def optimizer_step(self) -> dict[str, Any]:
-        """Unscale, check for overflow, clip, step (unless skipped), update the loss scale."""
+        """Unscale, check for overflow, clip, step (unless skipped), update the loss scale.
+
+        The overflow flag and the gradient norm are reduced over the whole job (DTensor shards,
+        replicas and pipeline stages), so every rank skips or clips alike.
+        """
         cfg = self.cfg
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        offloaded = isinstance(self.optimizer, OffloadedAdamW)  # its gradients are on the host
-        if offloaded:
-            found_inf = self.optimizer.unscale_and_check(self.scaler)
+        params = self.parameters()
+        max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
+        if self.offloaded:  # the gradients are on the host: the same reductions, from there
+            found_inf, grad_norm = unscale_and_clip(
+                self.optimizers, self.scaler, max_norm, self.dims.stage_size
+            )
         else:
+            match_grad_placements_(params)
             found_inf = self.scaler.unscale_and_check(gradients(params))
-        out: dict[str, Any] = {"lr": self.optimizer.param_groups[0]["lr"]}
+        out: dict[str, Any] = {"lr": self.optimizers[0].param_groups[0]["lr"]}
         if self.step + 1 in cfg.precision.underflow_steps:
             out["underflow"] = [r.to_dict() for r in underflow_report(gradients(params))]
-        max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
-        if offloaded:
-            out["grad_norm"] = float(self.optimizer.clip_grad_norm_(max_norm))
-        else:
-            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-        out["grad_bytes"] = M.grad_bytes([self.model])
+        if not self.offloaded:
+            grad_norm = clip_grad_norm_(params, max_norm, self.dims)
+        out["grad_norm"] = float(grad_norm)
+        out["grad_bytes"] = M.grad_bytes(self.model_parts)
         if not found_inf:
-            self.optimizer.step()
-            self.scheduler.step()  # a skipped step does not advance the schedule (as Megatron)
+            for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+                opt.step()
+                sched.step()  # a skipped step does not advance the schedule (as Megatron)
         self.scaler.update(found_inf)
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         out["skipped"] = found_inf
         out["loss_scale"] = self.scaler.scale
         return out
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over the next global batch; returns its metrics row."""
+        """One optimizer step over the next global batch; returns its metrics row.
+
+        Throughput is the job's (global tokens / step time); memory figures are this rank's.
+        """
         cfg = self.cfg
         t0 = time.perf_counter()
         batch = self.train_stream.next_batch(cfg.train.global_batch_size)
         loss, act_bytes = self.forward_backward(batch)
         row: dict[str, Any] = self.optimizer_step()
-        row["param_bytes"] = M.param_bytes([self.model])
-        row.update(optimizer_memory(self.optimizer))
+        row["param_bytes"] = M.param_bytes(self.model_parts)
+        row.update(optimizer_memory(self.optimizers))  # optimizer_bytes, device_*, host_*
         row["activation_bytes"] = act_bytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -238,26 +377,42 @@ class Trainer:
             flops_per_s=tps * self.model_flops_per_token,
             accum_steps=cfg.accum_steps,
         )
+        if self.dims.world_size > 1:
+            row["world_size"] = self.dims.world_size
         if self.peak_flops:
-            row["mfu"] = tps * self.model_flops_per_token / self.peak_flops
-            row["hfu"] = tps * self.hw_flops_per_token / self.peak_flops
+            per_device = tps / self.dims.world_size
+            row["mfu"] = per_device * self.model_flops_per_token / self.peak_flops
+            row["hfu"] = per_device * self.hw_flops_per_token / self.peak_flops
         return row
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches batches of the validation files."""
+        """Mean loss over the first eval_batches batches of the validation files.
+
+        Every data-parallel rank evaluates the same batches (they are few), so the result equals
+        the single-process one. Under pipelining the batches go through the schedule's forward
+        in groups of accum_steps micro-batches (the count is rounded up to a whole group).
+        """
         cfg = self.cfg
         if len(self.val_tokens) <= cfg.data.seq_len or cfg.train.eval_batches == 0:
             return None
         stream = PackedStream(self.val_tokens, cfg.data.seq_len, seed=0, shuffle=False)
+        mb_size = min(cfg.train.micro_batch_size, stream.n_windows)
         n = min(cfg.train.eval_batches, max(1, stream.n_windows // cfg.train.micro_batch_size))
+        if self.pp_schedule is not None:
+            group = cfg.accum_steps
+            calls = -(-n // group)
+            losses = [
+                self._run_pipeline(stream.next_batch(mb_size * group), train=False).item()
+                for _ in range(calls)
+            ]
+            return sum(losses) / calls
         total = 0.0
         for _ in range(n):
-            mb = stream.next_batch(min(cfg.train.micro_batch_size, stream.n_windows)).to(
-                self.device
-            )
-            with autocast(cfg.precision.mode, self.device.type):
-                total += lm_loss(self.model(mb[:, :-1]), mb[:, 1:]).item()
+            mb = stream.next_batch(mb_size).to(self.device)
+            with autocast(self.autocast_mode, self.device.type):
+                logits = self.model(mb[:, :-1])
+            total += lm_loss(logits, mb[:, 1:]).item()
         return total / n
 
     # ---- the loop -------------------------------------------------------------------------
@@ -289,7 +444,11 @@ class Trainer:
                 writer.write(row)
                 reporter.step(row)
                 last = self.step == cfg.train.steps
-                stop = self._stop_requested or self.step == cfg.checkpoint.stop_after
+                # A signal may reach some ranks only: all stop at the same step, or none does.
+                stop = (
+                    self.dims.agree(self._stop_requested, self.device)
+                    or self.step == cfg.checkpoint.stop_after
+                )
                 if cfg.checkpoint.enabled and (
                     last
                     or stop
@@ -303,14 +462,20 @@ class Trainer:
                 result.val_loss = self.evaluate()
                 if result.val_loss is not None:
                     writer.write({"kind": "eval", "step": self.step, "val_loss": result.val_loss})
-            if isinstance(self.optimizer, OffloadedAdamW):  # uploads done; pipeline timeline
-                self.optimizer.write_timeline(self.run_dir / f"timeline-rank{self.rank}.json")
+            self._write_offload_timelines()
         finally:
             self._restore_signal_handlers(previous)
             writer.close()
             reporter.finish(result)
         result.steps_done = self.step
         return result
+
+    def _write_offload_timelines(self) -> None:
+        """RUN_DIR/timeline-rank{r}.json (-chunk{i} per further model chunk): `plot --timeline`."""
+        for i, opt in enumerate(self.optimizers):
+            if isinstance(opt, OffloadedAdamW):  # waits for the last uploads, too
+                chunk = f"-chunk{i}" if i else ""
+                opt.write_timeline(self.run_dir / f"timeline-rank{self.rank}{chunk}.json")
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop."""
@@ -330,6 +495,23 @@ class Trainer:
     def _restore_signal_handlers(previous: dict[int, Any]) -> None:
         for sig, h in previous.items():
             signal.signal(sig, h)
+
+
+def _count_first_forward(part: nn.Module, counters: list[SavedActivations]) -> list[Any]:
+    """Hooks that count saved activations during `part`'s next forward only."""
+    state: dict[str, Any] = {"done": False}
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if not state["done"]:
+            state["counter"] = SavedActivations(model_state_tensors(module)).__enter__()
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if not state["done"] and "counter" in state:
+            state["counter"].__exit__(None, None, None)
+            counters.append(state["counter"])
+            state["done"] = True
+
+    return [part.register_forward_pre_hook(pre), part.register_forward_hook(post)]
 
 
 def run_training(cfg: JobConfig) -> TrainResult:

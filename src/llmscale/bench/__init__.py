@@ -1,0 +1,1 @@
+"""Measured vs predicted: short real trainings, side by side with the planner's predictions."""

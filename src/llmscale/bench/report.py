@@ -1,0 +1,142 @@
+"""Rows of (configuration, quantity, predicted, measured) and how they are shown and saved."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from llmscale.train.progress import human_bytes
+from llmscale.ui import console
+
+
+@dataclass
+class Row:
+    """One comparison. ratio = predicted / measured (1.0 is a perfect prediction)."""
+
+    suite: str
+    config: str
+    quantity: str
+    unit: str  # "B" bytes, "s" seconds, "%" percent, "" a plain number
+    measured: float
+    predicted: float | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.predicted is None or self.measured == 0:
+            return None
+        return self.predicted / self.measured
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+@dataclass
+class SuiteResult:
+    """A suite's rows, the figures it drew, and extra tables (title -> header, rows)."""
+
+    name: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    figures: list[Path] = field(default_factory=list)
+    tables: dict[str, tuple[list[str], list[list[str]]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "B":
+        return human_bytes(value)
+    if unit == "s":
+        return f"{value * 1000:.1f} ms" if abs(value) < 10 else f"{value:.2f} s"
+    if unit == "%":
+        return f"{value:.1f}%"
+    if unit == "tok/s":
+        return f"{value:,.0f}"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.4g}"
+    return f"{value:,.0f}"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "-" if r is None or not math.isfinite(r) else f"{r:.3f}"
+
+
+def print_suite(result: SuiteResult) -> None:
+    out = console()
+    if result.rows:
+        t = Table(title=result.title)
+        for col in ("configuration", "quantity", "predicted", "measured", "pred/meas", "note"):
+            t.add_column(
+                col, justify="left" if col in ("configuration", "quantity", "note") else "right"
+            )
+        for r in result.rows:
+            t.add_row(
+                r.config,
+                r.quantity,
+                fmt(r.predicted, r.unit),
+                fmt(r.measured, r.unit),
+                fmt_ratio(r.ratio),
+                r.note,
+            )
+        out.print(t)
+    for title, (header, rows) in result.tables.items():
+        t = Table(title=title)
+        for h in header:
+            t.add_column(h, justify="right")
+        for row in rows:
+            t.add_row(*row)
+        out.print(t)
+    for note in result.notes:
+        out.print(note)
+    for fig in result.figures:
+        out.print(f"wrote {fig}")
+
+
+def markdown(results: list[SuiteResult], header: str = "", base: Path | None = None) -> str:
+    """The results as Markdown (docs/results.md), figures linked relative to `base`."""
+    lines = [header] if header else []
+    for res in results:
+        lines += [f"## {res.title}", ""]
+        if res.rows:
+            lines += [
+                "| configuration | quantity | predicted | measured | pred/meas | note |",
+                "|---|---|---:|---:|---:|---|",
+            ]
+            lines += [
+                f"| {r.config} | {r.quantity} | {fmt(r.predicted, r.unit)} | {fmt(r.measured, r.unit)} | {fmt_ratio(r.ratio)} | {r.note} |"
+                for r in res.rows
+            ]
+            lines.append("")
+        for title, (head, rows) in res.tables.items():
+            lines += [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+            lines += ["| " + " | ".join(row) + " |" for row in rows]
+            lines.append("")
+        lines += [n + "\n" for n in res.notes]
+        for fig in res.figures:
+            rel = fig.relative_to(base) if base is not None and fig.is_relative_to(base) else fig
+            lines += [f"![{fig.stem}]({rel.as_posix()})", ""]
+    return "\n".join(lines)
+
+
+def write_json(results: list[SuiteResult], path: Path) -> None:
+    data = {
+        r.name: {
+            "title": r.title,
+            "rows": [row.to_dict() for row in r.rows],
+            "tables": {k: {"header": h, "rows": rows} for k, (h, rows) in r.tables.items()},
+            "notes": r.notes,
+            "figures": [str(f) for f in r.figures],
+        }
+        for r in results
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))

@@ -1,0 +1,23 @@
+"""The benchmark suites by name; each module has `run(opts: BenchOptions) -> SuiteResult`."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from llmscale.bench.report import SuiteResult
+from llmscale.bench.runner import BenchOptions
+
+SUITES: dict[str, str] = {
+    "memory": "llmscale.bench.memory",
+    "time": "llmscale.bench.timing",
+    "recompute": "llmscale.bench.recompute",
+    "accum": "llmscale.bench.accum",
+    "precision": "llmscale.bench.precision",
+    "pipeline": "llmscale.bench.pipeline",
+}
+
+
+def get_suite(name: str) -> Callable[[BenchOptions], SuiteResult]:
+    fn: Callable[[BenchOptions], SuiteResult] = importlib.import_module(SUITES[name]).run
+    return fn

@@ -1,0 +1,391 @@
+"""The hardware catalog: accelerators, links, node shapes, topologies, switches and optics.
+
+Numbers live in `hardware/data/*.toml`, each with its source (see `hardware/spec.py`); this
+module turns them into frozen dataclasses in SI units and looks them up by name. Unknown names
+raise ConfigError listing the known ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from llmscale.errors import ConfigError
+from llmscale.hardware.spec import Entry, Sourced, entries, read_sources
+
+_T = TypeVar("_T")
+DATA_DIR = Path(__file__).parent / "data"
+GiB = 2**30
+LINK_KINDS = ("scale-up", "scale-out", "host")
+TOPOLOGY_KINDS = ("fat-tree", "rail-only", "single-switch", "scale-up-domain")
+_TOP_LEVEL = ("sources", "gpu", "link", "node", "topology", "switch", "optic")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator: HBM capacity and bandwidth, dense peak FLOP/s per dtype."""
+
+    name: str
+    display: str
+    vendor: str
+    device_names: tuple[str, ...]
+    scale_up: str  # link name of its NVLink / Infinity Fabric
+    host_link: str  # link name to the host (offload traffic)
+    memory_GiB: Sourced
+    hbm_TBps: Sourced
+    dense_TFLOPS: Mapping[str, Sourced]
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_GiB.value * GiB)
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        """Bytes per second."""
+        return self.hbm_TBps.value * 1e12
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(self.dense_TFLOPS)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype` (fp32 | tf32 | bf16 | fp16 | fp8 where supported)."""
+        if dtype not in self.dense_TFLOPS:
+            raise ConfigError("dtype", dtype, f"one of {self.name}'s: " + " | ".join(self.dtypes))
+        return self.dense_TFLOPS[dtype].value * 1e12
+
+    def ridge_point(self, dtype: str) -> float:
+        """FLOPs per byte of HBM traffic at which compute and memory take equal time."""
+        return self.peak_flops(dtype) / self.hbm_bandwidth
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link in the alpha-beta model: per-direction bandwidth and per-step latency."""
+
+    name: str
+    display: str
+    kind: str  # scale-up | scale-out | host
+    bandwidth_GBps: Sourced
+    latency_us: Sourced
+    pair_GBps: Sourced | None = None
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second, each direction, per GPU (or per NIC port)."""
+        return self.bandwidth_GBps.value * 1e9
+
+    @property
+    def latency(self) -> float:
+        """Seconds (alpha)."""
+        return self.latency_us.value * 1e-6
+
+    @property
+    def pair_bandwidth(self) -> float:
+        """Bytes per second from one GPU to one other GPU (a mesh splits the aggregate)."""
+        return (self.pair_GBps.value if self.pair_GBps else self.bandwidth_GBps.value) * 1e9
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node shape: GPUs in one scale-up domain, and its NIC ports on the compute network."""
+
+    name: str
+    display: str
+    gpu: str
+    scale_up: str
+    nic: str
+    gpus: Sourced
+    nics: Sourced
+    host_memory_GiB: Sourced
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_GiB.value * GiB)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return int(self.gpus.value)
+
+    @property
+    def nics_per_node(self) -> int:
+        return int(self.nics.value)
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    display: str
+    kind: str
+    oversubscription: Sourced
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    display: str
+    link: str
+    ports: Sourced
+    price_usd: Sourced
+    co_packaged_optics: bool
+
+    @property
+    def radix(self) -> int:
+        return int(self.ports.value)
+
+
+@dataclass(frozen=True)
+class Optic:
+    """A pluggable transceiver (one per cable end that is not co-packaged) and its cable."""
+
+    name: str  # the link it serves
+    display: str
+    price_usd: Sourced
+    cable_usd: Sourced
+
+
+@dataclass(frozen=True)
+class Catalog:
+    gpus: Mapping[str, GPU]
+    links: Mapping[str, Link]
+    nodes: Mapping[str, Node]
+    topologies: Mapping[str, Topology]
+    switches: Mapping[str, Switch]
+    optics: Mapping[str, Optic]
+    files: tuple[str, ...] = field(default=())
+
+    def gpu(self, name: str) -> GPU:
+        return _lookup("gpu", self.gpus, name)
+
+    def link(self, name: str) -> Link:
+        return _lookup("link", self.links, name)
+
+    def node(self, name: str) -> Node:
+        return _lookup("node", self.nodes, name)
+
+    def topology(self, name: str) -> Topology:
+        return _lookup("topology", self.topologies, name)
+
+    def switch(self, name: str) -> Switch:
+        return _lookup("switch", self.switches, name)
+
+    def optic(self, name: str) -> Optic:
+        return _lookup("optic", self.optics, name)
+
+    def node_for_gpu(self, gpu: str) -> Node:
+        """The first node shape built from `gpu` (the catalog lists one per GPU)."""
+        self.gpu(gpu)
+        for node in self.nodes.values():
+            if node.gpu == gpu:
+                return node
+        raise ConfigError(
+            "gpu",
+            gpu,
+            "a GPU with a node shape: " + ", ".join(sorted({n.gpu for n in self.nodes.values()})),
+        )
+
+    def switch_for_link(self, link: str) -> Switch:
+        for sw in self.switches.values():
+            if sw.link == link:
+                return sw
+        raise ConfigError(
+            "nic",
+            link,
+            "a link with a switch: " + ", ".join(sorted(s.link for s in self.switches.values())),
+        )
+
+    def gpu_for_device_name(self, device_name: str) -> GPU | None:
+        want = _normalise(device_name)
+        for gpu in self.gpus.values():
+            if any(_normalise(n) == want for n in gpu.device_names):
+                return gpu
+        return None
+
+
+def _normalise(name: str) -> str:
+    return " ".join(name.lower().split())
+
+
+def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
+    try:
+        return table[name]
+    except KeyError:
+        raise ConfigError(kind, name, " | ".join(table)) from None
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+def _gpu(name: str, e: Entry) -> GPU:
+    gpu = GPU(
+        name=name,
+        display=e.text("display"),
+        vendor=e.text("vendor"),
+        device_names=e.texts("device_names"),
+        scale_up=e.text("scale_up"),
+        host_link=e.text("host_link"),
+        memory_GiB=e.number("memory_GiB"),
+        hbm_TBps=e.number("hbm_TBps"),
+        dense_TFLOPS=e.numbers("dense_TFLOPS"),
+    )
+    e.done(
+        "a GPU field: display, vendor, device_names, scale_up, host_link, memory_GiB, "
+        "hbm_TBps, dense_TFLOPS"
+    )
+    return gpu
+
+
+def _link(name: str, e: Entry) -> Link:
+    kind = e.text("kind")
+    if kind not in LINK_KINDS:
+        raise ConfigError(f"{e.where}.kind", kind, " | ".join(LINK_KINDS))
+    link = Link(
+        name=name,
+        display=e.text("display"),
+        kind=kind,
+        bandwidth_GBps=e.number("bandwidth_GBps"),
+        latency_us=e.number("latency_us"),
+        pair_GBps=e.optional_number("pair_GBps"),
+    )
+    if link.bandwidth_GBps.value <= 0:
+        raise ConfigError(f"{e.where}.bandwidth_GBps", link.bandwidth_GBps.value, "> 0")
+    e.done("a link field: display, kind, bandwidth_GBps, latency_us, pair_GBps")
+    return link
+
+
+def _node(name: str, e: Entry) -> Node:
+    node = Node(
+        name=name,
+        display=e.text("display"),
+        gpu=e.text("gpu"),
+        scale_up=e.text("scale_up"),
+        nic=e.text("nic"),
+        gpus=e.number("gpus"),
+        nics=e.number("nics"),
+        host_memory_GiB=e.number("host_memory_GiB"),
+    )
+    if node.gpus.value < 1 or node.gpus.value != int(node.gpus.value):
+        raise ConfigError(f"{e.where}.gpus", node.gpus.value, "a whole number >= 1")
+    e.done("a node field: display, gpu, scale_up, nic, gpus, nics, host_memory_GiB")
+    return node
+
+
+def _topology(name: str, e: Entry) -> Topology:
+    kind = e.text("kind")
+    if kind not in TOPOLOGY_KINDS:
+        raise ConfigError(f"{e.where}.kind", kind, " | ".join(TOPOLOGY_KINDS))
+    t = Topology(name, e.text("display"), kind, e.number("oversubscription"))
+    e.done("a topology field: display, kind, oversubscription")
+    return t
+
+
+def _switch(name: str, e: Entry) -> Switch:
+    s = Switch(
+        name=name,
+        display=e.text("display"),
+        link=e.text("link"),
+        ports=e.number("ports"),
+        price_usd=e.number("price_usd"),
+        co_packaged_optics=e.flag("co_packaged_optics"),
+    )
+    e.done("a switch field: display, link, ports, price_usd, co_packaged_optics")
+    return s
+
+
+def _optic(name: str, e: Entry) -> Optic:
+    o = Optic(name, e.text("display"), e.number("price_usd"), e.number("cable_usd"))
+    e.done("an optic field: display, price_usd, cable_usd")
+    return o
+
+
+_READERS: dict[str, Any] = {
+    "gpu": _gpu,
+    "link": _link,
+    "node": _node,
+    "topology": _topology,
+    "switch": _switch,
+    "optic": _optic,
+}
+
+
+def load_catalog(folder: str | Path | None = None) -> Catalog:
+    """Read every `*.toml` in `folder` (default: the packaged data) into a checked Catalog."""
+    root = Path(folder) if folder is not None else DATA_DIR
+    files = sorted(root.glob("*.toml"))
+    if not files:
+        raise ConfigError("hardware catalog", str(root), "a folder with *.toml files")
+    tables: dict[str, dict[str, Any]] = {k: {} for k in _READERS}
+    for path in files:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(path.name, "(file)", f"valid TOML ({e})") from None
+        for key in raw:
+            if key not in _TOP_LEVEL:
+                raise ConfigError(f"{path.name}: {key}", "(table)", " | ".join(_TOP_LEVEL))
+        sources = read_sources(path.name, raw)
+        for kind, reader in _READERS.items():
+            for name, table in entries(path.name, raw, kind).items():
+                if name in tables[kind]:
+                    raise ConfigError(f"{path.name}: {kind}.{name}", name, "a name used once")
+                tables[kind][name] = reader(
+                    name, Entry(f"{path.name}: {kind}.{name}", table, sources)
+                )
+    cat = Catalog(
+        gpus=tables["gpu"],
+        links=tables["link"],
+        nodes=tables["node"],
+        topologies=tables["topology"],
+        switches=tables["switch"],
+        optics=tables["optic"],
+        files=tuple(p.name for p in files),
+    )
+    _check_references(cat)
+    return cat
+
+
+def _check_references(cat: Catalog) -> None:
+    """Every name one entry uses must exist: a typo fails at load, not mid-plan."""
+    for g in cat.gpus.values():
+        for attr in ("scale_up", "host_link"):
+            if getattr(g, attr) not in cat.links:
+                raise ConfigError(f"gpu.{g.name}.{attr}", getattr(g, attr), " | ".join(cat.links))
+    for n in cat.nodes.values():
+        if n.gpu not in cat.gpus:
+            raise ConfigError(f"node.{n.name}.gpu", n.gpu, " | ".join(cat.gpus))
+        for attr in ("scale_up", "nic"):
+            if getattr(n, attr) not in cat.links:
+                raise ConfigError(f"node.{n.name}.{attr}", getattr(n, attr), " | ".join(cat.links))
+    for s in cat.switches.values():
+        if s.link not in cat.links:
+            raise ConfigError(f"switch.{s.name}.link", s.link, " | ".join(cat.links))
+    for o in cat.optics.values():
+        if o.name not in cat.links:
+            raise ConfigError(f"optic.{o.name}", o.name, "a link name: " + " | ".join(cat.links))
+
+
+@functools.cache
+def default_catalog() -> Catalog:
+    """The packaged catalog, read once per process."""
+    return load_catalog()
+
+
+def get_gpu(name: str) -> GPU:
+    return default_catalog().gpu(name)
+
+
+def get_link(name: str) -> Link:
+    return default_catalog().link(name)
+
+
+def get_node(name: str) -> Node:
+    return default_catalog().node(name)
+
+
+def gpu_for_device_name(cuda_name: str) -> GPU | None:
+    """The catalog GPU for a `torch.cuda.get_device_name()` string, or None when unknown."""
+    return default_catalog().gpu_for_device_name(cuda_name)

@@ -1,0 +1,174 @@
+"""Parallel state in one place: degrees, this rank's coordinates, the N-D device mesh.
+
+The mesh has four named dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``,
+``tp`` (as torchtitan orders them): tensor parallelism, the most talkative, on neighbouring ranks
+(one node's fast links), pipeline stages furthest apart. Every dimension is present even at
+degree 1, so ``mesh["tp"]`` always exists; a size-1 dimension costs nothing at run time.
+
+A single process (no ``WORLD_SIZE``, or ``WORLD_SIZE=1``) builds no process group and no mesh:
+every rank number is 0 and every size 1, and the trainer runs as it always has.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmscale.config import ParallelSection
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def env_world_size() -> int:
+    """Processes in the job as the launcher (torchrun, SLURM via torchrun) tells it."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); no-op alone.
+
+    Call only after the config has been validated against the world size: a bad layout must
+    fail with its one-line message, not hang waiting for peers.
+    """
+    if env_world_size() == 1 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # gloo alongside NCCL so that a stray CPU-tensor collective still has a backend.
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend)
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of the job and, once `build_mesh` ran, this rank's place in the mesh."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    mesh: Any = field(default=None, repr=False)  # DeviceMesh, or None for one process
+
+    @classmethod
+    def from_config(cls, p: ParallelSection) -> ParallelDims:
+        return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
+
+    # ---- degrees ----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different slices of each global batch exist."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks that hold (a shard or a copy of) each parameter of one pipeline stage."""
+        return self.dp * self.tp
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters sharded over dp_shard (FSDP2, HSDP when dp_replicate > 1 too)."""
+        return self.dp_shard > 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    def describe(self) -> str:
+        """'pp=2 dp_shard=2 tp=2 (8 ranks)': the degrees that are not 1."""
+        parts = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) > 1]
+        return f"{' '.join(parts) or 'single process'} ({self.world_size} ranks)"
+
+    # ---- the mesh ---------------------------------------------------------------------------
+    def build_mesh(self, device: torch.device) -> None:
+        """Create the 4-D mesh over the initialised process group (nothing for one process)."""
+        if self.world_size == 1:
+            self.mesh = None
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(
+            device.type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=MESH_DIMS,
+        )
+
+    def _local(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.mesh is not None else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self._local("pp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self._local("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's slice of the global batch: (replica, shard) flattened, as the data uses."""
+        return self._local("dp_replicate") * self.dp_shard + self._local("dp_shard")
+
+    def submesh(self, *dims: str) -> Any:
+        assert self.mesh is not None, "no mesh in a single process"
+        return self.mesh[dims[0]] if len(dims) == 1 else self.mesh[dims]
+
+    def dp_mesh(self) -> Any:
+        """The mesh FSDP2 / replicate run over: 1-D for FSDP or DP, 2-D (replicate, shard) for HSDP."""
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return self.submesh("dp_replicate", "dp_shard")
+        return self.submesh("dp_shard" if self.dp_shard > 1 else "dp_replicate")
+
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None or self.pp == 1 else self.mesh.get_group("pp")
+
+    # ---- reductions over the whole job ------------------------------------------------------
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank, in place (identity for one process)."""
+        if self.mesh is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.mesh is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def holds_loss(self) -> bool:
+        """One rank per data-parallel slice contributes the loss: last stage, first TP rank."""
+        return self.pp_rank == self.pp - 1 and self.tp_rank == 0
+
+    def global_mean_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """The global batch's mean loss on every rank, from each replica's last pipeline stage.
+
+        One all-reduce over the world: the rank that `holds_loss` in each data-parallel slice adds
+        loss / dp, every other rank adds 0 (its value may be a placeholder).
+        """
+        if self.mesh is None:
+            return local_loss
+        contrib = local_loss.detach().float() / self.dp if self.holds_loss() else None
+        if contrib is None:
+            contrib = torch.zeros((), device=local_loss.device)
+        return self.all_reduce_sum(contrib.clone())
+
+    def agree(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank when any rank says True (e.g. a SIGTERM seen by some ranks only)."""
+        if self.mesh is None:
+            return flag
+        t = torch.tensor(float(flag), device=device)
+        return bool(self.all_reduce_max(t).item())

@@ -1,0 +1,62 @@
+"""Apply the job's parallel layout to a model, in torchtitan's order.
+
+pipeline split -> tensor (and sequence) parallelism -> activation checkpointing -> FSDP2.
+
+Each step only rewrites modules in place (or, for the split, copies and prunes them), so
+parameter names never change: checkpoints load across layouts and the model file knows nothing
+of any of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from llmscale.config import JobConfig
+from llmscale.model.transformer import Transformer
+from llmscale.parallel.data_parallel import apply_fsdp
+from llmscale.parallel.dims import ParallelDims
+from llmscale.parallel.pipeline import pipeline_split
+from llmscale.parallel.tensor_parallel import apply_tp
+from llmscale.train.recompute import apply_recompute
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model chunks: one, or `pp_chunks` under interleaved pipelining."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]  # pipeline stage index of each part ([0] without pipelining)
+    n_stages: int
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+
+def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> ParallelModel:
+    """Split, shard and wrap `model` for this rank; in a single process only recompute applies."""
+    p = cfg.parallel
+    if dims.pp > 1:
+        parts, ids = pipeline_split(model, dims.pp_rank, dims.pp, p.pp_chunks)
+        n_stages = dims.pp * p.pp_chunks
+    else:
+        parts, ids, n_stages = [model], [0], 1
+    for part in parts:
+        if dims.tp > 1:
+            apply_tp(part, dims.submesh("tp"), p.sequence_parallel)
+        apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every_k)
+        if dims.dp > 1:
+            apply_fsdp(
+                part,
+                dims.dp_mesh(),
+                shard=dims.fsdp,
+                zero_stage=p.zero_stage,
+                precision=cfg.precision.mode,
+            )
+    return ParallelModel(list(parts), ids, n_stages)

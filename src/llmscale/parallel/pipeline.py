@@ -1,0 +1,96 @@
+"""Pipeline parallelism: split the model by layers into stages, run them with a torch schedule.
+
+Stages are contiguous runs of blocks, as even as the layer count allows (extra layers go to the
+earliest stages: the last one also carries the output projection and the loss). Stage 0 keeps the
+embeddings, the last stage the final norm and output; the model's forward already handles each
+of them being absent, and blocks keep their names (`layers.5...`), so a checkpoint saved under
+one split loads under another.
+
+With `pp_chunks` = v > 1 (interleaved 1F1B) there are pp x v stages and rank r holds stages
+r, r + pp, r + 2 pp, ... (loop style, as `ScheduleInterleaved1F1B` expects).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from llmscale.model.transformer import Transformer
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, sizes differing by at most one."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, chunks: int) -> list[int]:
+    """Stages held by pipeline rank `pp_rank`, loop style."""
+    return [pp_rank + k * pp for k in range(chunks)]
+
+
+def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
+    """A copy of `model` with only stage `stage`'s layers (and embeddings/head where they live)."""
+    part = copy.deepcopy(model)
+    keep = split_layers(model.cfg.n_layers, n_stages)[stage]
+    for name in list(part.layers.keys()):
+        if int(name) not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+        part.pos_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def pipeline_split(
+    model: Transformer, pp_rank: int, pp: int, chunks: int
+) -> tuple[list[Transformer], list[int]]:
+    """This pipeline rank's model chunks and their stage indices."""
+    ids = stage_ids(pp_rank, pp, chunks)
+    return [build_stage_module(model, s, pp * chunks) for s in ids], ids
+
+
+def build_schedule(
+    parts: list[nn.Module],
+    ids: list[int],
+    n_stages: int,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    group: torch.distributed.ProcessGroup,
+) -> object:
+    """A torch.distributed.pipelining schedule over this rank's stages.
+
+    `loss_fn` must already divide by the number of micro-batches (the schedule is built with
+    scale_grads=False), so accumulated gradients equal those of one pass over the whole batch.
+    """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    stages = [
+        PipelineStage(part, stage_index=s, num_stages=n_stages, device=device, group=group)
+        for part, s in zip(parts, ids, strict=True)
+    ]
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    (stage,) = stages
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)

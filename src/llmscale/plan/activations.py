@@ -1,0 +1,310 @@
+"""What autograd saves for backward, tensor by tensor, per transformer block and micro-batch.
+
+Starting point: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", eq. 1: a GPT block in fp16 with dropout and a materialised s x s softmax saves
+sbh(34 + 5as/h) bytes (s tokens, b sequences, h hidden, a heads). `korthikanti_bytes` is that
+formula with its tensor-parallel and sequence-parallel divisors; `block_tensors` with
+`MEGATRON_2021` lists the same tensors and adds up to it exactly.
+
+For the llmscale runtime (`model/transformer.py`, `RUNTIME`) the list is derived again, from
+what each op's backward keeps (checked against `saved_tensors_hooks` in tests/plan):
+
+- RMSNorm: its input (the fp32 residual stream) and 1/rms per token (fused CUDA kernel); the
+  composite CPU path also keeps the normalised x. LayerNorm keeps input, mean and 1/std.
+- Each nn.Linear keeps its input. Under autocast every linear casts its input itself, so wq, wk
+  and wv keep three bf16 copies of the normed x (w1 and w3 two); in fp32 they share one.
+- RoPE multiplies by cos/sin buffers: only the buffers are kept, nothing new.
+- SDPA (flash/cuDNN/CPU-flash kernels) keeps q, k, v (GQA: k and v at n_kv_heads width), its
+  output and the fp32 log-sum-exp per head and token; no s x s matrix. wo's input is a view of
+  that output (same storage). fp32 on CUDA with n_kv_heads < n_heads falls back to the math
+  kernel, which keeps repeated k, v and two s x s matrices.
+- SwiGLU keeps w1's output (silu input), silu's output, w3's output and their product (w2's
+  input); GELU keeps its input and its output.
+- No dropout, so no masks.
+
+Regions set the divisors: "norm" tensors (residual stream, norms, dropout masks) are split by
+tp only under sequence parallelism; "linear_in" tensors (inputs of wq/wk/wv, w1/w3) are
+replicated across tp, and under sequence parallelism are split only when the runtime re-gathers
+them in backward (Megatron) rather than saving the all-gathered copy (DTensor/torchtitan
+`PrepareModuleInput`); "tp" tensors (heads, FFN columns) are split by tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmscale.errors import ConfigError
+from llmscale.model.config import ModelConfig
+from llmscale.plan.fastcache import identity_cache
+
+ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
+BLOCK_MODES = ("none", "selective", "full")
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementation facts that decide what is saved (not the model's shape)."""
+
+    device: str = "cuda"  # cuda | cpu: RMSNorm fused (input + rstd) or composite (+ normed x)
+    attention: str = "auto"  # auto: flash for bf16/fp16 (and on CPU), else efficient or math
+    dropout: bool = False
+    residual_fp32: bool = True  # autocast keeps the residual stream in the fp32 param dtype
+    sp_saves_gathered_input: bool = True  # DTensor SP: linear inputs saved whole, not split
+    vocab_parallel: bool = False  # embedding and head replicated across tp (not split)
+
+    def attention_kernel(self, model: ModelConfig, precision: str) -> str:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError("kernels.attention", self.attention, " | ".join(ATTENTION_KERNELS))
+        if self.attention != "auto":
+            return self.attention
+        if self.device == "cpu" or precision != "fp32":
+            return "flash"
+        # fp32 on CUDA: no flash kernel; the memory-efficient one has no GQA, so GQA -> math.
+        return "math" if model.n_kv_heads < model.n_heads else "efficient"
+
+
+RUNTIME = Kernels()
+RUNTIME_CPU = Kernels(device="cpu")
+# Megatron-LM as Korthikanti et al. and Narayanan et al. ran it: fp16 activations throughout,
+# dropout after attention probabilities and both residual branches, softmax materialised,
+# sequence-parallel inputs re-gathered in backward, vocabulary-parallel embedding and LM head.
+MEGATRON_2021 = Kernels(
+    attention="materialized",
+    dropout=True,
+    residual_fp32=False,
+    sp_saves_gathered_input=False,
+    vocab_parallel=True,
+)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor kept for backward: bytes on one tensor-parallel rank for one micro-batch."""
+
+    name: str
+    nbytes: float
+    region: str  # norm | linear_in | tp | seq
+
+
+def _divisor(region: str, tp: int, sp: bool, kernels: Kernels) -> int:
+    if region == "tp":
+        return tp
+    if region == "norm":
+        return tp if sp else 1
+    if region == "linear_in":
+        return tp if sp and not kernels.sp_saves_gathered_input else 1
+    return 1
+
+
+def block_tensors(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+    mode: str = "none",
+) -> list[Saved]:
+    """The tensors one block keeps for backward under `mode` (none | selective | full)."""
+    if precision not in BYTES:
+        raise ConfigError("precision.mode", precision, " | ".join(BYTES))
+    if mode not in BLOCK_MODES:
+        raise ConfigError("train.recompute", mode, " | ".join(BLOCK_MODES))
+    tokens = micro_batch_size * seq_len
+    a = BYTES[precision]  # activation dtype under autocast (or fp32)
+    r = 4 if kernels.residual_fp32 else a  # residual stream dtype
+    d, kv, f, heads = model.dim, model.kv_dim, model.ffn_dim, model.n_heads
+    per_token: list[tuple[str, float, str]] = []  # (name, bytes per token, region)
+    if mode == "full":
+        per_token.append(("block input", r * d, "norm"))
+        return _scale(per_token, tokens, tp, sequence_parallel, kernels)
+
+    def norm(tag: str) -> None:
+        per_token.append((f"{tag} input", r * d, "norm"))
+        if model.norm == "layernorm":
+            per_token.extend([(f"{tag} mean", 4, "norm"), (f"{tag} rstd", 4, "norm")])
+        else:
+            per_token.append((f"{tag} rstd", 4, "norm"))
+            if kernels.device == "cpu":
+                per_token.append((f"{tag} normed x (composite kernel)", 4 * d, "norm"))
+
+    def linear_inputs(tag: str, names: tuple[str, ...]) -> None:
+        if a == 4 and kernels.residual_fp32:
+            per_token.append((f"{tag} input ({', '.join(names)} share it)", 4 * d, "linear_in"))
+        elif kernels.residual_fp32:
+            for n in names:  # autocast casts each linear's input on its own
+                per_token.append((f"{n} input ({precision} cast)", a * d, "linear_in"))
+        else:
+            per_token.append((f"{tag} input", a * d, "linear_in"))
+
+    norm("attention_norm")
+    linear_inputs("wq/wk/wv", ("wq", "wk", "wv") if model.n_kv_heads else ("wqkv",))
+    kernel = kernels.attention_kernel(model, precision)
+    seq_terms: list[tuple[str, float]] = []  # bytes per token per key position (s x s)
+    if kernel == "materialized":
+        per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
+        if mode == "none":
+            seq_terms.append(("softmax output", a * heads))
+            if kernels.dropout:
+                seq_terms += [("softmax dropout mask", 1 * heads), ("dropout output", a * heads)]
+        per_token.append(("wo input (attention output)", a * d, "tp"))
+    elif kernel == "math":
+        if mode == "none":
+            per_token += [
+                ("q scaled", 4 * d, "tp"),
+                ("k repeated to n_heads", 4 * d, "tp"),
+                ("v repeated to n_heads", 4 * d, "tp"),
+            ]
+            seq_terms += [("attention weights", 4 * heads), ("softmax output", 4 * heads)]
+        else:  # the checkpointed core keeps its inputs only
+            per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
+        per_token.append(("wo input (attention output, copied)", a * d, "tp"))
+    else:  # flash / efficient / cuDNN: q, k, v, out and log-sum-exp
+        per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
+        per_token.append(("attention output (= wo input)", a * d, "tp"))
+        if mode == "none":
+            per_token.append(("log-sum-exp (fp32)", 4 * heads, "tp"))
+    if kernels.dropout:
+        per_token.append(("attention residual dropout mask", 1 * d, "norm"))
+    norm("ffn_norm")
+    if model.gated:
+        linear_inputs("w1/w3", ("w1", "w3"))
+        per_token += [
+            ("w1 output (silu input)", a * f, "tp"),
+            ("silu output", a * f, "tp"),
+            ("w3 output", a * f, "tp"),
+            ("w2 input (silu x w3)", a * f, "tp"),
+        ]
+    else:
+        linear_inputs("w1", ("w1",))
+        per_token += [
+            ("w1 output (gelu input)", a * f, "tp"),
+            ("w2 input (gelu output)", a * f, "tp"),
+        ]
+    if kernels.dropout:
+        per_token.append(("mlp residual dropout mask", 1 * d, "norm"))
+    out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
+    out += [Saved(n, per * tokens * seq_len / tp, "seq") for n, per in seq_terms]
+    return out
+
+
+def _scale(
+    per_token: list[tuple[str, float, str]], tokens: int, tp: int, sp: bool, kernels: Kernels
+) -> list[Saved]:
+    return [
+        Saved(name, per * tokens / _divisor(region, tp, sp, kernels), region)
+        for name, per, region in per_token
+    ]
+
+
+@identity_cache()
+def block_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+    mode: str = "none",
+) -> float:
+    """Sum of `block_tensors`."""
+    return sum(
+        t.nbytes
+        for t in block_tensors(
+            model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels, mode
+        )
+    )
+
+
+def embedding_tensors(micro_batch_size: int, seq_len: int) -> list[Saved]:
+    """First stage: the embedding keeps the token ids (the micro-batch's seq_len + 1 columns)."""
+    return [Saved("token ids (int64)", 8 * micro_batch_size * (seq_len + 1), "seq")]
+
+
+def head_tensors(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> list[Saved]:
+    """Last stage: final norm, the output projection's input and the loss's log-softmax."""
+    tokens = micro_batch_size * seq_len
+    a = BYTES[precision]
+    r = 4 if kernels.residual_fp32 else a
+    d, v = model.dim, model.vocab_size
+    per_token: list[tuple[str, float, str]] = [("final norm input", r * d, "norm")]
+    if model.norm == "layernorm":
+        per_token += [("final norm mean", 4, "norm"), ("final norm rstd", 4, "norm")]
+    else:
+        per_token.append(("final norm rstd", 4, "norm"))
+        if kernels.device == "cpu":
+            per_token.append(("final norm normed x (composite kernel)", 4 * d, "norm"))
+    per_token.append(("output projection input", a * d, "linear_in"))
+    vocab_div = tp if kernels.vocab_parallel else 1
+    out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
+    out += [
+        Saved("log-softmax output (fp32 logits)", 4 * tokens * v / vocab_div, "seq"),
+        Saved("targets (int64)", 8 * tokens, "seq"),
+        Saved("loss total weight", 4, "seq"),
+    ]
+    return out
+
+
+@identity_cache()
+def head_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> float:
+    """Sum of `head_tensors`."""
+    return sum(
+        t.nbytes
+        for t in head_tensors(
+            model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels
+        )
+    )
+
+
+def loss_transient_bytes(
+    model: ModelConfig, micro_batch_size: int, seq_len: int, kernels: Kernels = RUNTIME, tp: int = 1
+) -> float:
+    """Short-lived logits memory beyond the saved log-softmax, at its peak.
+
+    In the loss's backward, the gradient of the log-softmax output and the gradient of its
+    input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per logit on
+    top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4).
+    """
+    div = tp if kernels.vocab_parallel else 1
+    return 8.0 * micro_batch_size * seq_len * model.vocab_size / div
+
+
+def korthikanti_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Korthikanti et al. 2022 per-layer activation bytes, eqs. 1-4 (fp16, dropout, s x s).
+
+    none: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht));
+    selective drops the 5as/h term; full keeps the block input, 2sbh (/t with SP).
+    """
+    s, b, h, a = seq_len, micro_batch_size, model.dim, model.n_heads
+    t = tp
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    core = 34 / t if sequence_parallel else 10 + 24 / t
+    attn = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    return s * b * h * (core + attn)

@@ -1,0 +1,37 @@
+"""The hardware a plan runs on: a GPU, its node shape and the links between GPUs and to hosts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmscale.hardware.catalog import GPU, Catalog, Link, Node, default_catalog
+from llmscale.plan.collectives import Fabric
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`gpu` in nodes of `node`'s shape; NICs of `fabric.inter`; offload over `host_link`."""
+
+    gpu: GPU
+    node: Node
+    fabric: Fabric
+    host_link: Link
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.node.gpus_per_node
+
+    @classmethod
+    def of(
+        cls,
+        gpu: str,
+        node: str | None = None,
+        nic: str | None = None,
+        catalog: Catalog | None = None,
+    ) -> Cluster:
+        """The catalog's node shape for `gpu` (or `node`), optionally with another NIC link."""
+        cat = catalog or default_catalog()
+        g = cat.gpu(gpu)
+        n = cat.node(node) if node else cat.node_for_gpu(gpu)
+        fabric = Fabric.of(n, cat.link(n.scale_up), cat.link(nic or n.nic))
+        return cls(g, n, fabric, cat.link(g.host_link))

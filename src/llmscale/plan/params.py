@@ -1,0 +1,138 @@
+"""Parameter elements one GPU holds: tensor-parallel slices, pipeline stages, FSDP shards.
+
+Tensor parallelism follows torchtitan's plan for the Llama block: wq, wk, wv, w1, w3 are split
+column-wise (dim 0 of the [out, in] weight, and their biases), wo and w2 row-wise (dim 1; their
+biases stay whole); norms are replicated. The embedding and the output projection are
+replicated across tp unless `vocab_parallel` (then split along the vocabulary, dim 0).
+FSDP2 (`fully_shard`) shards every tensor along dim 0 and pads dim 0 up to a multiple of the
+shard count, so a rank holds ceil(dim0 / n) rows; rank 0 always holds the full ceil, which is
+what is reported (the largest rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmscale.model.config import ModelConfig
+from llmscale.plan.fastcache import identity_cache
+
+_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+_ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
+def tp_local_shape(
+    name: str, shape: tuple[int, ...], tp: int, vocab_parallel: bool
+) -> tuple[int, ...]:
+    """The slice of one tensor that a tensor-parallel rank holds."""
+    if tp == 1:
+        return shape
+    module = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else name
+    if any(module.endswith(c) for c in _COLWISE):
+        return (shape[0] // tp, *shape[1:])
+    if any(module.endswith(r) for r in _ROWWISE) and name.endswith(".weight"):
+        return (shape[0], shape[1] // tp)
+    if vocab_parallel and name in ("tok_embeddings.weight", "output.weight"):
+        return (shape[0] // tp, *shape[1:])
+    return shape
+
+
+def shard_numel(shape: tuple[int, ...], n: int) -> int:
+    """Elements of rank 0's FSDP shard (padded storage): ceil(dim0 / n) rows."""
+    return math.ceil(shape[0] / n) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of parameter tensors (one block, or the embedding, or the head) on one TP rank."""
+
+    tensors: int
+    numel: int  # TP-local, unsharded
+    shard_numel: int  # rank 0's FSDP shard (padded)
+    autocast_numel: int  # of which linear weights and biases: what autocast casts to bf16
+    saved_cast_numel: int = 0  # of which weights: the casts autograd keeps (biases it does not)
+
+    @staticmethod
+    def of(
+        shapes: list[tuple[str, tuple[int, ...]]], tp: int, dp_shard: int, vocab_parallel: bool
+    ) -> Group:
+        local = [(n, tp_local_shape(n, s, tp, vocab_parallel)) for n, s in shapes]
+        linear = [
+            (n, s)
+            for n, s in local
+            if ".attention." in n or ".feed_forward." in n or n == "output.weight"
+        ]
+        return Group(
+            tensors=len(local),
+            numel=sum(math.prod(s) for _, s in local),
+            shard_numel=sum(shard_numel(s, dp_shard) for _, s in local),
+            autocast_numel=sum(math.prod(s) for _, s in linear),
+            saved_cast_numel=sum(math.prod(s) for n, s in linear if n.endswith(".weight")),
+        )
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """What one pipeline rank owns: `blocks` identical blocks, and embedding / head if any.
+
+    Totals are filled in by `make` (they are read in the search's inner loop).
+    """
+
+    blocks: int
+    block: Group
+    embedding: Group | None
+    head: Group | None
+    numel: int = 0
+    shard_numel: int = 0
+    tensors: int = 0
+    autocast_numel: int = 0
+    root_numel: int = 0
+
+    @staticmethod
+    def make(blocks: int, block: Group, embedding: Group | None, head: Group | None) -> StageParams:
+        root = [g for g in (embedding, head) if g is not None]
+        return StageParams(
+            blocks,
+            block,
+            embedding,
+            head,
+            numel=blocks * block.numel + sum(g.numel for g in root),
+            shard_numel=blocks * block.shard_numel + sum(g.shard_numel for g in root),
+            tensors=blocks * block.tensors + sum(g.tensors for g in root),
+            autocast_numel=blocks * block.autocast_numel + sum(g.autocast_numel for g in root),
+            root_numel=sum(g.numel for g in root),
+        )
+
+    @property
+    def root(self) -> tuple[Group, ...]:
+        """Groups outside the blocks (FSDP2's root module: embedding, final norm, head)."""
+        return tuple(g for g in (self.embedding, self.head) if g is not None)
+
+
+@identity_cache()
+def stage_params(
+    model: ModelConfig,
+    tp: int,
+    pp: int,
+    rank: int,
+    dp_shard: int = 1,
+    vocab_parallel: bool = False,
+) -> StageParams:
+    """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last)."""
+    shapes = model.parameter_shapes()
+    emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
+    head = Group.of(shapes["head"], tp, dp_shard, vocab_parallel) if rank == pp - 1 else None
+    if pp == 1 and model.tie_embeddings:
+        # The tied head has no tensor of its own, but autocast casts the embedding for it.
+        assert emb is not None and head is not None
+        v, d = model.vocab_size, model.dim
+        emb_cast = v * d // (tp if vocab_parallel else 1)
+        emb = Group(
+            emb.tensors,
+            emb.numel,
+            emb.shard_numel,
+            emb.autocast_numel + emb_cast,
+            emb.saved_cast_numel + emb_cast,
+        )
+    block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
+    return StageParams.make(model.n_layers // pp, block, emb, head)

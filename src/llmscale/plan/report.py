@@ -1,0 +1,268 @@
+"""Rendering planner results: rich tables for people, JSON for machines, a PNG bar chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from llmscale.hardware.catalog import Catalog, GiB
+from llmscale.plan.memory import MemoryEstimate, StageMemory
+from llmscale.plan.roofline import Roofline
+from llmscale.plan.search import Candidate, SearchResult
+from llmscale.plan.setup import Plan
+
+MEMORY_PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "working_params",
+    "activations",
+    "transient",
+    "allocator",
+)
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+# ---- hardware -----------------------------------------------------------------------------
+
+
+def hardware_tables(cat: Catalog) -> list[Table]:
+    gpus = Table(title="Accelerators (dense peak, no sparsity)")
+    for col in ("name", "GPU", "HBM GiB", "HBM TB/s", "fp32", "tf32", "bf16", "fp16", "fp8",
+                "ridge bf16 FLOP/B", "scale-up"):  # fmt: skip
+        gpus.add_column(col, justify="left" if col in ("name", "GPU", "scale-up") else "right")
+    for g in cat.gpus.values():
+        tf = [f"{g.dense_TFLOPS[d].value:g}" if d in g.dense_TFLOPS else "-"
+              for d in ("fp32", "tf32", "bf16", "fp16", "fp8")]  # fmt: skip
+        gpus.add_row(g.name, g.display, f"{g.memory_GiB.value:g}", f"{g.hbm_TBps.value:g}", *tf,
+                     f"{g.ridge_point('bf16'):.0f}", g.scale_up)  # fmt: skip
+    links = Table(title="Links (bandwidth each direction, per GPU or NIC port; latency = alpha)")
+    for col in ("name", "link", "kind", "GB/s", "GPU-to-GPU GB/s", "latency us"):
+        links.add_column(col, justify="right" if "GB/s" in col or "us" in col else "left")
+    for lk in cat.links.values():
+        pair = f"{lk.pair_GBps.value:g}" if lk.pair_GBps else "-"
+        links.add_row(lk.name, lk.display, lk.kind, f"{lk.bandwidth_GBps.value:g}", pair,
+                      f"{lk.latency_us.value:g}")  # fmt: skip
+    nodes = Table(title="Node shapes")
+    for col in ("name", "node", "GPU", "GPUs", "scale-up", "NICs", "NIC"):
+        nodes.add_column(col, justify="right" if col in ("GPUs", "NICs") else "left")
+    for n in cat.nodes.values():
+        nodes.add_row(n.name, n.display, n.gpu, str(n.gpus_per_node), n.scale_up,
+                      str(n.nics_per_node), n.nic)  # fmt: skip
+    topo = Table(title="Network topologies and switches (prices are assumptions)")
+    for col in ("name", "description"):
+        topo.add_column(col)
+    for t in cat.topologies.values():
+        topo.add_row(t.name, t.display)
+    for s in cat.switches.values():
+        topo.add_row(s.name, f"{s.display}; ${s.price_usd.value:,.0f} (assumption)")
+    return [gpus, links, nodes, topo]
+
+
+def sources_table(cat: Catalog) -> Table:
+    t = Table(title="Where every number comes from")
+    for col in ("entry", "field", "value", "source"):
+        t.add_column(col)
+    for g in cat.gpus.values():
+        t.add_row(g.name, "memory_GiB", f"{g.memory_GiB.value:g}", g.memory_GiB.source)
+        t.add_row(g.name, "hbm_TBps", f"{g.hbm_TBps.value:g}", g.hbm_TBps.source)
+        for d, num in g.dense_TFLOPS.items():
+            t.add_row(g.name, f"dense_TFLOPS.{d}", f"{num.value:g}", num.source)
+    for lk in cat.links.values():
+        t.add_row(
+            lk.name, "bandwidth_GBps", f"{lk.bandwidth_GBps.value:g}", lk.bandwidth_GBps.source
+        )
+        t.add_row(lk.name, "latency_us", f"{lk.latency_us.value:g}", lk.latency_us.source)
+    for n in cat.nodes.values():
+        t.add_row(n.name, "gpus", f"{n.gpus.value:g}", n.gpus.source)
+    for sw in cat.switches.values():
+        t.add_row(sw.name, "ports", f"{sw.ports.value:g}", sw.ports.source)
+        t.add_row(sw.name, "price_usd", f"{sw.price_usd.value:g}", sw.price_usd.source)
+    return t
+
+
+def compare_table(cat: Catalog, a: str, b: str) -> Table:
+    """Ratios of two links (bandwidth, latency) or of two GPUs (memory, bandwidth, peaks)."""
+    t = Table(title=f"{a} vs {b}")
+    for col in ("quantity", a, b, f"{a} / {b}"):
+        t.add_column(col, justify="left" if col == "quantity" else "right")
+    if a in cat.links or b in cat.links:
+        la, lb = cat.link(a), cat.link(b)
+        rows = [
+            ("bandwidth GB/s (each way)", la.bandwidth_GBps.value, lb.bandwidth_GBps.value),
+            ("GPU-to-GPU GB/s", la.pair_bandwidth / 1e9, lb.pair_bandwidth / 1e9),
+            ("latency us (alpha)", la.latency_us.value, lb.latency_us.value),
+            ("1 GB transfer ms", 1e3 * (la.latency + 1e9 / la.bandwidth),
+             1e3 * (lb.latency + 1e9 / lb.bandwidth)),
+        ]  # fmt: skip
+    else:
+        ga, gb = cat.gpu(a), cat.gpu(b)
+        rows = [
+            ("HBM GiB", ga.memory_GiB.value, gb.memory_GiB.value),
+            ("HBM TB/s", ga.hbm_TBps.value, gb.hbm_TBps.value),
+        ]
+        for d in ("fp32", "tf32", "bf16", "fp16", "fp8"):
+            if d in ga.dense_TFLOPS and d in gb.dense_TFLOPS:
+                rows.append((f"{d} TFLOP/s", ga.dense_TFLOPS[d].value, gb.dense_TFLOPS[d].value))
+    for name, x, y in rows:
+        t.add_row(name, f"{x:g}", f"{y:g}", f"{x / y:.3g}")
+    return t
+
+
+# ---- plans --------------------------------------------------------------------------------
+
+
+def plan_label(p: Plan) -> dict[str, str]:
+    dp = f"{p.dp_replicate}x{p.dp_shard}" if p.dp_replicate > 1 and p.dp_shard > 1 else str(p.dp)
+    kind = "fsdp" if p.dp_shard > 1 else ("ddp" if p.dp > 1 else "-")
+    sched = (
+        "-"
+        if p.pp == 1
+        else p.pp_schedule.replace("interleaved_1f1b", f"interleaved v={p.pp_chunks}")
+    )
+    rec = p.recompute if p.recompute != "every_k" else f"every_{p.recompute_every_k}"
+    return {
+        "tp": str(p.tp), "pp": str(p.pp), "dp": f"{dp} {kind}",
+        "zero": str(p.zero_stage) if p.dp_shard > 1 else "-", "mbs": str(p.micro_batch_size),
+        "recompute": rec, "schedule": sched, "sp": "y" if p.sequence_parallel else "-",
+        "offload": p.offload,
+    }  # fmt: skip
+
+
+def search_table(result: SearchResult) -> Table:
+    gpu = result.cluster.gpu
+    t = Table(title=f"Top plans on {result.gpus} x {gpu.name} ({gpu.memory_GiB.value:g} GiB each)")
+    cols = ["#", "tp", "pp", "dp", "zero", "mbs", "recompute", "schedule", "sp", "offload",
+            "step s", "tok/s", "MFU", "states", "working", "activ.", "transient", "total GiB"]  # fmt: skip
+    for c in cols:
+        t.add_column(
+            c, justify="left" if c in ("dp", "recompute", "schedule", "offload") else "right"
+        )
+    for i, cand in enumerate(result.candidates, 1):
+        w = cand.memory.worst
+        lab = plan_label(cand.plan)
+        t.add_row(
+            str(i), *[lab[k] for k in cols[1:10]],
+            f"{cand.time.seconds:.2f}", f"{cand.time.tokens_per_s:,.0f}", f"{cand.time.mfu:.1%}",
+            gib(w.states), gib(w.working_params), gib(w.activations),
+            gib(w.transient + w.allocator), gib(w.total),
+        )  # fmt: skip
+    return t
+
+
+def _stage_dict(s: StageMemory) -> dict[str, Any]:
+    return {**s.breakdown(), "total": s.total, "allocated": s.allocated, "host": s.host,
+            "inflight_microbatches": s.inflight, "stage": s.stage}  # fmt: skip
+
+
+def memory_json(est: MemoryEstimate) -> dict[str, Any]:
+    return {"worst_stage": _stage_dict(est.worst), "stages": [_stage_dict(s) for s in est.stages]}
+
+
+def candidate_json(c: Candidate) -> dict[str, Any]:
+    p = c.plan
+    fields = {k: getattr(p, k) for k in ("seq_len", "micro_batch_size", "global_batch_size",
+              "recompute", "recompute_every_k", "precision", "offload", "dp_replicate",
+              "dp_shard", "tp", "pp", "pp_schedule", "pp_chunks", "sequence_parallel",
+              "zero_stage")}  # fmt: skip
+    return {
+        "plan": {"model": p.model.name, **fields},
+        "overrides": " ".join(p.overrides()),
+        "memory_bytes": memory_json(c.memory),
+        "step_time": {
+            "seconds": c.time.seconds, "tokens_per_s": c.time.tokens_per_s, "mfu": c.time.mfu,
+            "hfu": c.time.hfu, "bubble_fraction": c.time.bubble_fraction,
+            "breakdown_seconds": c.time.breakdown,
+        },
+    }  # fmt: skip
+
+
+def search_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "inputs": inputs,
+        "search": {"evaluated": result.evaluated, "feasible": result.feasible,
+                   "seconds": result.seconds},
+        "candidates": [candidate_json(c) for c in result.candidates],
+    }  # fmt: skip
+
+
+def memory_png(result: SearchResult, path: str | Path) -> Path:
+    """Stacked bars of the fullest GPU's memory for each candidate, against its capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(result.candidates) + 2), 4.5))
+    xs = list(range(1, len(result.candidates) + 1))
+    bottom = [0.0] * len(xs)
+    for part in MEMORY_PARTS:
+        vals = [getattr(c.memory.worst, part) / GiB for c in result.candidates]
+        ax.bar(xs, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    cap = result.cluster.gpu.memory_GiB.value
+    ax.axhline(
+        cap,
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label=f"{result.cluster.gpu.name} {cap:g} GiB",
+    )
+    labels = []
+    for c in result.candidates:
+        lab = plan_label(c.plan)
+        labels.append(f"tp{lab['tp']} pp{lab['pp']}\n{c.time.seconds:.1f}s")
+    ax.set_xticks(xs, labels, fontsize=7)
+    ax.set_ylabel("GiB on the fullest GPU")
+    ax.set_title("Memory per GPU of the top plans (step time under each bar)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ---- roofline -----------------------------------------------------------------------------
+
+
+def roofline_table(rows: list[Roofline]) -> Table:
+    t = Table(title="Roofline: arithmetic intensity vs the ridge point (peak / HBM bandwidth)")
+    for col in (
+        "workload",
+        "FLOPs",
+        "HBM bytes",
+        "FLOP/byte",
+        "ridge",
+        "bound",
+        "attainable TFLOP/s",
+    ):
+        t.add_column(col, justify="left" if col in ("workload", "bound") else "right")
+    for r in rows:
+        t.add_row(r.workload, f"{r.flops:.3g}", f"{r.bytes:.3g}", f"{r.intensity:.1f}",
+                  f"{r.ridge:.1f}", r.bound, f"{r.attainable_flops / 1e12:.0f}")  # fmt: skip
+    return t
+
+
+def network_table(rows: list[Any], gpus: int, gpu: str) -> Table:
+    base = rows[0]
+    t = Table(
+        title=f"Networks for {gpus} x {gpu} (prices are assumptions: hardware/data/network.toml)"
+    )
+    cols = ("topology", "switch", "tiers", "switches", "links", "transceivers", "cost $M",
+            "vs fat-tree", "plan step s", "all-to-all ms")  # fmt: skip
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("topology", "switch") else "right")
+    for r in rows:
+        d = r.design
+        t.add_row(d.kind, d.switch.name, str(d.tiers), f"{d.switches:,}", f"{d.links:,}",
+                  f"{d.transceivers:,}", f"{d.cost_usd / 1e6:.2f}",
+                  f"{d.cost_usd / base.design.cost_usd - 1:+.0%}", f"{r.step_seconds:.2f}",
+                  f"{r.all_to_all_seconds * 1e3:.1f}")  # fmt: skip
+    return t

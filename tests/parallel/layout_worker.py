@@ -1,0 +1,107 @@
+"""One rank of a multi-process test: train several layouts in turn in one process group.
+
+    torchrun --nproc-per-node N tests/parallel/layout_worker.py SPEC.json
+
+SPEC: {"out": folder, "base": [overrides...], "layouts": [{"name", "args", "run"?}, ...]}.
+For each layout the rank holding the loss of pipeline stage s (dp rank 0, tp rank 0) writes
+OUT/NAME.stage{s}.pt with the per-step losses, the final validation loss and this stage's
+parameters gathered to full tensors; rank 0 also writes the metrics rows it logged. Collective
+counts of the first step are recorded when the layout asks for them ("count": true).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmscale.config import load_config
+from llmscale.parallel import full_parameters
+from llmscale.train import trainer as trainer_mod
+from llmscale.train.trainer import Trainer
+
+
+class FirstStepEvents:
+    """Records, during a trainer's first step, gradient-sync switches and gradient reductions.
+
+    Gradient reductions are the reduce-scatters (FSDP2) and all-reduces (replicate, HSDP) issued
+    on a mesh sub-group; the trainer's own loss / norm / overflow all-reduces use the default
+    group and are left out.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.events: list[str] = []
+        self.active = True
+        self._undo: list[tuple[object, str, object]] = []
+        for name, tag in (
+            ("reduce_scatter_single", "reduce_scatter"),
+            ("all_reduce", "all_reduce"),
+        ):
+            self._wrap(dist, name, self._collective(getattr(dist, name), tag))
+        orig_sync = trainer_mod.set_gradient_sync
+
+        def sync(parts, flag):
+            if self.active:
+                self.events.append(f"sync={flag}")
+            return orig_sync(parts, flag)
+
+        self._wrap(trainer_mod, "set_gradient_sync", sync)
+        orig_step = trainer.train_step
+
+        def first_step():
+            row = orig_step()
+            self.stop()
+            return row
+
+        trainer.train_step = first_step
+
+    def _collective(self, orig, tag):
+        def wrapper(*args, **kwargs):
+            if self.active and kwargs.get("group") is not None:
+                self.events.append(tag)
+            return orig(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap(self, owner, name, new):
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            for owner, name, orig in reversed(self._undo):
+                setattr(owner, name, orig)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    for layout in spec["layouts"]:
+        run_dir = out / layout.get("run", layout["name"])
+        cfg = load_config(None, [*spec["base"], "--job.run_dir", str(run_dir), *layout["args"]])
+        t = Trainer(cfg)
+        recorder = FirstStepEvents(t)
+        result = t.fit()
+        params = full_parameters(t.model_parts)
+        d = t.dims
+        if d.dp_rank == 0 and d.tp_rank == 0:
+            payload = {
+                "losses": result.losses,
+                "val_loss": result.val_loss,
+                "steps_done": result.steps_done,
+                "params": params,
+                "stage_ids": t.parallel.stage_ids,
+                "events": recorder.events,
+            }
+            torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

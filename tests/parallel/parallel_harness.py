@@ -1,0 +1,93 @@
+"""Multi-process test harness: torchrun subprocesses on gloo, a free port each."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).parent
+WORKER = HERE / "layout_worker.py"
+
+# Every layout test trains the same job: the tiny preset, fp32, 5 steps of a global batch of 8
+# sequences of 32 tokens in micro-batches of 2 (so DP and PP layouts accumulate, too).
+BASE = [
+    "--data.max_files", "40",
+    "--data.seq_len", "32",
+    "--train.steps", "5",
+    "--train.micro_batch_size", "2",
+    "--train.global_batch_size", "8",
+    "--train.eval_batches", "4",
+    "--metrics.progress", "false",
+    "--checkpoint.enabled", "false",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env() -> dict[str, str]:
+    # One thread per rank: up to 8 ranks share this machine's few cores.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        *args,
+    ]  # fmt: skip
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=timeout,
+        cwd=HERE.parent.parent,
+    )
+    assert r.returncode == 0, (
+        f"torchrun failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+    )
+    return r
+
+
+def run_layouts(
+    nproc: int, out: Path, layouts: list[dict[str, Any]], timeout: float = 240
+) -> dict[str, dict[str, Any]]:
+    """Train each layout in turn in one process group; results by layout name.
+
+    A result merges the per-stage files: losses and events of the first stage's writer, and the
+    parameters of all stages (each name must come from exactly one stage).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "base": BASE, "layouts": layouts}))
+    torchrun(nproc, str(WORKER), str(spec), timeout=timeout)
+    results: dict[str, dict[str, Any]] = {}
+    for layout in layouts:
+        name = layout["name"]
+        files = sorted(out.glob(f"{name}.stage*.pt"))
+        assert files, f"{name}: no results written"
+        merged: dict[str, Any] = {"params": {}, "stage_events": []}
+        for f in files:
+            d = torch.load(f, weights_only=False)
+            dup = set(d["params"]) & set(merged["params"])
+            assert not dup, f"{name}: {sorted(dup)[:3]} held by two pipeline stages"
+            merged["params"].update(d["params"])
+            merged["stage_events"].append(d["events"])
+            for k in ("losses", "val_loss", "steps_done"):
+                merged.setdefault(k, d[k])
+                assert d[k] == merged[k], f"{name}: stages disagree on {k}"
+        merged["run_dir"] = out / layout.get("run", name)
+        results[name] = merged
+    return results

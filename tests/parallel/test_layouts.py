@@ -1,0 +1,222 @@
+"""Every parallel layout trains exactly like one process on the same global batch.
+
+Each world size is one torchrun process group that trains its layouts in turn (5 steps of the
+tiny model, fp32, gloo); the per-step losses, the final validation loss and the final parameters
+(gathered to full tensors, merged over pipeline stages) must equal those of an in-process
+single-process run to 1e-5 relative. Measured: about 1e-7 for losses and at most 3e-6 for any
+parameter tensor (reduction orders differ; nothing else).
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import pytest
+import torch
+from parallel_harness import BASE, run_layouts, torchrun
+
+from llmscale.config import load_config
+from llmscale.train.metrics import read_jsonl
+from llmscale.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5
+
+
+def _p(**degrees: Any) -> list[str]:
+    args: list[str] = []
+    for k, v in degrees.items():
+        args += [f"--parallel.{k}", str(v).lower()]
+    return args
+
+
+WORLD2 = {
+    "dp2": _p(dp_replicate=2),
+    "fsdp2_zero2": _p(dp_shard=2, zero_stage=2),
+    "fsdp2_zero3": _p(dp_shard=2, zero_stage=3),
+    "tp2": _p(tp=2),
+    "tp2_sp": _p(tp=2, sequence_parallel=True),
+    "pp2_gpipe": _p(pp=2, pp_schedule="gpipe"),
+    "pp2_1f1b": _p(pp=2, pp_schedule="1f1b"),
+    "pp2_interleaved": _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=2),
+}
+WORLD4 = {
+    "fsdp2_tp2": _p(dp_shard=2, tp=2),
+    "hsdp2x2": _p(dp_replicate=2, dp_shard=2),
+    "pp2_tp2_sp": _p(pp=2, tp=2, sequence_parallel=True),
+    "pp2_fsdp2": _p(pp=2, dp_shard=2),
+}
+WORLD8 = {
+    "fsdp2_pp2_tp2": _p(
+        dp_shard=2, pp=2, tp=2, sequence_parallel=True, pp_schedule="interleaved_1f1b", pp_chunks=2
+    ),
+}
+CKPT = ["--checkpoint.enabled", "true", "--checkpoint.keep_last", "5"]
+# Saved under pp=2 x tp=2 after step 3, resumed under dp_shard=4 (FSDP) to step 5.
+RESUME = [
+    {
+        "name": "resume_save",
+        "run": "resume",
+        "args": [*_p(pp=2, tp=2), *CKPT, "--checkpoint.stop_after", "3"],
+    },
+    {
+        "name": "resume_load",
+        "run": "resume",
+        "args": [*_p(dp_shard=4), *CKPT, "--checkpoint.resume", "true"],
+    },
+]
+
+
+def _layouts(table: dict[str, list[str]]) -> list[dict[str, Any]]:
+    return [{"name": n, "args": a} for n, a in table.items()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    run = tmp_path_factory.mktemp("single") / "run"
+    t = Trainer(load_config(None, [*BASE, "--job.run_dir", str(run)]))
+    r = t.fit()
+    params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    return {"losses": r.losses, "val_loss": r.val_loss, "params": params}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return run_layouts(2, tmp_path_factory.mktemp("world2"), _layouts(WORLD2))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return run_layouts(4, tmp_path_factory.mktemp("world4"), [*_layouts(WORLD4), *RESUME])
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return run_layouts(8, tmp_path_factory.mktemp("world8"), _layouts(WORLD8), timeout=300)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def assert_same_run(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
+    assert got["steps_done"] == 5
+    assert len(got["losses"]) == len(ref["losses"]) == 5
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
+        assert _rel(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
+    assert _rel(got["val_loss"], ref["val_loss"]) < RTOL, (name, got["val_loss"], ref["val_loss"])
+    assert set(got["params"]) == set(ref["params"]), name
+    for k, want in ref["params"].items():
+        have = got["params"][k]
+        assert have.shape == want.shape, (name, k)
+        rel = ((have - want).norm() / want.norm()).item()
+        assert rel < RTOL, f"{name} {k}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_two_ranks_equal_one_process(name, world2, reference) -> None:
+    assert_same_run(world2[name], reference, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_four_ranks_equal_one_process(name, world4, reference) -> None:
+    assert_same_run(world4[name], reference, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_eight_ranks_equal_one_process(name, world8, reference) -> None:
+    assert_same_run(world8[name], reference, name)
+
+
+def test_metrics_written_once_with_the_global_loss(world4, reference) -> None:
+    rows = [r for r in read_jsonl(world4["fsdp2_tp2"]["run_dir"] / "metrics.jsonl")]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]  # rank 0 only: no duplicate rows
+    assert [r["loss"] for r in train] == world4["fsdp2_tp2"]["losses"]
+    assert all(r["world_size"] == 4 and r["tokens_per_s"] > 0 for r in train)
+    # Memory is per rank: FSDP x TP leaves each rank about a quarter of the parameters.
+    n = load_config(None, BASE).model.num_params()
+    assert n <= train[-1]["param_bytes"] < 1.05 * n  # 4 bytes x n / 4 ranks, norms on 2 of them
+
+
+def test_resume_under_another_layout_continues_the_run(world4, reference, tmp_path) -> None:
+    """pp=2 x tp=2 saves after step 3; dp_shard=4 resumes; the curve is the uninterrupted one."""
+    saved, resumed = world4["resume_save"], world4["resume_load"]
+    assert saved["steps_done"] == 3 and len(saved["losses"]) == 3
+    assert resumed["steps_done"] == 5 and len(resumed["losses"]) == 2
+    rows = [r for r in read_jsonl(resumed["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for row, want in zip(rows, reference["losses"], strict=True):
+        assert _rel(row["loss"], want) < RTOL, (row["step"], row["loss"], want)
+    for k, want in reference["params"].items():
+        rel = ((resumed["params"][k] - want).norm() / want.norm()).item()
+        assert rel < RTOL, (k, rel)
+
+    # The same distributed checkpoint also loads into one process, without a process group.
+    ckpt = resumed["run_dir"] / "checkpoints" / "step-000003"
+    assert ckpt.is_dir()
+    single = tmp_path / "single"
+    shutil.copytree(ckpt, single / "checkpoints" / ckpt.name)
+    t = Trainer(
+        load_config(
+            None, [*BASE, "--job.run_dir", str(single), *CKPT[:2], "--checkpoint.resume", "true"]
+        )
+    )
+    r = t.fit()
+    assert r.steps_done == 5 and len(r.losses) == 2
+    for a, b in zip(r.losses, reference["losses"][3:], strict=True):
+        assert _rel(a, b) < RTOL, (a, b)
+    for n, p in t.model.named_parameters():
+        want = reference["params"][n]
+        assert ((p.detach() - want).norm() / want.norm()).item() < RTOL, n
+
+
+@pytest.mark.parametrize(
+    ("name", "reduction"),
+    [("dp2", "all_reduce"), ("fsdp2_zero2", "reduce_scatter"), ("fsdp2_zero3", "reduce_scatter")],
+)
+def test_accumulation_reduces_gradients_on_the_last_micro_step_only(
+    name, reduction, world2
+) -> None:
+    """2 micro-batches per rank: sync is off for the first, on for the last, which alone reduces.
+
+    One reduction per FSDP unit: 4 blocks and the root.
+    """
+    (events,) = world2[name]["stage_events"]
+    assert events[:2] == ["sync=False", "sync=True"], events
+    grads = events[2:]
+    assert grads == [reduction] * 5, events
+
+
+def test_hsdp_reduce_scatters_then_all_reduces_once_per_unit(world4) -> None:
+    """dp = 4 leaves one micro-batch per rank: each unit reduce-scatters within its shard group
+    of 2, then all-reduces its shard across the 2 replicas."""
+    (events,) = world4["hsdp2x2"]["stage_events"]
+    assert events == ["sync=True", *["reduce_scatter", "all_reduce"] * 5], events
+
+
+def test_pipeline_with_fsdp_reduces_once_per_step(world4) -> None:
+    """2 micro-batches go through each stage, yet each stage's 3 FSDP units reduce once."""
+    for events in world4["pp2_fsdp2"]["stage_events"]:
+        assert events == ["reduce_scatter"] * 3, events
+
+
+def test_gathered_parameters_are_the_model(world2, reference) -> None:
+    """Pipeline stages together hold every parameter exactly once (checked while merging)."""
+    got = world2["pp2_interleaved"]["params"]
+    assert sum(p.numel() for p in got.values()) == load_config(None, BASE).model.num_params()
+    assert all(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in got.values())
+
+
+def test_llmscale_train_under_torchrun(reference, tmp_path) -> None:
+    """The CLI itself, 2 pipeline ranks: rank 0 (first stage) prints and logs the true loss."""
+    run = tmp_path / "cli"
+    r = torchrun(2, "-m", "llmscale", "train", *BASE, "--job.run_dir", str(run), *_p(pp=2))
+    rows = [x for x in read_jsonl(run / "metrics.jsonl") if x["kind"] == "train"]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    for x, want in zip(rows, reference["losses"], strict=True):
+        assert _rel(x["loss"], want) < RTOL
+    assert r.stdout.count("step     1 ") == 1, r.stdout  # one rank prints
+    assert "pp=2 (2 ranks)" in r.stdout

@@ -1,0 +1,103 @@
+"""The planner's saved-tensor list equals what autograd keeps for the runtime model (CPU).
+
+The runtime's own counter (`SavedActivations`, the `activation_bytes` metric) is the reference:
+same storages, same exclusions (parameters and buffers). Under autocast it also counts the bf16
+weight casts that linears keep, which the planner reports as working parameters; they are added
+here. The CUDA differences (fused RMSNorm keeps no normalised copy) are the `device` switch of
+`Kernels`; this machine checks the CPU side exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmscale.model.config import ModelConfig
+from llmscale.model.transformer import build_model
+from llmscale.plan import activations as act
+from llmscale.plan.memory import _block_modes
+from llmscale.plan.setup import Plan
+from llmscale.train.precision import autocast
+from llmscale.train.recompute import SavedActivations, apply_recompute, model_state_tensors
+from llmscale.train.trainer import lm_loss
+
+LLAMA = ModelConfig(
+    dim=48, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=80, vocab_size=264, max_seq_len=16
+)
+GPT = ModelConfig(
+    dim=48,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=4,
+    ffn_dim=96,
+    vocab_size=264,
+    max_seq_len=16,
+    norm="layernorm",
+    mlp="gelu",
+    pos_emb="learned",
+    bias=True,
+    tie_embeddings=True,
+)
+B, S = 3, 10
+
+
+def measured(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2) -> int:
+    torch.manual_seed(0)
+    model = build_model(model_cfg)
+    apply_recompute(model, recompute, k)
+    tokens = torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(1))
+    with SavedActivations(model_state_tensors(model)) as c, autocast(precision, "cpu"):
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    return c.bytes
+
+
+def predicted(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2) -> float:
+    plan = Plan(model_cfg, S, B, B, recompute=recompute, recompute_every_k=k, precision=precision)
+    kern = act.RUNTIME_CPU
+    modes = _block_modes(plan, list(range(model_cfg.n_layers)))
+    total = sum(
+        n * act.block_bytes(model_cfg, B, S, precision, 1, False, kern, m) for m, n in modes.items()
+    )
+    total += sum(t.nbytes for t in act.embedding_tensors(B, S))
+    total += sum(t.nbytes for t in act.head_tensors(model_cfg, B, S, precision, 1, False, kern))
+    if precision != "fp32":  # linears keep their bf16 weight casts (biases are not kept)
+        shapes = model_cfg.parameter_shapes()
+        block_w = sum(
+            math.prod(s) for n, s in shapes["block"] if n.endswith(".weight") and len(s) == 2
+        )
+        head_w = model_cfg.vocab_size * model_cfg.dim  # output (or the tied embedding) cast
+        total += 2 * (modes.get("none", 0) + modes.get("selective", 0)) * block_w + 2 * head_w
+    return total
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "every_k", "full"])
+def test_saved_bytes_equal_autograd(cfg: ModelConfig, precision: str, recompute: str) -> None:
+    assert predicted(cfg, precision, recompute) == measured(cfg, precision, recompute)
+
+
+def test_every_3_checkpoints_one_block_of_four() -> None:
+    none, full = measured(LLAMA, "bf16", "none"), measured(LLAMA, "bf16", "every_k", 3)
+    assert predicted(LLAMA, "bf16", "every_k", 3) == full
+    assert full < none
+
+
+def test_runtime_block_formula_by_hand() -> None:
+    """One Llama block, bf16 autocast, CUDA kernels: the per-token sum written out."""
+    d, kv, f, h = LLAMA.dim, LLAMA.kv_dim, LLAMA.ffn_dim, LLAMA.n_heads
+    per_token = (
+        (4 * d + 4)  # attention_norm: fp32 input + rstd
+        + 3 * 2 * d  # wq, wk, wv each keep a bf16 cast of the normed x
+        + 2 * d
+        + 2 * kv
+        + 2 * kv
+        + 2 * d
+        + 4 * h  # q, k, v, output (= wo input), lse
+        + (4 * d + 4)  # ffn_norm
+        + 2 * 2 * d  # w1, w3 input casts
+        + 4 * 2 * f  # silu input, silu output, w3 output, product
+    )
+    assert act.block_bytes(LLAMA, B, S, "bf16") == per_token * B * S

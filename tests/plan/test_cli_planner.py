@@ -1,0 +1,77 @@
+"""Planner commands: numbers on stdout, JSON, PNG, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmscale", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_hw_lists_the_catalog_and_compares_links() -> None:
+    r = _run("hw")
+    assert r.returncode == 0 and "h200" in r.stdout and "989.5" in r.stdout
+    r = _run("hw", "--compare", "nvlink5", "pcie5")
+    assert r.returncode == 0 and "14.3" in r.stdout  # 900 / 63 GB/s
+
+
+def test_plan_json_and_png(tmp_path) -> None:
+    png = tmp_path / "plans.png"
+    r = _run("plan", "--model", "llama2-70b", "--gpu", "h200", "--gpus", "64", "--seq", "4096",
+             "--global-batch", "1024", "--top", "3", "--json", "--png", str(png))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["candidates"]) == 3 and out["search"]["seconds"] < 5
+    best = out["candidates"][0]
+    assert (
+        best["plan"]["tp"]
+        * best["plan"]["pp"]
+        * best["plan"]["dp_shard"]
+        * best["plan"]["dp_replicate"]
+        == 64
+    )
+    assert best["memory_bytes"]["worst_stage"]["total"] < 141 * 2**30
+    assert png.stat().st_size > 10_000
+
+
+def test_plan_table() -> None:
+    r = _run("plan", "--gpus", "64", "--top", "2")
+    assert r.returncode == 0 and "MFU" in r.stdout and "llmscale train --model.name" in r.stdout
+
+
+def test_roofline_says_compute_bound() -> None:
+    r = _run("roofline", "--gpu", "h200", "--model", "llama2-70b")
+    assert r.returncode == 0 and "training: compute-bound" in r.stdout
+
+
+def test_network_table() -> None:
+    r = _run("network", "--gpus", "1024", "--gpu", "h100")
+    assert r.returncode == 0 and "rail-only" in r.stdout and "fat-tree" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["plan", "--gpus", "64", "--gpu", "h300"], "gpu: got 'h300'"),
+        (["plan", "--gpus", "64", "--model", "llama9"], "model.name: got 'llama9'"),
+        (["plan", "--gpus", "0"], "gpus: got 0"),
+        (["roofline", "--gpu", "nope"], "gpu: got 'nope'"),
+        (["roofline", "--model", "gpt5"], "model.name"),
+        (["hw", "--compare", "nvlink9", "pcie5"], "link: got 'nvlink9'"),
+        (["hw", "--compare", "h200", "h300"], "gpu: got 'h300'"),
+        (["network", "--gpus", "100"], "gpus: got 100"),
+        (["network", "--gpus", "64", "--gpu", "tpu"], "gpu: got 'tpu'"),
+    ],
+)
+def test_bad_names_exit_2_with_one_line(args: list[str], needle: str) -> None:
+    r = _run(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

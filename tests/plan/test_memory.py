@@ -1,0 +1,224 @@
+"""Memory model: three configurations computed by hand, ZeRO's textbook numbers, FSDP padding,
+offload, pipeline in-flight micro-batches against the schedule simulator, Korthikanti."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llmscale.errors import ConfigError
+from llmscale.model.config import ModelConfig, get_preset
+from llmscale.plan import activations as act
+from llmscale.plan.memory import (
+    MemoryOptions,
+    estimate_memory,
+    head_inflight,
+    inflight_units,
+    zero_textbook_bytes,
+)
+from llmscale.plan.schedule import build_schedule, simulate
+from llmscale.plan.setup import Plan
+
+L7 = get_preset("llama2-7b")
+L70 = get_preset("llama2-70b")
+PSI_7B = 6_738_415_616
+TENSORS_7B = 1 + 32 * 9 + 2  # embedding; 2 norms + 7 linears per block; final norm + output
+
+
+def test_config_a_llama2_7b_fp32_one_gpu() -> None:
+    """fp32, no parallelism: 4 + 4 + 8 bytes per parameter, no working copies."""
+    m = estimate_memory(Plan(L7, 4096, 1, 1, precision="fp32")).worst
+    assert m.params == 4 * PSI_7B == 26_953_662_464
+    assert m.grads == 4 * PSI_7B
+    assert m.optimizer == 8 * PSI_7B + 4 * TENSORS_7B == 53_907_326_092
+    assert m.working_params == 0
+    d, f, h, tokens = 4096, 11008, 32, 4096
+    # Per token per block (fp32, CUDA, n_kv = n_heads so the memory-efficient SDPA kernel):
+    # two RMSNorms (input + rstd), two shared linear inputs, q k v out, log-sum-exp, SwiGLU x4.
+    per_token_block = 2 * (4 * d + 4) + 2 * 4 * d + 4 * 4 * d + 4 * h + 4 * 4 * f
+    assert per_token_block == 307_336
+    head = (4 * d + 4 + 4 * d) * tokens + 4 * tokens * 32000 + 8 * tokens + 4
+    token_ids = 8 * (tokens + 1)
+    assert m.activations == 32 * per_token_block * tokens + head + token_ids == 40_941_731_852
+    assert m.transient == 8 * tokens * 32000  # the loss's fp32 logit gradients
+    assert m.allocator == pytest.approx(0.05 * m.allocated)
+
+
+def test_config_b_llama2_7b_bf16_fsdp8_zero3_full_recompute() -> None:
+    m = estimate_memory(
+        Plan(L7, 4096, 2, 16, precision="bf16", dp_shard=8, recompute="full", zero_stage=3)
+    ).worst
+    shard = PSI_7B // 8  # every dim 0 (4096, 11008, 32000) divides by 8: no padding
+    assert m.params == m.grads == 4 * shard == 3_369_207_808
+    assert m.optimizer == 8 * shard + 4 * TENSORS_7B
+    layer = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    root = 32000 * 4096 + 4096 + 32000 * 4096
+    assert m.working_params == 2 * (2 * layer + root) == 1_333_829_632  # current + prefetched
+    tokens = 2 * 4096
+    blocks = 32 * 4 * 4096 * tokens  # each block keeps only its fp32 input
+    head = (4 * 4096 + 4 + 2 * 4096) * tokens + 4 * tokens * 32000 + 8 * tokens + 4
+    assert m.activations == blocks + head + 8 * 2 * 4097
+    assert m.transient == 8 * tokens * 32000  # larger than reduce-scatter's 6 B x one block
+
+
+def test_config_c_llama2_70b_tp8_pp4_selective() -> None:
+    plan = Plan(L70, 4096, 1, 64, recompute="selective", tp=8, pp=4, pp_schedule="1f1b")
+    est = estimate_memory(plan)
+    first, last = est.stages[0], est.stages[3]
+    d, kv, f = 8192, 1024, 28672
+    block_local = (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 2 * d  # norms are replicated
+    assert block_local == 106_971_136
+    numel0 = 20 * block_local + 32000 * d  # embedding replicated over tp
+    assert first.params == 4 * numel0 and first.grads == 4 * numel0
+    assert first.optimizer == 8 * numel0 + 4 * (20 * 9 + 1)
+    assert first.working_params == 2 * 20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8
+    # Selective: everything but the log-sum-exp; norms and linear inputs whole on every tp rank.
+    per_token = 2 * (4 * d + 4) + 5 * 2 * d + (2 * d + 2 * kv + 2 * kv + 2 * d) / 8 + 4 * 2 * f / 8
+    assert first.inflight == 4  # 1F1B, stage 0 of 4
+    assert first.activations == 4 * 20 * per_token * 4096 + 4 * 8 * 4097
+    assert first.transient == 0
+    numel3 = 20 * block_local + d + 32000 * d
+    assert last.params == 4 * numel3
+    assert last.working_params == 2 * (20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 32000 * d)
+    assert last.inflight == 1 and last.transient == 8 * 4096 * 32000
+    assert est.worst is first
+
+
+def test_fsdp_pads_each_tensor_to_the_shard_count() -> None:
+    tiny = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=264)
+    m = estimate_memory(Plan(tiny, 32, 1, 5, dp_shard=5, precision="fp32")).worst
+    rows = lambda n: math.ceil(n / 5)  # noqa: E731
+    block = (
+        2 * rows(64) * 1  # norms (64,)
+        + rows(64) * 64
+        + 2 * rows(32) * 64
+        + rows(64) * 64  # wq, wk, wv, wo
+        + 2 * rows(192) * 64
+        + rows(64) * 192
+    )  # w1, w3, w2
+    emb, head = rows(264) * 64, rows(64) + rows(264) * 64
+    shard = 2 * block + emb + head
+    assert m.params == 4 * shard and m.grads == 4 * shard
+    assert shard > tiny.num_params() / 5
+
+
+def test_zero_textbook_matches_the_zero_paper_figure_1() -> None:
+    """Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64-way data parallel."""
+    psi = 7_500_000_000
+    got = [zero_textbook_bytes(psi, s, 64) / 1e9 for s in range(4)]
+    assert got == [120.0, 31.40625, 16.640625, 1.875]  # the figure: 120, 31.4, 16.6, 1.88 GB
+    with pytest.raises(ConfigError):
+        zero_textbook_bytes(psi, 4, 64)
+
+
+def test_zero_stages_1_and_2_keep_every_block_unsharded() -> None:
+    base = dict(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=8, dp_shard=8)
+    z3 = estimate_memory(Plan(**base, zero_stage=3)).worst
+    z1 = estimate_memory(Plan(**base, zero_stage=1)).worst
+    layer = L7.layer_params()
+    assert z1.working_params - z3.working_params == 2 * 30 * layer
+    assert z1.states == z3.states
+
+
+def test_offload_moves_optimizer_and_master_to_the_host() -> None:
+    base = dict(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=1, precision="bf16")
+    none = estimate_memory(Plan(**base)).worst
+    opt = estimate_memory(Plan(**base, offload="optimizer")).worst
+    both = estimate_memory(Plan(**base, offload="optimizer+params")).worst
+    assert none.host == 0
+    assert opt.host == 12 * PSI_7B + 4 * TENSORS_7B
+    assert opt.params == opt.grads == 2 * PSI_7B and opt.optimizer == 0
+    assert both.params == 0 and both.host == opt.host + 2 * PSI_7B
+    assert both.total < opt.total < none.total
+
+
+_CASES = [
+    (schedule, pp, mult, chunks)
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
+    for pp in (2, 3, 4, 6)
+    for mult in (1, 2, 3)
+    for chunks in ((1, 2, 3) if schedule == "interleaved_1f1b" else (1,))
+]
+
+
+@pytest.mark.parametrize(("schedule", "pp", "mult", "chunks"), _CASES)
+def test_inflight_closed_form_equals_the_simulator(
+    schedule: str, pp: int, mult: int, chunks: int
+) -> None:
+    m = pp * mult
+    sim = simulate(schedule, pp, m, chunks)
+    assert [inflight_units(schedule, pp, m, chunks, r) for r in range(pp)] == list(
+        sim.peak_inflight
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+)
+def test_last_stage_holds_one_micro_batch_of_logits_except_gpipe(
+    schedule: str, chunks: int
+) -> None:
+    pp, m = 4, 8
+    order = build_schedule(schedule, pp, m, chunks)[pp - 1]
+    last = chunks * pp - 1
+    held = peak = 0
+    for op in order:
+        if op.stage == last:
+            held += 1 if op.kind == "F" else -1
+            peak = max(peak, held)
+    plan = Plan(L70, 4096, 1, m, tp=8, pp=pp, pp_schedule=schedule, pp_chunks=chunks)
+    assert head_inflight(plan) == peak
+
+
+def test_korthikanti_gpt3_layer_within_one_percent() -> None:
+    """Their eq. 1 for a GPT-3 175B layer (s = 2048, b = 1): sbh(34 + 5as/h) bytes."""
+    g = get_preset("gpt3-175b")
+    s, h, a = 2048, 12288, 96
+    assert act.korthikanti_bytes(g, 1, s) == s * h * (34 + 5 * a * s / h) == 2_868_903_936
+    for tp, sp in ((1, False), (8, False), (8, True)):
+        for mode in ("none", "selective", "full"):
+            ours = act.block_bytes(g, 1, s, "fp16", tp, sp, act.MEGATRON_2021, mode)
+            ref = act.korthikanti_bytes(g, 1, s, tp, sp, mode)
+            assert ours == pytest.approx(ref, rel=0.01), (tp, sp, mode)
+    # Their sequence-parallel + selective figure: 34 sbh / t.
+    assert act.korthikanti_bytes(g, 1, s, 8, True, "selective") == 34 * s * h / 8
+
+
+def test_sdpa_is_much_smaller_than_the_materialised_softmax() -> None:
+    ours = act.block_bytes(L70, 1, 4096, "bf16")
+    math_kernel = act.block_bytes(L70, 1, 4096, "bf16", kernels=act.Kernels(attention="math"))
+    assert math_kernel > 2 * ours  # the s x s matrices dominate at s = 4096
+
+
+def test_sequence_parallel_divides_norm_tensors_only() -> None:
+    full = act.block_tensors(L70, 1, 4096, "bf16", 8, False)
+    sp = act.block_tensors(L70, 1, 4096, "bf16", 8, True)
+    for a, b in zip(full, sp, strict=True):
+        assert b.nbytes == (a.nbytes / 8 if a.region == "norm" else a.nbytes)
+    megatron = act.Kernels(sp_saves_gathered_input=False)
+    sp_m = act.block_tensors(L70, 1, 4096, "bf16", 8, True, megatron)
+    for a, b in zip(full, sp_m, strict=True):
+        assert b.nbytes == (a.nbytes / 8 if a.region in ("norm", "linear_in") else a.nbytes)
+
+
+def test_bad_plans_name_the_field() -> None:
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(Plan(L70, 4096, 1, 64, tp=3))
+    assert e.value.field == "parallel.tp"
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(Plan(L70, 4096, 3, 64, dp_shard=2))
+    assert e.value.field == "train.global_batch_size"
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(Plan(L70, 4096, 1, 64, recompute="some"))
+    assert e.value.field == "train.recompute"
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(Plan(L70, 4096, 1, 64, pp=3))
+    assert e.value.field == "parallel.pp"
+
+
+def test_options_change_the_overheads() -> None:
+    plan = Plan(L7, 2048, 1, 1)
+    a = estimate_memory(plan).worst
+    b = estimate_memory(plan, MemoryOptions(allocator_overhead=0.0)).worst
+    assert b.allocator == 0 and a.allocated == b.allocated

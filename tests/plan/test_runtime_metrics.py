@@ -1,0 +1,59 @@
+"""The planner predicts the trainer's own memory metrics exactly (one CPU step).
+
+`Trainer.train_step` reports param_bytes, grad_bytes, optimizer_bytes and activation_bytes
+(train/metrics.py, train/recompute.py); `expected_runtime_metrics` must give the same numbers.
+One micro-batch per step, so that the saved token ids are that micro-batch's own storage.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmscale.plan import activations as act
+from llmscale.plan.memory import MemoryOptions
+from llmscale.plan.predict import expected_runtime_metrics
+from llmscale.train.trainer import Trainer
+
+CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--precision.mode", "fp32"],
+        ["--precision.mode", "bf16"],
+        ["--precision.mode", "bf16", "--train.recompute", "full"],
+        ["--precision.mode", "fp16", "--train.recompute", "selective"],
+        [
+            "--precision.mode",
+            "bf16",
+            "--train.recompute",
+            "every_k",
+            "--model.tie_embeddings",
+            "true",
+        ],
+        [  # the GPT variant on the tiny shape: LayerNorm, GELU, learned positions, biases, tied
+            "--model.norm",
+            "layernorm",
+            "--model.mlp",
+            "gelu",
+            "--model.pos_emb",
+            "learned",
+            "--model.bias",
+            "true",
+            "--model.tie_embeddings",
+            "true",
+            "--model.n_kv_heads",
+            "4",
+            "--precision.mode",
+            "bf16",
+        ],  # fmt: skip
+    ],
+    ids=["fp32", "bf16", "bf16-full", "fp16-selective", "bf16-every_k-tied", "gpt-bf16"],
+)
+def test_states_and_saved_activations_match_the_trainer(cfg_factory, extra: list[str]) -> None:
+    cfg = cfg_factory(*extra, "--data.max_files", "8")
+    row = Trainer(cfg).train_step()
+    want = expected_runtime_metrics(cfg, options=CPU)
+    got = {k: row[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")}
+    assert got == {k: want[k] for k in got}

@@ -1,0 +1,91 @@
+"""Search: every returned plan obeys the divisibility rules, fits, and is ranked by time."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import GiB
+from llmscale.model.config import get_preset
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.memory import estimate_memory
+from llmscale.plan.search import SearchSpace, search
+from llmscale.plan.time import estimate_step_time
+
+L70 = get_preset("llama2-70b")
+H200 = Cluster.of("h200")
+
+
+@pytest.fixture(scope="module")
+def result():
+    return search(L70, 64, H200, 4096, 1024, top=10)
+
+
+def test_constraints_hold_for_every_plan(result) -> None:
+    assert len(result.candidates) == 10 and result.feasible >= 10
+    for c in result.candidates:
+        p = c.plan
+        assert p.world_size == 64
+        assert p.tp <= 8 and L70.n_heads % p.tp == 0 and L70.n_kv_heads % p.tp == 0
+        assert L70.n_layers % (p.pp * p.chunks) == 0
+        assert p.global_batch_size % (p.micro_batch_size * p.dp) == 0
+        p.validate()  # the runtime's own rules
+        # Fits, with the allocator overhead and the device reserve, on every stage.
+        assert estimate_memory(p).total + 1.5 * GiB <= 141 * GiB
+        assert c.memory.total == estimate_memory(p).total
+
+
+def test_ranked_by_step_time_and_times_are_the_public_estimate(result) -> None:
+    times = [c.time.seconds for c in result.candidates]
+    assert times == sorted(times)
+    for c in result.candidates[:3]:
+        again = estimate_step_time(c.plan, H200, simulate=c.plan.pp > 1)
+        assert again.seconds == pytest.approx(c.time.seconds)
+
+
+def test_a_tight_cluster_needs_memory_savers() -> None:
+    # 70B on 8 x H100 80GB: only sharded, recomputing or offloading plans fit.
+    r = search(L70, 8, Cluster.of("h100"), 4096, 64, top=5)
+    assert r.candidates
+    for c in r.candidates:
+        p = c.plan
+        assert p.dp_shard > 1 or p.pp > 1 or p.offload != "none"
+        assert c.memory.total + 1.5 * GiB <= 80 * GiB
+
+
+def test_nothing_fits_gives_an_empty_result() -> None:
+    r = search(get_preset("llama3-405b"), 8, Cluster.of("a100-40g"), 8192, 8)
+    assert r.candidates == () and r.feasible == 0
+
+
+def test_space_restricts_options() -> None:
+    space = SearchSpace(recompute=("full",), offload=("none",), schedules=("1f1b",))
+    r = search(L70, 64, H200, 4096, 1024, top=5, space=space)
+    assert {c.plan.recompute for c in r.candidates} == {"full"}
+    assert {c.plan.offload for c in r.candidates} == {"none"}
+
+
+def test_interleaved_plans_have_whole_chunks() -> None:
+    space = SearchSpace(schedules=("interleaved_1f1b",), micro_batch_sizes=(1, 2))
+    r = search(L70, 64, H200, 4096, 1024, top=5, space=space)
+    inter = [c.plan for c in r.candidates if c.plan.pp_schedule == "interleaved_1f1b"]
+    assert inter
+    for p in inter:
+        assert p.microbatches % p.pp == 0 and L70.n_layers % (p.pp * p.pp_chunks) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"gpus": 0}, "gpus"),
+        ({"seq_len": 8192}, "seq_len"),
+        ({"precision": "fp8"}, "precision"),
+        ({"global_batch_size": -1}, "global_batch_size"),
+    ],
+)
+def test_bad_input(kwargs, field: str) -> None:
+    args = {"model": L70, "gpus": 64, "cluster": H200, "seq_len": 4096, "global_batch_size": 1024}
+    args.update(kwargs)
+    with pytest.raises(ConfigError) as e:
+        search(**args)
+    assert e.value.field == field
