@@ -646,6 +646,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             overlap=self.overlap,
             update_in_backward=self.update_in_backward,
             units=[u.name for u in self.units],
+            update_order=[u.name for u in self._update_order],
+            wait_points={
+                u.name: [type(m).__name__ for m in u.modules] or ["<root>"] for u in self.units
+            },
             kernel="fused" if self.fused else "exact",
         )
 

@@ -24,14 +24,11 @@ def update_in_backward(cfg: JobConfig) -> bool:
     )
 
 
-def build_optimizer(
-    model: nn.Module, cfg: JobConfig, link_bytes_per_s: float | None = None
-) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     """`[optimizer] offload = "none"`: torch AdamW; `"optimizer"`: `OffloadedAdamW` attached.
 
     With offload the model's parameters become the working copy: cast to the precision mode's
-    dtype (bf16/fp16 weights on the device, fp32 master on the host). `link_bytes_per_s` slows
-    CPU-host copies to a link's bandwidth (benchmarks only).
+    dtype (bf16/fp16 weights on the device, fp32 master on the host).
     """
     o = cfg.optimizer
     if o.offload == "none":
@@ -50,7 +47,6 @@ def build_optimizer(
         update_in_backward=update_in_backward(cfg),
         accum_steps=1 if reduced_once else cfg.accum_steps,
         kernel=o.offload_kernel,
-        link_bytes_per_s=link_bytes_per_s,
     )
     return opt.attach(model)
 
