@@ -149,13 +149,6 @@ class OptimizerSection:
         _nonneg("optimizer.weight_decay", self.weight_decay)
         _choice("optimizer.offload", self.offload, OFFLOAD_MODES)
         _choice("optimizer.offload_kernel", self.offload_kernel, ("fused", "exact"))
-        if self.offload == "optimizer+params":
-            raise ConfigError(
-                "optimizer.offload",
-                self.offload,
-                "none | optimizer (optimizer+params, parameters on the host between uses, is "
-                "not supported yet)",
-            )
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmscale.config import JobConfig
+from llmscale.errors import ConfigError
 from llmscale.offload.adamw import OffloadedAdamW, _is_fsdp_module
 from llmscale.train import optim
 from llmscale.train.metrics import optimizer_state_bytes
@@ -33,6 +34,14 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.offload == "none":
         return optim.build_optimizer(model, o)
+    if o.offload != "optimizer":
+        # A valid plan (the planner models it), but the runtime does not do it yet.
+        raise ConfigError(
+            "optimizer.offload",
+            o.offload,
+            "none | optimizer (optimizer+params, parameters on the host between uses, is "
+            "not supported by the trainer yet)",
+        )
     # FSDP2 and replicate reduce gradients on the last micro-step only (the trainer turns the
     # sync off before), and only then run the parameters' gradient hooks: once per step.
     reduced_once = any(_is_fsdp_module(m) for m in model.modules())
