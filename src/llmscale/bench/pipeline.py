@@ -267,10 +267,10 @@ def _draw(opts: BenchOptions, pp: int, m: int, drawn: list[Measured]) -> Path:
         meas = as_sim_result(ops, c.schedule, c.pp, c.microbatches, c.chunks)
         results += [_in_ms(meas), _in_ms(x.sim)]
         titles += [
-            f"{c.label}: measured step {x.steps[x.median_step]}, bubble "
-            f"{meas.bubble_fraction:.1%}, makespan {1000 * meas.makespan:.0f} ms",
-            f"{c.label}: simulated from the measured op times, bubble "
-            f"{x.sim.bubble_fraction:.1%}, makespan {1000 * x.sim.makespan:.0f} ms",
+            f"{c.label}, measured (step {x.steps[x.median_step]}): bubble "
+            f"{meas.bubble_fraction:.1%}, {1000 * meas.makespan:.0f} ms",
+            f"{c.label}, simulated: bubble "
+            f"{x.sim.bubble_fraction:.1%}, {1000 * x.sim.makespan:.0f} ms",
         ]
     path = png_path(opts, f"pipeline-gantt-pp{pp}-m{m}.png")
     assert path is not None
