@@ -182,7 +182,7 @@ def run(opts: BenchOptions, configs: tuple[PipeConfig, ...] = CONFIGS) -> SuiteR
 # ---- running ------------------------------------------------------------------------------
 
 
-def job_args(opts: BenchOptions, c: PipeConfig) -> list[str]:
+def job_args(c: PipeConfig) -> list[str]:
     """The overrides of one configuration's job (on top of `BenchOptions.job`'s)."""
     return [
         "--job.device", "cpu",
@@ -201,7 +201,7 @@ def job_args(opts: BenchOptions, c: PipeConfig) -> list[str]:
 def _launch(opts: BenchOptions, pp: int, configs: list[PipeConfig]) -> None:
     paths = []
     for c in configs:
-        cfg = opts.job(*job_args(opts, c), run=c.name)
+        cfg = opts.job(*job_args(c), run=c.name)
         path = opts.work_dir / f"{c.name}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(to_toml(cfg))
@@ -215,7 +215,10 @@ def _launch(opts: BenchOptions, pp: int, configs: list[PipeConfig]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise RuntimeError(f"pipeline bench, pp={pp}: torchrun failed:\n{r.stderr[-4000:]}")
+        raise RuntimeError(
+            f"pipeline bench, pp={pp}: torchrun failed ({r.returncode}):\n"
+            f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+        )
 
 
 # ---- analysis -----------------------------------------------------------------------------
