@@ -195,6 +195,9 @@ class MetricsSection:
     peak_tflops: float = 0.0
     # Count saved-activation bytes each step (cheap; needed for CPU memory reports).
     activation_memory: bool = True
+    # With pp > 1: record when every forward / backward chunk ran on each rank and write
+    # run_dir/pipeline_timeline.json at the end (parallel/timeline.py; about 1 us per op).
+    pipeline_timeline: bool = False
 
     def validate(self) -> None:
         _positive("metrics.log_every", self.log_every)

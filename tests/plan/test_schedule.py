@@ -242,6 +242,17 @@ def test_hand_made_order_equal_to_built_one_simulates_the_same():
     assert simulate_orders(orders, schedule="1f1b") == simulate("1f1b", 3, 5)
 
 
+def test_op_costs_replace_single_ops():
+    """1F1B, pp=2, m=2 (F=1, B=2) takes 9; rank 1's first forward taking 3 instead of 1 sits on
+    the critical path, so the step takes 2 longer. Costs must be finite and >= 0."""
+    orders = build_schedule("1f1b", 2, 2)
+    assert simulate_orders(orders).makespan == 9
+    slow = simulate_orders(orders, op_costs={("F", 1, 0): 3.0})
+    assert slow.makespan == 11 and slow.busy == (6.0, 8.0)
+    with pytest.raises(ConfigError, match="op_costs"):
+        simulate_orders(orders, op_costs={("F", 1, 0): math.nan})
+
+
 # ---- bad input -----------------------------------------------------------------------------
 
 

@@ -42,7 +42,8 @@ class BenchOptions:
 class Measurement:
     """Medians over the timed steps, and the last step's full metrics row."""
 
-    step_time_s: float
+    step_time_s: float  # median
+    min_step_time_s: float  # the fastest step: least disturbed by other work on the machine
     tokens_per_s: float
     last: dict[str, Any]
     losses: list[float]
@@ -58,6 +59,7 @@ def measure(cfg: JobConfig, warmup: int = 1, trainer: Trainer | None = None) -> 
     timed = rows[warmup:] or rows
     return Measurement(
         step_time_s=statistics.median(r["step_time_s"] for r in timed),
+        min_step_time_s=min(r["step_time_s"] for r in timed),
         tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
         last=rows[-1],
         losses=[r["loss"] for r in rows],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -44,8 +45,13 @@ def is_val_file(rel_path: str, val_fraction: float) -> bool:
     return (zlib.crc32(rel_path.encode()) % 10_000) < val_fraction * 10_000
 
 
+@functools.lru_cache(maxsize=8)
 def load_corpus(path: str, glob: str, val_fraction: float, max_files: int = 0) -> Corpus:
-    """Read and tokenize every file; EOS after each document."""
+    """Read and tokenize every file; EOS after each document.
+
+    Cached per process (benchmarks and tests build many trainers over one corpus); the token
+    arrays are read-only so that no user of the cache can change another's data.
+    """
     root = Path(path) if path else stdlib_source_dir()
     if not root.is_dir():
         raise ConfigError("data.path", path, "an existing folder of text files")
@@ -63,11 +69,14 @@ def load_corpus(path: str, glob: str, val_fraction: float, max_files: int = 0) -
         raise ConfigError(
             "data.val_fraction", val_fraction, "a fraction that leaves training files"
         )
-    empty = np.zeros(0, np.uint16)
+    train_tokens = np.concatenate(train)
+    val_tokens = np.concatenate(val) if val else np.zeros(0, np.uint16)
+    for arr in (train_tokens, val_tokens):
+        arr.setflags(write=False)
     return Corpus(
         root=root,
-        train=np.concatenate(train),
-        val=np.concatenate(val) if val else empty,
+        train=train_tokens,
+        val=val_tokens,
         n_train_files=len(train) // 2,
         n_val_files=len(val) // 2,
     )

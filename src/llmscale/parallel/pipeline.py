@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llmscale.model.transformer import Transformer
+from llmscale.parallel.timeline import PipelineTimeline
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -72,11 +73,13 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     group: torch.distributed.ProcessGroup,
+    timeline: PipelineTimeline | None = None,
 ) -> object:
     """A torch.distributed.pipelining schedule over this rank's stages.
 
     `loss_fn` must already divide by the number of micro-batches (the schedule is built with
     scale_grads=False), so accumulated gradients equal those of one pass over the whole batch.
+    With `timeline`, the stages' per-chunk forward and backward (and the loss) are timed.
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -89,6 +92,9 @@ def build_schedule(
         PipelineStage(part, stage_index=s, num_stages=n_stages, device=device, group=group)
         for part, s in zip(parts, ids, strict=True)
     ]
+    if timeline is not None:
+        timeline.watch(stages)
+        loss_fn = timeline.timed_loss(loss_fn)
     if schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     (stage,) = stages

@@ -1,8 +1,10 @@
-"""Gantt charts of a simulated pipeline step: compact text (one line per rank) and PNG."""
+"""Gantt charts of a pipeline step (simulated or measured): text, one line per rank, and PNG."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from llmscale.plan.schedule import SimResult
 
@@ -46,6 +48,23 @@ _B_COLOURS = ("#b85400", "#e07b24", "#f0a763", "#f7cba0")
 
 def draw_gantt_png(result: SimResult, path: str | Path, title: str | None = None) -> Path:
     """Draw the timeline to a PNG: one row per rank, microbatch numbers in the boxes."""
+    return draw_gantts_png([result], path, [title])
+
+
+def _default_title(result: SimResult) -> str:
+    return (
+        f"{result.schedule}  pp={result.pp}  microbatches={result.microbatches}  "
+        f"chunks={result.chunks}  bubble={result.bubble_fraction:.3f}"
+    )
+
+
+def draw_gantts_png(
+    results: Sequence[SimResult],
+    path: str | Path,
+    titles: Sequence[str | None] | None = None,
+    time_unit: str = "time",
+) -> Path:
+    """Several timelines stacked in one PNG on one time axis (e.g. measured above simulated)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,8 +72,36 @@ def draw_gantt_png(result: SimResult, path: str | Path, title: str | None = None
     from matplotlib.patches import Patch
 
     out = Path(path)
-    fig_w = min(24.0, max(8.0, 0.22 * len(result.timeline) / max(1, result.pp)))
-    fig, ax = plt.subplots(figsize=(fig_w, 1.0 + 0.55 * result.pp))
+    titles = list(titles) if titles is not None else [None] * len(results)
+    longest = max(len(r.timeline) / max(1, r.pp) for r in results)
+    fig_w = min(24.0, max(8.0, 0.22 * longest))
+    heights = [1.0 + 0.55 * r.pp for r in results]
+    fig, axes = plt.subplots(
+        len(results),
+        1,
+        figsize=(fig_w, sum(heights)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    xmax = max(r.makespan for r in results)
+    for ax, result, title in zip(axes[:, 0], results, titles, strict=True):
+        _draw(ax, result, title or _default_title(result), xmax)
+        ax.set_xlabel(time_unit)
+        chunks = min(result.chunks, len(_F_COLOURS))
+        handles = []
+        for c in range(chunks):
+            suffix = f" chunk {c}" if result.chunks > 1 else ""
+            handles.append(Patch(color=_F_COLOURS[c], label=f"forward{suffix}"))
+            handles.append(Patch(color=_B_COLOURS[c], label=f"backward{suffix}"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _draw(ax: Any, result: SimResult, title: str, xmax: float) -> None:
     for t in result.timeline:
         palette = _F_COLOURS if t.op.kind == "F" else _B_COLOURS
         colour = palette[t.op.chunk % len(palette)]
@@ -77,23 +124,5 @@ def draw_gantt_png(result: SimResult, path: str | Path, title: str | None = None
         )
     ax.set_ylim(result.pp - 0.5, -0.5)  # rank 0 on top, as pipeline diagrams are drawn
     ax.set_yticks(range(result.pp), [f"rank {r}" for r in range(result.pp)])
-    ax.set_xlim(0, result.makespan)
-    ax.set_xlabel("time")
-    ax.set_title(
-        title
-        or (
-            f"{result.schedule}  pp={result.pp}  microbatches={result.microbatches}  "
-            f"chunks={result.chunks}  bubble={result.bubble_fraction:.3f}"
-        )
-    )
-    handles = []
-    for c in range(min(result.chunks, len(_F_COLOURS))):
-        suffix = f" chunk {c}" if result.chunks > 1 else ""
-        handles.append(Patch(color=_F_COLOURS[c], label=f"forward{suffix}"))
-        handles.append(Patch(color=_B_COLOURS[c], label=f"backward{suffix}"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    ax.set_xlim(0, xmax)
+    ax.set_title(title)

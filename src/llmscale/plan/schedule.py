@@ -19,7 +19,7 @@ work per rank does not depend on v. A sequence gives the cost of one op on each 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -238,12 +238,15 @@ def simulate_orders(
     t_bwd: Costs = 2.0,
     t_p2p: float = 0.0,
     schedule: str = "custom",
+    op_costs: Mapping[tuple[str, int, int], float] | None = None,
 ) -> SimResult:
     """Replay given per-rank op orders; each rank runs its ops in order, one at a time.
 
     An op starts when its rank is free and its inputs are ready: F of stage s for microbatch i
     needs F of stage s-1 for i; B of stage s needs the own F and B of stage s+1 (the last
     stage's B needs only its F: the loss). `t_p2p` is added when the producer is on another rank.
+    `op_costs` maps (kind, stage, microbatch) to one op's own cost, over the per-stage costs
+    (e.g. every op's measured time, to replay a measured step).
     Raises DeadlockError when some rank waits on an op that can never run.
     """
     pp, chunks, microbatches = _check_orders(orders)
@@ -254,6 +257,9 @@ def simulate_orders(
     }
     if isinstance(t_p2p, bool) or not (math.isfinite(t_p2p) and t_p2p >= 0):
         raise ConfigError("t_p2p", t_p2p, "a finite number >= 0")
+    for key, c in (op_costs or {}).items():
+        if isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
+            raise ConfigError("op_costs", f"{key}: {c}", "finite numbers >= 0")
 
     end: dict[_Key, float] = {}
     free_at = [0.0] * pp
@@ -274,7 +280,10 @@ def simulate_orders(
                     ready = max(ready, end[key] + lat)
                 else:
                     start = max(free_at[r], ready)
-                    finish = start + cost[op.kind][op.stage]
+                    c = cost[op.kind][op.stage]
+                    if op_costs is not None:
+                        c = op_costs.get((op.kind, op.stage, op.microbatch), c)
+                    finish = start + c
                     end[(op.kind, op.stage, op.microbatch)] = finish
                     free_at[r] = finish
                     timeline.append(TimedOp(r, op, start, finish))

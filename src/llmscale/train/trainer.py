@@ -41,6 +41,8 @@ from llmscale.parallel.dims import ParallelDims, env_world_size, init_distribute
 from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
 from llmscale.parallel.parallelize import parallelize
 from llmscale.parallel.pipeline import build_schedule
+from llmscale.parallel.timeline import FILE_NAME as TIMELINE_FILE
+from llmscale.parallel.timeline import PipelineTimeline, write_timeline
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.optim import build_scheduler
@@ -170,7 +172,17 @@ class Trainer:
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
         self._pp_losses: list[torch.Tensor] = []
+        self.pp_timeline: PipelineTimeline | None = None
         if self.dims.pp > 1:
+            if cfg.metrics.pipeline_timeline:
+                sync = None
+                if self.device.type == "cuda":
+                    device = self.device
+
+                    def sync() -> None:
+                        torch.cuda.synchronize(device)
+
+                self.pp_timeline = PipelineTimeline(self.dims.pp_rank, sync)
             self.pp_schedule = build_schedule(
                 self.model_parts,
                 self.parallel.stage_ids,
@@ -180,6 +192,7 @@ class Trainer:
                 self._pp_loss,
                 self.device,
                 self.dims.pp_group(),
+                timeline=self.pp_timeline,
             )
         self.step = 0
         self.checkpointer = Checkpointer(
@@ -307,8 +320,10 @@ class Trainer:
             # Count the first micro-batch's forward of each of this rank's stages.
             for part in self.model_parts:
                 hooks.extend(_count_first_forward(part, counters))
+        timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
         try:
-            loss = self._run_pipeline(batch, train=True)
+            with timed or contextlib.nullcontext():
+                loss = self._run_pipeline(batch, train=True)
         finally:
             for h in hooks:
                 h.remove()
@@ -415,6 +430,29 @@ class Trainer:
             total += lm_loss(logits, mb[:, 1:]).item()
         return total / n
 
+    def write_pipeline_timeline(self) -> Path | None:
+        """Gather the recorded pipeline ops to rank 0, which writes run_dir/pipeline_timeline.json.
+
+        A collective: every rank calls it. One pipeline is written (data-parallel and TP rank 0;
+        the other replicas run the same schedule). None where nothing is written.
+        """
+        if self.pp_timeline is None:
+            return None
+        d, p = self.dims, self.cfg.parallel
+        per_rank = self.pp_timeline.gather(include=d.dp_rank == 0 and d.tp_rank == 0)
+        if per_rank is None:
+            return None
+        meta = {
+            "schedule": p.pp_schedule,
+            "pp": p.pp,
+            "chunks": p.pp_chunks,
+            "microbatches": self.cfg.accum_steps,
+            "n_stages": self.parallel.n_stages,
+            "micro_batch_size": self.cfg.train.micro_batch_size,
+            "seq_len": self.cfg.data.seq_len,
+        }
+        return write_timeline(self.run_dir / TIMELINE_FILE, per_rank, meta)
+
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         cfg = self.cfg
@@ -458,6 +496,7 @@ class Trainer:
                 if stop and not last:
                     result.interrupted = True
                     break
+            self.write_pipeline_timeline()
             if not result.interrupted:
                 result.val_loss = self.evaluate()
                 if result.val_loss is not None:

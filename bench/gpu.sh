@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The GPU check, for an H100/H200 host (under 8 minutes): MFU of the trainer on a ~1B model in bf16
+# for recompute none/selective/full, the largest micro-batch that fits vs the planner's
+# prediction, and step time with the optimizer offloaded to the CPU. Writes gpu_results.json and
+# gpu_results.md into --out (default runs/gpu-check). Without CUDA it says so, skips the GPU
+# parts and exits 0. Options: python -m llmscale.bench.gpu --help
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || make .venv/.installed
+exec .venv/bin/python -m llmscale.bench.gpu "$@"

@@ -1,0 +1,110 @@
+"""This machine as the planner's hardware: GEMM FLOP/s and memory bandwidth, measured.
+
+The planner's time model needs a device: dense matmul peak per dtype and memory bandwidth. For a
+CPU (or a GPU missing from the catalog) both are measured here by micro-benchmarks that are *not*
+the training step: the model's own GEMM shapes run alone (forward and the two backward products
+of each linear), and element-wise adds over tensors the size of one micro-batch's activations.
+The step time the planner then predicts from them is compared with the trainer's measured one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from llmscale.hardware.catalog import GPU
+from llmscale.hardware.spec import Sourced
+from llmscale.model.config import ModelConfig
+from llmscale.plan.cluster import Cluster
+from llmscale.train.precision import DTYPES
+
+SOURCE = "measured by llmscale bench micro-benchmarks on this machine"
+
+
+def _time(
+    fn: Callable[[], object], device: torch.device, trials: int = 7, min_seconds: float = 0.03
+) -> float:
+    """Seconds per call: the fastest of `trials` timed runs (robust to a busy machine)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(trials):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
+def linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of one block, plus the output projection."""
+    d, kv, f = model.dim, model.kv_dim, model.ffn_dim
+    block = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (f, d)] + ([(d, f)] if model.gated else [])
+    return block * model.n_layers + [(d, model.vocab_size)]
+
+
+def gemm_flops_per_s(
+    model: ModelConfig, tokens: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """FLOP/s of the model's linears for `tokens` rows: x @ W, and both backward products."""
+    mats = []
+    for fan_in, fan_out in set(linear_shapes(model)):
+        x = torch.randn(tokens, fan_in, dtype=dtype, device=device)
+        w = torch.randn(fan_in, fan_out, dtype=dtype, device=device)
+        g = torch.randn(tokens, fan_out, dtype=dtype, device=device)
+        mats.append((x, w, g, linear_shapes(model).count((fan_in, fan_out))))
+
+    def run() -> None:
+        for x, w, g, _ in mats:
+            x @ w  # forward
+            g @ w.T  # input gradient
+            x.T @ g  # weight gradient
+
+    seconds = _time(run, device)
+    flops_once = sum(3 * 2 * x.shape[0] * x.shape[1] * w.shape[1] for x, w, _, _ in mats)
+    return flops_once / seconds
+
+
+def bandwidth_bytes_per_s(numel: int, device: torch.device) -> float:
+    """Bytes/s of out = a + b over fp32 tensors of `numel` elements (2 reads and a write)."""
+    a = torch.randn(numel, device=device)
+    b = torch.randn(numel, device=device)
+    out = torch.empty_like(a)
+    seconds = _time(lambda: torch.add(a, b, out=out), device)
+    return 3 * 4 * numel / seconds
+
+
+def measured_cluster(
+    model: ModelConfig,
+    tokens: int,
+    device: torch.device,
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
+) -> tuple[Cluster, dict[str, float]]:
+    """A one-device Cluster whose GPU numbers were measured here; also the raw figures."""
+    figures = {
+        f"gemm_{dt}_flops": gemm_flops_per_s(model, tokens, DTYPES[dt], device) for dt in dtypes
+    }
+    figures["bandwidth_bytes"] = bandwidth_bytes_per_s(tokens * model.dim, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    template = Cluster.of("h100")  # node/fabric unused by a one-device plan
+    gpu = GPU(
+        name="measured",
+        display=f"{name} (measured)",
+        vendor="measured",
+        device_names=(),
+        scale_up=template.gpu.scale_up,
+        host_link=template.gpu.host_link,
+        memory_GiB=Sourced(1e6, "not modelled: the benchmark only times steps"),
+        hbm_TBps=Sourced(figures["bandwidth_bytes"] / 1e12, SOURCE),
+        dense_TFLOPS={dt: Sourced(figures[f"gemm_{dt}_flops"] / 1e12, SOURCE) for dt in dtypes},
+    )
+    return dataclasses.replace(template, gpu=gpu), figures

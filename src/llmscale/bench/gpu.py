@@ -1,0 +1,345 @@
+"""The GPU check: trainer MFU, the largest micro-batch that fits, offload step time — vs the planner.
+
+    bench/gpu.sh [--out DIR]        # on an H100/H200 host; under 8 minutes
+    python -m llmscale.bench.gpu --out DIR [--model llama3.2-1b] [--seq 2048] [--budget-s 420]
+
+On a machine without CUDA it says so, skips the GPU parts and still writes its JSON and Markdown
+(so CI runs it). `--allow-cpu` runs the same measurements on the CPU instead, against a device
+calibrated by micro-benchmarks (what the tests use, on the tiny model); the largest-micro-batch
+search needs a memory limit and runs on CUDA only.
+
+Parts:
+1. MFU of `llmscale train` in bf16 for recompute none / selective / full at one micro-batch size,
+   measured (the trainer's own metric, against the catalog's dense bf16 peak) vs predicted
+   (`plan.predict.predict_step_time` on the catalog GPU);
+2. the largest micro-batch that fits (recompute none and full): the planner's answer vs a search
+   that trains 2 steps per size until CUDA runs out of memory;
+3. step time with the optimizer offloaded to the CPU (serial and overlapped) vs on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmscale.bench.timing import calibrated
+from llmscale.config import JobConfig, load_config
+from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import gpu_for_device_name
+from llmscale.model.config import get_preset
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.predict import predict_memory, predict_step_time
+from llmscale.plan.time import DEFAULT_TIME, TimeParams
+from llmscale.train.trainer import Trainer
+
+SKIP = (
+    "no CUDA device: skipping the GPU parts (MFU per recompute mode, largest micro-batch that "
+    "fits, offload step time); run bench/gpu.sh on an H100/H200 host, or pass --allow-cpu"
+)
+
+
+class Budget:
+    """Wall-clock budget: parts check it before starting more work."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    @property
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _job(args: argparse.Namespace, run_dir: Path, *overrides: str) -> JobConfig:
+    return load_config(
+        None,
+        [
+            "--model.name", args.model, "--job.device", args.device,
+            "--job.run_dir", str(run_dir), "--data.seq_len", str(args.seq),
+            "--data.max_files", str(args.data_files), "--precision.mode", "bf16",
+            "--train.steps", str(args.steps), "--metrics.progress", "false",
+            "--checkpoint.enabled", "false", "--lr_scheduler.warmup_steps", "0",
+            *overrides,
+        ],
+    )  # fmt: skip
+
+
+def _run(cfg: JobConfig, steps: int, warmup: int = 2) -> dict[str, float]:
+    """Train `steps` steps; medians of the timed ones, and the peak CUDA memory."""
+    t = Trainer(cfg)
+    try:
+        rows = [t.train_step() for _ in range(steps)]
+    finally:
+        del t
+        _free()
+    timed = rows[warmup:] or rows
+    out = {
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+    }
+    if all("mfu" in r for r in timed):
+        out["mfu"] = statistics.median(r["mfu"] for r in timed)
+    if "cuda_peak_bytes" in rows[-1]:
+        out["cuda_peak_bytes"] = max(r["cuda_peak_bytes"] for r in rows)
+    return out
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _hardware(args: argparse.Namespace) -> tuple[Cluster, TimeParams, str, float | None]:
+    """The cluster to predict on, its time parameters, a label, and the peak for MFU."""
+    if args.device == "cuda":
+        name = torch.cuda.get_device_name()
+        gpu = gpu_for_device_name(name)
+        if gpu is None:
+            raise ConfigError("device", name, "a GPU listed in the hardware catalog (llmscale hw)")
+        return Cluster.of(gpu.name), DEFAULT_TIME, gpu.name, gpu.peak_flops("bf16")
+    from llmscale.bench.runner import BenchOptions
+
+    opts = BenchOptions(model=args.model, seq_len=args.seq, device="cpu")
+    cluster, params, figures = calibrated(opts, args.micro_batch)
+    return cluster, params, "cpu (measured)", figures["gemm_bf16_flops"]
+
+
+def mfu_part(
+    args: argparse.Namespace,
+    work: Path,
+    cluster: Cluster,
+    params: TimeParams,
+    peak: float | None,
+    budget: Budget,
+) -> list[dict[str, Any]]:
+    rows = []
+    for mode in ("none", "selective", "full"):
+        if budget.left < 30:
+            rows.append({"recompute": mode, "skipped": "time budget spent"})
+            continue
+        extra = ["--train.recompute", mode, "--train.micro_batch_size", str(args.micro_batch),
+                 "--train.global_batch_size", str(args.micro_batch)]  # fmt: skip
+        if peak is not None:
+            extra += ["--metrics.peak_tflops", str(peak / 1e12)]
+        cfg = _job(args, work / f"mfu-{mode}", *extra)
+        got = _run(cfg, args.steps)
+        pred = predict_step_time(cfg, cluster, params)
+        rows.append(
+            {
+                "recompute": mode,
+                "micro_batch_size": args.micro_batch,
+                "measured_mfu": got.get("mfu"),
+                "predicted_mfu": pred.mfu,
+                "measured_step_time_s": got["step_time_s"],
+                "predicted_step_time_s": pred.seconds,
+                "tokens_per_s": got["tokens_per_s"],
+            }
+        )
+    return rows
+
+
+def max_micro_batch_part(
+    args: argparse.Namespace, work: Path, cluster: Cluster, budget: Budget
+) -> list[dict[str, Any]]:
+    """Largest micro-batch that trains without CUDA OOM, vs the planner's largest that fits."""
+    return [_largest_micro_batch(args, work, cluster, budget, mode) for mode in ("none", "full")]
+
+
+def _largest_micro_batch(
+    args: argparse.Namespace, work: Path, cluster: Cluster, budget: Budget, mode: str
+) -> dict[str, Any]:
+    def cfg_for(b: int) -> JobConfig:
+        return _job(args, work / f"fit-{mode}-{b}", "--train.recompute", mode,
+                    "--train.micro_batch_size", str(b), "--train.global_batch_size", str(b))  # fmt: skip
+
+    predicted = 0
+    for b in range(1, args.max_search + 1):
+        if not predict_memory(cfg_for(b)).fits(cluster.gpu):
+            break
+        predicted = b
+
+    def trains(b: int) -> bool:
+        try:
+            _run(cfg_for(b), steps=2, warmup=0)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            _free()
+            return False
+
+    # Start at the prediction; double while it trains, then bisect between the last size that
+    # trained (lo) and the first that did not (hi).
+    lo, hi = 0, None
+    b = max(1, predicted)
+    while budget.left > 30 and b <= args.max_search:
+        if trains(b):
+            lo = b
+            if lo == args.max_search:
+                break
+            b = min(2 * b, args.max_search) if hi is None else (lo + hi) // 2
+        else:
+            hi = b
+            b = (lo + hi) // 2
+        if hi is not None and hi - lo <= 1:
+            break
+    return {
+        "recompute": mode,
+        "predicted": predicted,
+        "measured": lo,
+        "first_oom": hi,
+        "searched_up_to": args.max_search,
+    }
+
+
+def offload_part(
+    args: argparse.Namespace, work: Path, cluster: Cluster, params: TimeParams, budget: Budget
+) -> list[dict[str, Any]]:
+    rows = []
+    for label, extra in (
+        ("on device", ["--optimizer.offload", "none"]),
+        (
+            "offload, serial",
+            ["--optimizer.offload", "optimizer", "--optimizer.offload_overlap", "false"],
+        ),
+        (
+            "offload, overlapped",
+            ["--optimizer.offload", "optimizer", "--optimizer.offload_overlap", "true"],
+        ),
+    ):
+        if budget.left < 30:
+            rows.append({"optimizer": label, "skipped": "time budget spent"})
+            continue
+        cfg = _job(args, work / f"offload-{label.replace(' ', '').replace(',', '-')}", *extra,
+                   "--train.micro_batch_size", str(args.micro_batch), "--train.global_batch_size", str(args.micro_batch))  # fmt: skip
+        got = _run(cfg, args.steps)
+        rows.append(
+            {
+                "optimizer": label,
+                "measured_step_time_s": got["step_time_s"],
+                "predicted_step_time_s": predict_step_time(cfg, cluster, params).seconds,
+                "cuda_peak_bytes": got.get("cuda_peak_bytes"),
+            }
+        )
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# GPU check: {results['model']} on {results['device']}", ""]
+    if "skipped" in results:
+        return "\n".join([*lines, results["skipped"], ""])
+
+    def f(v: Any, pct: bool = False) -> str:
+        if v is None:
+            return "-"
+        if pct:
+            return f"{100 * v:.1f}%"
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines += [
+        "## MFU, bf16",
+        "",
+        "| recompute | mbs | MFU measured | MFU predicted | step s measured | step s predicted |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["mfu"]:
+        lines.append(
+            f"| {r['recompute']} | {r.get('micro_batch_size', '-')} | {f(r.get('measured_mfu'), True)} | {f(r.get('predicted_mfu'), True)} | {f(r.get('measured_step_time_s'))} | {f(r.get('predicted_step_time_s'))} |"
+        )
+    if results.get("max_micro_batch"):
+        lines += [
+            "",
+            "## Largest micro-batch that fits",
+            "",
+            "| recompute | predicted | measured | first OOM |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in results["max_micro_batch"]:
+            lines.append(
+                f"| {r['recompute']} | {r['predicted']} | {r['measured']} | {f(r['first_oom'])} |"
+            )
+    lines += [
+        "",
+        "## Optimizer offload",
+        "",
+        "| optimizer | step s measured | step s predicted | CUDA peak GiB |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in results["offload"]:
+        peak = r.get("cuda_peak_bytes")
+        lines.append(
+            f"| {r['optimizer']} | {f(r.get('measured_step_time_s'))} | {f(r.get('predicted_step_time_s'))} | {f(peak / 2**30 if peak else None)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="bench/gpu.sh",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--out", default="runs/gpu-check", help="folder for gpu_results.json and .md")
+    ap.add_argument("--model", default="llama3.2-1b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument(
+        "--micro-batch", type=int, default=4, help="micro-batch for the MFU and offload parts"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=8, help="steps per configuration (first 2 untimed)"
+    )
+    ap.add_argument("--data-files", type=int, default=400)
+    ap.add_argument("--max-search", type=int, default=64, help="largest micro-batch tried")
+    ap.add_argument(
+        "--budget-s", type=float, default=420.0, help="stop starting new work after this"
+    )
+    ap.add_argument(
+        "--allow-cpu", action="store_true", help="without CUDA, measure on the CPU instead"
+    )
+    args = ap.parse_args(argv)
+    get_preset(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"model": args.model, "seq_len": args.seq}
+    if torch.cuda.is_available():
+        args.device = "cuda"
+    elif args.allow_cpu:
+        args.device = "cpu"
+    else:
+        print(SKIP)
+        results.update(device="none", skipped=SKIP)
+        _write(out, results)
+        return 0
+    budget = Budget(args.budget_s)
+    cluster, params, label, peak = _hardware(args)
+    results["device"] = label
+    work = Path(tempfile.mkdtemp(prefix="llmscale-gpu-"))
+    results["mfu"] = mfu_part(args, work, cluster, params, peak, budget)
+    results["max_micro_batch"] = (
+        max_micro_batch_part(args, work, cluster, budget) if args.device == "cuda" else []
+    )
+    results["offload"] = offload_part(args, work, cluster, params, budget)
+    _write(out, results)
+    print(markdown(results))
+    return 0
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    (out / "gpu_results.json").write_text(json.dumps(results, indent=2))
+    (out / "gpu_results.md").write_text(markdown(results))
+    print(f"wrote {out / 'gpu_results.json'} and {out / 'gpu_results.md'}")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        sys.stderr.write(f"bench/gpu.sh: error: {e}\n")
+        sys.exit(2)

@@ -1,0 +1,120 @@
+"""Memory: parameters, gradients, optimizer states and activations, predicted vs measured.
+
+Measured by the trainer itself: the bytes of parameter, gradient and optimizer-state storages,
+and the bytes autograd saves for backward during the first micro-batch's forward (counted with
+`saved_tensors_hooks`, each storage once; checkpointed regions count as the inputs they keep).
+On CUDA the allocator's peak over the step is compared too. Predicted by the planner's
+per-tensor model (`plan.predict.expected_runtime_metrics`).
+"""
+
+from __future__ import annotations
+
+from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.runner import BenchOptions, measure, png_path
+from llmscale.plan import activations as act
+from llmscale.plan.memory import MemoryOptions
+from llmscale.plan.predict import expected_runtime_metrics
+from llmscale.train.trainer import resolve_device
+
+RECOMPUTE = ("none", "selective", "every_k", "full")
+MICRO_BATCHES = (1, 4)
+STATES = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def memory_options(device: str) -> MemoryOptions:
+    """The planner's kernel facts for where the benchmark runs."""
+    return MemoryOptions(
+        kernels=act.RUNTIME_CPU if resolve_device(device).type == "cpu" else act.RUNTIME
+    )
+
+
+def run(opts: BenchOptions) -> SuiteResult:
+    res = SuiteResult(
+        "memory",
+        f"Memory per device, model {opts.model}, seq {opts.seq_len}: predicted vs measured",
+    )
+    options = memory_options(opts.device)
+    bars: list[tuple[str, float, float]] = []
+    for precision in ("fp32", "bf16"):
+        for mbs in MICRO_BATCHES:
+            for mode in RECOMPUTE:
+                cfg = opts.job(
+                    "--precision.mode", precision, "--train.recompute", mode,
+                    "--train.micro_batch_size", str(mbs), "--train.global_batch_size", str(mbs),
+                    "--train.steps", "1", run=f"mem-{precision}-{mbs}-{mode}",
+                )  # fmt: skip
+                got = measure(cfg, warmup=0).last
+                want = expected_runtime_metrics(cfg, options=options)
+                label = f"{precision} mbs={mbs} recompute={mode}"
+                if mode == "none" and mbs == MICRO_BATCHES[0]:
+                    for key in STATES:
+                        res.rows.append(
+                            Row(
+                                "memory",
+                                f"{precision} (any mbs, any recompute)",
+                                key.removesuffix("_bytes"),
+                                "B",
+                                got[key],
+                                want[key],
+                            )
+                        )
+                res.rows.append(
+                    Row(
+                        "memory",
+                        label,
+                        "activations",
+                        "B",
+                        got["activation_bytes"],
+                        want["activation_bytes"],
+                    )
+                )
+                if "cuda_peak_bytes" in got:
+                    res.rows.append(
+                        Row(
+                            "memory",
+                            label,
+                            "CUDA peak",
+                            "B",
+                            got["cuda_peak_bytes"],
+                            want["cuda_peak_bytes"],
+                        )
+                    )
+                bars.append(
+                    (
+                        f"{precision}\nb={mbs}\n{mode}",
+                        want["activation_bytes"],
+                        got["activation_bytes"],
+                    )
+                )
+    worst = max(
+        abs(r.ratio - 1) for r in res.rows if r.quantity == "activations" and r.ratio is not None
+    )
+    res.notes.append(
+        f"largest activation error: {100 * worst:.2f}% (goal: within 3%); states are exact when every ratio reads 1.000"
+    )
+    path = png_path(opts, "memory_activations.png")
+    if path is not None:
+        _plot(bars, path, f"saved activations per micro-batch, {opts.model}, seq {opts.seq_len}")
+        res.figures.append(path)
+    return res
+
+
+def _plot(bars: list[tuple[str, float, float]], path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x = np.arange(len(bars))
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(bars)), 4.5))
+    ax.bar(x - 0.2, [b[1] / 2**20 for b in bars], 0.4, label="predicted (planner)")
+    ax.bar(x + 0.2, [b[2] / 2**20 for b in bars], 0.4, label="measured (saved_tensors_hooks)")
+    ax.set_xticks(x, [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

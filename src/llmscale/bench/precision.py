@@ -1,0 +1,135 @@
+"""Precision: throughput and memory of fp32 / bf16 / fp16, and how many fp16 gradients vanish.
+
+The underflow report trains the model in fp32 for a while (gradients shrink as the loss falls),
+then measures, on one batch, the fraction of gradient elements that are non-zero in fp32 but
+zero in fp16, without a loss scale and with scales 2^3 .. 2^15, two ways: casting the finished
+fp32 gradients (`underflow_report`), and running the whole backward in fp16 autocast with the
+scaled loss (`fp16_backward_underflow`), where activation gradients can vanish on the way too.
+"""
+
+from __future__ import annotations
+
+from llmscale.bench.memory import memory_options
+from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.runner import BenchOptions, measure, png_path
+from llmscale.bench.timing import calibrated
+from llmscale.plan.predict import expected_runtime_metrics, predict_step_time
+from llmscale.train.precision import fp16_backward_underflow, underflow_report
+from llmscale.train.trainer import Trainer, lm_loss
+
+MODES = ("fp32", "bf16", "fp16")
+MICRO_BATCH = 8
+SCALES = (1.0, *(2.0**k for k in range(3, 16)))
+TRAIN_STEPS = 30
+UNDERFLOW_BATCH = 2
+
+
+def run(opts: BenchOptions) -> SuiteResult:
+    res = SuiteResult(
+        "precision", f"Precision, model {opts.model}, mbs {MICRO_BATCH} x seq {opts.seq_len}"
+    )
+    cluster, params, _ = calibrated(opts, MICRO_BATCH)
+    for mode in MODES:
+        cfg = opts.job(
+            "--precision.mode", mode, "--train.micro_batch_size", str(MICRO_BATCH),
+            "--train.global_batch_size", str(MICRO_BATCH), run=f"prec-{mode}",
+        )  # fmt: skip
+        m = measure(cfg, opts.warmup)
+        want = expected_runtime_metrics(cfg, options=memory_options(opts.device))
+        pred = predict_step_time(cfg, cluster, params)
+        fastest = cfg.train.global_batch_size * cfg.data.seq_len / m.min_step_time_s
+        res.rows.append(Row("precision", mode, "tokens/s", "tok/s", fastest, pred.tokens_per_s))
+        res.rows.append(
+            Row(
+                "precision",
+                mode,
+                "activations",
+                "B",
+                m["activation_bytes"],
+                want["activation_bytes"],
+            )
+        )
+        states = sum(m[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        res.rows.append(
+            Row(
+                "precision",
+                mode,
+                "states",
+                "B",
+                states,
+                sum(want[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")),
+            )
+        )
+    cast, e2e, loss = underflow_after_training(opts)
+    header = [
+        "loss scale",
+        "cast: underflow",
+        "cast: overflow",
+        "fp16 backward: underflow",
+        "fp16 backward: overflow",
+    ]
+    table = [
+        [f"2^{int(s).bit_length() - 1}", f"{100 * c.underflow_fraction:.2f}%", f"{100 * c.overflow_fraction:.3f}%",
+         f"{100 * e.underflow_fraction:.2f}%", f"{100 * e.overflow_fraction:.3f}%"]
+        for s, c, e in zip(SCALES, cast, e2e, strict=True)
+    ]  # fmt: skip
+    res.tables[
+        f"fp16 gradient underflow after {TRAIN_STEPS} fp32 steps (loss {loss:.3f}), share of non-zero fp32 gradient elements"
+    ] = (header, table)
+    res.notes.append(
+        f"Without scaling, {100 * cast[0].underflow_fraction:.1f}% of the non-zero gradient values vanish when cast to fp16 "
+        f"and {100 * e2e[0].underflow_fraction:.1f}% when the backward itself runs in fp16 (the seed's workload: ~31%); "
+        f"at 2^15: {100 * cast[-1].underflow_fraction:.2f}% / {100 * e2e[-1].underflow_fraction:.2f}%."
+    )
+    path = png_path(opts, "fp16_underflow.png")
+    if path is not None:
+        _plot(
+            cast, e2e, path, f"fp16 underflow vs loss scale, {opts.model} after {TRAIN_STEPS} steps"
+        )
+        res.figures.append(path)
+    return res
+
+
+def underflow_after_training(opts: BenchOptions):
+    """Train in fp32, then measure both underflow reports on the next batch."""
+    cfg = opts.job(
+        "--train.micro_batch_size", str(MICRO_BATCH), "--train.global_batch_size", str(MICRO_BATCH),
+        "--train.steps", str(TRAIN_STEPS), run="underflow",
+    )  # fmt: skip
+    t = Trainer(cfg)
+    loss = 0.0
+    for _ in range(TRAIN_STEPS):
+        loss = t.train_step()["loss"]
+    batch = t.train_stream.next_batch(MICRO_BATCH)[:UNDERFLOW_BATCH].to(t.device)
+    params = [p for p in t.parameters() if p.requires_grad]
+
+    def loss_fn():
+        return lm_loss(t.model(batch[:, :-1]), batch[:, 1:])
+
+    loss_fn().backward()
+    cast = underflow_report([p.grad for p in params], SCALES)
+    t.optimizer.zero_grad(set_to_none=True)
+    e2e = fp16_backward_underflow(loss_fn, params, SCALES, t.device.type)
+    return cast, e2e, loss
+
+
+def _plot(cast, e2e, path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [int(s).bit_length() - 1 for s in SCALES]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(xs, [100 * r.underflow_fraction for r in cast], "o-", label="cast fp32 grads to fp16")
+    ax.plot(xs, [100 * r.underflow_fraction for r in e2e], "s-", label="backward in fp16 autocast")
+    ax.plot(xs, [100 * r.overflow_fraction for r in e2e], "x--", label="overflow (fp16 backward)")
+    ax.set_xlabel("loss scale (log2)")
+    ax.set_ylabel("% of non-zero gradient elements")
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

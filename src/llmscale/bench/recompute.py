@@ -1,0 +1,93 @@
+"""Recomputation's time overhead: measured step times vs the planner's prediction.
+
+The seed quotes ~33% extra compute for full recomputation: one more forward of the blocks on
+top of forward + backward (3 forward-equivalents become 4). Measured here as the fastest step of
+each mode over the fastest step without recomputation, on the same batches.
+"""
+
+from __future__ import annotations
+
+from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.runner import BenchOptions, measure, png_path
+from llmscale.bench.timing import calibrated, predicted_seconds
+from llmscale.model.config import get_preset
+from llmscale.plan.setup import Plan
+from llmscale.plan.time import recompute_fraction
+
+MODES = ("none", "selective", "every_k", "full")
+MICRO_BATCH = 8
+
+
+def run(opts: BenchOptions) -> SuiteResult:
+    res = SuiteResult(
+        "recompute",
+        f"Recompute time overhead, model {opts.model}, mbs {MICRO_BATCH} x seq {opts.seq_len}, fp32",
+    )
+    cluster, params, _ = calibrated(opts, MICRO_BATCH)
+    model = get_preset(opts.model)
+    measured: dict[str, float] = {}
+    predicted: dict[str, float] = {}
+    flops: dict[str, float] = {}
+    for mode in MODES:
+        cfg = opts.job(
+            "--train.recompute", mode, "--train.micro_batch_size", str(MICRO_BATCH),
+            "--train.global_batch_size", str(MICRO_BATCH), run=f"recompute-{mode}",
+        )  # fmt: skip
+        measured[mode] = measure(cfg, opts.warmup).min_step_time_s
+        predicted[mode] = predicted_seconds(cfg, cluster, params)
+        flops[mode] = model.train_flops_per_token(
+            opts.seq_len, recompute_fraction(Plan.from_job(cfg))
+        )
+    for mode in MODES[1:]:
+        over_m = 100 * (measured[mode] / measured["none"] - 1)
+        over_p = 100 * (predicted[mode] / predicted["none"] - 1)
+        over_f = 100 * (flops[mode] / flops["none"] - 1)
+        res.rows.append(
+            Row(
+                "recompute",
+                f"recompute={mode}",
+                "time overhead",
+                "%",
+                over_m,
+                over_p,
+                f"FLOPs alone: +{over_f:.1f}%",
+            )
+        )
+    res.tables["step times (fastest step)"] = (
+        ["mode", "measured", "predicted", "extra FLOPs"],
+        [
+            [
+                m,
+                f"{1000 * measured[m]:.0f} ms",
+                f"{1000 * predicted[m]:.0f} ms",
+                f"+{100 * (flops[m] / flops['none'] - 1):.1f}%",
+            ]
+            for m in MODES
+        ],
+    )
+    path = png_path(opts, "recompute_overhead.png")
+    if path is not None:
+        _plot(res.rows, path, f"recompute overhead, {opts.model}")
+        res.figures.append(path)
+    return res
+
+
+def _plot(rows: list[Row], path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(x - 0.2, [r.predicted or 0 for r in rows], 0.4, label="predicted (planner)")
+    ax.bar(x + 0.2, [r.measured for r in rows], 0.4, label="measured")
+    ax.set_xticks(x, [r.config.split("=")[1] for r in rows])
+    ax.set_ylabel("extra step time vs none (%)")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

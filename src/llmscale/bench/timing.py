@@ -1,0 +1,80 @@
+"""Step time: the planner's time model on this device (calibrated by micro-benchmarks) vs the trainer.
+
+The device is measured first (`calibrate.measured_cluster`: the model's GEMMs alone, and
+element-wise bandwidth at activation size); the planner then predicts each configuration's step
+from FLOPs and bytes, with matmul efficiency 1.0 against the measured GEMM rate (it already is
+an achieved rate). Framework overhead (Python, op dispatch) is not in the model: where the
+prediction is low, that is the share it misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmscale.bench.calibrate import measured_cluster
+from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.runner import BenchOptions, measure
+from llmscale.config import JobConfig
+from llmscale.model.config import get_preset
+from llmscale.plan import activations as act
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.predict import predict_step_time
+from llmscale.plan.time import DEFAULT_TIME, TimeParams
+from llmscale.train.trainer import resolve_device
+
+CONFIGS = (("fp32", 4), ("fp32", 16), ("bf16", 4), ("bf16", 16))
+
+
+def calibrated(
+    opts: BenchOptions, micro_batch: int
+) -> tuple[Cluster, TimeParams, dict[str, float]]:
+    """The measured device and the time parameters that go with it."""
+    device = resolve_device(opts.device)
+    cluster, figures = measured_cluster(get_preset(opts.model), micro_batch * opts.seq_len, device)
+    kernels = act.RUNTIME_CPU if device.type == "cpu" else act.RUNTIME
+    params = dataclasses.replace(DEFAULT_TIME, matmul_efficiency=1.0, kernels=kernels)
+    return cluster, params, figures
+
+
+def predicted_seconds(cfg: JobConfig, cluster: Cluster, params: TimeParams) -> float:
+    return predict_step_time(cfg, cluster, params).seconds
+
+
+def run(opts: BenchOptions) -> SuiteResult:
+    res = SuiteResult(
+        "time",
+        f"Step time, model {opts.model}, seq {opts.seq_len}: planner on the measured device vs trainer",
+    )
+    calib_rows = []
+    for precision, mbs in CONFIGS:
+        cluster, params, figures = calibrated(opts, mbs)
+        cfg = opts.job(
+            "--precision.mode", precision, "--train.micro_batch_size", str(mbs),
+            "--train.global_batch_size", str(mbs), run=f"time-{precision}-{mbs}",
+        )  # fmt: skip
+        m = measure(cfg, opts.warmup)
+        pred = predict_step_time(cfg, cluster, params)
+        parts = ", ".join(f"{k} {1000 * v:.0f}" for k, v in pred.breakdown.items() if v > 0)
+        res.rows.append(
+            Row(
+                "time",
+                f"{precision} mbs={mbs}",
+                "step time",
+                "s",
+                m.step_time_s,
+                pred.seconds,
+                f"ms: {parts}",
+            )
+        )
+        calib_rows.append(
+            [
+                f"{precision} mbs={mbs}",
+                f"{figures['gemm_' + precision + '_flops'] / 1e9:.1f}",
+                f"{figures['bandwidth_bytes'] / 1e9:.1f}",
+            ]
+        )
+    res.tables["measured device (micro-benchmarks)"] = (
+        ["configuration", "GEMM GFLOP/s", "elementwise GB/s"],
+        calib_rows,
+    )
+    return res

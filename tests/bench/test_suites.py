@@ -1,0 +1,79 @@
+"""The bench suites on the tiny model: numbers that must hold, not timings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llmscale.bench.report import markdown
+from llmscale.bench.runner import BenchOptions
+from llmscale.bench.suites import SUITES, get_suite
+from llmscale.cli import main
+
+
+@pytest.fixture(scope="module")
+def opts(tmp_path_factory) -> BenchOptions:
+    base = tmp_path_factory.mktemp("bench")
+    return BenchOptions(
+        model="tiny",
+        seq_len=32,
+        steps=1,
+        warmup=0,
+        device="cpu",
+        data_files=8,
+        png_dir=base / "png",
+        work_dir=base,
+    )
+
+
+def test_memory_states_exact_and_activations_within_3_percent(opts) -> None:
+    res = get_suite("memory")(opts)
+    states = [r for r in res.rows if r.quantity in ("param", "grad", "optimizer")]
+    assert len(states) == 6 and all(r.ratio == 1.0 for r in states)
+    acts = [r for r in res.rows if r.quantity == "activations"]
+    assert len(acts) == 16
+    assert all(abs(r.ratio - 1) < 0.03 for r in acts)
+    assert res.figures[0].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_accumulation_gradients_equal_and_activations_scale(opts) -> None:
+    res = get_suite("accum")(opts)
+    (header, rows) = next(iter(res.tables.values()))
+    assert all(float(r[1]) < 1e-5 for r in rows)
+    acts = {r.config: r.measured for r in res.rows if r.quantity == "activations"}
+    assert acts["b=32 k=1"] > acts["b=8 k=4"] > acts["b=2 k=16"]
+
+
+def test_recompute_overheads_predicted_from_flops(opts) -> None:
+    res = get_suite("recompute")(opts)
+    pred = {r.config: r.predicted for r in res.rows}
+    assert 0 < pred["recompute=selective"] < pred["recompute=every_k"] < pred["recompute=full"]
+    assert all(math.isfinite(r.measured) for r in res.rows)
+
+
+def test_precision_underflow_falls_with_scale(opts) -> None:
+    res = get_suite("precision")(opts)
+    assert {r.config for r in res.rows} == {"fp32", "bf16", "fp16"}
+    assert all(r.ratio == 1.0 for r in res.rows if r.quantity == "states")
+    table = next(v for k, v in res.tables.items() if "underflow" in k)[1]
+    cast = [float(row[1].rstrip("%")) for row in table]
+    assert cast == sorted(cast, reverse=True) and cast[0] > cast[-1]
+    assert len(table) == 14 and table[0][0] == "2^0" and table[-1][0] == "2^15"
+
+
+def test_time_suite_rows_are_positive(opts) -> None:
+    res = get_suite("time")(opts)
+    assert len(res.rows) == 4 and all(r.measured > 0 and r.predicted > 0 for r in res.rows)
+    md = markdown([res], header="# results")
+    assert "| fp32 mbs=4 | step time |" in md
+
+
+def test_every_listed_suite_exists() -> None:
+    for name in SUITES:
+        assert callable(get_suite(name))
+
+
+def test_cli_rejects_unknown_suite(capsys) -> None:
+    assert main(["bench", "--what", "speed"]) == 2
+    assert "--what: got 'speed'" in capsys.readouterr().err
