@@ -104,3 +104,17 @@ def test_train_and_plot_from_the_command_line(tmp_path) -> None:
     assert "step     1" in r.stdout
     r = _run(["plot", "r"], tmp_path)
     assert r.returncode == 0 and (tmp_path / "r" / "loss.png").is_file()
+
+
+def test_planner_commands_do_not_import_torch() -> None:
+    """`llmscale hw/plan/schedule` answer in a fraction of a second: no torch import."""
+    code = (
+        "import sys\n"
+        "from llmscale.cli import main\n"
+        "for argv in (['hw'], ['models'], ['schedule', '--pp', '2', '--microbatches', '4'],\n"
+        "             ['plan', '--model', 'llama2-7b', '--gpu', 'h100', '--gpus', '8', '--seq', '2048', '--global-batch', '64']):\n"
+        "    assert main(argv) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from llmscale.bench.report import SuiteResult
-from llmscale.bench.runner import BenchOptions
+if TYPE_CHECKING:  # the CLI lists the suites without importing torch
+    from llmscale.bench.report import SuiteResult
+    from llmscale.bench.runner import BenchOptions
 
 SUITES: dict[str, str] = {
     "memory": "llmscale.bench.memory",
