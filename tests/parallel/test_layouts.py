@@ -42,6 +42,12 @@ WORLD2 = {
     "pp2_1f1b": _p(pp=2, pp_schedule="1f1b"),
     "pp2_interleaved": _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=2),
 }
+# Trained in the world-2 group too, in bf16 (FSDP2 computes on bf16 weights): not compared with
+# the fp32 reference; their memory metrics are compared with the planner's prediction instead.
+WORLD2_BF16 = {
+    "fsdp2_bf16": [*_p(dp_shard=2), "--precision.mode", "bf16"],
+    "fsdp2_bf16_full": [*_p(dp_shard=2), "--precision.mode", "bf16", "--train.recompute", "full"],
+}
 WORLD4 = {
     "fsdp2_tp2": _p(dp_shard=2, tp=2),
     "hsdp2x2": _p(dp_replicate=2, dp_shard=2),
@@ -84,7 +90,8 @@ def reference(tmp_path_factory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    return run_layouts(2, tmp_path_factory.mktemp("world2"), _layouts(WORLD2))
+    layouts = [*_layouts(WORLD2), *_layouts(WORLD2_BF16)]
+    return run_layouts(2, tmp_path_factory.mktemp("world2"), layouts)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,22 @@ def test_four_ranks_equal_one_process(name, world4, reference) -> None:
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_eight_ranks_equal_one_process(name, world8, reference) -> None:
     assert_same_run(world8[name], reference, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD2_BF16))
+def test_fsdp_bf16_memory_is_what_the_planner_predicts(name, world2) -> None:
+    from llmscale.plan import activations as act
+    from llmscale.plan.memory import MemoryOptions
+    from llmscale.plan.predict import expected_runtime_metrics
+
+    row = [
+        r for r in read_jsonl(world2[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"
+    ][-1]
+    cfg = load_config(None, [*BASE, *WORLD2_BF16[name]])
+    want = expected_runtime_metrics(cfg, options=MemoryOptions(kernels=act.RUNTIME_CPU))
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+    assert {k: row[k] for k in keys} == {k: want[k] for k in keys}
+    assert all(x == x for x in world2[name]["losses"])  # finite, not NaN
 
 
 def test_metrics_written_once_with_the_global_loss(world4, reference) -> None:

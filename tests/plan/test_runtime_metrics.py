@@ -48,8 +48,47 @@ CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
             "--precision.mode",
             "bf16",
         ],  # fmt: skip
+        ["--optimizer.offload", "optimizer", "--precision.mode", "fp32"],
+        ["--optimizer.offload", "optimizer", "--precision.mode", "bf16"],
+        [
+            "--optimizer.offload",
+            "optimizer",
+            "--precision.mode",
+            "bf16",
+            "--train.recompute",
+            "full",
+        ],
+        [  # the GPT variant over offloaded bf16 weights: LayerNorm runs in bf16
+            "--optimizer.offload",
+            "optimizer",
+            "--precision.mode",
+            "bf16",
+            "--model.norm",
+            "layernorm",
+            "--model.mlp",
+            "gelu",
+            "--model.pos_emb",
+            "learned",
+            "--model.bias",
+            "true",
+            "--model.tie_embeddings",
+            "true",
+            "--model.n_kv_heads",
+            "4",
+        ],  # fmt: skip
     ],
-    ids=["fp32", "bf16", "bf16-full", "fp16-selective", "bf16-every_k-tied", "gpt-bf16"],
+    ids=[
+        "fp32",
+        "bf16",
+        "bf16-full",
+        "fp16-selective",
+        "bf16-every_k-tied",
+        "gpt-bf16",
+        "offload-fp32",
+        "offload-bf16",
+        "offload-bf16-full",
+        "offload-gpt-bf16",
+    ],  # fmt: skip
 )
 def test_states_and_saved_activations_match_the_trainer(cfg_factory, extra: list[str]) -> None:
     cfg = cfg_factory(*extra, "--data.max_files", "8")

@@ -31,8 +31,15 @@ from llmscale.train.precision import DTYPES
 
 
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
-    """fp32 master weights; compute in the mode's dtype; gradients reduced in fp32."""
-    return MixedPrecisionPolicy(param_dtype=DTYPES[mode], reduce_dtype=torch.float32)
+    """fp32 master weights; compute in the mode's dtype; gradients reduced in fp32.
+
+    Forward inputs are not cast: the hidden states are already in the compute dtype (the
+    embedding's weight is), and casting would round the fp32 RoPE table every block receives to
+    bf16 (a copy per block, and angles that lose precision at long positions).
+    """
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[mode], reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
 
 
 def apply_fsdp(

@@ -31,6 +31,8 @@ them in backward (Megatron) rather than saving the all-gathered copy (DTensor/to
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from llmscale.errors import ConfigError
@@ -52,6 +54,10 @@ class Kernels:
     residual_fp32: bool = True  # autocast keeps the residual stream in the fp32 param dtype
     sp_saves_gathered_input: bool = True  # DTensor SP: linear inputs saved whole, not split
     vocab_parallel: bool = False  # embedding and head replicated across tp (not split)
+    # The forward's weights are already bf16/fp16 (FSDP2's param_dtype, offloaded working
+    # copies): the residual stream and an RMSNorm's output are in that dtype, so the linears
+    # reading one norm output share one saved input instead of autocast casting it per linear.
+    lowp_weights: bool = False
 
     def attention_kernel(self, model: ModelConfig, precision: str) -> str:
         if self.attention not in ATTENTION_KERNELS:
@@ -97,6 +103,47 @@ def _divisor(region: str, tp: int, sp: bool, kernels: Kernels) -> int:
     return 1
 
 
+def residual_bytes(a: int, kernels: Kernels) -> int:
+    """Bytes per element of the residual stream: fp32 when autocast runs over fp32 weights."""
+    if kernels.lowp_weights or not kernels.residual_fp32:
+        return a
+    return 4
+
+
+def norm_output_fp32(model: ModelConfig, a: int, kernels: Kernels) -> bool:
+    """Is a norm's output fp32 (so that each following linear casts it again)?"""
+    if a == 4:
+        return True
+    return residual_bytes(a, kernels) == 4
+
+
+def norm_terms(
+    model: ModelConfig, tag: str, a: int, kernels: Kernels
+) -> list[tuple[str, float, str]]:
+    """What one RMSNorm / LayerNorm keeps, per token: its input and statistics.
+
+    RMSNorm on CPU is the composite kernel: it saves its input upcast to fp32, the fp32 rstd and
+    the fp32 normalised x; the fused CUDA kernel saves the input (residual dtype) and rstd.
+    LayerNorm saves its input and mean/rstd in the residual's dtype (measured on CPU; on CUDA
+    the statistics of a bf16 LayerNorm are fp32, 4 bytes a token more: left out).
+    """
+    d, r = model.dim, residual_bytes(a, kernels)
+    if model.norm == "layernorm":
+        x, stat = (4, 4) if r == 4 else (a, a)
+        return [
+            (f"{tag} input", x * d, "norm"),
+            (f"{tag} mean", stat, "norm"),
+            (f"{tag} rstd", stat, "norm"),
+        ]
+    if kernels.device == "cpu":
+        return [
+            (f"{tag} input (fp32)", 4 * d, "norm"),
+            (f"{tag} rstd", 4, "norm"),
+            (f"{tag} normed x (composite kernel)", 4 * d, "norm"),
+        ]
+    return [(f"{tag} input", r * d, "norm"), (f"{tag} rstd", 4, "norm")]
+
+
 def block_tensors(
     model: ModelConfig,
     micro_batch_size: int,
@@ -114,7 +161,7 @@ def block_tensors(
         raise ConfigError("train.recompute", mode, " | ".join(BLOCK_MODES))
     tokens = micro_batch_size * seq_len
     a = BYTES[precision]  # activation dtype under autocast (or fp32)
-    r = 4 if kernels.residual_fp32 else a  # residual stream dtype
+    r = residual_bytes(a, kernels)
     d, kv, f, heads = model.dim, model.kv_dim, model.ffn_dim, model.n_heads
     per_token: list[tuple[str, float, str]] = []  # (name, bytes per token, region)
     if mode == "full":
@@ -122,18 +169,12 @@ def block_tensors(
         return _scale(per_token, tokens, tp, sequence_parallel, kernels)
 
     def norm(tag: str) -> None:
-        per_token.append((f"{tag} input", r * d, "norm"))
-        if model.norm == "layernorm":
-            per_token.extend([(f"{tag} mean", 4, "norm"), (f"{tag} rstd", 4, "norm")])
-        else:
-            per_token.append((f"{tag} rstd", 4, "norm"))
-            if kernels.device == "cpu":
-                per_token.append((f"{tag} normed x (composite kernel)", 4 * d, "norm"))
+        per_token.extend(norm_terms(model, tag, a, kernels))
 
     def linear_inputs(tag: str, names: tuple[str, ...]) -> None:
-        if a == 4 and kernels.residual_fp32:
+        if a == 4:
             per_token.append((f"{tag} input ({', '.join(names)} share it)", 4 * d, "linear_in"))
-        elif kernels.residual_fp32:
+        elif norm_output_fp32(model, a, kernels):
             for n in names:  # autocast casts each linear's input on its own
                 per_token.append((f"{n} input ({precision} cast)", a * d, "linear_in"))
         else:
@@ -236,15 +277,8 @@ def head_tensors(
     """Last stage: final norm, the output projection's input and the loss's log-softmax."""
     tokens = micro_batch_size * seq_len
     a = BYTES[precision]
-    r = 4 if kernels.residual_fp32 else a
     d, v = model.dim, model.vocab_size
-    per_token: list[tuple[str, float, str]] = [("final norm input", r * d, "norm")]
-    if model.norm == "layernorm":
-        per_token += [("final norm mean", 4, "norm"), ("final norm rstd", 4, "norm")]
-    else:
-        per_token.append(("final norm rstd", 4, "norm"))
-        if kernels.device == "cpu":
-            per_token.append(("final norm normed x (composite kernel)", 4 * d, "norm"))
+    per_token = norm_terms(model, "final norm", a, kernels)
     per_token.append(("output projection input", a * d, "linear_in"))
     vocab_div = tp if kernels.vocab_parallel else 1
     out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
@@ -254,6 +288,14 @@ def head_tensors(
         Saved("loss total weight", 4, "seq"),
     ]
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def with_weights(kernels: Kernels, lowp_weights: bool) -> Kernels:
+    """`kernels` for a plan whose forward weights are (or are not) already low precision."""
+    if kernels.lowp_weights == lowp_weights:
+        return kernels
+    return dataclasses.replace(kernels, lowp_weights=lowp_weights)
 
 
 @identity_cache()

@@ -190,9 +190,12 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         return 4 * shard, 4 * shard, 8 * shard + counters, unsharded, rs_transient, 0.0
     host = 12 * shard + counters
     if plan.offload == "optimizer":
-        # Low-precision params stay on the device; autocast has nothing left to cast.
+        # Low-precision params stay on the device; autocast has nothing left to cast. Each
+        # gradient goes to the host as soon as backward produces it and its device copy is
+        # freed: about one block's gradients are on the device at a time (a transient).
         working = unsharded if plan.sharded else 0.0
-        return pb * shard, pb * shard, 0.0, working, rs_transient, host
+        grads_in_flight = pb * sp.block.numel
+        return pb * shard, 0.0, 0.0, working, max(rs_transient, grads_in_flight), host
     # optimizer+params: only the blocks in flight are on the device, with their gradients
     # (zero_stage 1/2 still keep every block from its forward to its backward).
     keep = (
@@ -223,6 +226,11 @@ def _rank_layers(plan: Plan, rank: int) -> list[int]:
     return out
 
 
+def plan_kernels(plan: Plan, kernels: act.Kernels) -> act.Kernels:
+    """The kernel facts as they apply to this plan (are its forward weights low precision?)."""
+    return act.with_weights(kernels, plan.lowp_weights)
+
+
 def _block_bytes(plan: Plan, mode: str, opt: MemoryOptions) -> float:
     return act.block_bytes(
         plan.model,
@@ -231,7 +239,7 @@ def _block_bytes(plan: Plan, mode: str, opt: MemoryOptions) -> float:
         plan.precision,
         plan.tp,
         plan.sequence_parallel,
-        opt.kernels,
+        plan_kernels(plan, opt.kernels),
         mode,
     )
 
@@ -244,7 +252,7 @@ def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_O
     key = (
         id(plan.model), id(opt), plan.seq_len, plan.micro_batch_size, plan.precision, plan.tp,
         plan.sequence_parallel, plan.recompute, plan.recompute_every_k, plan.pp,
-        plan.pp_schedule, plan.chunks, plan.microbatches, rank,
+        plan.pp_schedule, plan.chunks, plan.microbatches, rank, plan.lowp_weights,
     )  # fmt: skip
     hit = _ACT_CACHE.get(key)
     if hit is None:
@@ -275,7 +283,7 @@ def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
             plan.precision,
             plan.tp,
             plan.sequence_parallel,
-            opt.kernels,
+            plan_kernels(plan, opt.kernels),
         )
         total += head_inflight(plan) * head
     return total

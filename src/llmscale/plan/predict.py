@@ -25,6 +25,7 @@ from llmscale.plan.memory import (
     _rank_layers,
     _rank_pieces,
     estimate_memory,
+    plan_kernels,
 )
 from llmscale.plan.params import stage_params
 from llmscale.plan.setup import Plan
@@ -60,7 +61,8 @@ def expected_runtime_metrics(
     plan = as_plan(job)
     plan.validate()
     params, grads, optim, _working, _acts, _transient, _host = _rank_pieces(plan, rank, options)
-    m, b, s, k = plan.model, plan.micro_batch_size, plan.seq_len, options.kernels
+    m, b, s = plan.model, plan.micro_batch_size, plan.seq_len
+    k = plan_kernels(plan, options.kernels)
     modes = _block_modes(plan, _rank_layers(plan, rank))
     saved = sum(
         n * act.block_bytes(m, b, s, plan.precision, plan.tp, plan.sequence_parallel, k, mode)

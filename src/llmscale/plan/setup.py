@@ -66,6 +66,11 @@ class Plan:
         return self.dp_shard > 1
 
     @property
+    def lowp_weights(self) -> bool:
+        """The forward runs on bf16/fp16 weights: FSDP2's param_dtype or offloaded working copies."""
+        return self.precision != "fp32" and (self.sharded or self.offload != "none")
+
+    @property
     def chunks(self) -> int:
         return self.pp_chunks if self.pp_schedule == "interleaved_1f1b" else 1
 

@@ -40,7 +40,7 @@ from llmscale.errors import ConfigError
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
-from llmscale.plan.memory import _block_modes, _rank_layers
+from llmscale.plan.memory import _block_modes, _rank_layers, plan_kernels
 from llmscale.plan.params import stage_params
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.setup import Plan
@@ -125,6 +125,7 @@ def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _S
         id(plan.model), id(cluster), id(tp_), plan.seq_len, plan.micro_batch_size,
         plan.precision, plan.tp, plan.pp, plan.chunks, rank, plan.recompute,
         plan.recompute_every_k, plan.sequence_parallel, plan.dp_shard, plan.zero_stage,
+        plan.lowp_weights,
     )  # fmt: skip
     hit = _STAGE_CACHE.get(key)
     if hit is None:
@@ -139,7 +140,7 @@ def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _S
 def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
     m, s, b = plan.model, plan.seq_len, plan.micro_batch_size
     tokens = b * s
-    tp, kern = plan.tp, tp_.kernels
+    tp, kern = plan.tp, plan_kernels(plan, tp_.kernels)
     peak = peak_flops(cluster, plan.precision, tp_) * tp_.matmul_efficiency
     layers = _rank_layers(plan, rank)
     modes = _block_modes(plan, layers)

@@ -273,7 +273,9 @@ class Trainer:
         for i, mb in enumerate(micro_batches):
             if self.dims.dp > 1:
                 set_gradient_sync(self.model_parts, i == accum - 1)
-            mb = mb.to(self.device, non_blocking=True)
+            # A micro-batch of its own (a copy on CPU too): autograd keeps the token ids until
+            # backward, and they should not hold on to the whole batch.
+            mb = mb.to(self.device, non_blocking=True, copy=True)
             inputs, targets = mb[:, :-1], mb[:, 1:]
             counter = None
             if cfg.metrics.activation_memory and i == 0:
