@@ -5,7 +5,7 @@ LLMSCALE := $(VENV)/bin/llmscale
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint results clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Measured vs predicted, every bench suite on this machine: docs/results.md and its plots.
+results: $(STAMP)
+	$(LLMSCALE) bench --what all --png docs/results --json docs/results/results.json \
+		--markdown docs/results.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

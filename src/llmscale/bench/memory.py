@@ -13,7 +13,7 @@ from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, measure, png_path
 from llmscale.plan import activations as act
 from llmscale.plan.memory import MemoryOptions
-from llmscale.plan.predict import expected_runtime_metrics
+from llmscale.plan.predict import expected_runtime_metrics, predict_memory
 from llmscale.train.trainer import resolve_device
 
 RECOMPUTE = ("none", "selective", "every_k", "full")
@@ -86,6 +86,48 @@ def run(opts: BenchOptions) -> SuiteResult:
                         got["activation_bytes"],
                     )
                 )
+    for precision in ("fp32", "bf16"):
+        cfg = opts.job(
+            "--precision.mode", precision, "--optimizer.offload", "optimizer",
+            "--train.micro_batch_size", "4", "--train.global_batch_size", "4",
+            "--train.steps", "1", run=f"mem-offload-{precision}",
+        )  # fmt: skip
+        got = measure(cfg, warmup=0).last
+        want = expected_runtime_metrics(cfg, options=options)
+        stage = predict_memory(cfg, options).stages[0]
+        label = f"{precision} mbs=4 offload=optimizer"
+        res.rows.append(
+            Row(
+                "memory",
+                label,
+                "device optimizer + master",
+                "B",
+                got["device_optimizer_bytes"] + got["device_master_bytes"],
+                0.0,
+            )
+        )
+        res.rows.append(
+            Row(
+                "memory",
+                label,
+                "host master + moments",
+                "B",
+                got["host_master_bytes"] + got["host_optimizer_bytes"],
+                stage.host,
+                "12 B/param + 4 B/tensor",
+            )
+        )
+        for key in ("param_bytes", "grad_bytes", "activation_bytes"):
+            res.rows.append(
+                Row(
+                    "memory",
+                    label,
+                    key.removesuffix("_bytes").replace("activation", "activations"),
+                    "B",
+                    got[key],
+                    want[key],
+                )
+            )
     worst = max(
         abs(r.ratio - 1) for r in res.rows if r.quantity == "activations" and r.ratio is not None
     )

@@ -61,6 +61,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.1f}%"
     if unit == "tok/s":
         return f"{value:,.0f}"
+    if unit == "x":
+        return f"x{value:.3f}"
     if isinstance(value, float) and not value.is_integer():
         return f"{value:.4g}"
     return f"{value:,.0f}"
