@@ -2,13 +2,16 @@
 
     python bench/offload.py [--model small] [--rounds 4] [--block 3] [--seq 128] [--batch 4]
                             [--accum 2] [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
-                            [--save-timeline DIR]
+                            [--offload optimizer optimizer+params] [--save-timeline DIR]
 
 Three trainers on the same batches, in rounds of one block of consecutive steps each:
 - off:     torch AdamW on the device (the trainer's default path);
-- serial:  `optimizer.offload = "optimizer"`, `offload_overlap = false`: every copy and the CPU
-           update run inline, one after the other (the cost to hide);
+- serial:  `optimizer.offload = MODE` (each of `--offload`), `offload_overlap = false`: every
+           copy and the CPU update run inline, one after the other (the cost to hide);
 - overlap: the layer-wise pipeline (side streams on CUDA; worker threads on a CPU host).
+With `optimizer+params` the offload work also holds the parameter uploads before each unit's
+forward and backward; the device-resident parameter bytes are reported for each trainer (the
+ledger's `param_bytes` between steps, and under optimizer+params `device_param_peak_bytes`).
 
 Reported: step times (per round the block's fastest step, then the median over rounds); the
 offload work per step (download + host accumulate/norm/Adam/cast + upload: the union of those
@@ -38,7 +41,7 @@ from llmscale.offload.timeline import OFFLOAD_LANES, length, union
 from llmscale.train.trainer import Trainer
 
 
-def _trainer(args: argparse.Namespace, mode: str, link_gbps: float) -> Trainer:
+def _trainer(args: argparse.Namespace, mode: str, link_gbps: float, offload: str) -> Trainer:
     overrides = [
         "--model.name", args.model, "--job.run_dir", tempfile.mkdtemp(prefix=f"bench-{mode}-"),
         "--data.seq_len", str(args.seq), "--data.max_files", "200",
@@ -51,7 +54,7 @@ def _trainer(args: argparse.Namespace, mode: str, link_gbps: float) -> Trainer:
         "--checkpoint.enabled", "false",
     ]  # fmt: skip
     if mode != "off":
-        overrides += ["--optimizer.offload", "optimizer"]
+        overrides += ["--optimizer.offload", offload]
         overrides += ["--optimizer.offload_overlap", "true" if mode == "overlap" else "false"]
     cfg = load_config(None, overrides)
     t = Trainer(cfg)
@@ -73,8 +76,9 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(args: argparse.Namespace, link_gbps: float) -> None:
-    trainers = {m: _trainer(args, m, link_gbps) for m in ("off", "serial", "overlap")}
+def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
+    trainers = {m: _trainer(args, m, link_gbps, offload) for m in ("off", "serial", "overlap")}
+    last_row: dict[str, dict] = {}
     for t in trainers.values():
         if hasattr(t.optimizer, "timeline"):
             t.optimizer.timeline.keep_steps = 10_000
@@ -95,7 +99,7 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
         for mode, t in trainers.items():
             times, steps = [], []
             for j in range(block):
-                row = t.train_step()
+                row = last_row[mode] = t.train_step()
                 if j > 0:
                     times.append(row["step_time_s"])
                     steps.append(t.step - 1)  # its index in the optimizer's timeline
@@ -108,12 +112,14 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
     ivs = trainers["overlap"].optimizer.timeline.intervals()
     done = set(timed)
     hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed if s + 1 in done]
-    # The barrier: from the end of backward to the first update, and to the last upload.
+    # The barrier: from the end of backward to the first update, and to the last upload
+    # (optimizer+params: to the last update; its uploads are the next forward's fetches).
+    last_phase = "upload" if offload == "optimizer" else "update"
     barrier, tail = [], []
     for s in timed:
         back_end = max(iv.end for iv in ivs if iv.step == s and iv.phase == "backward")
         first_update = min(iv.start for iv in ivs if iv.step == s and iv.phase == "update")
-        last_up = max(iv.end for iv in ivs if iv.step == s and iv.phase == "upload")
+        last_up = max(iv.end for iv in ivs if iv.step == s and iv.phase == last_phase)
         barrier.append(first_update - back_end)
         tail.append(last_up - back_end)
     med = {m: statistics.median(v) for m, v in per_round.items()}
@@ -125,7 +131,8 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
     t = trainers["off"]
     opt = trainers["overlap"].optimizer
     print(
-        f"model {args.model} ({t.n_params:,} params), {args.precision}, batch {args.batch} x "
+        f"offload {offload}: model {args.model} ({t.n_params:,} params), {args.precision}, "
+        f"batch {args.batch} x "
         f"{args.seq} x {args.accum} accum, clip {args.clip}, {t.device}, "
         f"{torch.get_num_threads()} threads, kernel {'fused' if opt.fused else 'exact'}, "
         f"update in backward {opt.update_in_backward}, link "
@@ -146,15 +153,27 @@ def run(args: argparse.Namespace, link_gbps: float) -> None:
     )
     print(
         f"  overlap run: first update {1e3 * statistics.median(barrier):+.1f} ms after backward "
-        f"ends (negative: during backward), last upload {1e3 * statistics.median(tail):+.1f} ms"
+        f"ends (negative: during backward), last {last_phase} "
+        f"{1e3 * statistics.median(tail):+.1f} ms"
     )
+    for mode, row in last_row.items():
+        peak = row.get("device_param_peak_bytes")
+        print(
+            f"  device parameters {mode:8s} {row['param_bytes'] / 2**20:7.2f} MiB between steps"
+            + (
+                f", at most {peak / 2**20:.2f} MiB at once during a step"
+                if peak is not None
+                else ""
+            )
+        )
     if args.save_timeline:
         from pathlib import Path
 
         from llmscale.train.plot import plot_timeline, timeline_path
 
         for mode in ("serial", "overlap"):
-            folder = Path(args.save_timeline) / f"{mode}-link{link_gbps:g}"
+            tag = "" if offload == "optimizer" else "params-"
+            folder = Path(args.save_timeline) / f"{tag}{mode}-link{link_gbps:g}"
             trainers[mode].optimizer.write_timeline(timeline_path(folder))
             print(f"  wrote {plot_timeline(folder)}")
     for tr in trainers.values():
@@ -182,10 +201,18 @@ def main() -> None:
         default=[0.0, 1.0, 0.1],
         help="simulated link bandwidths on a CPU host; 0 = plain memcpy (default: 0 1 0.1)",
     )
+    ap.add_argument(
+        "--offload",
+        nargs="+",
+        default=["optimizer"],
+        choices=("optimizer", "optimizer+params"),
+        help="offload modes of the serial and overlap trainers (default: optimizer)",
+    )
     ap.add_argument("--save-timeline", help="folder for the timelines (JSON + PNG) of both runs")
     args = ap.parse_args()
-    for g in args.link_gbps:
-        run(args, g)
+    for offload in args.offload:
+        for g in args.link_gbps:
+            run(args, g, offload)
 
 
 if __name__ == "__main__":

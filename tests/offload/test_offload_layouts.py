@@ -3,12 +3,14 @@
 One torchrun process group (tests/parallel's harness) trains each layout with
 `optimizer.offload = "optimizer"`: FSDP2 (each rank offloads its shard), replicate, tensor +
 sequence parallelism (DTensor gradients with Partial placements), a 1F1B pipeline, and an FSDP2
-checkpoint resumed. Losses and gathered parameters must equal the single-process on-device run
+checkpoint resumed; and with `"optimizer+params"` (each rank's parameters on the host between
+uses) tensor + sequence parallelism and a 1F1B pipeline. Losses and gathered parameters must equal the single-process on-device run
 to the layout tests' 1e-5; each rank's host ledger must be the planner's prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from llmscale.config import load_config  # noqa: E402
 from llmscale.offload import read_timeline  # noqa: E402
 from llmscale.plan import activations as act  # noqa: E402
 from llmscale.plan.memory import MemoryOptions  # noqa: E402
-from llmscale.plan.predict import expected_runtime_metrics  # noqa: E402
+from llmscale.plan.predict import expected_runtime_metrics, predict_memory  # noqa: E402
 from llmscale.train.metrics import read_jsonl  # noqa: E402
 from llmscale.train.trainer import Trainer  # noqa: E402
 
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 RTOL = 1e-5
 OFF = ["--optimizer.offload", "optimizer"]
+PARAMS = ["--optimizer.offload", "optimizer+params"]
 CKPT = ["--checkpoint.enabled", "true", "--checkpoint.keep_last", "5"]
 LAYOUTS = {
     "off_fsdp2": ["--parallel.dp_shard", "2", *OFF],
@@ -38,6 +41,9 @@ LAYOUTS = {
     "off_tp2_sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *OFF],
     "off_pp2": ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", *OFF],
     "off_fsdp2_bf16": ["--parallel.dp_shard", "2", "--precision.mode", "bf16", *OFF],
+    # optimizer+params: each rank's own parameters on the host between uses
+    "offp_tp2_sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *PARAMS],
+    "offp_pp2": ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", *PARAMS],
 }
 RESUME = [
     {
@@ -100,6 +106,24 @@ def test_each_rank_offloads_its_shard_as_the_planner_predicts(name, runs) -> Non
         assert row["host_optimizer_bytes"] + row["host_master_bytes"] == 12 * n // 2 + 4 * tensors
         assert row["param_bytes"] == want["param_bytes"]  # 2 or 4 bytes x the shard
         assert row["grad_bytes"] == 0  # released as downloaded (the planner assumes held)
+
+
+@pytest.mark.parametrize("name", ["offp_tp2_sp", "offp_pp2"])
+def test_params_offloaded_per_rank_as_the_planner_predicts(name, runs) -> None:
+    cfg = load_config(None, [*BASE, *LAYOUTS[name]])
+    # The runtime's TP splits an untied embedding and head over the vocabulary
+    # (parallel/tensor_parallel.py); the planner's kernels default to replicated ones.
+    kernels = dataclasses.replace(act.RUNTIME_CPU, vocab_parallel=not cfg.model.tie_embeddings)
+    options = MemoryOptions(kernels=kernels)
+    want = expected_runtime_metrics(cfg, rank=0, options=options)
+    host = predict_memory(cfg, options).stages[0].host
+    rows = [r for r in read_jsonl(runs[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(rows) == 5
+    for row in rows:  # rank 0's: a TP shard, or the first pipeline stage
+        assert row["param_bytes"] == row["grad_bytes"] == 0  # none held between steps
+        for k in ("optimizer_bytes", "device_param_peak_bytes"):
+            assert row[k] == want[k], k
+        assert row["host_optimizer_bytes"] + row["host_master_bytes"] == host  # fp32: no copy
 
 
 def test_bf16_under_fsdp_trains_like_fp32(runs, reference) -> None:

@@ -135,6 +135,14 @@ def test_offload_moves_optimizer_and_master_to_the_host() -> None:
     assert opt.grads == 0 and opt.transient >= 2 * L7.layer_params()
     assert both.params == 0 and both.host == opt.host + 2 * PSI_7B
     assert both.total < opt.total < none.total
+    # On the device only two consecutive units at a time (two blocks: each is larger than the
+    # embedding or the head), and one block's gradients in flight.
+    assert both.grads == 0 and both.working_params == 2 * 2 * L7.layer_params()
+    assert both.transient >= 2 * L7.layer_params()
+    # fp32: the master itself is uploaded; no second host copy.
+    fp32 = dict(base, precision="fp32")
+    opt32 = estimate_memory(Plan(**fp32, offload="optimizer")).worst
+    assert estimate_memory(Plan(**fp32, offload="optimizer+params")).worst.host == opt32.host
 
 
 _CASES = [

@@ -21,6 +21,10 @@ parameters before the first block and after the last one), in this order:
 3. next forward: a unit's forward pre-hook waits for that unit's upload only, so the updates and
    uploads of later units run under the forward of earlier ones.
 
+With `offload_params=True` ("optimizer+params") the parameters, too, are on the host between
+uses: step 2 casts each updated unit into a host copy of the working weights, and `params`
+(`ParamOffload`) gives a unit device storage only around its forward and its backward.
+
 On CUDA the copiers are side streams with pinned host buffers; elsewhere worker threads (see
 `engine`). With `overlap=False` every copy and update runs inline: the serial baseline.
 """
@@ -43,6 +47,7 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from llmscale.offload.engine import DONE, Ticket, make_agents
+from llmscale.offload.params import ParamOffload, Piece, UnitParams
 from llmscale.offload.timeline import COMPUTE_LANE, Timeline
 from llmscale.train.metrics import tensor_bytes
 from llmscale.train.precision import DynamicLossScaler, local_tensor
@@ -111,6 +116,7 @@ class _Slot:
     micro: int = 0  # backward passes accumulated this step (training thread only)
     pending: Future[Any] | None = None  # the host accumulation still reading `staging`
     norm: torch.Tensor | None = None  # of the accumulated host gradient (host worker)
+    host_param: torch.Tensor | None = None  # offload_params: the host working copy (fp32: master)
 
     @property
     def local(self) -> torch.Tensor:
@@ -143,6 +149,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     The training loop's protocol, once per optimizer step after backward:
     `unscale_and_clip(optimizers, scaler, max_norm)` (overflow flag and global norm), `step()`
     unless skipped, `zero_grad()`.
+
+    `offload_params=True` also keeps the working weights on the host between uses (see
+    `offload.params`): `prefetch` units are fetched ahead of the one running, and the parameters
+    named in `keep_resident` (read outside their own unit, as a tied embedding is by the head)
+    stay on the device from their unit's forward until their gradient is in. The model's
+    `state_dict` then holds the host copies.
     """
 
     def __init__(
@@ -162,6 +174,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         link_bytes_per_s: float | None = None,
         units: Callable[[Sequence[str]], list[tuple[str, list[str]]]] = layer_units,
         timeline_steps: int = 4,
+        offload_params: bool = False,
+        prefetch: int = 1,
+        keep_resident: Sequence[str] = (),
     ) -> None:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
@@ -170,6 +185,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError("update_in_backward needs overlap=True")
         if kernel not in ("fused", "exact"):
             raise ValueError(f"kernel={kernel!r}: fused | exact")
+        if prefetch < 0:
+            raise ValueError(f"prefetch={prefetch}: units fetched ahead, >= 0")
         self.fused = kernel == "fused" and fused_cpu_adamw_available()
         decay = [p for _, p in named if p.dim() >= 2]
         no_decay = [p for _, p in named if p.dim() < 2]
@@ -185,6 +202,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.accum_steps = accum_steps
         self.pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.working_dtype = working_dtype or local_tensor(named[0][1]).dtype
+        self.offload_params = offload_params
+        self.prefetch = prefetch
+        self.keep_resident = set(keep_resident)
+        self.params: ParamOffload | None = None  # made by `attach` under offload_params
+        self._unit_params: list[UnitParams] = []
         self.timeline = Timeline(self.device, keep_steps=timeline_steps)
         self.d2h, self.h2d, self.worker = make_agents(
             self.device, overlap, self.timeline, link_bytes_per_s
@@ -193,6 +215,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         by_name = dict(named)
+        unknown = self.keep_resident - set(by_name)
+        if unknown:
+            raise ValueError(f"keep_resident: {sorted(unknown)} are not trainable parameters")
         self.units: list[_Unit] = []
         self.slots: list[_Slot] = []
         self._slot_of: dict[int, _Slot] = {}
@@ -235,6 +260,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grad=_host_empty(local, torch.float32, self.pin),
             staging=_host_empty(local, self.working_dtype, self.pin) if needs_staging else None,
         )
+        if self.offload_params:
+            # fp32: the master is what is uploaded; else a host copy in the working dtype (filled
+            # from the cast parameter in `attach`). Gradients download into `staging`, so
+            # backward's re-uploads never read a buffer a download is writing.
+            fp32 = self.working_dtype == torch.float32
+            slot.host_param = master if fp32 else _host_empty(local, self.working_dtype, self.pin)
         # Non-empty from the start, so DCP's get_state_dict never runs a fake step to make it.
         self.state[p] = {
             "step": slot.step,
@@ -264,6 +295,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if s.local.dtype != self.working_dtype:
                 raise ValueError(f"{s.name} is not a parameter of the attached model")
         sharded = any(_is_fsdp_module(m) for m in model.modules())
+        if self.offload_params and sharded:
+            raise ValueError(
+                "offload_params: FSDP2 owns the parameters' storage (use its CPUOffloadPolicy)"
+            )
         at_root: list[_Unit] = []
         for u in self.units:
             owners = self._wait_points(model, u, sharded)
@@ -280,16 +315,49 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._update_order = at_root + [u for u in self.units if u not in at_root]
         self._module_hooks.append(
             model.register_forward_pre_hook(
-                functools.partial(self._pre_forward, at_root), prepend=True
+                functools.partial(self._pre_forward_root, at_root), prepend=True
             )
         )
         self._module_hooks.append(model.register_forward_hook(self._post_forward_root))
         self._module_hooks.append(model.register_state_dict_pre_hook(self._sync_hook))
-        self._module_hooks.append(model.register_load_state_dict_pre_hook(self._sync_hook))
+        self._module_hooks.append(model.register_load_state_dict_pre_hook(self._load_pre_hook))
         self._module_hooks.append(
             model.register_load_state_dict_post_hook(self._master_from_params_hook)
         )
+        if self.offload_params:
+            self._start_param_offload()
+            # (a partial: torch marks the hook object, which a bound method cannot carry)
+            hook = functools.partial(self._host_params_hook)
+            self._module_hooks.append(model.register_state_dict_post_hook(hook))
         return self
+
+    def _start_param_offload(self) -> None:
+        """Take the host copies of the (cast) weights, then free their device storage."""
+        for s in self.slots:
+            assert s.host_param is not None
+            if s.host_param is not s.master:
+                s.host_param.copy_(s.local)
+        self._unit_params = [
+            UnitParams(
+                u.index,
+                u.name,
+                [Piece(s.local, s.host_param, s.local.nbytes) for s in u.slots],  # type: ignore[arg-type]
+                keep=any(s.name in self.keep_resident for s in u.slots),
+            )
+            for u in self.units
+        ]
+        self.params = ParamOffload(
+            self._unit_params,
+            self.h2d,
+            self.worker,
+            self.timeline,
+            self.device,
+            step_index=lambda: self._step_index,
+            pending_update=lambda i: self.units[i].upload,
+            prefetch=self.prefetch,
+            on_wait=self._wait_backward,
+        )
+        self.params.start()
 
     @staticmethod
     def _wait_points(model: nn.Module, unit: _Unit, sharded: bool) -> set[str]:
@@ -312,10 +380,35 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _sync_hook(self, *args: Any, **kwargs: Any) -> None:
         self.synchronize()
 
+    def _load_pre_hook(self, *args: Any, **kwargs: Any) -> None:
+        self.synchronize()
+        if self.params is not None:
+            self.params.materialize()  # load_state_dict copies into the device parameters
+
     def _master_from_params_hook(self, *args: Any, **kwargs: Any) -> None:
-        """After loading model weights alone, the host master follows them."""
+        """After loading model weights, the host master follows them where they differ.
+
+        Where the loaded weight is the master rounded to the working dtype the master is kept:
+        a checkpoint load (DCP) has written it already, in full precision.
+        """
         for s in self.slots:
-            s.master.copy_(s.local)
+            local = s.local
+            if not torch.equal(s.master.to(local.dtype), local):
+                s.master.copy_(local)
+            if s.host_param is not None and s.host_param is not s.master:
+                s.host_param.copy_(local)
+        if self.params is not None:
+            self.params.release_all()
+
+    def _host_params_hook(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        """offload_params: the state dict holds the host copies (the device has none)."""
+        for s in self.slots:
+            key = prefix + s.name
+            if key in state_dict and s.host_param is not None:
+                host = s.host_param
+                state_dict[key] = _dtensor_like(s.param, host) if _is_dtensor(s.param) else host
 
     @staticmethod
     def _in_backward() -> bool:
@@ -324,17 +417,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _compute(self, unit: str, phase: str, start: Any, end: Any) -> None:
         self.timeline.add(self._step_index, unit, phase, COMPUTE_LANE, start, end)
 
+    def _pre_forward_root(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
+        if self.params is not None and not self._in_backward():
+            self.params.start_forward()
+        self._pre_forward(units, module, args)
+
     def _pre_forward(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
         if not units:
             return
         if self._in_backward():  # recomputation inside backward: weights already waited for
             for u in units:
+                if self.params is not None:
+                    self.params.fetch(self._unit_params[u.index], "refetch")
                 self._wait_unit(u)
             return
         now = self.timeline.stream_now()
         if self._fwd_unit is not None and self._cursor is not None:
             self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
         for u in units:
+            if self.params is not None:
+                self.params.begin_unit(self._unit_params[u.index], args)
             self._wait_unit(u, self.timeline.stream_now())
         self._cursor = self.timeline.stream_now()
         self._fwd_unit = units[0].index
@@ -343,10 +445,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         now = self.timeline.stream_now()
         if self._fwd_unit is not None and self._cursor is not None:
             self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
+        if self.params is not None and not self._in_backward():
+            self.params.end_forward(output)
         self._fwd_unit = None
         self._cursor = now
 
     def _wait_unit(self, unit: _Unit, start: Any = None) -> None:
+        if self.params is not None:  # the unit's parameter fetch (its update is waited by it)
+            if self.params.wait(self._unit_params[unit.index]) and start is not None:
+                self._compute(unit.name, "wait", start, self.timeline.stream_now())
+            return
         fut, unit.upload = unit.upload, None
         if fut is None:
             return
@@ -354,6 +462,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ticket.wait_stream()
         if start is not None:
             self._compute(unit.name, "wait", start, self.timeline.stream_now())
+
+    def _wait_backward(self, up: UnitParams) -> None:
+        """Before a unit's backward: wait for its parameters (timed on the compute lane)."""
+        assert self.params is not None
+        start = self.timeline.stream_now()
+        if self._cursor is not None:
+            self._compute(up.name, "backward", self._cursor, start)
+        if self.params.wait(up):
+            self._compute(up.name, "wait", start, self.timeline.stream_now())
+        self._cursor = self.timeline.stream_now()
 
     # ---- backward: gradient download and host accumulation ----------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -389,7 +507,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         assert dst is not None
         # The buffer must be free: the last step's upload out of it done (the forward waited for
         # it unless this unit's modules never ran), the last micro-step's host add done with it.
-        self._wait_unit(unit)
+        # (Under offload_params nothing is uploaded from it.)
+        if self.params is None:
+            self._wait_unit(unit)
         if slot.pending is not None and not slot.pending.done():
             t0 = self.timeline.stream_now()
             slot.pending.result()
@@ -402,6 +522,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         unit.fired += 1
         if unit.fired == len(unit.slots) * self.accum_steps:
             self._submit_final(unit)
+        if self.params is not None:
+            self.params.grad_arrived(self._unit_params[unit.index])
         self._cursor = self.timeline.stream_now()
 
     def _accumulate(
@@ -478,6 +600,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OffloadedAdamW.step takes no closure")
         self._finish_backward()
+        if self.params is not None:
+            self.params.release_all()  # a device copy left over would go stale now
         if not self.update_in_backward:
             hyper = self._hyper()
             for u in self._update_order:
@@ -527,8 +651,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return self._upload(unit, slots, step)
 
     def _upload(self, unit: _Unit, slots: list[_Slot], step: int) -> Ticket:
-        """Cast each master to the working dtype (host) and copy it up; the last ticket."""
+        """Cast each master to the working dtype (host) and copy it up; the last ticket.
+
+        Under offload_params only the cast, into the host copy that the next fetch uploads.
+        """
         ticket: Ticket = DONE
+        if self.offload_params:
+            t0 = time.perf_counter()
+            for s in slots:
+                if s.host_param is not None and s.host_param is not s.master:
+                    s.host_param.copy_(s.master)
+            if self.working_dtype != torch.float32:
+                self.timeline.add(step, unit.name, "cast", "cpu", t0, _now())
+            return ticket
         for s in slots:
             if self.working_dtype == torch.float32:
                 src = s.master
@@ -551,6 +686,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             u.final_submitted = False
             u.norm_future = None
         self._coef = None
+        if self.params is not None:
+            self.params.end_step()
         self._step_index += 1
         self.timeline.prune(self._step_index)
 
@@ -561,6 +698,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             fut, u.upload = u.upload, None
             if fut is not None:
                 fut.result().wait()
+        if self.params is not None:
+            self.params.synchronize()
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -586,6 +725,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy saved state into the host buffers (bitwise), then upload the masters."""
         self.synchronize()
+        if self.params is not None:
+            self.params.release_all()  # refetched from the new host copies when next used
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -618,7 +759,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         `host_optimizer_bytes` is the two moments and the 0-d fp32 step counters (as
         `train.metrics.optimizer_state_bytes` counts them), `host_master_bytes` the fp32 master
         weights: 12 bytes per offloaded parameter plus 4 per tensor, as the planner predicts.
-        `host_grad_bytes`/`host_staging_bytes` are the host gradient and transfer buffers.
+        `host_grad_bytes`/`host_staging_bytes` are the host gradient and transfer buffers,
+        `host_param_bytes` the host working copies of offload_params (none in fp32: the master is
+        uploaded) and `device_param_peak_bytes` the most parameter bytes it held on the device at
+        once during the last step.
         """
 
         def on_device(ts: Iterable[torch.Tensor]) -> int:
@@ -636,6 +780,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "host_master_bytes": on_host(masters),
             "host_grad_bytes": on_host(s.grad for s in self.slots),
             "host_staging_bytes": on_host(s.staging for s in self.slots if s.staging is not None),
+            **(
+                {
+                    "host_param_bytes": on_host(
+                        s.host_param
+                        for s in self.slots
+                        if s.host_param is not None and s.host_param is not s.master
+                    ),
+                    "device_param_peak_bytes": self.params.last_peak_bytes,
+                }
+                if self.params is not None
+                else {}
+            ),
         }
 
     def write_timeline(self, path: Any) -> Any:
@@ -651,11 +807,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 u.name: [type(m).__name__ for m in u.modules] or ["<root>"] for u in self.units
             },
             kernel="fused" if self.fused else "exact",
+            offload_params=self.offload_params,
+            prefetch=self.prefetch if self.offload_params else None,
         )
 
     def close(self) -> None:
-        """Remove the hooks and stop the worker threads."""
+        """Remove the hooks and stop the worker threads (the parameters back on the device)."""
         self.synchronize()
+        if self.params is not None:
+            self.params.materialize()
+            self.params = None
         for h in [*self._hooks, *self._module_hooks]:
             h.remove()
         self._hooks, self._module_hooks = [], []

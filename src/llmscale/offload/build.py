@@ -25,26 +25,37 @@ def update_in_backward(cfg: JobConfig) -> bool:
     )
 
 
+def check_supported(cfg: JobConfig) -> None:
+    """Refuse, before any process group or model is made, what the offload runtime cannot do."""
+    o, p = cfg.optimizer, cfg.parallel
+    if o.offload == "optimizer+params" and p.dp > 1:
+        # FSDP2 (and replicate, built on it) owns the parameters' storage: it frees and
+        # all-gathers it itself, so ours cannot be freed and refilled under it.
+        raise ConfigError(
+            "optimizer.offload",
+            o.offload,
+            "none | optimizer when parallel.dp_shard or dp_replicate > 1 (optimizer+params "
+            "runs in one process and under tp and pp; under FSDP2 the parameters are FSDP's)",
+        )
+
+
 def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
-    """`[optimizer] offload = "none"`: torch AdamW; `"optimizer"`: `OffloadedAdamW` attached.
+    """`[optimizer] offload = "none"`: torch AdamW; otherwise `OffloadedAdamW`, attached.
 
     With offload the model's parameters become the working copy: cast to the precision mode's
-    dtype (bf16/fp16 weights on the device, fp32 master on the host).
+    dtype (bf16/fp16 weights on the device, fp32 master on the host). `"optimizer+params"` also
+    keeps them on the host between uses (offload/params.py).
     """
     o = cfg.optimizer
     if o.offload == "none":
         return optim.build_optimizer(model, o)
-    if o.offload != "optimizer":
-        # A valid plan (the planner models it), but the runtime does not do it yet.
-        raise ConfigError(
-            "optimizer.offload",
-            o.offload,
-            "none | optimizer (optimizer+params, parameters on the host between uses, is "
-            "not supported by the trainer yet)",
-        )
+    check_supported(cfg)
     # FSDP2 and replicate reduce gradients on the last micro-step only (the trainer turns the
     # sync off before), and only then run the parameters' gradient hooks: once per step.
     reduced_once = any(_is_fsdp_module(m) for m in model.modules())
+    params = o.offload == "optimizer+params"
+    # A tied embedding is read by the head too (the model's forward reads the weight directly).
+    tied = params and cfg.model.tie_embeddings
     opt = OffloadedAdamW(
         model.named_parameters(),
         lr=o.lr,
@@ -56,6 +67,8 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
         update_in_backward=update_in_backward(cfg),
         accum_steps=1 if reduced_once else cfg.accum_steps,
         kernel=o.offload_kernel,
+        offload_params=params,
+        keep_resident=("tok_embeddings.weight",) if tied else (),
     )
     return opt.attach(model)
 
@@ -71,7 +84,8 @@ def optimizer_memory(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, A
     for opt in optimizers:
         if isinstance(opt, OffloadedAdamW):
             for k, v in opt.memory_report().items():
-                row[k] = row.get(k, 0) + v
+                # Model chunks run one at a time: a peak is the largest chunk's, not a sum.
+                row[k] = max(row.get(k, 0), v) if k.endswith("_peak_bytes") else row.get(k, 0) + v
         else:
             row["device_optimizer_bytes"] += optimizer_state_bytes(opt)
     row["optimizer_bytes"] = row["device_optimizer_bytes"] + row["host_optimizer_bytes"]

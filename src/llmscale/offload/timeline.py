@@ -3,7 +3,8 @@
 Lanes are the resources that can work at the same time: `compute` (the training thread's forward
 and backward, or on CUDA the compute stream), `d2h` and `h2d` (the two copy directions; on CUDA
 the two copy engines, elsewhere one thread each) and `cpu` (the host worker that accumulates
-gradients, takes norms and runs Adam). An interval's ends are host clock readings
+gradients, takes norms and runs Adam); under optimizer+params `params` shows when each unit's
+parameters are on the device (phase "resident", from their fetch to their release). An interval's ends are host clock readings
 (`time.perf_counter`) or, on CUDA, events recorded on a stream; events are turned into seconds
 when the timeline is written, against one reference event taken when the timeline was made.
 
@@ -25,7 +26,10 @@ import torch
 
 COMPUTE_LANE = "compute"
 OFFLOAD_LANES = ("d2h", "cpu", "h2d")
-LANES = (COMPUTE_LANE, *OFFLOAD_LANES)
+# optimizer+params: when each unit's device parameters exist (fetch to release). Not work, so
+# not in OFFLOAD_LANES: the uploads themselves are on h2d.
+PARAMS_LANE = "params"
+LANES = (COMPUTE_LANE, *OFFLOAD_LANES, PARAMS_LANE)
 
 
 @dataclass(frozen=True)

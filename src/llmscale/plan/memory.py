@@ -17,11 +17,13 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   block of the stage unsharded from its forward to its backward. Reduce-scatter needs one
   block's unsharded gradients plus their fp32 copy: a transient.
 - Offload "optimizer": AdamW states and the fp32 master move to the host (12 B per parameter of
-  the rank's shard); the device keeps low-precision parameters (param_dtype) and gradients in
-  param_dtype until the optimizer step copies them out. "optimizer+params" also keeps the
-  parameters on the host between uses: the device holds only the blocks in flight
-  (`prefetch_blocks`, plus the root) and their gradients; the host also keeps a param_dtype
-  copy to upload.
+  the rank's shard); the device keeps low-precision parameters (param_dtype); each gradient
+  leaves for the host as backward produces it (one block's in flight). "optimizer+params" also
+  keeps the parameters on the host between uses: the device holds only `prefetch_blocks`
+  consecutive units (embedding, blocks, head; `param_window`) while they run, as
+  `working_params`, and nothing between steps; the host also keeps a param_dtype copy to upload
+  (none in fp32, where the master is uploaded). Under FSDP2 the runtime refuses the mode; the
+  planner keeps a model of it (the blocks in flight and the root, with their gradients).
 
 Activations: `plan/activations.py` lists the tensors of one block; a stage holds them for every
 micro-batch in flight (see `inflight_units`), plus the token ids on the first stage and the
@@ -196,13 +198,51 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         working = unsharded if plan.sharded else 0.0
         grads_in_flight = pb * sp.block.numel
         return pb * shard, 0.0, 0.0, working, max(rs_transient, grads_in_flight), host
-    # optimizer+params: only the blocks in flight are on the device, with their gradients
-    # (zero_stage 1/2 still keep every block from its forward to its backward).
-    keep = (
-        sp.blocks if plan.sharded and plan.zero_stage < 3 else min(opt.prefetch_blocks, sp.blocks)
+    if plan.sharded:
+        # optimizer+params under FSDP2 (which the runtime refuses: FSDP2 owns the storage): the
+        # blocks in flight with their gradients, as FSDP2's CPUOffloadPolicy would hold them
+        # (zero_stage 1/2 still keep every block from its forward to its backward).
+        keep = sp.blocks if plan.zero_stage < 3 else min(opt.prefetch_blocks, sp.blocks)
+        live = keep * sp.block.numel + sp.root_numel
+        return 0.0, pb * live, 0.0, pb * live, rs_transient, host + pb * shard
+    # optimizer+params: between uses the device holds no parameter; during forward and backward
+    # `param_window` of them, plus one block's gradients in flight. The host also keeps a
+    # working-dtype copy to upload (in fp32 the master itself is uploaded).
+    window = pb * param_window(plan, sp, opt.prefetch_blocks)
+    grads_in_flight = pb * sp.block.numel
+    return (
+        0.0,
+        0.0,
+        0.0,
+        window,
+        max(rs_transient, grads_in_flight),
+        host + (pb * shard if low else 0),
     )
-    live = keep * sp.block.numel + sp.root_numel
-    return 0.0, pb * live, 0.0, pb * live, rs_transient, host + pb * shard
+
+
+def param_window(plan: Plan, sp: StageParams, prefetch_blocks: int) -> float:
+    """Most parameter elements on the device at once under optimizer+params (one process, TP, PP).
+
+    The runtime's units are the embedding, each block and the head, in forward order, per model
+    chunk of the rank; a unit is fetched with the next `prefetch_blocks - 1` after it (in
+    backward, before it) and released when the next one begins (its gradients are in), so the
+    device holds `prefetch_blocks` consecutive units. A tied embedding (read by the head too)
+    stays from its forward to its gradient, on top of every window.
+    """
+    per_chunk = sp.blocks // plan.chunks
+    tied = plan.model.tie_embeddings and sp.embedding is not None and sp.head is not None
+    kept = sp.embedding.numel if tied and sp.embedding is not None else 0
+    best = 0
+    for c in range(plan.chunks):
+        units: list[int] = [sp.block.numel] * per_chunk
+        if c == 0 and sp.embedding is not None:
+            units.insert(0, 0 if tied else sp.embedding.numel)
+        if c == plan.chunks - 1 and sp.head is not None:
+            units.append(sp.head.numel)
+        width = max(1, min(prefetch_blocks, len(units)))
+        for i in range(len(units) - width + 1):
+            best = max(best, sum(units[i : i + width]))
+    return float(best + kept)
 
 
 # ---- activations --------------------------------------------------------------------------

@@ -9,7 +9,8 @@
 `SavedActivations` counter): `param_bytes`, `grad_bytes`, `optimizer_bytes` (Adam moments and
 `step` counters), `activation_bytes` (what autograd saves for the first micro-batch, which under
 autocast includes the bf16 weight casts the linears keep), and `cuda_peak_bytes` (the predicted
-torch.cuda.max_memory_allocated over a step).
+torch.cuda.max_memory_allocated over a step); under optimizer+params also
+`device_param_peak_bytes` (the most parameter bytes the device held at once).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import (
     DEFAULT_OPTIONS,
+    PARAM_DTYPE_BYTES,
     MemoryEstimate,
     MemoryOptions,
     _block_modes,
     _rank_layers,
     _rank_pieces,
     estimate_memory,
+    param_window,
     plan_kernels,
 )
 from llmscale.plan.params import stage_params
@@ -82,13 +85,19 @@ def expected_runtime_metrics(
     if plan.offload != "none":
         # The optimizer states live on the host; the metric counts them wherever they are.
         optim = _host_optimizer_bytes(plan, rank, options)
-    return {
+    out = {
         "param_bytes": params,
         "grad_bytes": grads,
         "optimizer_bytes": optim,
         "activation_bytes": saved,
         "cuda_peak_bytes": peak,
     }
+    if plan.offload == "optimizer+params" and not plan.sharded:
+        # The offloaded optimizer's own count of the parameters it held on the device at once.
+        sp = stage_params(m, plan.tp, plan.pp, rank, plan.dp_shard, k.vocab_parallel)
+        pb = PARAM_DTYPE_BYTES[plan.precision]
+        out["device_param_peak_bytes"] = pb * param_window(plan, sp, options.prefetch_blocks)
+    return out
 
 
 def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> float:

@@ -59,6 +59,9 @@ PHASE_COLORS = {
     "update": "tab:green",
     "cast": "tab:cyan",
     "upload": "tab:brown",
+    "fetch": "sienna",  # optimizer+params: a unit's parameters up before its forward
+    "refetch": "peru",  # ... and again before its backward
+    "resident": "lightsteelblue",  # the unit's parameters are on the device
 }
 
 
@@ -72,18 +75,18 @@ def plot_timeline(
     steps: list[int] | None = None,
     rank: int = 0,
 ) -> Path:
-    """Draw the offload pipeline's lanes (compute, d2h, cpu, h2d) over two optimizer steps.
+    """Draw the offload pipeline's lanes (compute, d2h, cpu, h2d; params) over two optimizer steps.
 
     By default the last two steps that ran an update; every interval inside their time window
     is drawn, whichever step it belongs to (a step's uploads run under the next one's forward).
     """
-    from llmscale.offload.timeline import LANES, overlap_stats, read_timeline
+    from llmscale.offload.timeline import LANES, PARAMS_LANE, overlap_stats, read_timeline
 
     path = timeline_path(run_dir, rank)
     if not path.is_file():
         raise UsageError(
             f"run_dir: no {path.name} in {str(run_dir)!r} (written by runs with "
-            "optimizer.offload = 'optimizer')"
+            "optimizer.offload = 'optimizer' or 'optimizer+params')"
         )
     meta, ivs = read_timeline(path)
     updated = sorted({iv.step for iv in ivs if iv.phase == "update"})
@@ -105,15 +108,21 @@ def plot_timeline(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(13, 3.8))
-    lanes = list(LANES)[::-1]
+    with_params = any(iv.lane == PARAMS_LANE for iv in shown)
+    fig, ax = plt.subplots(figsize=(13, 4.4 if with_params else 3.8))
+    lanes = [lane for lane in LANES if lane != PARAMS_LANE or with_params][::-1]
+    units = list(meta.get("units", []))
     for iv in shown:
-        y = lanes.index(iv.lane)
+        y, h = lanes.index(iv.lane) - 0.4, 0.8
+        if iv.lane == PARAMS_LANE:  # consecutive units overlap: alternate two sub-rows
+            y += 0.42 if iv.unit in units and units.index(iv.unit) % 2 else 0.0
+            h = 0.38
         ax.broken_barh(
             [(1e3 * (iv.start - t0), 1e3 * (iv.end - iv.start))],
-            (y - 0.4, 0.8),
+            (y, h),
             facecolors=PHASE_COLORS.get(iv.phase, "gray"),
-            linewidth=0,
+            edgecolor="white" if iv.lane == PARAMS_LANE else None,
+            linewidth=0.5 if iv.lane == PARAMS_LANE else 0,
         )
     for s in chosen:
         first = min(iv.start for iv in ivs if iv.step == s and iv.lane == "compute")

@@ -36,6 +36,7 @@ from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
+from llmscale.offload.build import check_supported as check_offload_supported
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
@@ -130,6 +131,7 @@ class Trainer:
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
+        check_offload_supported(cfg)  # a plan may offload what this runtime cannot (yet)
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
         init_distributed(self.device)
