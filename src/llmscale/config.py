@@ -290,7 +290,12 @@ class JobConfig:
                 "parallel",
                 f"pp x dp_replicate x dp_shard x tp = {p.pp} x {p.dp_replicate} x {p.dp_shard} x {p.tp}"
                 f" = {p.world_size}",
-                f"degrees whose product equals the world size {world_size}",
+                f"degrees whose product equals the world size {world_size}"
+                + (
+                    " (start that many processes: torchrun --nproc-per-node N -m llmscale train ...)"
+                    if world_size == 1
+                    else ""
+                ),
             )
         if m.n_heads % p.tp:
             raise ConfigError("parallel.tp", p.tp, f"a divisor of model.n_heads={m.n_heads}")

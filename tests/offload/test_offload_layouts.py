@@ -19,7 +19,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from parallel_harness import BASE, run_layouts  # noqa: E402
+from parallel_harness import (  # noqa: E402
+    BASE,
+    assert_same_run,
+    run_layouts,
+    single_process_reference,
+)
 
 from llmscale.config import load_config  # noqa: E402
 from llmscale.offload import read_timeline  # noqa: E402
@@ -27,11 +32,9 @@ from llmscale.plan import activations as act  # noqa: E402
 from llmscale.plan.memory import MemoryOptions  # noqa: E402
 from llmscale.plan.predict import expected_runtime_metrics, predict_memory  # noqa: E402
 from llmscale.train.metrics import read_jsonl  # noqa: E402
-from llmscale.train.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-RTOL = 1e-5
 OFF = ["--optimizer.offload", "optimizer"]
 PARAMS = ["--optimizer.offload", "optimizer+params"]
 CKPT = ["--checkpoint.enabled", "true", "--checkpoint.keep_last", "5"]
@@ -61,11 +64,7 @@ RESUME = [
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Any]:
-    run = tmp_path_factory.mktemp("single") / "run"
-    t = Trainer(load_config(None, [*BASE, "--job.run_dir", str(run)]))
-    r = t.fit()
-    params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    return {"losses": r.losses, "val_loss": r.val_loss, "params": params}
+    return single_process_reference(tmp_path_factory.mktemp("single") / "run")
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +73,9 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return run_layouts(2, tmp_path_factory.mktemp("offload2"), [*layouts, *RESUME])
 
 
-def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
-    if isinstance(a, torch.Tensor):
-        return ((a - b).norm() / b.norm()).item()  # type: ignore[operator]
-    return abs(a - b) / abs(b)  # type: ignore[operator]
-
-
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "bf16" not in n])
 def test_offloaded_layouts_equal_one_process(name, runs, reference) -> None:
-    got = runs[name]
-    assert got["steps_done"] == 5
-    for step, (a, b) in enumerate(zip(got["losses"], reference["losses"], strict=True), 1):
-        assert _rel(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
-    assert _rel(got["val_loss"], reference["val_loss"]) < RTOL
-    assert set(got["params"]) == set(reference["params"])
-    for k, want in reference["params"].items():
-        assert _rel(got["params"][k], want) < RTOL, (name, k)
+    assert_same_run(runs[name], reference, name)
 
 
 @pytest.mark.parametrize("name", ["off_fsdp2", "off_fsdp2_bf16"])

@@ -91,3 +91,44 @@ def run_layouts(
         merged["run_dir"] = out / layout.get("run", name)
         results[name] = merged
     return results
+
+
+RTOL = 1e-5
+
+
+def single_process_reference(run_dir: Path) -> dict[str, Any]:
+    """The BASE job in this process: its losses, validation loss and final parameters."""
+    from llmscale.config import load_config
+    from llmscale.train.trainer import Trainer
+
+    t = Trainer(load_config(None, [*BASE, "--job.run_dir", str(run_dir)]))
+    r = t.fit()
+    params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    return {"losses": r.losses, "val_loss": r.val_loss, "params": params}
+
+
+def rel_error(a: Any, b: Any) -> float:
+    if isinstance(a, torch.Tensor):
+        return float(((a - b).norm() / b.norm()).item())
+    return float(abs(a - b) / abs(b))
+
+
+def assert_same_run(
+    got: dict[str, Any], ref: dict[str, Any], name: str, rtol: float = RTOL
+) -> None:
+    """Same 5 losses, validation loss and gathered parameters as the reference, to rtol."""
+    assert got["steps_done"] == 5
+    assert len(got["losses"]) == len(ref["losses"]) == 5
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
+        assert rel_error(a, b) < rtol, f"{name} step {step}: loss {a} vs {b}"
+    assert rel_error(got["val_loss"], ref["val_loss"]) < rtol, (
+        name,
+        got["val_loss"],
+        ref["val_loss"],
+    )
+    assert set(got["params"]) == set(ref["params"]), name
+    for k, want in ref["params"].items():
+        have = got["params"][k]
+        assert have.shape == want.shape, (name, k)
+        rel = rel_error(have, want)
+        assert rel < rtol, f"{name} {k}: relative error {rel:.2e}"

@@ -14,15 +14,21 @@ from typing import Any
 
 import pytest
 import torch
-from parallel_harness import BASE, run_layouts, torchrun
+from parallel_harness import (
+    BASE,
+    RTOL,
+    assert_same_run,
+    rel_error,
+    run_layouts,
+    single_process_reference,
+    torchrun,
+)
 
 from llmscale.config import load_config
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
-
-RTOL = 1e-5
 
 
 def _p(**degrees: Any) -> list[str]:
@@ -81,11 +87,7 @@ def _layouts(table: dict[str, list[str]]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Any]:
-    run = tmp_path_factory.mktemp("single") / "run"
-    t = Trainer(load_config(None, [*BASE, "--job.run_dir", str(run)]))
-    r = t.fit()
-    params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    return {"losses": r.losses, "val_loss": r.val_loss, "params": params}
+    return single_process_reference(tmp_path_factory.mktemp("single") / "run")
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +104,6 @@ def world4(tmp_path_factory) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return run_layouts(8, tmp_path_factory.mktemp("world8"), _layouts(WORLD8), timeout=300)
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
-def assert_same_run(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
-    assert got["steps_done"] == 5
-    assert len(got["losses"]) == len(ref["losses"]) == 5
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
-        assert _rel(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
-    assert _rel(got["val_loss"], ref["val_loss"]) < RTOL, (name, got["val_loss"], ref["val_loss"])
-    assert set(got["params"]) == set(ref["params"]), name
-    for k, want in ref["params"].items():
-        have = got["params"][k]
-        assert have.shape == want.shape, (name, k)
-        rel = ((have - want).norm() / want.norm()).item()
-        assert rel < RTOL, f"{name} {k}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -172,7 +156,7 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, tmp_pa
     rows = [r for r in read_jsonl(resumed["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for row, want in zip(rows, reference["losses"], strict=True):
-        assert _rel(row["loss"], want) < RTOL, (row["step"], row["loss"], want)
+        assert rel_error(row["loss"], want) < RTOL, (row["step"], row["loss"], want)
     for k, want in reference["params"].items():
         rel = ((resumed["params"][k] - want).norm() / want.norm()).item()
         assert rel < RTOL, (k, rel)
@@ -190,7 +174,7 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, tmp_pa
     r = t.fit()
     assert r.steps_done == 5 and len(r.losses) == 2
     for a, b in zip(r.losses, reference["losses"][3:], strict=True):
-        assert _rel(a, b) < RTOL, (a, b)
+        assert rel_error(a, b) < RTOL, (a, b)
     for n, p in t.model.named_parameters():
         want = reference["params"][n]
         assert ((p.detach() - want).norm() / want.norm()).item() < RTOL, n
@@ -240,6 +224,6 @@ def test_llmscale_train_under_torchrun(reference, tmp_path) -> None:
     rows = [x for x in read_jsonl(run / "metrics.jsonl") if x["kind"] == "train"]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     for x, want in zip(rows, reference["losses"], strict=True):
-        assert _rel(x["loss"], want) < RTOL
+        assert rel_error(x["loss"], want) < RTOL
     assert r.stdout.count("step     1 ") == 1, r.stdout  # one rank prints
     assert "pp=2 (2 ranks)" in r.stdout

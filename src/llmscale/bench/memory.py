@@ -9,7 +9,7 @@ per-tensor model (`plan.predict.expected_runtime_metrics`).
 
 from __future__ import annotations
 
-from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.report import Row, SuiteResult, predicted_vs_measured_bars
 from llmscale.bench.runner import BenchOptions, measure, png_path
 from llmscale.plan import activations as act
 from llmscale.plan.memory import MemoryOptions
@@ -136,27 +136,15 @@ def run(opts: BenchOptions) -> SuiteResult:
     )
     path = png_path(opts, "memory_activations.png")
     if path is not None:
-        _plot(bars, path, f"saved activations per micro-batch, {opts.model}, seq {opts.seq_len}")
-        res.figures.append(path)
+        res.figures.append(
+            predicted_vs_measured_bars(
+                [b[0] for b in bars],
+                [b[1] / 2**20 for b in bars],
+                [b[2] / 2**20 for b in bars],
+                path,
+                f"saved activations per micro-batch, {opts.model}, seq {opts.seq_len}",
+                "MiB",
+                "measured (saved_tensors_hooks)",
+            )
+        )
     return res
-
-
-def _plot(bars: list[tuple[str, float, float]], path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    x = np.arange(len(bars))
-    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(bars)), 4.5))
-    ax.bar(x - 0.2, [b[1] / 2**20 for b in bars], 0.4, label="predicted (planner)")
-    ax.bar(x + 0.2, [b[2] / 2**20 for b in bars], 0.4, label="measured (saved_tensors_hooks)")
-    ax.set_xticks(x, [b[0] for b in bars], fontsize=7)
-    ax.set_ylabel("MiB")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -7,7 +7,7 @@ each mode over the fastest step without recomputation, on the same batches.
 
 from __future__ import annotations
 
-from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.report import Row, SuiteResult, predicted_vs_measured_bars
 from llmscale.bench.runner import BenchOptions, png_path
 from llmscale.bench.timing import calibrated, predicted_seconds
 from llmscale.model.config import get_preset
@@ -83,29 +83,14 @@ def run(opts: BenchOptions) -> SuiteResult:
     )
     path = png_path(opts, "recompute_overhead.png")
     if path is not None:
-        _plot(res.rows, path, f"recompute overhead, {opts.model}")
-        res.figures.append(path)
+        res.figures.append(
+            predicted_vs_measured_bars(
+                [r.config.split("=")[1] for r in res.rows],
+                [100 * ((r.predicted or 1) - 1) for r in res.rows],
+                [100 * (r.measured - 1) for r in res.rows],
+                path,
+                f"recompute overhead, {opts.model}",
+                "extra step time vs none (%)",
+            )
+        )
     return res
-
-
-def _plot(rows: list[Row], path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(
-        x - 0.2, [100 * ((r.predicted or 1) - 1) for r in rows], 0.4, label="predicted (planner)"
-    )
-    ax.bar(x + 0.2, [100 * (r.measured - 1) for r in rows], 0.4, label="measured")
-    ax.set_xticks(x, [r.config.split("=")[1] for r in rows])
-    ax.set_ylabel("extra step time vs none (%)")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -142,3 +142,34 @@ def write_json(results: list[SuiteResult], path: Path) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
+
+
+def predicted_vs_measured_bars(
+    labels: list[str],
+    predicted: list[float],
+    measured: list[float],
+    path: Path,
+    title: str,
+    ylabel: str,
+    measured_label: str = "measured",
+) -> Path:
+    """One pair of bars (planner, measurement) per configuration, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4.5))
+    ax.bar(x - 0.2, predicted, 0.4, label="predicted (planner)")
+    ax.bar(x + 0.2, measured, 0.4, label=measured_label)
+    ax.set_xticks(x, labels, fontsize=7 if len(labels) > 8 else 9)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -558,5 +559,19 @@ def _count_first_forward(part: nn.Module, counters: list[SavedActivations]) -> l
 
 
 def run_training(cfg: JobConfig) -> TrainResult:
-    """Build a Trainer for `cfg` and run it to the end (or to an interruption)."""
-    return Trainer(cfg).fit()
+    """Build a Trainer for `cfg` and run it to the end (or to an interruption).
+
+    Under torchrun the process group is torn down before the interpreter exits: left to the
+    exit handlers, gloo's threads can be destroyed while still joinable and abort the rank.
+    """
+    started_here = not dist.is_initialized()
+    try:
+        result = Trainer(cfg).fit()
+    except BaseException:
+        if started_here and dist.is_initialized():
+            dist.destroy_process_group()  # no barrier: the other ranks may be gone
+        raise
+    if started_here and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
