@@ -47,6 +47,9 @@ LAYOUTS = {
     # optimizer+params: each rank's own parameters on the host between uses
     "offp_tp2_sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *PARAMS],
     "offp_pp2": ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", *PARAMS],
+    # ... and under data parallelism FSDP2's CPUOffloadPolicy: shards and gradients on the host
+    "offp_fsdp2": ["--parallel.dp_shard", "2", *PARAMS],
+    "offp_dp2": ["--parallel.dp_replicate", "2", *PARAMS],
 }
 RESUME = [
     {
@@ -58,6 +61,16 @@ RESUME = [
         "name": "off_load",
         "run": "resume",
         "args": [*LAYOUTS["off_fsdp2"], *CKPT, "--checkpoint.resume", "true"],
+    },
+    {
+        "name": "offp_save",
+        "run": "resume_p",
+        "args": [*LAYOUTS["offp_fsdp2"], *CKPT, "--checkpoint.stop_after", "3"],
+    },
+    {
+        "name": "offp_load",
+        "run": "resume_p",
+        "args": [*LAYOUTS["offp_fsdp2"], *CKPT, "--checkpoint.resume", "true"],
     },
 ]
 
@@ -112,6 +125,27 @@ def test_params_offloaded_per_rank_as_the_planner_predicts(name, runs) -> None:
         assert row["host_optimizer_bytes"] + row["host_master_bytes"] == host  # fp32: no copy
 
 
+@pytest.mark.parametrize("name", ["offp_fsdp2", "offp_dp2"])
+def test_fsdp_cpu_offload_holds_shards_on_the_host_as_the_planner_predicts(name, runs) -> None:
+    cfg = load_config(None, [*BASE, *LAYOUTS[name]])
+    options = MemoryOptions(kernels=act.RUNTIME_CPU)
+    want = expected_runtime_metrics(cfg, rank=0, options=options)
+    host = predict_memory(cfg, options).stages[0].host
+    n, tensors = cfg.model.num_params(), len(runs[name]["params"])
+    shard = n // 2 if "fsdp" in name else n
+    rows = [r for r in read_jsonl(runs[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(rows) == 5
+    for row in rows:  # rank 0's
+        assert row["param_bytes"] == row["grad_bytes"] == want["param_bytes"] == 0
+        assert row["device_optimizer_bytes"] == 0
+        assert row["optimizer_bytes"] == row["host_optimizer_bytes"] == want["optimizer_bytes"]
+        assert row["host_optimizer_bytes"] == 8 * shard + 4 * tensors
+        assert row["host_master_bytes"] == row["host_grad_bytes"] == 4 * shard  # fp32 shards
+        assert (
+            row["host_master_bytes"] + row["host_grad_bytes"] + row["host_optimizer_bytes"] == host
+        )
+
+
 def test_bf16_under_fsdp_trains_like_fp32(runs, reference) -> None:
     got = runs["off_fsdp2_bf16"]
     assert got["losses"] == pytest.approx(reference["losses"], abs=0.05)
@@ -123,6 +157,14 @@ def test_fsdp_checkpoint_resumes_the_offloaded_run(runs, reference) -> None:
     assert resumed["losses"] == runs["off_fsdp2"]["losses"][3:]  # bit for bit
     for k, p in resumed["params"].items():
         assert torch.equal(p, runs["off_fsdp2"]["params"][k]), k
+
+
+def test_fsdp_cpu_offload_checkpoint_resumes_bit_for_bit(runs) -> None:
+    saved, resumed = runs["offp_save"], runs["offp_load"]
+    assert saved["steps_done"] == 3 and resumed["steps_done"] == 5
+    assert resumed["losses"] == runs["offp_fsdp2"]["losses"][3:]
+    for k, p in resumed["params"].items():
+        assert torch.equal(p, runs["offp_fsdp2"]["params"][k]), k
 
 
 def test_under_fsdp_units_wait_at_their_fully_shard_module(runs) -> None:

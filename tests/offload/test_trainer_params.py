@@ -7,9 +7,8 @@ import torch
 
 from llmscale.cli import main
 from llmscale.config import load_config
-from llmscale.errors import ConfigError
 from llmscale.offload import OffloadedAdamW, read_timeline
-from llmscale.offload.build import check_supported
+from llmscale.offload.build import fsdp_offloads_params
 from llmscale.offload.timeline import PARAMS_LANE
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.plot import timeline_path
@@ -151,11 +150,12 @@ def test_ledger_and_timeline(cfg_factory, tmp_path) -> None:
     assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
 
 
-def test_under_fsdp_it_is_refused() -> None:
+def test_under_data_parallelism_fsdp2_holds_the_parameters() -> None:
+    """dp > 1: FSDP2's CPUOffloadPolicy (tests/offload/test_offload_layouts.py trains it)."""
     batch = ["--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
     for layout in (["--parallel.dp_shard", "2"], ["--parallel.dp_replicate", "2"]):
-        cfg = load_config(None, [*PARAMS, *batch, *layout])
-        with pytest.raises(ConfigError, match=r"optimizer\.offload.*none \| optimizer when"):
-            check_supported(cfg)
-    check_supported(load_config(None, [*PARAMS, *batch, "--parallel.tp", "2"]))
-    check_supported(load_config(None, [*PARAMS, *batch, "--parallel.pp", "2"]))
+        assert fsdp_offloads_params(load_config(None, [*PARAMS, *batch, *layout]))
+    for layout in (["--parallel.tp", "2"], ["--parallel.pp", "2"]):
+        assert not fsdp_offloads_params(load_config(None, [*PARAMS, *batch, *layout]))
+    off = ["--optimizer.offload", "optimizer", *batch, "--parallel.dp_shard", "2"]
+    assert not fsdp_offloads_params(load_config(None, off))

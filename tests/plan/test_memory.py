@@ -145,6 +145,23 @@ def test_offload_moves_optimizer_and_master_to_the_host() -> None:
     assert estimate_memory(Plan(**fp32, offload="optimizer+params")).worst.host == opt32.host
 
 
+def test_optimizer_and_params_under_fsdp2_is_its_cpu_offload_policy() -> None:
+    """fp32 shards (master), their gradients and the moments on the host: 16 B per parameter of
+    the shard; on the device only the unsharded units in use, as without offload."""
+    base = dict(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=8, dp_shard=8)
+    base.update(precision="bf16")
+    none = estimate_memory(Plan(**base)).worst
+    both = estimate_memory(Plan(**base, offload="optimizer+params")).worst
+    shard = none.params / 4  # the rank's fp32 shard, in elements
+    assert both.params == both.grads == both.optimizer == 0
+    assert both.host == 16 * shard + 4 * TENSORS_7B
+    assert both.working_params == none.working_params
+    # replicate: every unit from its forward to its backward, the whole model's 16 B on the host
+    rep = dict(base, dp_shard=1, dp_replicate=8)
+    r = estimate_memory(Plan(**rep, offload="optimizer+params")).worst
+    assert r.host == 16 * PSI_7B + 4 * TENSORS_7B and r.working_params == 2 * PSI_7B
+
+
 _CASES = [
     (schedule, pp, mult, chunks)
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b")

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from llmscale.config import JobConfig
-from llmscale.errors import ConfigError
 from llmscale.offload.adamw import OffloadedAdamW, _is_fsdp_module
 from llmscale.train import optim
 from llmscale.train.metrics import optimizer_state_bytes
@@ -25,18 +24,16 @@ def update_in_backward(cfg: JobConfig) -> bool:
     )
 
 
-def check_supported(cfg: JobConfig) -> None:
-    """Refuse, before any process group or model is made, what the offload runtime cannot do."""
-    o, p = cfg.optimizer, cfg.parallel
-    if o.offload == "optimizer+params" and p.dp > 1:
-        # FSDP2 (and replicate, built on it) owns the parameters' storage: it frees and
-        # all-gathers it itself, so ours cannot be freed and refilled under it.
-        raise ConfigError(
-            "optimizer.offload",
-            o.offload,
-            "none | optimizer when parallel.dp_shard or dp_replicate > 1 (optimizer+params "
-            "runs in one process and under tp and pp; under FSDP2 the parameters are FSDP's)",
-        )
+def fsdp_offloads_params(cfg: JobConfig) -> bool:
+    """`optimizer+params` under data parallelism: FSDP2's CPUOffloadPolicy holds the parameters.
+
+    FSDP2 (and replicate, built on it) owns its parameters' storage: it frees and all-gathers it
+    itself, so `offload.params` cannot free and refill it. Its own policy does the same job: the
+    fp32 shards (the master weights) and their gradients stay in host memory, every all-gather
+    copies the shards up and every reduce-scatter the gradients down, and torch's AdamW steps on
+    the host (`parallel.data_parallel.apply_fsdp`).
+    """
+    return cfg.optimizer.offload == "optimizer+params" and cfg.parallel.dp > 1
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
@@ -44,12 +41,12 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
 
     With offload the model's parameters become the working copy: cast to the precision mode's
     dtype (bf16/fp16 weights on the device, fp32 master on the host). `"optimizer+params"` also
-    keeps them on the host between uses (offload/params.py).
+    keeps them on the host between uses (offload/params.py); under data parallelism that is
+    FSDP2's CPUOffloadPolicy, whose host shards torch's AdamW updates where they are.
     """
     o = cfg.optimizer
-    if o.offload == "none":
+    if o.offload == "none" or fsdp_offloads_params(cfg):
         return optim.build_optimizer(model, o)
-    check_supported(cfg)
     # FSDP2 and replicate reduce gradients on the last micro-step only (the trainer turns the
     # sync off before), and only then run the parameters' gradient hooks: once per step.
     reduced_once = any(_is_fsdp_module(m) for m in model.modules())
@@ -73,11 +70,14 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     return opt.attach(model)
 
 
-def optimizer_memory(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+def optimizer_memory(
+    optimizers: Sequence[torch.optim.Optimizer], on_host: bool = False
+) -> dict[str, Any]:
     """The metrics row's optimizer ledger over this rank's optimizers (one per model part).
 
     `optimizer_bytes` is the Adam moments and step counters wherever they live (as before,
-    and as the planner predicts it); the `device_*`/`host_*` keys say where.
+    and as the planner predicts it); the `device_*`/`host_*` keys say where. `on_host`: torch
+    optimizers whose parameters FSDP2 keeps on the host (`fsdp_offloads_params`).
     """
     keys = ("device_optimizer_bytes", "device_master_bytes", "host_optimizer_bytes")
     row: dict[str, Any] = dict.fromkeys((*keys, "host_master_bytes"), 0)
@@ -87,6 +87,7 @@ def optimizer_memory(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, A
                 # Model chunks run one at a time: a peak is the largest chunk's, not a sum.
                 row[k] = max(row.get(k, 0), v) if k.endswith("_peak_bytes") else row.get(k, 0) + v
         else:
-            row["device_optimizer_bytes"] += optimizer_state_bytes(opt)
+            where = "host_optimizer_bytes" if on_host else "device_optimizer_bytes"
+            row[where] += optimizer_state_bytes(opt)
     row["optimizer_bytes"] = row["device_optimizer_bytes"] + row["host_optimizer_bytes"]
     return row

@@ -16,6 +16,11 @@ then the model (or pipeline stage) root takes the rest: embeddings, final norm, 
 Mixed precision is FSDP2's: parameters are kept (and the optimizer steps) in fp32, shards
 all-gathered in `param_dtype` (bf16 for bf16, fp16 for fp16, else fp32) and gradients reduced in
 fp32. Without data parallelism the trainer's autocast does this job instead.
+
+`cpu_offload` (`optimizer.offload = "optimizer+params"` with dp > 1) hands every unit FSDP2's
+`CPUOffloadPolicy`: the fp32 shards (the master weights) and their gradients live in host memory,
+each all-gather copies its shards up and each reduce-scatter its gradients down, and the optimizer
+steps on the host. The device holds only the unsharded parameters of the units in use.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from llmscale.train.precision import DTYPES
 
@@ -43,7 +54,13 @@ def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: Any, *, shard: bool, zero_stage: int, precision: str
+    model: nn.Module,
+    dp_mesh: Any,
+    *,
+    shard: bool,
+    zero_stage: int,
+    precision: str,
+    cpu_offload: bool = False,
 ) -> None:
     """Wrap each block, then the root, with fully_shard (shard=True) or replicate."""
     # The root returns the logits, under TP a view of the all-gathered output; FSDP2 warns that
@@ -52,16 +69,21 @@ def apply_fsdp(
         "ignore", message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor"
     )
     mp = mixed_precision_policy(precision)
+    # Pinned host memory makes the copies asynchronous on a CUDA host; a CPU mesh has none.
+    pin = dp_mesh.device_type == "cuda"
+    off: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     if shard:
         reshard = zero_stage == 3
 
         def wrap(m: nn.Module) -> None:
-            fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(
+                m, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=off
+            )
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         def wrap(m: nn.Module) -> None:
-            replicate(m, mesh=dp_mesh, mp_policy=mp)
+            replicate(m, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
 
     for block in model.layers.values():  # type: ignore[union-attr]
         wrap(block)

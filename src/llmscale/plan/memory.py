@@ -22,8 +22,9 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   keeps the parameters on the host between uses: the device holds only `prefetch_blocks`
   consecutive units (embedding, blocks, head; `param_window`) while they run, as
   `working_params`, and nothing between steps; the host also keeps a param_dtype copy to upload
-  (none in fp32, where the master is uploaded). Under FSDP2 the runtime refuses the mode; the
-  planner keeps a model of it (the blocks in flight and the root, with their gradients).
+  (none in fp32, where the master is uploaded). Under FSDP2 the mode is FSDP2's
+  CPUOffloadPolicy: fp32 shards, their gradients and the moments on the host (16 B per
+  parameter of the shard), on the device the unsharded units in use as without offload.
 
 Activations: `plan/activations.py` lists the tensors of one block; a stage holds them for every
 micro-batch in flight (see `inflight_units`), plus the token ids on the first stage and the
@@ -198,13 +199,16 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         working = unsharded if plan.sharded else 0.0
         grads_in_flight = pb * sp.block.numel
         return pb * shard, 0.0, 0.0, working, max(rs_transient, grads_in_flight), host
-    if plan.sharded:
-        # optimizer+params under FSDP2 (which the runtime refuses: FSDP2 owns the storage): the
-        # blocks in flight with their gradients, as FSDP2's CPUOffloadPolicy would hold them
-        # (zero_stage 1/2 still keep every block from its forward to its backward).
-        keep = sp.blocks if plan.zero_stage < 3 else min(opt.prefetch_blocks, sp.blocks)
-        live = keep * sp.block.numel + sp.root_numel
-        return 0.0, pb * live, 0.0, pb * live, rs_transient, host + pb * shard
+    if plan.fsdp_cpu_offload:
+        # optimizer+params under data parallelism is FSDP2's CPUOffloadPolicy: the fp32 shards
+        # (the master), their fp32 gradients and Adam's moments on the host (16 B per parameter
+        # of the shard); the device holds the unsharded units in use, as without offload.
+        # Under replicate every unit stays from its forward to its backward (as ZeRO-1/2), and
+        # its gradients are all-reduced in fp32 on the device before they go down.
+        if not plan.sharded:
+            unsharded = pb * float(sp.numel)
+            rs_transient = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
+        return 0.0, 0.0, 0.0, unsharded, rs_transient, 16 * shard + counters
     # optimizer+params: between uses the device holds no parameter; during forward and backward
     # `param_window` of them, plus one block's gradients in flight. The host also keeps a
     # working-dtype copy to upload (in fp32 the master itself is uploaded).
@@ -342,7 +346,7 @@ def _rank_states(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]
     """`_states` of pipeline `rank`, cached on the fields it reads."""
     key = (
         id(plan.model), id(opt), plan.tp, plan.pp, rank, plan.dp_shard, plan.zero_stage,
-        plan.offload, plan.precision,
+        plan.offload, plan.precision, plan.dp_replicate > 1, plan.chunks,
     )  # fmt: skip
     hit = _STATES_CACHE.get(key)
     if hit is None:

@@ -92,7 +92,7 @@ def expected_runtime_metrics(
         "activation_bytes": saved,
         "cuda_peak_bytes": peak,
     }
-    if plan.offload == "optimizer+params" and not plan.sharded:
+    if plan.offload == "optimizer+params" and not plan.fsdp_cpu_offload:
         # The offloaded optimizer's own count of the parameters it held on the device at once.
         sp = stage_params(m, plan.tp, plan.pp, rank, plan.dp_shard, k.vocab_parallel)
         pb = PARAM_DTYPE_BYTES[plan.precision]

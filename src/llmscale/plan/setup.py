@@ -66,6 +66,11 @@ class Plan:
         return self.dp_shard > 1
 
     @property
+    def fsdp_cpu_offload(self) -> bool:
+        """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
+        return self.offload == "optimizer+params" and self.dp > 1
+
+    @property
     def lowp_weights(self) -> bool:
         """The forward runs on bf16/fp16 weights: FSDP2's param_dtype or offloaded working copies."""
         return self.precision != "fp32" and (self.sharded or self.offload != "none")

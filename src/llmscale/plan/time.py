@@ -287,11 +287,17 @@ def _estimate(
         pb = 2 if plan.precision != "fp32" else 4
         link = cluster.host_link.bandwidth
         transfers = 2 * pb * worst_params / link  # gradients down, parameters up
+        if plan.fsdp_cpu_offload:
+            transfers = 4 * worst_params / link  # fp32 gradient shards down; uploads below
         host = tparams.optimizer_bytes_per_param * worst_params / (tparams.host_adam_GBps * 1e9)
         opt = (1 - tparams.offload_overlap) * (transfers + host)
         if plan.offload == "optimizer+params":
-            # Every micro-batch uploads the parameters for forward and again for backward.
-            upload = m_ * 2 * pb * worst_params / link
+            # Every micro-batch uploads the parameters for forward and again for backward
+            # (under FSDP2's CPUOffloadPolicy: the fp32 shards, before each all-gather).
+            up_bytes = 4 if plan.fsdp_cpu_offload else pb
+            regather = not plan.fsdp_cpu_offload or (plan.sharded and plan.zero_stage == 3)
+            gathers = 2 if regather else 1
+            upload = m_ * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
     seconds = pipe + p2p_total + dp_sync + opt

@@ -37,7 +37,7 @@ from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
-from llmscale.offload.build import check_supported as check_offload_supported
+from llmscale.offload.build import fsdp_offloads_params
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
@@ -132,7 +132,6 @@ class Trainer:
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
-        check_offload_supported(cfg)  # a plan may offload what this runtime cannot (yet)
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
         init_distributed(self.device)
@@ -167,6 +166,8 @@ class Trainer:
         # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here).
         self.optimizers = [build_optimizer(part, cfg) for part in self.model_parts]
         self.offloaded = isinstance(self.optimizers[0], OffloadedAdamW)
+        # optimizer+params under FSDP2: its CPUOffloadPolicy keeps shards and gradients on the host.
+        self.fsdp_host = fsdp_offloads_params(cfg)
         self.schedulers = [
             build_scheduler(opt, cfg.train.steps, cfg.lr_scheduler) for opt in self.optimizers
         ]
@@ -357,6 +358,8 @@ class Trainer:
             grad_norm = clip_grad_norm_(params, max_norm, self.dims)
         out["grad_norm"] = float(grad_norm)
         out["grad_bytes"] = M.grad_bytes(self.model_parts)
+        if self.fsdp_host:  # the sharded fp32 gradients FSDP2 copied to the host
+            out["host_grad_bytes"], out["grad_bytes"] = out["grad_bytes"], 0
         if not found_inf:
             for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
                 opt.step()
@@ -379,7 +382,10 @@ class Trainer:
         loss, act_bytes = self.forward_backward(batch)
         row: dict[str, Any] = self.optimizer_step()
         row["param_bytes"] = M.param_bytes(self.model_parts)
-        row.update(optimizer_memory(self.optimizers))  # optimizer_bytes, device_*, host_*
+        # optimizer_bytes, device_*, host_*
+        row.update(optimizer_memory(self.optimizers, on_host=self.fsdp_host))
+        if self.fsdp_host:  # the fp32 shards on the host are the master weights
+            row["host_master_bytes"], row["param_bytes"] = row["param_bytes"], 0
         row["activation_bytes"] = act_bytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
