@@ -30,9 +30,16 @@ def test_parameters_equal_after_three_optimizer_steps(cfg_factory) -> None:
     whole = Trainer(cfg_factory(*common, "--train.micro_batch_size", "8", run="b"))
     ra, rw = accum.fit(), whole.fit()
     assert ra.steps_done == rw.steps_done == 3
+    # The whole model's parameters to 1e-6 relative (the gradients' bound). Per tensor a few
+    # 1e-6 are allowed: Adam divides every element by its own gradient RMS, so an element whose
+    # gradient is near zero turns the summation-order rounding of its gradient into a step of
+    # full size, and one such element can move a small tensor's relative error past 1e-6.
+    diff2 = norm2 = 0.0
     for (name, pa), pw in zip(
         accum.model.named_parameters(), whole.model.parameters(), strict=True
     ):
-        rel = ((pa - pw).norm() / pw.norm()).item()
-        assert rel < 1e-6, (name, rel)
+        d, n = (pa - pw).norm().item(), pw.norm().item()
+        assert d / n < 1e-5, (name, d / n)
+        diff2, norm2 = diff2 + d * d, norm2 + n * n
+    assert (diff2 / norm2) ** 0.5 < 1e-6
     assert all(abs(a - w) < 1e-5 for a, w in zip(ra.losses, rw.losses, strict=True))

@@ -10,6 +10,7 @@ heads) runs the same code.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -154,42 +155,50 @@ class Transformer(nn.Module):
         assert self.tok_embeddings is not None, "tied head needs the embedding on this stage"
         return F.linear(h, self.tok_embeddings.weight)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter and buffer (also after `to_empty` from the meta device).
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int | None) -> torch.Tensor:
+        """The full initial fp32 value (on the CPU) of parameter `name` of the whole model.
 
         Normal(0, init_std) for matrices and embeddings; the residual-branch outputs (wo, w2)
         scaled by 1/sqrt(2 * n_layers) as in GPT-2, so the residual stream's variance does not
-        grow with depth; norms at 1, biases at 0.
+        grow with depth; norms at 1, biases at 0. Each parameter draws from its own generator,
+        seeded by (seed, name) (`param_seed`), so its value depends on nothing else: not on the
+        other parameters, the device, or which of them a pipeline stage or shard holds.
         """
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(0 if seed is None else seed)
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:
+            return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+        if leaf == "bias":
+            return torch.zeros(shape)
         std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        if name.endswith(("wo.weight", "w2.weight")):
+            std = std / math.sqrt(2 * self.cfg.n_layers)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(param_seed(0 if seed is None else seed, name))
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter and buffer (also after `to_empty` from the meta device)."""
         for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in name:
-                if leaf == "weight":
-                    p.fill_(1.0)
-                else:
-                    p.zero_()
-            elif leaf == "bias":
-                p.zero_()
-            else:
-                s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
-                _normal_(p, s, gen)
+            p.copy_(self.initial_value(name, tuple(p.shape), seed))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """Compute the RoPE table (on `device`, default where the buffer is)."""
         if self.cfg.pos_emb == "rope":
             self.rope = rope_tables(
                 self.cfg.head_dim,
                 self.cfg.max_seq_len,
                 self.cfg.rope_theta,
-                device=self.rope.device,
+                device=device or self.rope.device,
             )
 
 
-def _normal_(p: torch.Tensor, std: float, gen: torch.Generator) -> None:
-    """Fill p from a CPU generator, so that every device and process draws the same numbers."""
-    p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+def param_seed(seed: int, name: str) -> int:
+    """A parameter's own generator seed, from the run's seed and the parameter's name."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

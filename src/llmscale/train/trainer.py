@@ -41,6 +41,7 @@ from llmscale.offload.build import fsdp_offloads_params
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
+from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import parallelize
 from llmscale.parallel.pipeline import build_schedule
 from llmscale.parallel.timeline import FILE_NAME as TIMELINE_FILE
@@ -156,12 +157,14 @@ class Trainer:
         )
         self.val_tokens = corpus.val
 
-        # Every rank builds the whole model from the same seed, then keeps and shards its part,
-        # so initial weights equal the single-process ones whatever the layout.
-        self.parallel = parallelize(
-            build_model(cfg.model, self.device, seed=cfg.job.seed), self.dims, cfg
-        )
+        # The model is built, split and sharded on the meta device; then each rank allocates
+        # and initialises only its own pieces, from values that depend on (seed, parameter name)
+        # alone, so initial weights equal the single-process ones whatever the layout.
+        self.parallel = parallelize(build_model(cfg.model, "meta"), self.dims, cfg)
         self.model_parts: list[nn.Module] = self.parallel.parts
+        # FSDP2's CPU offload (optimizer+params under data parallelism) keeps shards on the host.
+        host = torch.device("cpu") if fsdp_offloads_params(cfg) else None
+        materialize(self.model_parts, self.device, cfg.job.seed, param_device=host)
         self.n_params = cfg.model.num_params()
         # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here).
         self.optimizers = [build_optimizer(part, cfg) for part in self.model_parts]
