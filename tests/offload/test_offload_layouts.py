@@ -4,7 +4,9 @@ One torchrun process group (tests/parallel's harness) trains each layout with
 `optimizer.offload = "optimizer"`: FSDP2 (each rank offloads its shard), replicate, tensor +
 sequence parallelism (DTensor gradients with Partial placements), a 1F1B pipeline, and an FSDP2
 checkpoint resumed; and with `"optimizer+params"` (each rank's parameters on the host between
-uses) tensor + sequence parallelism and a 1F1B pipeline. Losses and gathered parameters must equal the single-process on-device run
+uses) tensor + sequence parallelism, a 1F1B pipeline, and under data parallelism FSDP2's
+CPUOffloadPolicy (FSDP2, replicate, a resumed checkpoint). Four ranks: HSDP and FSDP x TP with
+"optimizer", HSDP and PP x TP with "optimizer+params". Losses and gathered parameters must equal the single-process on-device run
 to the layout tests' 1e-5; each rank's host ledger must be the planner's prediction.
 """
 
@@ -51,6 +53,13 @@ LAYOUTS = {
     "offp_fsdp2": ["--parallel.dp_shard", "2", *PARAMS],
     "offp_dp2": ["--parallel.dp_replicate", "2", *PARAMS],
 }
+# Four ranks: offload over 2-D meshes (HSDP, FSDP x TP, PP x TP).
+LAYOUTS4 = {
+    "off_hsdp2x2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", *OFF],
+    "off_fsdp2_tp2": ["--parallel.dp_shard", "2", "--parallel.tp", "2", *OFF],
+    "offp_hsdp2x2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", *PARAMS],
+    "offp_pp2_tp2": ["--parallel.pp", "2", "--parallel.tp", "2", *PARAMS],
+}
 RESUME = [
     {
         "name": "off_save",
@@ -86,9 +95,40 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return run_layouts(2, tmp_path_factory.mktemp("offload2"), [*layouts, *RESUME])
 
 
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    layouts = [{"name": n, "args": a} for n, a in LAYOUTS4.items()]
+    return run_layouts(4, tmp_path_factory.mktemp("offload4"), layouts)
+
+
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "bf16" not in n])
 def test_offloaded_layouts_equal_one_process(name, runs, reference) -> None:
     assert_same_run(runs[name], reference, name)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS4))
+def test_offloaded_2d_layouts_equal_one_process(name, runs4, reference) -> None:
+    assert_same_run(runs4[name], reference, name)
+
+
+@pytest.mark.parametrize("name", ["off_hsdp2x2", "off_fsdp2_tp2", "offp_hsdp2x2"])
+def test_2d_layouts_hold_the_predicted_host_bytes(name, runs4) -> None:
+    cfg = load_config(None, [*BASE, *LAYOUTS4[name]])
+    # Under TP the runtime splits an untied embedding and head over the vocabulary.
+    vocab_parallel = cfg.parallel.tp > 1 and not cfg.model.tie_embeddings
+    options = MemoryOptions(
+        kernels=dataclasses.replace(act.RUNTIME_CPU, vocab_parallel=vocab_parallel)
+    )
+    want = expected_runtime_metrics(cfg, rank=0, options=options)
+    host = predict_memory(cfg, options).stages[0].host
+    rows = [r for r in read_jsonl(runs4[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(rows) == 5
+    for row in rows:  # rank 0's
+        assert row["optimizer_bytes"] == row["host_optimizer_bytes"] == want["optimizer_bytes"]
+        assert row["param_bytes"] == want["param_bytes"]
+        on_host = row["host_optimizer_bytes"] + row["host_master_bytes"]
+        on_host += row.get("host_grad_bytes", 0) if name.startswith("offp") else 0
+        assert on_host == host
 
 
 @pytest.mark.parametrize("name", ["off_fsdp2", "off_fsdp2_bf16"])
