@@ -1,7 +1,8 @@
 """The pipeline bench on a real pp = 2 group: the timeline the runtime records, and the rows.
 
 One torchrun group of 2 CPU ranks trains two configurations (1F1B with 4 micro-batches,
-interleaved 1F1B with 2 chunks and 2 micro-batches) of the tiny model for 3 steps each.
+interleaved 1F1B with 2 chunks and 2 micro-batches) of the tiny model for 3 steps each, and
+each once more for 2 steps counting the activations its stages hold in flight.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_timeline_has_one_f_and_one_b_per_stage_and_microbatch_in_the_simulators
 
 def test_rows_are_finite_and_the_orders_match(bench) -> None:
     opts, res = bench
-    assert len(res.rows) == 3 * len(CONFIGS)
+    assert len(res.rows) == 4 * len(CONFIGS)
     for row in res.rows:
         assert math.isfinite(row.measured) and row.measured > 0, row
         assert row.predicted is not None and math.isfinite(row.predicted) and row.predicted > 0
@@ -73,5 +74,14 @@ def test_rows_are_finite_and_the_orders_match(bench) -> None:
         assert len(m.stats) == 2  # the warm-up step is left out
         busy = [sum(st.busy[r] for st in m.stats) / len(m.stats) for r in range(c.pp)]
         assert list(m.sim.busy) == pytest.approx(busy, rel=1e-9)
+    # Stage 0 holds 2 micro-batches under 1F1B (p - rank) and 4 half-stage units interleaved
+    # (min((v-1)p + 2(p-1) + 1, vm) = min(5, 4)): the planner's count, measured to within the
+    # token-id storage the schedule's micro-batch views share.
+    peaks = {r.config: r for r in res.rows if r.quantity == "activations in flight, stage 0"}
+    assert set(peaks) == {c.label for c in CONFIGS}
+    for r in peaks.values():
+        assert r.ratio == pytest.approx(1.0, rel=2e-3), r
+    assert peaks["pp=2 1f1b m=4"].note.startswith("2 units")
+    assert peaks["pp=2 interleaved v=2 m=2"].note.startswith("4 units")
     assert [f.name for f in res.figures] == ["pipeline-gantt-pp2-m4.png"]
     assert res.figures[0].stat().st_size > 10_000

@@ -97,6 +97,7 @@ def main() -> None:
                 "params": params,
                 "stage_ids": t.parallel.stage_ids,
                 "events": recorder.events,
+                "activation_peak": t.activation_peak,  # the last step's (pipelines)
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         dist.barrier()

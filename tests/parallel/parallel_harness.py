@@ -78,13 +78,14 @@ def run_layouts(
         name = layout["name"]
         files = sorted(out.glob(f"{name}.stage*.pt"))
         assert files, f"{name}: no results written"
-        merged: dict[str, Any] = {"params": {}, "stage_events": []}
+        merged: dict[str, Any] = {"params": {}, "stage_events": [], "activation_peaks": []}
         for f in files:
             d = torch.load(f, weights_only=False)
             dup = set(d["params"]) & set(merged["params"])
             assert not dup, f"{name}: {sorted(dup)[:3]} held by two pipeline stages"
             merged["params"].update(d["params"])
             merged["stage_events"].append(d["events"])
+            merged["activation_peaks"].append(d.get("activation_peak"))  # by pipeline rank
             for k in ("losses", "val_loss", "steps_done"):
                 merged.setdefault(k, d[k])
                 assert d[k] == merged[k], f"{name}: stages disagree on {k}"

@@ -5,7 +5,12 @@ import torch
 
 from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
-from llmscale.train.recompute import SavedActivations, apply_recompute, model_state_tensors
+from llmscale.train.recompute import (
+    LiveActivations,
+    SavedActivations,
+    apply_recompute,
+    model_state_tensors,
+)
 from llmscale.train.trainer import lm_loss
 
 MODES = [("none", 2), ("selective", 2), ("every_k", 2), ("full", 2)]
@@ -68,3 +73,28 @@ def test_full_recompute_keeps_only_block_inputs_per_layer() -> None:
         counts[layers] = c.bytes
     per_layer = (counts[4] - counts[2]) / 2
     assert per_layer == 2 * 32 * cfg.dim * 4
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_live_activations_peak_at_the_forwards_in_flight(mode: str) -> None:
+    """Two forwards before their backwards hold twice one forward's saved bytes; each backward
+    frees its own (a pipeline's micro-batches in flight, in one process)."""
+    model = build_model(get_preset("tiny"), seed=0)
+    apply_recompute(model, mode)
+    tokens = torch.randint(0, 256, (3, 2, 33), generator=torch.Generator().manual_seed(1))
+    c = tokens[2].clone()
+    with SavedActivations(model_state_tensors(model)) as one:
+        lm_loss(model(c[:, :-1]), c[:, 1:])
+    state = model_state_tensors(model)
+    with LiveActivations(state) as live:
+        # Own storage per micro-batch (slices of one tensor would share it).
+        a, b = (tokens[i].clone() for i in range(2))
+        la = lm_loss(model(a[:, :-1]), a[:, 1:])
+        lb = lm_loss(model(b[:, :-1]), b[:, 1:])
+        assert live.bytes == 2 * one.bytes
+        la.backward()
+        assert live.bytes == one.bytes  # the first micro-batch's graph is gone
+        lb.backward()
+    assert live.peak_bytes == 2 * one.bytes
+    del la, lb
+    assert live.bytes == 0

@@ -38,8 +38,12 @@ from llmscale.parallel.timeline import (
     stage_op_times,
     step_stats,
 )
+from llmscale.plan import activations as act
 from llmscale.plan.gantt import draw_gantts_png
+from llmscale.plan.memory import MemoryOptions, inflight_units, stage_activation_bytes
+from llmscale.plan.predict import as_plan
 from llmscale.plan.schedule import SimResult, bubble_fraction, build_schedule, simulate
+from llmscale.train.metrics import read_jsonl
 
 SUITE = "pipeline"
 N_LAYERS = 8  # every split below is even: pp x chunks divides 8
@@ -93,6 +97,9 @@ class Measured:
     sim: SimResult
     order_ok: bool
     order_diff: str
+    peak_bytes: float  # the memory run's saved-activation peak on stage 0 (its last step)
+    predicted_peak_bytes: float  # the planner's: in-flight units x one micro-batch's bytes
+    inflight: int  # the planner's in-flight units on stage 0
 
     @property
     def bubble(self) -> float:
@@ -113,7 +120,9 @@ def run(opts: BenchOptions, configs: tuple[PipeConfig, ...] = CONFIGS) -> SuiteR
     results = [analyse(opts, c) for c in configs]
 
     res = SuiteResult(
-        SUITE, f"Pipeline bubble: measured (CPU, gloo) vs schedule simulator ({opts.model})"
+        SUITE,
+        f"Pipeline bubble and in-flight activations: measured (CPU, gloo) vs schedule simulator "
+        f"and planner ({opts.model})",
     )
     for m in results:
         c = m.cfg
@@ -127,6 +136,9 @@ def run(opts: BenchOptions, configs: tuple[PipeConfig, ...] = CONFIGS) -> SuiteR
                 "equal stages, free p2p"),
             Row(SUITE, c.label, "makespan", "s", m.makespan, m.sim.makespan,
                 f"median of {len(m.stats)} steps"),
+            Row(SUITE, c.label, "activations in flight, stage 0", "B", m.peak_bytes,
+                m.predicted_peak_bytes,
+                f"{m.inflight} units of 1/{c.chunks} stage x one micro-batch (planner)"),
         ]  # fmt: skip
     res.tables["measured op times fed to the simulator (ms, per stage)"] = (
         [
@@ -198,14 +210,26 @@ def job_args(c: PipeConfig) -> list[str]:
     ]  # fmt: skip
 
 
+MEMORY_STEPS = 2  # the last step's peak is read: the first runs the schedule's shape inference
+
+
+def memory_args(c: PipeConfig) -> list[str]:
+    """A second, short run of the configuration that counts what each stage holds in flight."""
+    return [
+        *job_args(c), "--train.steps", str(MEMORY_STEPS),
+        "--metrics.activation_memory", "true", "--metrics.pipeline_timeline", "false",
+    ]  # fmt: skip
+
+
 def _launch(opts: BenchOptions, pp: int, configs: list[PipeConfig]) -> None:
     paths = []
     for c in configs:
-        cfg = opts.job(*job_args(c), run=c.name)
-        path = opts.work_dir / f"{c.name}.toml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(to_toml(cfg))
-        paths.append(str(path))
+        for args, run in ((job_args(c), c.name), (memory_args(c), f"{c.name}-memory")):
+            cfg = opts.job(*args, run=run)
+            path = opts.work_dir / f"{run}.toml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(to_toml(cfg))
+            paths.append(str(path))
     spec = opts.work_dir / f"pipeline-pp{pp}.json"
     spec.write_text(json.dumps({"configs": paths}))
     cmd = [
@@ -242,6 +266,7 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
         for r, got in enumerate(st.orders)
         if got != want[r]
     ]
+    peak, predicted, inflight = _activation_peak(opts, c)
     bubbles = [s.bubble_fraction for s in stats]
     median_step = bubbles.index(sorted(bubbles)[len(bubbles) // 2])
     return Measured(
@@ -258,7 +283,21 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
         sim=sim,
         order_ok=not diffs,
         order_diff=diffs[0] if diffs else "",
+        peak_bytes=peak,
+        predicted_peak_bytes=predicted,
+        inflight=inflight,
     )
+
+
+def _activation_peak(opts: BenchOptions, c: PipeConfig) -> tuple[float, float, int]:
+    """Stage 0's measured peak of saved activations and the planner's prediction of it."""
+    run = f"{c.name}-memory"
+    rows = [r for r in read_jsonl(opts.work_dir / run / "metrics.jsonl") if r["kind"] == "train"]
+    plan = as_plan(opts.job(*memory_args(c), run=run))
+    options = MemoryOptions(kernels=act.RUNTIME_CPU)  # the suite's ranks run on the CPU
+    predicted = stage_activation_bytes(plan, 0, options)
+    inflight = inflight_units(c.schedule, c.pp, c.microbatches, c.chunks, 0)
+    return float(rows[-1]["activation_peak_bytes"]), predicted, inflight
 
 
 def _draw(opts: BenchOptions, pp: int, m: int, drawn: list[Measured]) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,11 +33,14 @@ _state = threading.local()
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     counter: SavedActivations | None = getattr(_state, "counter", None)
-    if counter is not None:
-        # The checkpoint keeps its inputs alive for the recomputation; autograd hooks don't see them.
-        for a in args:
-            if isinstance(a, torch.Tensor):
+    live: LiveActivations | None = getattr(_state, "live", None)
+    # The checkpoint keeps its inputs alive for the recomputation; autograd hooks don't see them.
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if counter is not None:
                 counter.add(a)
+            if live is not None:
+                live.hold_until_freed(a)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -109,12 +113,15 @@ class SavedActivations:
         self.bytes += t.untyped_storage().nbytes()
         self.tensors += 1
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> Any:
         self.add(t)
-        return t
+        # Hooks do not nest (the innermost pair alone runs): hand the tensor on to a
+        # LiveActivations watching the whole step, if one is.
+        live: LiveActivations | None = getattr(_state, "live", None)
+        return live._pack(t) if live is not None else t
 
     def __enter__(self) -> SavedActivations:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, LiveActivations._unpack)
         self._hooks.__enter__()
         _state.counter = self
         return self
@@ -125,8 +132,105 @@ class SavedActivations:
         self._seen.clear()
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
+class _Held:
+    """What autograd keeps in place of a saved tensor while `LiveActivations` watches."""
+
+    __slots__ = ("__weakref__", "keys", "owner", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, keys: list[tuple[int, int]], owner: LiveActivations):
+        self.tensor, self.keys, self.owner = tensor, keys, owner
+
+    def __del__(self) -> None:  # the graph node that saved it is gone (after its backward)
+        self.owner._release(self.keys)
+
+
+class LiveActivations:
+    """The most activation bytes autograd held at once while active (forward and backward).
+
+    A pipeline schedule runs several micro-batches' forwards before their backwards, so what a
+    stage holds at its peak is the sum over the micro-batches in flight: the quantity the
+    planner predicts with `inflight_units`. Every tensor autograd saves is counted from its
+    save until the graph node holding it is freed (its backward ran), each storage once while
+    any holder lives; parameters and buffers are left out, as in `SavedActivations`. A
+    checkpointed region's inputs count until the tensor itself is freed.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._count: dict[tuple[int, int], int] = {}
+        self._nbytes: dict[tuple[int, int], int] = {}
+        self._lock = threading.RLock()
+        self.bytes = 0
+        self.peak_bytes = 0
+        self._hooks: Any = None
+
+    def _keys(self, t: torch.Tensor) -> list[tuple[tuple[int, int], int]]:
+        out: list[tuple[tuple[int, int], int]] = []
+        for leaf in _plain_tensors(t):
+            key = _storage_key(leaf)
+            if key not in self._excluded:
+                out.append((key, leaf.untyped_storage().nbytes()))
+        return out
+
+    def _take(self, t: torch.Tensor) -> list[tuple[int, int]]:
+        pieces = self._keys(t)
+        with self._lock:
+            for key, n in pieces:
+                c = self._count.get(key, 0)
+                self._count[key] = c + 1
+                if c == 0:
+                    self._nbytes[key] = n
+                    self.bytes += n
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return [k for k, _ in pieces]
+
+    def _release(self, keys: list[tuple[int, int]]) -> None:
+        with self._lock:
+            for key in keys:
+                c = self._count.get(key, 0) - 1
+                if c > 0:
+                    self._count[key] = c
+                elif c == 0:
+                    del self._count[key]
+                    self.bytes -= self._nbytes.pop(key)
+
+    def hold_until_freed(self, t: torch.Tensor) -> None:
+        keys = self._take(t)
+        if keys:
+            weakref.finalize(t, self._release, keys)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        keys = self._take(t)
+        return _Held(t, keys, self) if keys else t
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def __enter__(self) -> LiveActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        _state.live = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _state.live = None
+        self._hooks.__exit__(*exc)
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The countable plain tensors behind `t`: none for parameters, meta or sparse tensors."""
+    if is_traceable_wrapper_subclass(t) and not _is_parameter(t):
+        attrs, _ = t.__tensor_flatten__()
+        out: list[torch.Tensor] = []
+        for a in attrs:
+            inner = getattr(t, a)
+            if isinstance(inner, torch.Tensor):
+                out.extend(_plain_tensors(inner))
+        return out
+    if t.device.type == "meta" or t.layout != torch.strided or _is_parameter(t):
+        return []
+    return [t]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,12 @@ from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.optim import build_scheduler
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
-from llmscale.train.recompute import SavedActivations, model_state_tensors, recompute_fraction
+from llmscale.train.recompute import (
+    LiveActivations,
+    SavedActivations,
+    model_state_tensors,
+    recompute_fraction,
+)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -178,6 +183,7 @@ class Trainer:
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
+        self.activation_peak: int | None = None  # under pipelining, set each step
         self._pp_losses: list[torch.Tensor] = []
         self.pp_timeline: PipelineTimeline | None = None
         if self.dims.pp > 1:
@@ -325,17 +331,23 @@ class Trainer:
     def _forward_backward_pipeline(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         counters: list[SavedActivations] = []
         hooks = []
+        live = None
         if self.cfg.metrics.activation_memory:
-            # Count the first micro-batch's forward of each of this rank's stages.
+            # Count the first micro-batch's forward of each of this rank's stages, and the most
+            # held at once over the schedule (several micro-batches in flight).
             for part in self.model_parts:
                 hooks.extend(_count_first_forward(part, counters))
+            live = LiveActivations(
+                t for part in self.model_parts for t in model_state_tensors(part)
+            )
         timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
         try:
-            with timed or contextlib.nullcontext():
+            with timed or contextlib.nullcontext(), live or contextlib.nullcontext():
                 loss = self._run_pipeline(batch, train=True)
         finally:
             for h in hooks:
                 h.remove()
+        self.activation_peak = live.peak_bytes if live is not None else None
         return loss, sum(c.bytes for c in counters)
 
     def optimizer_step(self) -> dict[str, Any]:
@@ -390,6 +402,8 @@ class Trainer:
         if self.fsdp_host:  # the fp32 shards on the host are the master weights
             row["host_master_bytes"], row["param_bytes"] = row["param_bytes"], 0
         row["activation_bytes"] = act_bytes
+        if self.activation_peak is not None:  # pipelines: the schedule's micro-batches in flight
+            row["activation_peak_bytes"] = self.activation_peak
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
