@@ -7,79 +7,21 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
+from offload_loops import CFG, HP
+from offload_loops import batches as _batches
+from offload_loops import loss as _loss
+from offload_loops import rel as _rel
+from offload_loops import train_offloaded as _train_offloaded
+from offload_loops import train_reference as _train_reference
 
 from llmscale.config import PrecisionSection
-from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, layer_units, overlap_stats, unscale_and_clip
-from llmscale.parallel.dims import ParallelDims
-from llmscale.parallel.grads import clip_grad_norm_
-from llmscale.train.optim import build_optimizer as torch_adamw
-from llmscale.train.precision import DynamicLossScaler, autocast
-
-CFG = get_preset("tiny").with_overrides(n_layers=3, max_seq_len=32)
-HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-
-
-def _batches(n: int, micro: int, seed: int = 0) -> list[list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        [torch.randint(0, CFG.vocab_size, (2, 17), generator=g) for _ in range(micro)]
-        for _ in range(n)
-    ]
-
-
-def _loss(model: torch.nn.Module, mb: torch.Tensor, mode: str = "fp32") -> torch.Tensor:
-    with autocast(mode, "cpu"):
-        logits = model(mb[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten())
+from llmscale.train.precision import DynamicLossScaler
 
 
 def _offloaded(model: torch.nn.Module, **kw) -> OffloadedAdamW:
     return OffloadedAdamW(model.named_parameters(), **HP, **kw).attach(model)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _train_reference(model, batches, max_norm):
-    from llmscale.config import OptimizerSection
-
-    opt = torch_adamw(model, OptimizerSection(lr=HP["lr"], beta1=0.9, beta2=0.95))
-    losses = []
-    for micro in batches:
-        total = 0.0
-        for mb in micro:
-            loss = _loss(model, mb)
-            (loss / len(micro)).backward()
-            total += loss.item()
-        clip_grad_norm_(list(model.parameters()), max_norm, ParallelDims())  # the trainer's
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / len(micro))
-    return losses
-
-
-def _train_offloaded(model, opt, batches, max_norm, scaler=None):
-    scaler = scaler or DynamicLossScaler(PrecisionSection(), enabled=False)
-    losses, norms = [], []
-    for micro in batches:
-        total = 0.0
-        for mb in micro:
-            loss = _loss(model, mb)
-            scaler.scale_loss(loss / len(micro)).backward()
-            total += loss.item()
-        found, norm = unscale_and_clip([opt], scaler, max_norm)
-        norms.append(float(norm))
-        if not found:
-            opt.step()
-        scaler.update(found)
-        opt.zero_grad()
-        losses.append(total / len(micro))
-    opt.synchronize()
-    return losses, norms
 
 
 def test_layer_units_group_blocks_and_the_ends() -> None:

@@ -12,35 +12,17 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
+from offload_loops import CFG, HP, train_offloaded
+from offload_loops import batches as _batches
+from offload_loops import loss as _loss
+from offload_loops import train_reference as _train_reference
 
-from llmscale.config import OptimizerSection, PrecisionSection
-from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
-from llmscale.offload import OffloadedAdamW, overlap_stats, unscale_and_clip
+from llmscale.offload import OffloadedAdamW, overlap_stats
 from llmscale.offload.timeline import PARAMS_LANE
-from llmscale.parallel.dims import ParallelDims
-from llmscale.parallel.grads import clip_grad_norm_
-from llmscale.train.optim import build_optimizer as torch_adamw
-from llmscale.train.precision import DynamicLossScaler
 from llmscale.train.recompute import apply_recompute
 
-CFG = get_preset("tiny").with_overrides(n_layers=3, max_seq_len=32)
-HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 CLIP = 0.5  # bites: the norms here are 2-7
-
-
-def _batches(n: int, micro: int, seed: int = 0) -> list[list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        [torch.randint(0, CFG.vocab_size, (2, 17), generator=g) for _ in range(micro)]
-        for _ in range(n)
-    ]
-
-
-def _loss(model: torch.nn.Module, mb: torch.Tensor) -> torch.Tensor:
-    logits = model(mb[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten())
 
 
 def _model(seed: int, recompute: str = "none", **overrides) -> torch.nn.Module:
@@ -53,41 +35,8 @@ def _offloaded(model: torch.nn.Module, **kw) -> OffloadedAdamW:
     return OffloadedAdamW(model.named_parameters(), **HP, offload_params=True, **kw).attach(model)
 
 
-def _train_reference(model, batches, max_norm) -> list[float]:
-    opt = torch_adamw(model, OptimizerSection(lr=HP["lr"], beta1=0.9, beta2=0.95))
-    losses = []
-    for micro in batches:
-        total = 0.0
-        for mb in micro:
-            loss = _loss(model, mb)
-            (loss / len(micro)).backward()
-            total += loss.item()
-        clip_grad_norm_(list(model.parameters()), max_norm, ParallelDims())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / len(micro))
-    return losses
-
-
 def _train(model, opt, batches, max_norm) -> list[float]:
-    scaler = DynamicLossScaler(PrecisionSection(), enabled=False)
-    losses = []
-    for micro in batches:
-        total = 0.0
-        for mb in micro:
-            loss = _loss(model, mb)
-            (loss / len(micro)).backward()
-            total += loss.item()
-        unscale_and_clip([opt], scaler, max_norm)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / len(micro))
-    opt.synchronize()
-    return losses
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return train_offloaded(model, opt, batches, max_norm)[0]
 
 
 @pytest.mark.parametrize(
