@@ -22,6 +22,7 @@ def opts(tmp_path_factory) -> BenchOptions:
         warmup=0,
         device="cpu",
         data_files=8,
+        seeds=2,
         png_dir=base / "png",
         work_dir=base,
     )
@@ -68,6 +69,10 @@ def test_precision_underflow_falls_with_scale(opts) -> None:
     cast = [float(row[1].rstrip("%")) for row in table]
     assert cast == sorted(cast, reverse=True) and cast[0] > cast[-1]
     assert len(table) == 14 and table[0][0] == "2^0" and table[-1][0] == "2^15"
+    # median over opts.seeds runs, within their range
+    for row in table:
+        lo, hi = (float(x) for x in row[2].rstrip("%").split("-"))
+        assert lo <= float(row[1].rstrip("%")) <= hi
 
 
 def test_time_suite_rows_are_positive(opts) -> None:
@@ -85,3 +90,8 @@ def test_every_listed_suite_exists() -> None:
 def test_cli_rejects_unknown_suite(capsys) -> None:
     assert main(["bench", "--what", "speed"]) == 2
     assert "--what: got 'speed'" in capsys.readouterr().err
+
+
+def test_cli_rejects_no_seeds(capsys) -> None:
+    assert main(["bench", "--what", "precision", "--seeds", "0"]) == 2
+    assert "--seeds: got 0" in capsys.readouterr().err

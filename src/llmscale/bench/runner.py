@@ -22,6 +22,7 @@ class BenchOptions:
     warmup: int = 1
     device: str = "auto"
     data_files: int = 60
+    seeds: int = 3  # independent runs (seeds 0 .. seeds-1) for figures that vary from run to run
     png_dir: Path | None = None
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llmscale-bench-")))
 
