@@ -72,3 +72,15 @@ def test_unknown_model_is_a_one_line_error(tmp_path) -> None:
         text=True,
     )
     assert r.returncode == 2 and "model.name" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_gpu_override_is_refused_before_any_work(tmp_path) -> None:
+    r = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu.sh"), "--gpu", "h300", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "h300" in r.stderr and "h200" in r.stderr  # names the allowed catalog GPUs
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "gpu_results.json").exists()

@@ -34,7 +34,7 @@ import torch
 from llmscale.bench.timing import calibrated
 from llmscale.config import JobConfig, load_config
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import gpu_for_device_name
+from llmscale.hardware.catalog import get_gpu, gpu_for_device_name
 from llmscale.model.config import get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_memory, predict_step_time
@@ -74,6 +74,9 @@ def _job(args: argparse.Namespace, run_dir: Path, *overrides: str) -> JobConfig:
 
 def _run(cfg: JobConfig, steps: int, warmup: int = 2) -> dict[str, float]:
     """Train `steps` steps; medians of the timed ones, and the peak CUDA memory."""
+    _free()  # what an earlier run left (a recompute wrapper's cycles wait for the collector)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t = Trainer(cfg)
     try:
         rows = [t.train_step() for _ in range(steps)]
@@ -102,9 +105,13 @@ def _hardware(args: argparse.Namespace) -> tuple[Cluster, TimeParams, str, float
     """The cluster to predict on, its time parameters, a label, and the peak for MFU."""
     if args.device == "cuda":
         name = torch.cuda.get_device_name()
-        gpu = gpu_for_device_name(name)
+        gpu = get_gpu(args.gpu) if args.gpu else gpu_for_device_name(name)
         if gpu is None:
-            raise ConfigError("device", name, "a GPU listed in the hardware catalog (llmscale hw)")
+            raise ConfigError(
+                "device",
+                name,
+                "a GPU whose name the hardware catalog knows (llmscale hw), or pass --gpu NAME",
+            )
         return Cluster.of(gpu.name), DEFAULT_TIME, gpu.name, gpu.peak_flops("bf16")
     from llmscale.bench.runner import BenchOptions
 
@@ -168,12 +175,14 @@ def _largest_micro_batch(
         predicted = b
 
     def trains(b: int) -> bool:
+        ok = True
         try:
             _run(cfg_for(b), steps=2, warmup=0)
-            return True
         except torch.cuda.OutOfMemoryError:
-            _free()
-            return False
+            ok = False
+        # Freed only here: inside `except` the traceback still holds the failed trainer's frames.
+        _free()
+        return ok
 
     # Start at the prediction; double while it trains, then bisect between the last size that
     # trained (lo) and the first that did not (hi).
@@ -303,8 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--allow-cpu", action="store_true", help="without CUDA, measure on the CPU instead"
     )
+    ap.add_argument(
+        "--gpu",
+        help="catalog GPU to predict for (default: matched from torch.cuda.get_device_name(); "
+        "e.g. h200 for an 'NVIDIA H200 NVL' the catalog does not list)",
+    )
     args = ap.parse_args(argv)
     get_preset(args.model)
+    if args.gpu:
+        get_gpu(args.gpu)  # a bad name fails here, before any work
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"model": args.model, "seq_len": args.seq}

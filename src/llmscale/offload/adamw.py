@@ -393,7 +393,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """
         for s in self.slots:
             local = s.local
-            if not torch.equal(s.master.to(local.dtype), local):
+            if not torch.equal(s.master.to(local.dtype), local.detach().cpu()):
                 s.master.copy_(local)
             if s.host_param is not None and s.host_param is not s.master:
                 s.host_param.copy_(local)
@@ -434,10 +434,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         now = self.timeline.stream_now()
         if self._fwd_unit is not None and self._cursor is not None:
             self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
+        also = _fsdp_gather_streams(module)
         for u in units:
             if self.params is not None:
                 self.params.begin_unit(self._unit_params[u.index], args)
-            self._wait_unit(u, self.timeline.stream_now())
+            self._wait_unit(u, self.timeline.stream_now(), also)
         self._cursor = self.timeline.stream_now()
         self._fwd_unit = units[0].index
 
@@ -450,7 +451,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._fwd_unit = None
         self._cursor = now
 
-    def _wait_unit(self, unit: _Unit, start: Any = None) -> None:
+    def _wait_unit(self, unit: _Unit, start: Any = None, also: Sequence[Any] = ()) -> None:
         if self.params is not None:  # the unit's parameter fetch (its update is waited by it)
             if self.params.wait(self._unit_params[unit.index]) and start is not None:
                 self._compute(unit.name, "wait", start, self.timeline.stream_now())
@@ -459,7 +460,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if fut is None:
             return
         ticket: Ticket = fut.result()
-        ticket.wait_stream()
+        ticket.wait_stream(also)
         if start is not None:
             self._compute(unit.name, "wait", start, self.timeline.stream_now())
 
@@ -908,6 +909,22 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _fsdp_gather_streams(module: nn.Module) -> list[Any]:
+    """The CUDA streams on which FSDP2 reads `module`'s shards for its all-gather.
+
+    FSDP2 copies the shards in and all-gathers them on streams of its own, which wait for the
+    compute stream once, in the root's pre-forward; a block's upload waited for on the compute
+    stream alone would not order its all-gather after the upload. So those streams wait for the
+    upload's event too. None off CUDA, or for a module that is not fully_shard-ed.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    ctx = getattr(get_state(), "_comm_ctx", None)
+    streams = [getattr(ctx, a, None) for a in ("all_gather_copy_in_stream", "all_gather_stream")]
+    return [st for st in streams if isinstance(st, torch.cuda.Stream)]
 
 
 def _is_fsdp_module(m: nn.Module) -> bool:

@@ -10,15 +10,15 @@ Two kinds of agent, each with a serial (FIFO) queue:
   or inline.
 
 A copy returns a `Ticket`: `wait()` blocks the calling host thread until the copy is done;
-`wait_stream()` makes the current device stream wait for it (on CUDA without blocking the
-host). FIFO order matters: a unit's last ticket done means all its earlier copies are done.
+`wait_stream(also)` makes the current device stream, and the streams in `also`, wait for it (on
+CUDA without blocking the host). FIFO order matters: a unit's last ticket done means all its earlier copies are done.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -29,7 +29,7 @@ from llmscale.offload.timeline import Timeline
 class Ticket(Protocol):
     def wait(self) -> None: ...
 
-    def wait_stream(self) -> None: ...
+    def wait_stream(self, also: Sequence[Any] = ()) -> None: ...
 
 
 class DoneTicket:
@@ -38,7 +38,7 @@ class DoneTicket:
     def wait(self) -> None:
         return None
 
-    def wait_stream(self) -> None:
+    def wait_stream(self, also: Sequence[Any] = ()) -> None:
         return None
 
 
@@ -54,8 +54,8 @@ class FutureTicket:
     def wait(self) -> None:
         self.future.result()
 
-    def wait_stream(self) -> None:
-        self.future.result()
+    def wait_stream(self, also: Sequence[Any] = ()) -> None:
+        self.future.result()  # the host waits: every stream after it is ordered
 
 
 class CudaTicket:
@@ -68,8 +68,10 @@ class CudaTicket:
     def wait(self) -> None:
         self.event.synchronize()
 
-    def wait_stream(self) -> None:
+    def wait_stream(self, also: Sequence[Any] = ()) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)
+        for stream in also:
+            stream.wait_event(self.event)
 
 
 class Copier(Protocol):

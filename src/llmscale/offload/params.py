@@ -130,8 +130,8 @@ class ParamOffload:
         """Give `u` its storage and queue the copies into it (no wait); a no-op if resident."""
         if u.resident:
             return
-        if self.device.type == "cuda":
-            stream = self.copier.stream  # type: ignore[attr-defined]
+        stream = getattr(self.copier, "stream", None)  # none when copies run inline
+        if self.device.type == "cuda" and stream is not None:
             with torch.cuda.stream(stream):
                 for p in u.pieces:
                     p.device.untyped_storage().resize_(p.nbytes)

@@ -55,8 +55,8 @@ def _shards(g: torch.Tensor) -> int:
 @torch.no_grad()
 def total_grad_norm(grads: list[torch.Tensor], dims: ParallelDims) -> torch.Tensor:
     """The L2 norm of all gradients of the model, identical on every rank."""
-    if not grads:
-        sq = torch.zeros(())
+    if not grads:  # on the mesh's device: NCCL ranks must all reduce a CUDA tensor
+        sq = torch.zeros((), device=dims.mesh.device_type if dims.mesh is not None else "cpu")
     else:
         locals_ = [local_tensor(g) for g in grads]
         norms = torch._foreach_norm(locals_)

@@ -76,6 +76,10 @@ class PipelineTimeline:
         def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             if self._ops is None:
                 return fn(chunk_id, *args, **kwargs)
+            if self._sync is not None:
+                # Work queued before this op (a NCCL receive's wait is on the stream, not the
+                # host) belongs to the idle time before it, not to its compute.
+                self._sync()
             t0 = time.time()
             out = fn(chunk_id, *args, **kwargs)
             if self._sync is not None:
