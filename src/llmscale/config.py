@@ -34,9 +34,13 @@ class JobSection:
     run_dir: str = "runs/demo"
     seed: int = 0
     device: str = "auto"
+    # Before building the model, the planner's memory prediction against the device: a run
+    # that cannot fit is stopped ("error"), or only warned about ("warn"), or not checked.
+    memory_check: str = "error"
 
     def validate(self) -> None:
         _choice("job.device", self.device, DEVICES)
+        _choice("job.memory_check", self.memory_check, ("error", "warn", "off"))
         _nonneg("job.seed", self.seed)
         if not self.run_dir:
             raise ConfigError("job.run_dir", self.run_dir, "a non-empty folder path")

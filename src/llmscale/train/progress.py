@@ -82,6 +82,8 @@ class StepReporter:
                 f"layout: {trainer.dims.describe()}" + "".join(f", {e}" for e in extras if e)
             )
         self.console.print(f"data: {trainer.corpus_summary}")
+        for w in trainer.memory_warnings:
+            self.console.print(f"[yellow]{w}[/]", highlight=False)
         if resumed:
             self.console.print(f"resumed from step {trainer.step}")
         if c.metrics.progress and self.console.is_terminal:

@@ -48,6 +48,7 @@ from llmscale.parallel.timeline import FILE_NAME as TIMELINE_FILE
 from llmscale.parallel.timeline import PipelineTimeline, write_timeline
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_scheduler
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
@@ -140,6 +141,8 @@ class Trainer:
         cfg.validate(world_size=env_world_size())
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
+        # Will it fit? The planner's prediction against this device, before anything is built.
+        self.memory_warnings = check_memory(cfg, self.device)
         init_distributed(self.device)
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.dims.build_mesh(self.device)
