@@ -67,6 +67,8 @@ def _job(args: argparse.Namespace, run_dir: Path, *overrides: str) -> JobConfig:
             "--data.max_files", str(args.data_files), "--precision.mode", "bf16",
             "--train.steps", str(args.steps), "--metrics.progress", "false",
             "--checkpoint.enabled", "false", "--lr_scheduler.warmup_steps", "0",
+            # The largest-micro-batch search measures where the planner's limit really is.
+            "--job.memory_check", "off",
             *overrides,
         ],
     )  # fmt: skip
