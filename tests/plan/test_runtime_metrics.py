@@ -16,6 +16,11 @@ from llmscale.plan.predict import expected_runtime_metrics, predict_memory
 from llmscale.train.trainer import Trainer
 
 CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
+# The GPT variant on the tiny shape: LayerNorm, GELU, learned positions, biases, tied embeddings.
+GPT = [
+    "--model.norm", "layernorm", "--model.mlp", "gelu", "--model.pos_emb", "learned",
+    "--model.bias", "true", "--model.tie_embeddings", "true", "--model.n_kv_heads", "4",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -33,22 +38,7 @@ CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
             "--model.tie_embeddings",
             "true",
         ],
-        [  # the GPT variant on the tiny shape: LayerNorm, GELU, learned positions, biases, tied
-            "--model.norm",
-            "layernorm",
-            "--model.mlp",
-            "gelu",
-            "--model.pos_emb",
-            "learned",
-            "--model.bias",
-            "true",
-            "--model.tie_embeddings",
-            "true",
-            "--model.n_kv_heads",
-            "4",
-            "--precision.mode",
-            "bf16",
-        ],  # fmt: skip
+        [*GPT, "--precision.mode", "bf16"],
         ["--optimizer.offload", "optimizer", "--precision.mode", "fp32"],
         ["--optimizer.offload", "optimizer", "--precision.mode", "bf16"],
         [
@@ -59,24 +49,7 @@ CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
             "--train.recompute",
             "full",
         ],
-        [  # the GPT variant over offloaded bf16 weights: LayerNorm runs in bf16
-            "--optimizer.offload",
-            "optimizer",
-            "--precision.mode",
-            "bf16",
-            "--model.norm",
-            "layernorm",
-            "--model.mlp",
-            "gelu",
-            "--model.pos_emb",
-            "learned",
-            "--model.bias",
-            "true",
-            "--model.tie_embeddings",
-            "true",
-            "--model.n_kv_heads",
-            "4",
-        ],  # fmt: skip
+        [*GPT, "--optimizer.offload", "optimizer", "--precision.mode", "bf16"],  # LayerNorm in bf16
         ["--optimizer.offload", "optimizer+params", "--precision.mode", "fp32"],
         [
             "--optimizer.offload",
