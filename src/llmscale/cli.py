@@ -530,6 +530,7 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.bench.report import markdown, print_suite, write_json
     from llmscale.bench.runner import BenchOptions
     from llmscale.bench.suites import SUITES, get_suite
+    from llmscale.config import DEVICES
     from llmscale.model.config import get_preset
 
     names = list(SUITES) if args.what == "all" else [w.strip() for w in args.what.split(",")]
@@ -542,8 +543,8 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"--{name}", getattr(args, name), "a positive integer")
     if args.warmup < 0:
         raise ConfigError("--warmup", args.warmup, ">= 0")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError("--device", args.device, "auto | cpu | cuda")
+    if args.device not in DEVICES:
+        raise ConfigError("--device", args.device, " | ".join(DEVICES))
     opts = BenchOptions(
         model=args.model,
         seq_len=args.seq,
