@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, GiB, Node
@@ -298,17 +300,30 @@ def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_O
         plan.sequence_parallel, plan.recompute, plan.recompute_every_k, plan.pp,
         plan.pp_schedule, plan.chunks, plan.microbatches, rank, plan.lowp_weights,
     )  # fmt: skip
-    hit = _ACT_CACHE.get(key)
-    if hit is None:
-        if len(_ACT_CACHE) > 1 << 16:
-            _ACT_CACHE.clear()
-        # Keep the model and options alive with the entry, so that their ids stay unique.
-        _KEEP[id(plan.model)], _KEEP[id(opt)] = plan.model, opt
-        hit = _ACT_CACHE[key] = _stage_activation_bytes(plan, rank, opt)
-    return hit
+    return _memo(_ACT_CACHE, key, plan, opt, lambda: _stage_activation_bytes(plan, rank, opt))
 
 
 _KEEP: dict[int, object] = {}
+_T = TypeVar("_T")
+
+
+def _memo(
+    cache: dict[tuple[object, ...], _T],
+    key: tuple[object, ...],
+    plan: Plan,
+    opt: MemoryOptions,
+    compute: Callable[[], _T],
+) -> _T:
+    """`cache[key]`, computed on a miss. The key names the plan's model and options by id (the
+    search builds many plans that share them, and hashing them is slow), so both are kept alive
+    for as long as any entry may name them, and no other object can take their ids."""
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) > 1 << 16:
+            cache.clear()
+        _KEEP[id(plan.model)], _KEEP[id(opt)] = plan.model, opt
+        hit = cache[key] = compute()
+    return hit
 
 
 def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
@@ -348,15 +363,14 @@ def _rank_states(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]
         id(plan.model), id(opt), plan.tp, plan.pp, rank, plan.dp_shard, plan.zero_stage,
         plan.offload, plan.precision, plan.dp_replicate > 1, plan.chunks,
     )  # fmt: skip
-    hit = _STATES_CACHE.get(key)
-    if hit is None:
-        if len(_STATES_CACHE) > 1 << 16:
-            _STATES_CACHE.clear()
-        _KEEP[id(plan.model)], _KEEP[id(opt)] = plan.model, opt
+
+    def compute() -> tuple[float, ...]:
         vp = opt.kernels.vocab_parallel
-        sp = stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp)
-        hit = _STATES_CACHE[key] = _states(plan, sp, opt)
-    return hit
+        return _states(
+            plan, stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp), opt
+        )
+
+    return _memo(_STATES_CACHE, key, plan, opt, compute)
 
 
 def _rank_pieces(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]:
