@@ -133,20 +133,18 @@ class InlineCopier:
         return None
 
 
-class ThreadCopier:
+class ThreadCopier(InlineCopier):
     """One worker thread per direction: the CPU-host stand-in for a copy engine.
 
-    `link_bytes_per_s` makes each copy last at least as long as it would over a link of that
-    bandwidth (sleeping, so the cores stay free): a way to see on a CPU host how much of a
-    PCIe-like transfer the pipeline hides.
+    Each copy is `InlineCopier.copy`, run on the thread. `link_bytes_per_s` makes each copy last
+    at least as long as it would over a link of that bandwidth (sleeping, so the cores stay
+    free): a way to see on a CPU host how much of a PCIe-like transfer the pipeline hides.
     """
 
     def __init__(
         self, lane: str, timeline: Timeline | None, link_bytes_per_s: float | None = None
     ) -> None:
-        self.lane = lane
-        self.timeline = timeline
-        self.link = Link(link_bytes_per_s) if link_bytes_per_s else None
+        super().__init__(lane, timeline, link_bytes_per_s)
         # Copies are memory-bound; one intra-op thread each keeps them off compute's cores.
         self._pool = cf.ThreadPoolExecutor(
             1,
@@ -155,17 +153,11 @@ class ThreadCopier:
             initargs=(1,),
         )
 
-    def _run(self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str) -> None:
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _throttle(self.link, t0, src.nbytes)
-        if self.timeline is not None:
-            self.timeline.add(step, unit, phase, self.lane, t0, time.perf_counter())
-
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
     ) -> Ticket:
-        return FutureTicket(self._pool.submit(self._run, dst, src, step, unit, phase))
+        inline = super().copy
+        return FutureTicket(self._pool.submit(inline, dst, src, step, unit, phase))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
