@@ -95,23 +95,13 @@ class SavedActivations:
         self._hooks: Any = None
 
     def add(self, t: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(t) and not _is_parameter(t):
-            # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside. A
-            # DTensor parameter (FSDP's unsharded one under TP) is checked before unwrapping.
-            attrs, _ = t.__tensor_flatten__()
-            for a in attrs:
-                inner = getattr(t, a)
-                if isinstance(inner, torch.Tensor):
-                    self.add(inner)
-            return
-        if t.device.type == "meta" or t.layout != torch.strided or _is_parameter(t):
-            return
-        key = _storage_key(t)
-        if key in self._excluded or key in self._seen:
-            return
-        self._seen.add(key)
-        self.bytes += t.untyped_storage().nbytes()
-        self.tensors += 1
+        for leaf in _plain_tensors(t):
+            key = _storage_key(leaf)
+            if key in self._excluded or key in self._seen:
+                continue
+            self._seen.add(key)
+            self.bytes += leaf.untyped_storage().nbytes()
+            self.tensors += 1
 
     def _pack(self, t: torch.Tensor) -> Any:
         self.add(t)
@@ -221,6 +211,8 @@ class LiveActivations:
 def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The countable plain tensors behind `t`: none for parameters, meta or sparse tensors."""
     if is_traceable_wrapper_subclass(t) and not _is_parameter(t):
+        # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside. A
+        # DTensor parameter (FSDP's unsharded one under TP) is checked before unwrapping.
         attrs, _ = t.__tensor_flatten__()
         out: list[torch.Tensor] = []
         for a in attrs:
