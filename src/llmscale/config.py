@@ -269,6 +269,18 @@ class JobConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
 
     @property
+    def fsdp_cpu_offload(self) -> bool:
+        """`optimizer+params` under data parallelism: FSDP2's CPUOffloadPolicy holds the params.
+
+        FSDP2 (and replicate, built on it) owns its parameters' storage: it frees and
+        all-gathers it itself, so `offload.params` cannot free and refill it. Its own policy does
+        the same job: the fp32 shards (the master weights) and their gradients stay in host
+        memory, every all-gather copies the shards up and every reduce-scatter the gradients
+        down, and torch's AdamW steps on the host (`parallel.data_parallel.apply_fsdp`).
+        """
+        return self.optimizer.offload == "optimizer+params" and self.parallel.dp > 1
+
+    @property
     def accum_steps(self) -> int:
         """Micro-steps per optimizer step: global = micro x accum x dp."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)

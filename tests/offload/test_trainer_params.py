@@ -8,7 +8,6 @@ import torch
 from llmscale.cli import main
 from llmscale.config import load_config
 from llmscale.offload import OffloadedAdamW, read_timeline
-from llmscale.offload.build import fsdp_offloads_params
 from llmscale.offload.timeline import PARAMS_LANE
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.plot import timeline_path
@@ -154,8 +153,8 @@ def test_under_data_parallelism_fsdp2_holds_the_parameters() -> None:
     """dp > 1: FSDP2's CPUOffloadPolicy (tests/offload/test_offload_layouts.py trains it)."""
     batch = ["--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
     for layout in (["--parallel.dp_shard", "2"], ["--parallel.dp_replicate", "2"]):
-        assert fsdp_offloads_params(load_config(None, [*PARAMS, *batch, *layout]))
+        assert load_config(None, [*PARAMS, *batch, *layout]).fsdp_cpu_offload
     for layout in (["--parallel.tp", "2"], ["--parallel.pp", "2"]):
-        assert not fsdp_offloads_params(load_config(None, [*PARAMS, *batch, *layout]))
+        assert not load_config(None, [*PARAMS, *batch, *layout]).fsdp_cpu_offload
     off = ["--optimizer.offload", "optimizer", *batch, "--parallel.dp_shard", "2"]
-    assert not fsdp_offloads_params(load_config(None, off))
+    assert not load_config(None, off).fsdp_cpu_offload

@@ -24,18 +24,6 @@ def update_in_backward(cfg: JobConfig) -> bool:
     )
 
 
-def fsdp_offloads_params(cfg: JobConfig) -> bool:
-    """`optimizer+params` under data parallelism: FSDP2's CPUOffloadPolicy holds the parameters.
-
-    FSDP2 (and replicate, built on it) owns its parameters' storage: it frees and all-gathers it
-    itself, so `offload.params` cannot free and refill it. Its own policy does the same job: the
-    fp32 shards (the master weights) and their gradients stay in host memory, every all-gather
-    copies the shards up and every reduce-scatter the gradients down, and torch's AdamW steps on
-    the host (`parallel.data_parallel.apply_fsdp`).
-    """
-    return cfg.optimizer.offload == "optimizer+params" and cfg.parallel.dp > 1
-
-
 def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     """`[optimizer] offload = "none"`: torch AdamW; otherwise `OffloadedAdamW`, attached.
 
@@ -45,7 +33,7 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     FSDP2's CPUOffloadPolicy, whose host shards torch's AdamW updates where they are.
     """
     o = cfg.optimizer
-    if o.offload == "none" or fsdp_offloads_params(cfg):
+    if o.offload == "none" or cfg.fsdp_cpu_offload:
         return optim.build_optimizer(model, o)
     # FSDP2 and replicate reduce gradients on the last micro-step only (the trainer turns the
     # sync off before), and only then run the parameters' gradient hooks: once per step.
@@ -77,7 +65,7 @@ def optimizer_memory(
 
     `optimizer_bytes` is the Adam moments and step counters wherever they live (as before,
     and as the planner predicts it); the `device_*`/`host_*` keys say where. `on_host`: torch
-    optimizers whose parameters FSDP2 keeps on the host (`fsdp_offloads_params`).
+    optimizers whose parameters FSDP2 keeps on the host (`JobConfig.fsdp_cpu_offload`).
     """
     keys = ("device_optimizer_bytes", "device_master_bytes", "host_optimizer_bytes")
     row: dict[str, Any] = dict.fromkeys((*keys, "host_master_bytes"), 0)

@@ -58,6 +58,6 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
                 shard=dims.fsdp,
                 zero_stage=p.zero_stage,
                 precision=cfg.precision.mode,
-                cpu_offload=cfg.optimizer.offload == "optimizer+params",
+                cpu_offload=cfg.fsdp_cpu_offload,
             )
     return ParallelModel(list(parts), ids, n_stages)

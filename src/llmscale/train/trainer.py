@@ -37,7 +37,6 @@ from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
-from llmscale.offload.build import fsdp_offloads_params
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
@@ -171,14 +170,12 @@ class Trainer:
         self.parallel = parallelize(build_model(cfg.model, "meta"), self.dims, cfg)
         self.model_parts: list[nn.Module] = self.parallel.parts
         # FSDP2's CPU offload (optimizer+params under data parallelism) keeps shards on the host.
-        host = torch.device("cpu") if fsdp_offloads_params(cfg) else None
+        host = torch.device("cpu") if cfg.fsdp_cpu_offload else None
         materialize(self.model_parts, self.device, cfg.job.seed, param_device=host)
         self.n_params = cfg.model.num_params()
         # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here).
         self.optimizers = [build_optimizer(part, cfg) for part in self.model_parts]
         self.offloaded = isinstance(self.optimizers[0], OffloadedAdamW)
-        # optimizer+params under FSDP2: its CPUOffloadPolicy keeps shards and gradients on the host.
-        self.fsdp_host = fsdp_offloads_params(cfg)
         self.schedulers = [
             build_scheduler(opt, cfg.train.steps, cfg.lr_scheduler) for opt in self.optimizers
         ]
@@ -376,7 +373,7 @@ class Trainer:
             grad_norm = clip_grad_norm_(params, max_norm, self.dims)
         out["grad_norm"] = float(grad_norm)
         out["grad_bytes"] = M.grad_bytes(self.model_parts)
-        if self.fsdp_host:  # the sharded fp32 gradients FSDP2 copied to the host
+        if cfg.fsdp_cpu_offload:  # the sharded fp32 gradients FSDP2 copied to the host
             out["host_grad_bytes"], out["grad_bytes"] = out["grad_bytes"], 0
         if not found_inf:
             for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
@@ -401,8 +398,8 @@ class Trainer:
         row: dict[str, Any] = self.optimizer_step()
         row["param_bytes"] = M.param_bytes(self.model_parts)
         # optimizer_bytes, device_*, host_*
-        row.update(optimizer_memory(self.optimizers, on_host=self.fsdp_host))
-        if self.fsdp_host:  # the fp32 shards on the host are the master weights
+        row.update(optimizer_memory(self.optimizers, on_host=cfg.fsdp_cpu_offload))
+        if cfg.fsdp_cpu_offload:  # the fp32 shards on the host are the master weights
             row["host_master_bytes"], row["param_bytes"] = row["param_bytes"], 0
         row["activation_bytes"] = act_bytes
         if self.activation_peak is not None:  # pipelines: the schedule's micro-batches in flight
