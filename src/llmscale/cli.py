@@ -32,7 +32,8 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
             "Run under `torchrun --nproc-per-node N` for N processes."
         ),
         epilog="Sections: [job] [model] [data] [train] [precision] [optimizer] [lr_scheduler] "
-        "[checkpoint] [metrics] [parallel]; see configs/default.toml for every key.",
+        "[checkpoint] [metrics] [parallel]; every key and its allowed values are in the README's "
+        "configuration table (an unknown key is refused with the allowed ones named).",
     )
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
