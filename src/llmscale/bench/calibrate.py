@@ -19,7 +19,7 @@ from llmscale.hardware.catalog import GPU
 from llmscale.hardware.spec import Sourced
 from llmscale.model.config import ModelConfig
 from llmscale.plan.cluster import Cluster
-from llmscale.train.precision import DTYPES
+from llmscale.tensors import DTYPES
 
 SOURCE = "measured by llmscale bench micro-benchmarks on this machine"
 

@@ -49,8 +49,8 @@ from torch.optim.adamw import adamw as functional_adamw
 from llmscale.offload.engine import DONE, Ticket, make_agents
 from llmscale.offload.params import ParamOffload, Piece, UnitParams
 from llmscale.offload.timeline import COMPUTE_LANE, Timeline
-from llmscale.train.metrics import tensor_bytes
-from llmscale.train.precision import DynamicLossScaler, local_tensor
+from llmscale.tensors import is_dtensor, local_tensor, tensor_bytes
+from llmscale.train.precision import DynamicLossScaler
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 _LAYER = re.compile(r"^(.*?layers\.\d+)\.")
@@ -408,7 +408,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             key = prefix + s.name
             if key in state_dict and s.host_param is not None:
                 host = s.host_param
-                state_dict[key] = _dtensor_like(s.param, host) if _is_dtensor(s.param) else host
+                state_dict[key] = _dtensor_like(s.param, host) if is_dtensor(s.param) else host
 
     @staticmethod
     def _in_backward() -> bool:
@@ -483,7 +483,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._compute(unit.name, "backward", self._cursor, now)
         assert p.grad is not None
         g = p.grad
-        if _is_dtensor(g) and _is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
+        if is_dtensor(g) and is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
             # Under TP autograd may leave a Partial (sequence-parallel norms) or Replicate
             # (vocab-parallel embedding) gradient: give it its parameter's layout first, as
             # parallel.grads.match_grad_placements_ does on the device path.
@@ -716,7 +716,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             (p for g in self.param_groups for p in g["params"]),
             strict=True,
         ):
-            if _is_dtensor(p):
+            if is_dtensor(p):
                 sd["state"][key] = {
                     k: (_dtensor_like(p, v) if k != "step" else v)
                     for k, v in sd["state"][key].items()
@@ -933,10 +933,6 @@ def _is_fsdp_module(m: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(m, FSDPModule)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
 def _dtensor_like(param: Any, host: torch.Tensor) -> Any:

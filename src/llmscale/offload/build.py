@@ -12,7 +12,7 @@ from llmscale.config import JobConfig
 from llmscale.offload.adamw import OffloadedAdamW, _is_fsdp_module
 from llmscale.train import optim
 from llmscale.train.metrics import optimizer_state_bytes
-from llmscale.train.precision import DTYPES
+from llmscale.tensors import DTYPES
 
 
 def update_in_backward(cfg: JobConfig) -> bool:

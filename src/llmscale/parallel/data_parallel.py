@@ -38,7 +38,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from llmscale.train.precision import DTYPES
+from llmscale.tensors import DTYPES
 
 
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from llmscale.parallel.dims import ParallelDims
-from llmscale.train.precision import local_tensor
+from llmscale.tensors import local_tensor
 
 
 @torch.no_grad()

@@ -11,21 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmscale.train.precision import local_tensor
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of this rank's part of each tensor, each storage counted once."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        t = local_tensor(t)
-        key = t.untyped_storage().data_ptr()
-        if key in seen or t.device.type == "meta":
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total
+from llmscale.tensors import tensor_bytes
 
 
 def param_bytes(modules: Iterable[nn.Module]) -> int:

@@ -19,14 +19,9 @@ import torch
 import torch.distributed as dist
 
 from llmscale.config import PrecisionSection
+from llmscale.tensors import DTYPES, local_tensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_MIN_SUBNORMAL = 2.0**-24
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds, for a DTensor; the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def autocast(mode: str, device_type: str) -> contextlib.AbstractContextManager[Any]:

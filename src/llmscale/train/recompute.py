@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 
 from llmscale.model.transformer import AttentionCore, TransformerBlock
+from llmscale.tensors import local_tensor
 
 _state = threading.local()
 
@@ -225,17 +226,13 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (matmul saves weight.t())."""
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    local = _local(t)
+    local = local_tensor(t)
     return (local.untyped_storage().data_ptr(), local.device.index or 0)
 
 
