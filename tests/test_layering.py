@@ -29,8 +29,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("llmscale.bench",),
     ("llmscale.cli", "llmscale.__main__", "llmscale"),
 ]
-TORCH_FREE = ("llmscale.errors", "llmscale.ui", "llmscale.config", "llmscale.model.config",
-              "llmscale.hardware", "llmscale.plan")
+TORCH_FREE = (
+    "llmscale.errors",
+    "llmscale.ui",
+    "llmscale.config",
+    "llmscale.model.config",
+    "llmscale.hardware",
+    "llmscale.plan",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -102,9 +108,8 @@ def _graph() -> dict[str, list[tuple[str, int]]]:
     for name, path in modules.items():
         edges = []
         for imported, line in _imports(ast.parse(path.read_text()), name):
-            if imported.split(".")[0] == "llmscale" and imported in modules:
-                edges.append((imported, line))
-            elif imported.split(".")[0] == "torch":
+            root = imported.split(".")[0]
+            if (root == "llmscale" and imported in modules) or root == "torch":
                 edges.append((imported, line))
         graph[name] = edges
     return graph
@@ -153,7 +158,7 @@ def test_no_package_cycle() -> None:
         state[node] = 1
         for nxt in sorted(deps.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
             elif nxt not in state:
                 visit(nxt, [*path, nxt])
         state[node] = 2
@@ -165,8 +170,11 @@ def test_no_package_cycle() -> None:
 
 
 @pytest.mark.parametrize(
-    ("low", "high"), [("llmscale.plan.memory", "llmscale.train.trainer"),
-                      ("llmscale.tensors", "llmscale.model.transformer")]
+    ("low", "high"),
+    [
+        ("llmscale.plan.memory", "llmscale.train.trainer"),
+        ("llmscale.tensors", "llmscale.model.transformer"),
+    ],
 )
 def test_levels_are_ordered(low: str, high: str) -> None:
     """The checker itself: a known-lower module ranks below a known-higher one."""

@@ -10,9 +10,9 @@ from torch import nn
 
 from llmscale.config import JobConfig
 from llmscale.offload.adamw import OffloadedAdamW, _is_fsdp_module
+from llmscale.tensors import DTYPES
 from llmscale.train import optim
 from llmscale.train.metrics import optimizer_state_bytes
-from llmscale.tensors import DTYPES
 
 
 def update_in_backward(cfg: JobConfig) -> bool:
