@@ -179,3 +179,13 @@ def test_no_package_cycle() -> None:
 def test_levels_are_ordered(low: str, high: str) -> None:
     """The checker itself: a known-lower module ranks below a known-higher one."""
     assert level(low) < level(high)
+
+
+def test_dtype_bytes_match_torch() -> None:
+    """The torch-free byte table agrees with torch's own element sizes."""
+    from llmscale.config import DTYPE_BYTES
+    from llmscale.tensors import DTYPES
+
+    assert set(DTYPE_BYTES) == set(DTYPES)
+    for name, nbytes in DTYPE_BYTES.items():
+        assert DTYPES[name].itemsize == nbytes

@@ -13,17 +13,30 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import ModelConfig, get_preset
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE_MODES = ("none", "full", "selective", "every_k")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-LR_DECAYS = ("cosine", "linear", "constant")
-DEVICES = ("auto", "cpu", "cuda")
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+# Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
+Precision = Literal["fp32", "bf16", "fp16"]
+Recompute = Literal["none", "full", "selective", "every_k"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+LRDecay = Literal["cosine", "linear", "constant"]
+Device = Literal["auto", "cpu", "cuda"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+MemoryCheck = Literal["error", "warn", "off"]
+
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)
+PP_SCHEDULES: tuple[PPSchedule, ...] = get_args(PPSchedule)
+LR_DECAYS: tuple[LRDecay, ...] = get_args(LRDecay)
+DEVICES: tuple[Device, ...] = get_args(Device)
+OFFLOAD_MODES: tuple[Offload, ...] = get_args(Offload)
+MEMORY_CHECKS: tuple[MemoryCheck, ...] = get_args(MemoryCheck)
+
+# Bytes of one element in each precision: the planner's and the runtime's one table.
+DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -40,7 +53,7 @@ class JobSection:
 
     def validate(self) -> None:
         _choice("job.device", self.device, DEVICES)
-        _choice("job.memory_check", self.memory_check, ("error", "warn", "off"))
+        _choice("job.memory_check", self.memory_check, MEMORY_CHECKS)
         _nonneg("job.seed", self.seed)
         if not self.run_dir:
             raise ConfigError("job.run_dir", self.run_dir, "a non-empty folder path")
