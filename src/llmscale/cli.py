@@ -56,9 +56,13 @@ def _one_of(field: str, value: str, allowed: Sequence[str]) -> None:
 # ---- train --------------------------------------------------------------------------------
 
 
-def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
+def _config_keys_help() -> str:
     from llmscale.config_docs import help_text
 
+    return help_text()
+
+
+def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "train",
         help="train a model (one process, or many under torchrun)",
@@ -69,7 +73,7 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
         ),
         formatter_class=_EpilogAsWritten,
     )
-    p.lazy_epilog = help_text
+    p.lazy_epilog = _config_keys_help
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
