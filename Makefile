@@ -26,7 +26,7 @@ test: $(STAMP)
 
 # Measured vs predicted, every bench suite on this machine: docs/results.md and its plots.
 results: $(STAMP)
-	$(LLMSCALE) bench --what all --png docs/results --json docs/results/results.json \
+	$(LLMSCALE) bench --what all --png docs/results --json-out docs/results/results.json \
 		--markdown docs/results.md
 
 lint: $(STAMP)

@@ -118,3 +118,66 @@ def test_planner_commands_do_not_import_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_version(capsys) -> None:
+    import tomllib
+    from pathlib import Path
+
+    import llmscale
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"llmscale {llmscale.__version__}\n"
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == llmscale.__version__
+
+
+def test_program_name_once_in_errors(tmp_path) -> None:
+    """`llmscale: error` at the top level, `llmscale train: error` in a command: never twice."""
+    r = _run(["nosuchcommand"], tmp_path)
+    assert r.stderr.startswith("llmscale: error: ") and "llmscale llmscale" not in r.stderr
+    r = _run(["train", "--nosuch"], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("llmscale train: error: "), r.stderr
+
+
+def test_train_help_lists_every_key_with_default_and_choices(capsys) -> None:
+    from llmscale.config_docs import config_keys
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for k in config_keys():
+        assert f"--{k.key} " in out
+    assert '--precision.mode fp32 | bf16 | fp16  (default "fp32")' in out
+    assert '--train.recompute none | full | selective | every_k  (default "none")' in out
+    assert '--optimizer.offload none | optimizer | optimizer+params  (default "none")' in out
+    assert "--parallel.zero_stage 0 | 1 | 2 | 3  (default 3)" in out
+    assert "--train.steps int  (default 50)" in out
+    assert "Optimizer steps to train." in out  # the field's docstring
+    assert '--model.norm rmsnorm | layernorm  (default "rmsnorm")' in out
+
+
+def test_bench_json_out_writes_rows(tmp_path, monkeypatch, capsys) -> None:
+    """`--json-out FILE` writes the rows; `--json` is no longer a bench flag (it prints)."""
+    import json
+
+    from llmscale.bench import suites
+    from llmscale.bench.report import Row, SuiteResult
+
+    def fake(opts):
+        return SuiteResult("memory", "Memory", [Row("memory", "fp32", "params", "B", 100, 100)])
+
+    monkeypatch.setattr(suites, "get_suite", lambda name: fake)
+    out, md = tmp_path / "r.json", tmp_path / "docs" / "results.md"
+    argv = ["bench", "--what", "memory", "--json-out", str(out), "--markdown", str(md)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["memory"]["rows"][0]["ratio"] == 1.0
+    page = md.read_text()
+    assert page.startswith("# Measured vs predicted") and "llmscale bench --model small" in page
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--json", str(out)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("llmscale bench: error: ")

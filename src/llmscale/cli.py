@@ -5,21 +5,61 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from llmscale import __version__
+from llmscale.config import DEVICES, PP_SCHEDULES, PRECISIONS
 from llmscale.errors import ConfigError, UsageError
 
 EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but errors are one line on stderr and exit code 2 (its own default code)."""
+    """argparse, but errors are one line on stderr and exit code 2 (its own default code).
+
+    `lazy_epilog`, when set, builds the epilog only when help is asked for (the train command's
+    list of config keys parses the config's source).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: `bench --json` must not silently mean `--json-out`.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.lazy_epilog: Callable[[], str] | None = None
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"llmscale {self.prog.split()[-1]}: error: {message}\n")
+        # prog is "llmscale" or "llmscale <command>": the program name once.
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(EXIT_USAGE)
+
+    def format_help(self) -> str:
+        if self.lazy_epilog is not None:
+            self.epilog = self.lazy_epilog()
+        return super().format_help()
+
+
+class _EpilogAsWritten(argparse.HelpFormatter):
+    """Wraps the description as usual, but keeps a multi-line text (the key list) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _one_of(field: str, value: str, allowed: Sequence[str]) -> None:
+    """A choice-valued flag: the same one-line error as a config field."""
+    if value not in allowed:
+        raise ConfigError(field, value, " | ".join(allowed))
 
 
 # ---- train --------------------------------------------------------------------------------
+
+
+def _config_keys_help() -> str:
+    from llmscale.config_docs import help_text
+
+    return help_text()
 
 
 def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -31,10 +71,9 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
             "--section.key value (e.g. --train.steps 20 --precision.mode bf16). "
             "Run under `torchrun --nproc-per-node N` for N processes."
         ),
-        epilog="Sections: [job] [model] [data] [train] [precision] [optimizer] [lr_scheduler] "
-        "[checkpoint] [metrics] [parallel]; every key and its allowed values are in the README's "
-        "configuration table (an unknown key is refused with the allowed ones named).",
+        formatter_class=_EpilogAsWritten,
     )
+    p.lazy_epilog = _config_keys_help
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
@@ -152,7 +191,7 @@ def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "--schedule",
         default="1f1b",
-        help="gpipe | 1f1b | interleaved_1f1b (alias: interleaved); default 1f1b",
+        help=" | ".join(PP_SCHEDULES) + " (alias: interleaved); default 1f1b",
     )
     p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("--t-fwd", default="1", help="forward time, or per-stage list (default 1)")
@@ -172,51 +211,25 @@ def _parse_costs(field: str, text: str) -> float | list[float]:
 
 
 def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
-    from llmscale.plan.gantt import draw_gantt_png, text_gantt
-    from llmscale.plan.schedule import bubble_fraction, peak_inflight_closed_form, simulate
+    from llmscale.plan.gantt import draw_gantt_png
+    from llmscale.plan.schedule_report import schedule_report
 
-    schedule = _SCHEDULE_ALIASES.get(args.schedule, args.schedule)
     t_p2p = _parse_costs("t_p2p", args.t_p2p)
     if isinstance(t_p2p, list):
         raise ConfigError("t_p2p", args.t_p2p, "one number >= 0")
-    res = simulate(
-        schedule,
+    rep = schedule_report(
+        _SCHEDULE_ALIASES.get(args.schedule, args.schedule),
         args.pp,
         args.microbatches,
         args.chunks,
         t_fwd=_parse_costs("t_fwd", args.t_fwd),
         t_bwd=_parse_costs("t_bwd", args.t_bwd),
         t_p2p=t_p2p,
+        width=args.width,
     )
-    closed = bubble_fraction(schedule, args.pp, args.microbatches, args.chunks)
-    closed_peak = peak_inflight_closed_form(schedule, args.pp, args.microbatches, args.chunks)
-    formula = "(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"
-    if args.width < 10:
-        raise ConfigError("width", args.width, "an integer >= 10")
-    quantum, lines = text_gantt(res, args.width)
-    peaks = "  ".join(f"rank {r}: {n}" for r, n in enumerate(res.peak_inflight))
-    print(
-        f"schedule        {schedule}  pp={res.pp}  microbatches={res.microbatches}  "
-        f"chunks={res.chunks}"
-    )
-    print(f"costs           t_fwd={args.t_fwd}  t_bwd={args.t_bwd}  t_p2p={args.t_p2p}")
-    print(f"makespan        {res.makespan:g}")
-    print(
-        f"bubble          {res.bubble_fraction:.4f}  "
-        f"(closed form {formula} = {closed:.4f}, for equal stages and free p2p)"
-    )
-    print(
-        f"peak in-flight  {peaks}  (microbatch-chunks of activations held; "
-        f"closed form {' '.join(map(str, closed_peak))})"
-    )
-    print(
-        f"gantt           1 char = {quantum:g}; F/B forward/backward + microbatch, "
-        "lower case = odd chunk, . = idle"
-    )
-    for line in lines:
-        print(line)
+    print("\n".join(rep.lines))
     if args.png:
-        print(f"wrote {draw_gantt_png(res, args.png)}")
+        print(f"wrote {draw_gantt_png(rep.result, args.png)}")
     return 0
 
 
@@ -286,55 +299,39 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
     )
-    p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--precision", default="bf16", help=" | ".join(PRECISIONS) + " (default bf16)")
     p.add_argument("--node", help="node shape (default: the GPU's; llmscale hw)")
     p.add_argument("--nic", help="NIC link (default: the node's; e.g. ib-xdr)")
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     p.add_argument("--png", help="also draw the top plans' memory as stacked bars to this PNG")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.add_argument("--json", action="store_true", help="print JSON on standard output, only")
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from llmscale.model.config import get_preset
     from llmscale.plan import report
-    from llmscale.plan.cluster import Cluster
-    from llmscale.plan.search import search
+    from llmscale.plan.search_report import MEMORY_LEGEND, NO_PLAN, plan_report
     from llmscale.ui import console
 
-    model = get_preset(args.model)
-    cluster = Cluster.of(args.gpu, node=args.node, nic=args.nic)
-    res = search(model, args.gpus, cluster, args.seq, args.global_batch, args.precision, args.top)
-    inputs = {
-        "model": args.model, "gpu": args.gpu, "gpus": args.gpus, "seq": args.seq,
-        "global_batch": args.global_batch, "precision": args.precision,
-        "node": cluster.node.name, "nic": cluster.fabric.inter.name,
-    }  # fmt: skip
-    if args.png and res.candidates:
-        report.memory_png(res, args.png)
+    rep = plan_report(
+        args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
+        node=args.node, nic=args.nic,
+    )  # fmt: skip
+    if args.png and rep.result.candidates:
+        report.memory_png(rep.result, args.png)
     if args.json:
-        print(json.dumps(report.search_json(res, inputs), indent=2))
+        print(json.dumps(rep.json(), indent=2))
         return 0
     out = console()
-    out.print(
-        f"{args.model} on {args.gpus} x {cluster.gpu.display} ({cluster.node.name}, "
-        f"{cluster.fabric.inter.name}); seq {args.seq}, global batch {args.global_batch}, "
-        f"{args.precision}: {res.evaluated:,} plans costed, {res.feasible:,} fit, "
-        f"searched in {res.seconds:.2f} s"
-    )
-    if not res.candidates:
-        out.print("no plan fits: try more GPUs, a smaller global batch or a shorter sequence")
+    out.print(rep.headline())
+    if not rep.result.candidates:
+        out.print(NO_PLAN)
         return 0
-    out.print(report.search_table(res))
-    best = res.candidates[0]
-    out.print("best: llmscale train " + " ".join(best.plan.overrides()))
-    out.print(
-        "memory columns are the fullest GPU, GiB: states = params + grads + optimizer; "
-        "working = bf16 weight copies or FSDP-unsharded params; transient includes the "
-        "allocator's 5%"
-    )
+    out.print(report.search_table(rep.result))
+    out.print(rep.best_command())
+    out.print(MEMORY_LEGEND)
     if args.png:
         out.print(f"wrote {args.png}")
     return 0
@@ -361,33 +358,23 @@ def _add_roofline(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's maximum)")
-    p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--precision", default="bf16", help=" | ".join(PRECISIONS) + " (default bf16)")
     p.set_defaults(func=_cmd_roofline)
 
 
 def _cmd_roofline(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.hardware.catalog import get_gpu
     from llmscale.model.config import get_preset
-    from llmscale.plan import report, roofline
+    from llmscale.plan.roofline_report import roofline_report
     from llmscale.ui import console
 
     model, gpu = get_preset(args.model), get_gpu(args.gpu)
-    if args.precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError("precision", args.precision, "fp32 | bf16 | fp16")
-    seq = args.seq or model.max_seq_len
-    rows = [
-        roofline.training(model, gpu, args.batch, seq, args.precision),
-        roofline.decode(model, gpu, args.batch, seq, args.precision),
-    ]
+    _one_of("precision", args.precision, PRECISIONS)
+    rep = roofline_report(model, gpu, args.batch, args.seq or model.max_seq_len, args.precision)
     out = console()
-    out.print(f"{model.name} on {gpu.display}")
-    out.print(report.roofline_table(rows))
-    b = roofline.decode_batch_at_ridge(model, gpu, seq, args.precision)
-    if b == float("inf"):
-        where = f"stays memory-bound at any batch with {seq} tokens of context (KV cache)"
-    else:
-        where = f"turns compute-bound above batch {b:,.0f} with {seq} tokens of context"
-    out.print(f"training: {rows[0].bound}; decode {where}")
+    out.print(rep.title)
+    out.print(rep.table)
+    out.print(rep.conclusion)
     return 0
 
 
@@ -422,40 +409,16 @@ def _add_network(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 def _cmd_network(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.model.config import get_preset
-    from llmscale.plan import network, report
-    from llmscale.plan.cluster import Cluster
-    from llmscale.plan.search import search
-    from llmscale.plan.time import estimate_step_time
+    from llmscale.plan.network_report import network_report
     from llmscale.ui import console
 
-    model = get_preset(args.model)
-    base = Cluster.of(args.gpu)
-    if args.gpus < 1 or args.gpus % base.gpus_per_node:
-        raise ConfigError(
-            "gpus", args.gpus, f"a positive multiple of {base.gpus_per_node} (whole nodes)"
-        )
-    gbs = args.global_batch or args.gpus
-    found = search(model, args.gpus, base, args.seq, gbs, top=1)
-    if not found.candidates:
-        raise ConfigError("gpus", args.gpus, f"enough GPUs for a {model.name} plan to fit")
-    best = found.candidates[0].plan
-    rows = network.compare(
-        args.gpus, args.gpu, lambda c: estimate_step_time(best, c).seconds, args.a2a_mb * 1e6
+    rep = network_report(
+        get_preset(args.model), args.gpus, args.gpu, args.seq, args.global_batch, args.a2a_mb
     )
     out = console()
-    out.print(report.network_table(rows, args.gpus, args.gpu))
-    lab = report.plan_label(best)
-    layout = ", ".join(f"{k} {lab[k]}" for k in ("tp", "pp", "dp", "mbs", "recompute"))
-    out.print(
-        f"plan: {model.name}, seq {args.seq}, global batch {gbs}: {layout}. Its tensor-, data- "
-        "and pipeline-parallel peers across nodes share a rail, so rail-only leaves its step "
-        "time unchanged"
-    )
-    fat, rail = rows[0].all_to_all_seconds, rows[1].all_to_all_seconds
-    out.print(
-        f"all-to-all of {args.a2a_mb:g} MB per GPU (MoE-style): rail-only {rail / fat - 1:+.1%} "
-        "for forwarding cross-rail bytes over NVLink (Wang et al. 2023 report +8.2% to +11.2%)"
-    )
+    out.print(rep.table)
+    for line in rep.lines:
+        out.print(line)
     return 0
 
 
@@ -496,42 +459,22 @@ def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="independent runs for figures that vary from run to run, e.g. the fp16 underflow "
         "share (default: 3)",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--device", default="auto", help=" | ".join(DEVICES) + " (default: auto)")
     p.add_argument("--png", metavar="DIR", help="write the suites' plots into DIR")
-    p.add_argument("--json", metavar="FILE", help="write every row as JSON")
+    p.add_argument("--json-out", metavar="FILE", help="write every row as JSON to FILE")
     p.add_argument(
         "--markdown", metavar="FILE", help="write the results as Markdown (docs/results.md)"
     )
     p.set_defaults(func=_cmd_bench)
 
 
-def _bench_header(args: argparse.Namespace) -> str:
-    import datetime
-    import os
-    import platform
-
-    import torch
-
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    )
-    return (
-        "# Measured vs predicted\n\n"
-        f"Generated by `llmscale bench --model {args.model} --what {args.what} --seq {args.seq} "
-        f"--steps {args.steps} --seeds {args.seeds}` (`make results`) on {datetime.date.today().isoformat()}: "
-        f"{os.cpu_count()} CPU cores, {device}, torch {torch.__version__}. Each table puts the "
-        "planner's prediction next to what a real short training measured on this machine; "
-        "pred/meas = predicted / measured.\n"
-    )
-
-
 def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from llmscale.bench.report import markdown, print_suite, write_json
+    from llmscale.bench.report import print_suite, write_json
+    from llmscale.bench.results_page import write_results_page
     from llmscale.bench.runner import BenchOptions
     from llmscale.bench.suites import SUITES, get_suite
-    from llmscale.config import DEVICES
     from llmscale.model.config import get_preset
 
     names = list(SUITES) if args.what == "all" else [w.strip() for w in args.what.split(",")]
@@ -544,8 +487,7 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"--{name}", getattr(args, name), "a positive integer")
     if args.warmup < 0:
         raise ConfigError("--warmup", args.warmup, ">= 0")
-    if args.device not in DEVICES:
-        raise ConfigError("--device", args.device, " | ".join(DEVICES))
+    _one_of("--device", args.device, DEVICES)
     opts = BenchOptions(
         model=args.model,
         seq_len=args.seq,
@@ -560,12 +502,14 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
         res = get_suite(n)(opts)
         print_suite(res)
         results.append(res)
-    if args.json:
-        write_json(results, Path(args.json))
+    if args.json_out:
+        write_json(results, Path(args.json_out))
     if args.markdown:
-        md = Path(args.markdown)
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(markdown(results, header=_bench_header(args), base=md.parent))
+        command = (
+            f"llmscale bench --model {args.model} --what {args.what} --seq {args.seq} "
+            f"--steps {args.steps} --seeds {args.seeds}"
+        )
+        write_results_page(results, Path(args.markdown), command)
     return 0
 
 
@@ -587,12 +531,15 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
 def build_parser() -> _Parser:
     parser = _Parser(
         prog="llmscale",
-        allow_abbrev=False,
         description="Train GPT-style decoder LLMs past the memory wall, and plan how to scale them.",
     )
+    parser.add_argument("--version", action="version", version=f"llmscale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in _COMMANDS:
         add(sub)
+    for command_parser in sub.choices.values():
+        # Errors found after parsing (arguments no command takes) name the command.
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -617,9 +564,11 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     plain, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(plain)
-    if overrides and not getattr(args, "accepts_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args, unknown = parser.parse_known_args(plain)
+    if not getattr(args, "accepts_overrides", False):
+        unknown += overrides
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args, overrides))
     except (ConfigError, UsageError) as e:

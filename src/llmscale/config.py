@@ -8,6 +8,7 @@ This module does not import torch: the planner reads the same sections.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
@@ -26,6 +27,9 @@ LRDecay = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 MemoryCheck = Literal["error", "warn", "off"]
+OffloadKernel = Literal["fused", "exact"]
+OptimizerName = Literal["adamw"]
+ZeroStage = Literal[0, 1, 2, 3]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)
@@ -34,6 +38,8 @@ LR_DECAYS: tuple[LRDecay, ...] = get_args(LRDecay)
 DEVICES: tuple[Device, ...] = get_args(Device)
 OFFLOAD_MODES: tuple[Offload, ...] = get_args(Offload)
 MEMORY_CHECKS: tuple[MemoryCheck, ...] = get_args(MemoryCheck)
+OFFLOAD_KERNELS: tuple[OffloadKernel, ...] = get_args(OffloadKernel)
+ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 
 # Bytes of one element in each precision: the planner's and the runtime's one table.
 DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -44,16 +50,20 @@ class JobSection:
     """[job]: where a run writes, its seed and its device."""
 
     name: str = "demo"
+    """Name of the run, shown in logs."""
     run_dir: str = "runs/demo"
+    """Folder the run writes: config.toml, metrics.jsonl, checkpoints."""
     seed: int = 0
-    device: str = "auto"
-    # Before building the model, the planner's memory prediction against the device: a run
-    # that cannot fit is stopped ("error"), or only warned about ("warn"), or not checked.
-    memory_check: str = "error"
+    """Seed for the model's initialisation and the data order."""
+    device: Device = "auto"
+    """Where to train; auto = CUDA when available, else the CPU."""
+    memory_check: MemoryCheck = "error"
+    """Before the model is built, the planner's memory prediction against the device: a run that
+    cannot fit is stopped (error), only warned about (warn), or not checked (off)."""
 
     def validate(self) -> None:
-        _choice("job.device", self.device, DEVICES)
-        _choice("job.memory_check", self.memory_check, MEMORY_CHECKS)
+        _choice("job", self, "device")
+        _choice("job", self, "memory_check")
         _nonneg("job.seed", self.seed)
         if not self.run_dir:
             raise ConfigError("job.run_dir", self.run_dir, "a non-empty folder path")
@@ -64,10 +74,15 @@ class DataSection:
     """[data]: a folder of text files read as bytes; empty path = the Python standard library."""
 
     path: str = ""
+    """Folder of text files, read as bytes; empty = the Python standard library's source."""
     glob: str = "**/*.py"
+    """Which files under path to read."""
     seq_len: int = 128
+    """Tokens (bytes) per training sequence."""
     val_fraction: float = 0.05
-    max_files: int = 0  # 0 = every file that matches
+    """Share of the tokens held out for evaluation, in [0, 1)."""
+    max_files: int = 0
+    """Read at most this many files; 0 = every file that matches."""
 
     def validate(self) -> None:
         _positive("data.seq_len", self.seq_len)
@@ -83,19 +98,27 @@ class TrainSection:
     """[train]: steps, batch sizes (in sequences), activation recomputation, clipping."""
 
     steps: int = 50
+    """Optimizer steps to train."""
     micro_batch_size: int = 8
+    """Sequences per forward/backward on one data-parallel rank."""
     global_batch_size: int = 8
-    recompute: str = "none"
+    """Sequences per optimizer step: micro_batch_size x accumulation steps x dp."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, selective (attention core), every_k blocks, or full."""
     recompute_every_k: int = 2
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    eval_every: int = 0  # 0 = only at the end
+    """With recompute = every_k: recompute one transformer block in every k."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    eval_every: int = 0
+    """Steps between evaluations; 0 = only at the end."""
     eval_batches: int = 4
+    """Validation batches per evaluation."""
 
     def validate(self) -> None:
         _positive("train.steps", self.steps)
         _positive("train.micro_batch_size", self.micro_batch_size)
         _positive("train.global_batch_size", self.global_batch_size)
-        _choice("train.recompute", self.recompute, RECOMPUTE_MODES)
+        _choice("train", self, "recompute")
         _positive("train.recompute_every_k", self.recompute_every_k)
         _nonneg("train.max_grad_norm", self.max_grad_norm)
         _nonneg("train.eval_every", self.eval_every)
@@ -106,18 +129,25 @@ class TrainSection:
 class PrecisionSection:
     """[precision]: autocast dtype over fp32 master weights, and fp16 dynamic loss scaling."""
 
-    mode: str = "fp32"
+    mode: Precision = "fp32"
+    """Autocast dtype of the forward and backward; the master weights stay fp32."""
     initial_scale: float = 2.0**15
+    """fp16: the loss scale at the first step."""
     growth_factor: float = 2.0
+    """fp16: multiply the scale by this after growth_interval steps without overflow."""
     backoff_factor: float = 0.5
+    """fp16: multiply the scale by this when gradients overflow (the step is skipped)."""
     growth_interval: int = 200
+    """fp16: steps without overflow before the scale grows."""
     min_scale: float = 2.0**3
+    """fp16: the scale never goes below this."""
     max_scale: float = 2.0**15
-    # Steps (1-based) at which to report the fraction of fp16 gradient values that underflow.
+    """fp16: the scale never goes above this."""
     underflow_steps: list[int] = field(default_factory=list)
+    """Steps (1-based) at which to report the share of fp16 gradient values that underflow."""
 
     def validate(self) -> None:
-        _choice("precision.mode", self.mode, PRECISIONS)
+        _choice("precision", self, "mode")
         for name in ("initial_scale", "min_scale", "max_scale"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"precision.{name}", getattr(self, name), "a positive number")
@@ -142,20 +172,29 @@ class PrecisionSection:
 class OptimizerSection:
     """[optimizer]: AdamW hyper-parameters and CPU offload."""
 
-    name: str = "adamw"
+    name: OptimizerName = "adamw"
+    """The optimizer (AdamW with decoupled weight decay)."""
     lr: float = 3e-3
+    """Peak learning rate, reached after the warm-up."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     weight_decay: float = 0.1
-    offload: str = "none"
+    """Decoupled weight decay of the 2-D weights (norms and biases are not decayed)."""
+    offload: Offload = "none"
+    """Keep the optimizer states (optimizer), or also the fp32 params (optimizer+params), in host
+    memory and step on the CPU."""
     offload_overlap: bool = True
-    # CPU AdamW kernel with offload: torch's fused one, or "exact" (bit-equal to the on-device
-    # foreach AdamW, ~3x slower on CPU).
-    offload_kernel: str = "fused"
+    """With offload: overlap the transfers and the CPU step with the backward."""
+    offload_kernel: OffloadKernel = "fused"
+    """CPU AdamW kernel with offload: torch's fused one, or exact (bit-equal to the on-device
+    foreach AdamW, ~3x slower on CPU)."""
 
     def validate(self) -> None:
-        _choice("optimizer.name", self.name, ("adamw",))
+        _choice("optimizer", self, "name")
         if self.lr <= 0:
             raise ConfigError("optimizer.lr", self.lr, "a positive number")
         for name in ("beta1", "beta2"):
@@ -164,8 +203,8 @@ class OptimizerSection:
         if self.eps <= 0:
             raise ConfigError("optimizer.eps", self.eps, "a positive number")
         _nonneg("optimizer.weight_decay", self.weight_decay)
-        _choice("optimizer.offload", self.offload, OFFLOAD_MODES)
-        _choice("optimizer.offload_kernel", self.offload_kernel, ("fused", "exact"))
+        _choice("optimizer", self, "offload")
+        _choice("optimizer", self, "offload_kernel")
 
 
 @dataclass
@@ -173,12 +212,15 @@ class LRSchedulerSection:
     """[lr_scheduler]: linear warm-up, then decay to min_lr_ratio * lr."""
 
     warmup_steps: int = 5
-    decay: str = "cosine"
+    """Steps of linear warm-up from 0 to lr."""
+    decay: LRDecay = "cosine"
+    """Shape of the decay after the warm-up, down to min_lr_ratio x lr at the last step."""
     min_lr_ratio: float = 0.1
+    """The final learning rate as a fraction of lr, in [0, 1]."""
 
     def validate(self) -> None:
         _nonneg("lr_scheduler.warmup_steps", self.warmup_steps)
-        _choice("lr_scheduler.decay", self.decay, LR_DECAYS)
+        _choice("lr_scheduler", self, "decay")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("lr_scheduler.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
 
@@ -188,12 +230,17 @@ class CheckpointSection:
     """[checkpoint]: distributed checkpoints under run_dir/folder, written atomically."""
 
     enabled: bool = True
-    interval: int = 0  # steps between checkpoints; 0 = only at the end
+    """Write checkpoints at all."""
+    interval: int = 0
+    """Steps between checkpoints; 0 = only at the end."""
     keep_last: int = 2
+    """Checkpoints kept on disk; older ones are deleted."""
     folder: str = "checkpoints"
+    """Folder under job.run_dir that holds the checkpoints."""
     resume: bool = False
-    # Stop after this step as if interrupted (0 = never); used to test resumption.
+    """Continue from the latest checkpoint in folder (llmscale train --resume)."""
     stop_after: int = 0
+    """Stop after this step as if interrupted (0 = never); used to test resumption."""
 
     def validate(self) -> None:
         _nonneg("checkpoint.interval", self.interval)
@@ -206,15 +253,17 @@ class MetricsSection:
     """[metrics]: what is logged, how often, and the peak used for MFU."""
 
     log_every: int = 1
-    progress: bool = True  # a progress bar when printing to a terminal
-    # Peak dense FLOP/s of one device, in TFLOP/s, for MFU. 0 = from the hardware catalog when
-    # the device is known (CUDA), else MFU is not reported.
+    """Steps between printed and logged metric rows."""
+    progress: bool = True
+    """A progress bar when printing to a terminal."""
     peak_tflops: float = 0.0
-    # Count saved-activation bytes each step (cheap; needed for CPU memory reports).
+    """Peak dense TFLOP/s of one device, for MFU; 0 = from the hardware catalog when the device is
+    known (CUDA), else MFU is not reported."""
     activation_memory: bool = True
-    # With pp > 1: record when every forward / backward chunk ran on each rank and write
-    # run_dir/pipeline_timeline.json at the end (parallel/timeline.py; about 1 us per op).
+    """Count saved-activation bytes each step (cheap; needed for CPU memory reports)."""
     pipeline_timeline: bool = False
+    """With pp > 1: record when every forward/backward chunk ran on each rank and write
+    run_dir/pipeline_timeline.json at the end (about 1 us per op)."""
 
     def validate(self) -> None:
         _positive("metrics.log_every", self.log_every)
@@ -226,13 +275,22 @@ class ParallelSection:
     """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, tp)."""
 
     dp_replicate: int = 1
+    """Data-parallel replicas (DDP-style: every replica holds the whole states)."""
     dp_shard: int = 1
+    """Data-parallel shards (FSDP2: parameters, gradients and optimizer states sharded)."""
     tp: int = 1
+    """Tensor-parallel degree: attention heads, FFN and vocabulary split over tp ranks."""
     pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_chunks: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    """Pipeline-parallel degree: the layers split over pp ranks."""
+    pp_schedule: PPSchedule = "1f1b"
+    """Order of the pipeline's forward and backward micro-batches."""
+    pp_chunks: int = 1
+    """Model chunks per pipeline rank (interleaved_1f1b; 1 otherwise)."""
     sequence_parallel: bool = False
-    zero_stage: int = 3  # with dp_shard > 1: 1/2 keep params unsharded after forward, 3 reshards
+    """With tp > 1: the residual stream and the norms are split over tp ranks on the sequence."""
+    zero_stage: ZeroStage = 3
+    """With dp_shard > 1: 1 and 2 keep the params unsharded from forward to backward, 3 reshards
+    them after the forward."""
 
     @property
     def dp(self) -> int:
@@ -246,8 +304,8 @@ class ParallelSection:
     def validate(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_chunks"):
             _positive(f"parallel.{name}", getattr(self, name))
-        _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        _choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _choice("parallel", self, "pp_schedule")
+        _choice("parallel", self, "zero_stage")
         if self.pp_schedule != "interleaved_1f1b" and self.pp_chunks != 1:
             raise ConfigError(
                 "parallel.pp_chunks", self.pp_chunks, "1 unless pp_schedule = 'interleaved_1f1b'"
@@ -480,6 +538,11 @@ def _section_from_table(name: str, default: Any, table: dict[str, Any]) -> Any:
 def _coerce(field_name: str, value: Any, tp: Any) -> Any:
     """Check a TOML value against a field's type; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if not _is_one_of(value, allowed):
+            raise ConfigError(field_name, value, _allowed_text(allowed))
+        return value
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -517,9 +580,31 @@ def _type_name(tp: Any) -> str:
     return {bool: "booleans", int: "integers", float: "numbers", str: "strings"}.get(tp, str(tp))
 
 
-def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(name, value, " | ".join(str(a) for a in allowed))
+def choices(cls: type, name: str) -> tuple[Any, ...]:
+    """The values a Literal-typed field of a config dataclass allows (empty for other fields)."""
+    tp = _field_types(cls)[name]
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _choice(section: str, obj: Any, name: str) -> None:
+    """Check a Literal-typed field against the values its own type allows."""
+    value, allowed = getattr(obj, name), choices(type(obj), name)
+    if not _is_one_of(value, allowed):
+        raise ConfigError(f"{section}.{name}", value, _allowed_text(allowed))
+
+
+def _is_one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # Compare types too: True == 1, yet `zero_stage = true` is no ZeRO stage.
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+def _allowed_text(allowed: tuple[Any, ...]) -> str:
+    return " | ".join(str(a) for a in allowed)
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -546,12 +631,13 @@ def to_toml(cfg: JobConfig) -> str:
     for section, table in to_dict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """One value as a TOML literal (the form `--section.key value` and config files take)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
@@ -559,5 +645,5 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} as TOML")

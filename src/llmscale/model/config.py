@@ -6,7 +6,7 @@ This module must not import torch: the planner counts parameters and FLOPs from 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from llmscale.errors import ConfigError
 
@@ -14,9 +14,9 @@ Norm = Literal["rmsnorm", "layernorm"]
 Mlp = Literal["swiglu", "gelu"]
 PosEmb = Literal["rope", "learned"]
 
-NORMS: tuple[str, ...] = ("rmsnorm", "layernorm")
-MLPS: tuple[str, ...] = ("swiglu", "gelu")
-POS_EMBS: tuple[str, ...] = ("rope", "learned")
+NORMS: tuple[Norm, ...] = get_args(Norm)
+MLPS: tuple[Mlp, ...] = get_args(Mlp)
+POS_EMBS: tuple[PosEmb, ...] = get_args(PosEmb)
 
 # Byte-level vocabulary: 256 byte values plus special tokens, padded to a multiple of 8 so that a
 # vocabulary-parallel split over tp <= 8 ranks is even.
@@ -28,24 +28,41 @@ class ModelConfig:
     """Shape of a decoder-only transformer (Llama family, with GPT-2/3 variants for presets)."""
 
     name: str = "custom"
+    """A preset (llmscale models) whose shape the other keys override."""
     vocab_size: int = BYTE_VOCAB_SIZE
+    """Tokens in the vocabulary (the byte-level data uses 264)."""
     dim: int = 64
+    """Width of the residual stream."""
     n_layers: int = 4
+    """Transformer blocks."""
     n_heads: int = 4
+    """Attention (query) heads; a divisor of dim."""
     n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); a divisor of n_heads."""
     ffn_dim: int = 192
+    """Hidden width of the feed-forward network."""
     max_seq_len: int = 128
-    norm: str = "rmsnorm"
-    mlp: str = "swiglu"
-    pos_emb: str = "rope"
+    """Longest sequence the model takes (RoPE table or learned positions)."""
+    norm: Norm = "rmsnorm"
+    """Normalisation before attention, before the FFN and at the output."""
+    mlp: Mlp = "swiglu"
+    """Feed-forward network: gated SwiGLU (three matrices) or GELU (two)."""
+    pos_emb: PosEmb = "rope"
+    """Positions: rotary embeddings in attention, or a learned table added to the input."""
     bias: bool = False
+    """Biases in the linear layers and the LayerNorms."""
     tie_embeddings: bool = False
+    """The output projection shares the input embedding's matrix."""
     rope_theta: float = 10000.0
+    """RoPE base frequency."""
     norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
     init_std: float = 0.02
-    # Published parameter count and where it comes from (presets only; checked in tests).
+    """Standard deviation of the weights' normal initialisation (wo, w2 scaled with depth)."""
     published_params: int = 0
+    """Published parameter count (presets only; checked in tests)."""
     published_source: str = ""
+    """Where published_params comes from (presets only)."""
 
     def __post_init__(self) -> None:
         self.validate()
