@@ -1,43 +1,10 @@
 """Predicted / published training throughput for Narayanan et al. 2021, Table 1.
 
-    .venv/bin/python bench/published.py
-
-Efficiencies are the planner's defaults (plan/time.py TimeParams), one set for every row; see
-src/llmscale/plan/published.py for the runtime facts that differ (Megatron-LM 2021's kernels).
+An entry point only: the benchmark lives in `llmscale.bench.published`, also runnable as
+`python -m llmscale.bench.published`; `--help` lists its flags.
 """
 
-from __future__ import annotations
-
-from pathlib import Path
-
-from rich.table import Table
-
-from llmscale.plan.published import MEGATRON_2021_RUNTIME, narayanan_2021
-from llmscale.ui import console
-
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "published.toml"
-
-
-def main() -> None:
-    rows = narayanan_2021(DATA)
-    t = Table(title="Narayanan et al. 2021, Table 1 (A100 80GB, Selene): TFLOP/s per GPU")
-    for col in ("model", "tp", "pp", "dp", "GPUs", "batch", "published", "predicted", "ratio"):
-        t.add_column(col, justify="left" if col == "model" else "right")
-    for r in rows:
-        p = r.plan
-        t.add_row(
-            r.name, str(p.tp), str(p.pp), str(p.dp), str(p.world_size), str(p.global_batch_size),
-            f"{r.published_tflops:.0f}", f"{r.predicted_tflops:.1f}", f"{r.ratio:.3f}",
-        )  # fmt: skip
-    c = console()
-    c.print(t)
-    ratios = [r.ratio for r in rows]
-    c.print(
-        f"ratio range {min(ratios):.3f} .. {max(ratios):.3f}; "
-        f"matmul_efficiency={MEGATRON_2021_RUNTIME.matmul_efficiency}, "
-        f"fwd/bwd passes={MEGATRON_2021_RUNTIME.fwd_passes}/{MEGATRON_2021_RUNTIME.bwd_passes}"
-    )
-
+from llmscale.bench.published import main
 
 if __name__ == "__main__":
     main()

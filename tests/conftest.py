@@ -6,21 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from llmscale.bench.jobs import short_job
 from llmscale.config import JobConfig, load_config
 
 
 def make_config(run_dir: Path, *overrides: str) -> JobConfig:
-    """The default job, shrunk for tests: 40 stdlib files, no progress bar, no checkpoints."""
-    base = [
-        "--job.run_dir", str(run_dir),
-        "--data.max_files", "40",
-        "--data.seq_len", "32",
-        "--train.steps", "3",
-        "--train.micro_batch_size", "4",
-        "--train.global_batch_size", "4",
-        "--metrics.progress", "false",
-        "--checkpoint.enabled", "false",
-    ]  # fmt: skip
+    """The default job, shrunk for tests: a short job of micro-batches of 4, one per step."""
+    base = short_job(job__run_dir=run_dir, train__micro_batch_size=4, train__global_batch_size=4)
     return load_config(None, [*base, *overrides])
 
 

@@ -12,21 +12,19 @@ from typing import Any
 
 import torch
 
+from llmscale.bench.jobs import short_job
+
 HERE = Path(__file__).parent
 WORKER = HERE / "layout_worker.py"
 
 # Every layout test trains the same job: the tiny preset, fp32, 5 steps of a global batch of 8
 # sequences of 32 tokens in micro-batches of 2 (so DP and PP layouts accumulate, too).
-BASE = [
-    "--data.max_files", "40",
-    "--data.seq_len", "32",
-    "--train.steps", "5",
-    "--train.micro_batch_size", "2",
-    "--train.global_batch_size", "8",
-    "--train.eval_batches", "4",
-    "--metrics.progress", "false",
-    "--checkpoint.enabled", "false",
-]  # fmt: skip
+BASE = short_job(
+    train__steps=5,
+    train__micro_batch_size=2,
+    train__global_batch_size=8,
+    train__eval_batches=4,
+)
 
 
 def free_port() -> int:

@@ -6,10 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from llmscale.plan.published import MEGATRON_2021_RUNTIME, gpt_model, load_rows, narayanan_2021
+from llmscale.errors import ConfigError
+from llmscale.plan.published import (
+    DATA,
+    MEGATRON_2021_RUNTIME,
+    gpt_model,
+    load_rows,
+    narayanan_2021,
+)
 from llmscale.plan.time import DEFAULT_TIME
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "published.toml"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +50,31 @@ def test_one_parameter_set_for_every_row() -> None:
     assert MEGATRON_2021_RUNTIME.fwd_passes == DEFAULT_TIME.fwd_passes
     assert MEGATRON_2021_RUNTIME.bwd_passes == DEFAULT_TIME.bwd_passes
     assert MEGATRON_2021_RUNTIME.tp_overlap == DEFAULT_TIME.tp_overlap
+
+
+def test_the_rows_ship_with_the_package() -> None:
+    # Package data (pyproject's package-data), not test data: found beside plan/published.py.
+    assert DATA.is_file() and DATA.parent == SRC / "llmscale" / "plan" / "data"
+    assert load_rows() == load_rows(DATA)
+
+
+@pytest.mark.parametrize("source", [None, "", "   "])
+def test_a_row_without_a_source_is_refused(tmp_path, source) -> None:
+    row = "[[narayanan2021]]\nparams_billion = 1.7\ntflops_per_gpu = 137\n"
+    if source is not None:
+        row += f"source = {source!r}\n"
+    good = '[[narayanan2021]]\nparams_billion = 1.7\nsource = "Table 1, row 1"\n'
+    path = tmp_path / "rows.toml"
+    path.write_text(good + row)
+    with pytest.raises(ConfigError, match=r"narayanan2021\[1\]\.source"):
+        load_rows(path)
+
+
+def test_no_product_code_reads_test_data() -> None:
+    # Neither a "tests/..." path nor one built as `... / "tests" / ...`.
+    offenders = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if "tests/data" in (text := p.read_text()) or '"tests"' in text
+    ]
+    assert not offenders, offenders

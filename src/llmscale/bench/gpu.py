@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from llmscale.bench.jobs import short_job
 from llmscale.bench.timing import calibrated
 from llmscale.config import JobConfig, load_config
 from llmscale.errors import ConfigError
@@ -59,19 +60,19 @@ class Budget:
 
 
 def _job(args: argparse.Namespace, run_dir: Path, *overrides: str) -> JobConfig:
-    return load_config(
-        None,
-        [
-            "--model.name", args.model, "--job.device", args.device,
-            "--job.run_dir", str(run_dir), "--data.seq_len", str(args.seq),
-            "--data.max_files", str(args.data_files), "--precision.mode", "bf16",
-            "--train.steps", str(args.steps), "--metrics.progress", "false",
-            "--checkpoint.enabled", "false", "--lr_scheduler.warmup_steps", "0",
-            # The largest-micro-batch search measures where the planner's limit really is.
-            "--job.memory_check", "off",
-            *overrides,
-        ],
-    )  # fmt: skip
+    base = short_job(
+        model__name=args.model,
+        job__device=args.device,
+        job__run_dir=run_dir,
+        data__seq_len=args.seq,
+        data__max_files=args.data_files,
+        precision__mode="bf16",
+        train__steps=args.steps,
+        lr_scheduler__warmup_steps=0,
+        # The largest-micro-batch search measures where the planner's limit really is.
+        job__memory_check="off",
+    )
+    return load_config(None, [*base, *overrides])
 
 
 def _run(cfg: JobConfig, steps: int, warmup: int = 2) -> dict[str, float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmscale.bench.jobs import short_job
 from llmscale.config import JobConfig, load_config
 from llmscale.train.trainer import Trainer
 
@@ -28,14 +29,16 @@ class BenchOptions:
 
     def job(self, *overrides: str, run: str = "run") -> JobConfig:
         """A short job on the stdlib corpus; `overrides` as on the command line."""
-        base = [
-            "--model.name", self.model, "--job.device", self.device,
-            "--job.run_dir", str(self.work_dir / run),
-            "--data.seq_len", str(self.seq_len), "--data.max_files", str(self.data_files),
-            "--train.steps", str(self.steps + self.warmup),
-            "--metrics.progress", "false", "--checkpoint.enabled", "false",
-            "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay", "constant",
-        ]  # fmt: skip
+        base = short_job(
+            model__name=self.model,
+            job__device=self.device,
+            job__run_dir=self.work_dir / run,
+            data__seq_len=self.seq_len,
+            data__max_files=self.data_files,
+            train__steps=self.steps + self.warmup,
+            lr_scheduler__warmup_steps=0,
+            lr_scheduler__decay="constant",
+        )
         return load_config(None, [*base, *overrides])
 
 

@@ -1,6 +1,6 @@
 """Published training throughputs, and the planner's prediction for each (bench/published.py).
 
-The rows live in `tests/data/published.toml` (each with its source). Narayanan et al. 2021,
+The rows live in `plan/data/published.toml` (each with its source). Narayanan et al. 2021,
 Table 1 ran Megatron-LM on DGX A100 80GB nodes; the prediction uses the planner's default
 efficiencies (`TimeParams()`), with only the facts of that runtime changed, the same for every
 row: Megatron's kernels (fp16, dropout, materialised softmax, vocabulary-parallel head:
@@ -27,6 +27,7 @@ MEGATRON_2021_RUNTIME = replace(
 )
 SEQ_LEN = 2048
 VOCAB = 51200
+DATA = Path(__file__).parent / "data" / "published.toml"
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def narayanan_flops(
     return 96.0 * batch * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
 
 
-def load_rows(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def load_rows(path: str | Path = DATA) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     raw = tomllib.loads(Path(path).read_text())
     rows = raw.get("narayanan2021", [])
     for i, row in enumerate(rows):
@@ -80,7 +81,7 @@ def gpt_model(row: dict[str, Any]) -> ModelConfig:
 
 
 def narayanan_2021(
-    path: str | Path, params: TimeParams = MEGATRON_2021_RUNTIME
+    path: str | Path = DATA, params: TimeParams = MEGATRON_2021_RUNTIME
 ) -> list[Comparison]:
     """Predicted vs published TFLOP/s per GPU for every Table 1 row."""
     assume, rows = load_rows(path)

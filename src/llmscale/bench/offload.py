@@ -1,0 +1,233 @@
+"""Step time with the optimizer on the device, offloaded serially, and offloaded with overlap.
+
+    python bench/offload.py [--model small] [--rounds 4] [--block 3] [--seq 128] [--batch 4]
+                            [--accum 2] [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
+                            [--offload optimizer optimizer+params] [--save-timeline DIR]
+    python -m llmscale.bench.offload [same flags]
+
+Three trainers on the same batches, in rounds of one block of consecutive steps each:
+- off:     torch AdamW on the device (the trainer's default path);
+- serial:  `optimizer.offload = MODE` (each of `--offload`), `offload_overlap = false`: every
+           copy and the CPU update run inline, one after the other (the cost to hide);
+- overlap: the layer-wise pipeline (side streams on CUDA; worker threads on a CPU host).
+With `optimizer+params` the offload work also holds the parameter uploads before each unit's
+forward and backward; the device-resident parameter bytes are reported for each trainer (the
+ledger's `param_bytes` between steps, and under optimizer+params `device_param_peak_bytes`).
+
+Reported: step times (per round the block's fastest step, then the median over rounds); the
+offload work per step (download + host accumulate/norm/Adam/cast + upload: the union of those
+lanes in the serial run's timeline); the share of it hidden by overlap, two ways: by wall time,
+(serial - overlap) / offload work, per round then the median, and by the overlap run's own
+timeline, the part of its offload lanes that ran while compute ran; and where the update starts
+and the last upload ends relative to the end of backward (the clipping/fp16 barrier).
+
+On a CPU host the "device" is the CPU: copies are memcpy and compete with compute for the same
+cores and memory bandwidth, so little can hide. `--link-gbps G` makes each CPU-host copy last as
+long as over a G GB/s link (sleeping, cores free): how a PCIe-like transfer time hides behind
+compute. On a CUDA host copies are real PCIe transfers and the flag is ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+import torch
+
+from llmscale.bench.jobs import short_job
+from llmscale.config import load_config
+from llmscale.offload import overlap_stats
+from llmscale.offload.engine import Link
+from llmscale.offload.timeline import OFFLOAD_LANES, length, union
+from llmscale.train.trainer import Trainer
+
+
+def _trainer(args: argparse.Namespace, mode: str, link_gbps: float, offload: str) -> Trainer:
+    extra: dict[str, object] = {}
+    if mode != "off":
+        extra = {"optimizer__offload": offload, "optimizer__offload_overlap": mode == "overlap"}
+    overrides = short_job(
+        model__name=args.model,
+        job__run_dir=tempfile.mkdtemp(prefix=f"bench-{mode}-"),
+        data__seq_len=args.seq,
+        data__max_files=200,
+        train__micro_batch_size=args.batch,
+        train__global_batch_size=args.batch * args.accum,
+        train__steps=args.rounds * args.block + args.warmup,
+        train__max_grad_norm=args.clip,
+        precision__mode=args.precision,
+        metrics__activation_memory=False,
+        **extra,
+    )
+    t = Trainer(load_config(None, overrides))
+    if mode != "off" and link_gbps > 0 and t.device.type == "cpu":
+        simulate_link(t, link_gbps)
+    return t
+
+
+def simulate_link(trainer: Trainer, link_gbps: float) -> None:
+    """Make each of the offloaded optimizer's CPU-host copies last as long as over a link.
+
+    The one place this benchmark reaches into the optimizer's internals: it replaces the `link`
+    of its device-to-host and host-to-device copiers. The optimizer's constructor takes
+    `link_bytes_per_s`, but no config key reaches it (a simulated link is for benchmarks only).
+    """
+    opt = trainer.optimizer
+    for copier in (opt.d2h, opt.h2d):
+        copier.link = Link(link_gbps * 1e9)
+
+
+def _offload_work_s(trainer: Trainer, steps: list[int]) -> list[float]:
+    ivs = trainer.optimizer.timeline.intervals()
+    return [
+        length(union((iv.start, iv.end) for iv in ivs if iv.step == s and iv.lane in OFFLOAD_LANES))
+        for s in steps
+    ]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
+    trainers = {m: _trainer(args, m, link_gbps, offload) for m in ("off", "serial", "overlap")}
+    last_row: dict[str, dict] = {}
+    for t in trainers.values():
+        if hasattr(t.optimizer, "timeline"):
+            t.optimizer.timeline.keep_steps = 10_000
+    for t in trainers.values():  # warm-up
+        for _ in range(args.warmup):
+            t.train_step()
+    # Each trainer runs blocks of consecutive steps, so a step's uploads overlap its own next
+    # forward (interleaving single steps would hide them under another trainer's step). The
+    # three blocks of a round run back to back, so they see about the same machine load, and
+    # each figure is taken per round (the block's fastest step) and then the median over
+    # rounds. A block's first step, whose predecessor's tail ran under another block, is not
+    # timed.
+    block = max(2, args.block)
+    per_round: dict[str, list[float]] = {m: [] for m in trainers}
+    work_round: list[float] = []
+    timed: list[int] = []
+    for _ in range(args.rounds):
+        for mode, t in trainers.items():
+            times, steps = [], []
+            for j in range(block):
+                row = last_row[mode] = t.train_step()
+                if j > 0:
+                    times.append(row["step_time_s"])
+                    steps.append(t.step - 1)  # its index in the optimizer's timeline
+            per_round[mode].append(min(times))
+            if mode == "serial":
+                work_round.append(min(_offload_work_s(t, steps)))
+            if mode == "overlap":
+                timed += steps
+    trainers["overlap"].optimizer.synchronize()  # the last step's uploads, too
+    ivs = trainers["overlap"].optimizer.timeline.intervals()
+    done = set(timed)
+    hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed if s + 1 in done]
+    # The barrier: from the end of backward to the first update, and to the last upload
+    # (optimizer+params: to the last update; its uploads are the next forward's fetches).
+    last_phase = "upload" if offload == "optimizer" else "update"
+    barrier, tail = [], []
+    for s in timed:
+        back_end = max(iv.end for iv in ivs if iv.step == s and iv.phase == "backward")
+        first_update = min(iv.start for iv in ivs if iv.step == s and iv.phase == "update")
+        last_up = max(iv.end for iv in ivs if iv.step == s and iv.phase == last_phase)
+        barrier.append(first_update - back_end)
+        tail.append(last_up - back_end)
+    med = {m: statistics.median(v) for m, v in per_round.items()}
+    hidden_wall = statistics.median(
+        (per_round["serial"][r] - per_round["overlap"][r]) / work_round[r]
+        for r in range(args.rounds)
+    )
+    w = statistics.median(work_round)
+    t = trainers["off"]
+    opt = trainers["overlap"].optimizer
+    print(
+        f"offload {offload}: model {args.model} ({t.n_params:,} params), {args.precision}, "
+        f"batch {args.batch} x "
+        f"{args.seq} x {args.accum} accum, clip {args.clip}, {t.device}, "
+        f"{torch.get_num_threads()} threads, kernel {'fused' if opt.fused else 'exact'}, "
+        f"update in backward {opt.update_in_backward}, link "
+        + (
+            f"{link_gbps:g} GB/s (simulated)"
+            if link_gbps > 0 and t.device.type == "cpu"
+            else "native"
+        )
+    )
+    for mode in trainers:
+        print(f"  {mode:8s} step {1e3 * med[mode]:8.1f} ms")
+    print(f"  offload work per step (serial run's timeline) {1e3 * w:8.1f} ms")
+    print(f"  hidden by overlap, wall time: (serial - overlap) / work = {hidden_wall:6.1%}")
+    print(f"  hidden by overlap, timeline: under compute       = {_median(hidden_tl):6.1%}")
+    print(
+        f"  overhead vs off: serial {med['serial'] / med['off'] - 1:+.1%}, "
+        f"overlap {med['overlap'] / med['off'] - 1:+.1%}"
+    )
+    print(
+        f"  overlap run: first update {1e3 * statistics.median(barrier):+.1f} ms after backward "
+        f"ends (negative: during backward), last {last_phase} "
+        f"{1e3 * statistics.median(tail):+.1f} ms"
+    )
+    for mode, row in last_row.items():
+        peak = row.get("device_param_peak_bytes")
+        print(
+            f"  device parameters {mode:8s} {row['param_bytes'] / 2**20:7.2f} MiB between steps"
+            + (
+                f", at most {peak / 2**20:.2f} MiB at once during a step"
+                if peak is not None
+                else ""
+            )
+        )
+    if args.save_timeline:
+        from pathlib import Path
+
+        from llmscale.train.plot import plot_timeline, timeline_path
+
+        for mode in ("serial", "overlap"):
+            tag = "" if offload == "optimizer" else "params-"
+            folder = Path(args.save_timeline) / f"{tag}{mode}-link{link_gbps:g}"
+            trainers[mode].optimizer.write_timeline(timeline_path(folder))
+            print(f"  wrote {plot_timeline(folder)}")
+    for tr in trainers.values():
+        if hasattr(tr.optimizer, "close"):
+            tr.optimizer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of one block per mode")
+    ap.add_argument("--block", type=int, default=3, help="consecutive steps per block (>= 2)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = no clipping")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument(
+        "--link-gbps",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0, 0.1],
+        help="simulated link bandwidths on a CPU host; 0 = plain memcpy (default: 0 1 0.1)",
+    )
+    ap.add_argument(
+        "--offload",
+        nargs="+",
+        default=["optimizer"],
+        choices=("optimizer", "optimizer+params"),
+        help="offload modes of the serial and overlap trainers (default: optimizer)",
+    )
+    ap.add_argument("--save-timeline", help="folder for the timelines (JSON + PNG) of both runs")
+    args = ap.parse_args(argv)
+    for offload in args.offload:
+        for g in args.link_gbps:
+            run(args, g, offload)
+
+
+if __name__ == "__main__":
+    main()
