@@ -12,8 +12,7 @@ from __future__ import annotations
 import time
 
 from llmscale.model.config import get_preset
-from llmscale.plan import activations, collectives, memory, params
-from llmscale.plan import time as tm
+from llmscale.plan import cache
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import search
 
@@ -28,12 +27,7 @@ CASES = [
 
 
 def _clear() -> None:
-    for fn in (activations.block_bytes, activations.head_bytes, collectives.collective,
-               params.stage_params):  # fmt: skip
-        fn.cache_clear()  # type: ignore[attr-defined]
-    memory._ACT_CACHE.clear()
-    memory._STATES_CACHE.clear()
-    tm._STAGE_CACHE.clear()
+    cache.clear_all()
 
 
 def main() -> None:

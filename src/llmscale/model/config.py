@@ -159,11 +159,13 @@ class ModelConfig:
         bias = self.bias
 
         def linear(name: str, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]]:
-            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
+            shapes: list[tuple[str, tuple[int, ...]]] = [(f"{name}.weight", (out, inp))]
+            return shapes + ([(f"{name}.bias", (out,))] if bias else [])
 
         def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
             shift = self.norm == "layernorm" and bias
-            return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if shift else [])
+            shapes: list[tuple[str, tuple[int, ...]]] = [(f"{name}.weight", (d,))]
+            return shapes + ([(f"{name}.bias", (d,))] if shift else [])
 
         emb: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (v, d))]
         if self.pos_emb == "learned":
