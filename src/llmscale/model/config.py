@@ -251,6 +251,7 @@ class TPSplit(NamedTuple):
 
     style: TPStyle
     embedding: bool = False  # an nn.Embedding (weight [vocab, dim]) rather than a nn.Linear
+    gather_output: bool = False  # the output is all-gathered to every rank (not left sharded)
 
     def sharded_dim(self, param: str) -> int | None:
         """The dimension of `param` ("weight" or "bias") split over tp; None: replicated.
@@ -280,10 +281,11 @@ TP_STYLES: dict[str, TPSplit] = {
 }
 # Root modules under vocabulary parallelism (see `vocab_parallel`): the embedding looks up its
 # vocabulary range and a reduce sums; the output projection computes its vocabulary columns and
-# the logits are all-gathered before the (single-process) loss.
+# the logits are all-gathered before the (single-process) loss: the loss and its log-softmax
+# run on the whole vocabulary on every tp rank (no vocab-parallel cross-entropy).
 VOCAB_TP_STYLES: dict[str, TPSplit] = {
     "tok_embeddings": TPSplit("rowwise", embedding=True),
-    "output": TPSplit("colwise"),
+    "output": TPSplit("colwise", gather_output=True),
 }
 # Sequence parallelism: these norms run on seq / tp tokens (the residual stream between them is
 # sharded on the sequence); the inputs of these modules are all-gathered to the whole sequence,
@@ -299,6 +301,12 @@ def vocab_parallel(model: ModelConfig, tp: int) -> bool:
     at once, so tied models keep both replicated. tp = 1 splits nothing.
     """
     return tp > 1 and not model.tie_embeddings
+
+
+def loss_parallel(model: ModelConfig, tp: int) -> bool:
+    """Whether the loss runs on vocabulary shards of the logits (Megatron's vocab-parallel
+    cross-entropy) rather than on logits gathered whole on every tp rank."""
+    return vocab_parallel(model, tp) and not VOCAB_TP_STYLES["output"].gather_output
 
 
 def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:

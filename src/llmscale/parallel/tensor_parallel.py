@@ -63,11 +63,10 @@ def apply_tp(model: Transformer, tp_mesh: Any, sequence_parallel: bool) -> None:
                 VOCAB_TP_STYLES["tok_embeddings"], input_layouts=Replicate(), output_layouts=stream
             )
         if model.output is not None:
+            out = VOCAB_TP_STYLES["output"]
+            assert out.gather_output  # the trainer's loss is the single-process one
             root["output"] = _style(
-                VOCAB_TP_STYLES["output"],
-                input_layouts=stream,
-                output_layouts=Replicate(),
-                use_local_output=True,
+                out, input_layouts=stream, output_layouts=Replicate(), use_local_output=True
             )
     if sp and model.norm is not None:
         assert "norm" in SP_SHARDED_MODULES

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig, vocab_parallel
+from llmscale.model.config import ModelConfig, loss_parallel, vocab_parallel
 from llmscale.plan.cache import memoize
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
@@ -55,6 +55,9 @@ class Kernels:
     # Embedding, head and logits split over tp: None = as the llmscale runtime does
     # (`model.config.vocab_parallel`: untied models split them); True / False to force.
     vocab_parallel: bool | None = None
+    # The loss's log-softmax split over tp too (Megatron's vocab-parallel cross-entropy); None =
+    # as the runtime: it gathers the logits first (`model.config.loss_parallel`: never).
+    loss_parallel: bool | None = None
     # The forward's weights are already bf16/fp16 (FSDP2's param_dtype, offloaded working
     # copies): the residual stream and an RMSNorm's output are in that dtype, so the linears
     # reading one norm output share one saved input instead of autocast casting it per linear.
@@ -65,7 +68,9 @@ class Kernels:
         """The llmscale runtime's kernel facts for `model` at tensor-parallel degree `tp` on
         `device` ("cuda" or "cpu"): the one description of the runtime that every caller uses."""
         return cls(
-            device="cpu" if device == "cpu" else "cuda", vocab_parallel=vocab_parallel(model, tp)
+            device="cpu" if device == "cpu" else "cuda",
+            vocab_parallel=vocab_parallel(model, tp),
+            loss_parallel=loss_parallel(model, tp),
         )
 
     def splits_vocab(self, model: ModelConfig, tp: int) -> bool:
@@ -73,6 +78,12 @@ class Kernels:
         if tp == 1:
             return False
         return vocab_parallel(model, tp) if self.vocab_parallel is None else self.vocab_parallel
+
+    def splits_logits(self, model: ModelConfig, tp: int) -> bool:
+        """Does the loss run on the logits split over `tp` ranks (not gathered first)?"""
+        if tp == 1:
+            return False
+        return loss_parallel(model, tp) if self.loss_parallel is None else self.loss_parallel
 
     def attention_kernel(self, model: ModelConfig, precision: str) -> str:
         if self.attention not in ATTENTION_KERNELS:
@@ -98,6 +109,7 @@ MEGATRON_2021 = Kernels(
     residual_fp32=False,
     sp_saves_gathered_input=False,
     vocab_parallel=True,
+    loss_parallel=True,
 )
 
 
@@ -277,6 +289,27 @@ def block_bytes(
     )
 
 
+@memoize
+def checkpoint_input_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+    mode: str = "none",
+) -> float:
+    """Bytes of the inputs a block's checkpointed region keeps for its recomputation: the block
+    input (full) or the attention core's q, k and v (selective); none keeps nothing extra."""
+    args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels, mode)
+    if mode == "full":
+        return sum(t.nbytes for t in block_tensors(*args))
+    if mode == "selective":
+        return sum(t.nbytes for t in block_tensors(*args) if t.name in ("q", "k", "v"))
+    return 0.0
+
+
 def embedding_tensors(micro_batch_size: int, seq_len: int) -> list[Saved]:
     """First stage: the embedding keeps the token ids (the micro-batch's seq_len + 1 columns)."""
     return [Saved("token ids (int64)", 8 * micro_batch_size * (seq_len + 1), "seq")]
@@ -297,7 +330,7 @@ def head_tensors(
     d, v = model.dim, model.vocab_size
     per_token = norm_terms(model, "final norm", a, kernels)
     per_token.append(("output projection input", a * d, "linear_in"))
-    vocab_div = tp if kernels.splits_vocab(model, tp) else 1
+    vocab_div = tp if kernels.splits_logits(model, tp) else 1
     out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
     out += [
         Saved("log-softmax output (fp32 logits)", 4 * tokens * v / vocab_div, "seq"),
@@ -343,7 +376,7 @@ def loss_transient_bytes(
     input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per logit on
     top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4).
     """
-    div = tp if kernels.splits_vocab(model, tp) else 1
+    div = tp if kernels.splits_logits(model, tp) else 1
     return 8.0 * micro_batch_size * seq_len * model.vocab_size / div
 
 

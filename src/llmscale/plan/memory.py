@@ -316,6 +316,17 @@ def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     if rank == 0:
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
         total += embedding_inflight(plan) * emb
+    if rank == plan.pp - 1 and plan.pp > 1 and plan.pp_schedule == "1f1b":
+        # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one
+        # runs forward on the last stage; its graph keeps every checkpointed region's inputs
+        # alive (its other saved tensors were freed by its backward): one micro-batch more of
+        # those (measured: tests/plan/test_predicted_vs_measured.py).
+        kern = plan_kernels(plan, opt.kernels)
+        args = (plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp)
+        total += sum(
+            n * act.checkpoint_input_bytes(*args, plan.sequence_parallel, kern, m)
+            for m, n in modes.items()
+        )
     if rank == plan.pp - 1:
         head = act.head_bytes(
             plan.model,

@@ -8,7 +8,8 @@
 `expected_runtime_metrics` speaks the runtime's own vocabulary (train/metrics.py and the
 `SavedActivations` counter): `param_bytes`, `grad_bytes`, `optimizer_bytes` (Adam moments and
 `step` counters), `activation_bytes` (what autograd saves for the first micro-batch, which under
-autocast includes the bf16 weight casts the linears keep), and `cuda_peak_bytes` (the predicted
+autocast includes the bf16 weight casts the linears keep), under pipelining
+`activation_peak_bytes` (the most saved at once over the schedule), and `cuda_peak_bytes` (the predicted
 torch.cuda.max_memory_allocated over a step); under optimizer+params also
 `device_param_peak_bytes` (the most parameter bytes the device held at once).
 """
@@ -28,6 +29,7 @@ from llmscale.plan.memory import (
     plan_kernels,
     plan_stage_params,
     rank_pieces,
+    stage_activation_bytes,
 )
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams, estimate_step_time
@@ -73,11 +75,12 @@ def expected_runtime_metrics(
         lowp = plan_kernels(plan, k)
         saved += act.head_bytes(m, b, s, plan.precision, plan.tp, plan.sequence_parallel, lowp)
     sp = plan_stage_params(plan, rank, k)
-    casts_kept = plan.precision != "fp32" and not plan.sharded and plan.offload == "none"
-    if casts_kept:
+    casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
+    if plan.precision != "fp32" and not plan.sharded and plan.offload == "none":
         live_blocks = modes.get("none", 0) + modes.get("selective", 0)
-        saved += 2.0 * live_blocks * sp.block.saved_cast_numel
-        saved += 2.0 * sum(g.saved_cast_numel for g in sp.root)
+        casts += 2.0 * live_blocks * sp.block.saved_cast_numel
+        casts += 2.0 * sum(g.saved_cast_numel for g in sp.root)
+    saved += casts
     peak = estimate_memory(plan, options).stages[rank].allocated
     if plan.offload != "none":
         # The optimizer states live on the host; the metric counts them wherever they are.
@@ -89,6 +92,10 @@ def expected_runtime_metrics(
         "activation_bytes": saved,
         "cuda_peak_bytes": peak,
     }
+    if plan.pp > 1:
+        # The most held at once over the schedule (micro-batches in flight); the casts are
+        # made once per step and shared by every micro-batch.
+        out["activation_peak_bytes"] = stage_activation_bytes(plan, rank, options) + casts
     if plan.offload == "optimizer+params" and not plan.fsdp_cpu_offload:
         # The offloaded optimizer's own count of the parameters it held on the device at once.
         pb = DTYPE_BYTES[plan.precision]
