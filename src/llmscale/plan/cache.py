@@ -73,3 +73,8 @@ def clear_all() -> None:
     """Empty every planner memo."""
     for memo in _MEMOS:
         memo.clear()
+
+
+def entries() -> int:
+    """Results held by every planner memo together."""
+    return sum(len(memo) for memo in _MEMOS)
