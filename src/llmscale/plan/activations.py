@@ -22,7 +22,8 @@ what each op's backward keeps (checked against `saved_tensors_hooks` in tests/pl
   input); GELU keeps its input and its output.
 - No dropout, so no masks.
 
-Regions set the divisors: "norm" tensors (residual stream, norms, dropout masks) are split by
+Regions set the divisors (from the runtime's TP plan, `model.config.TP_STYLES` and `SP_*`):
+"norm" tensors (residual stream, norms, dropout masks: `SP_SHARDED_MODULES`) are split by
 tp only under sequence parallelism; "linear_in" tensors (inputs of wq/wk/wv, w1/w3) are
 replicated across tp, and under sequence parallelism are split only when the runtime re-gathers
 them in backward (Megatron) rather than saving the all-gathered copy (DTensor/torchtitan

@@ -14,6 +14,7 @@ Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
   (`bwd_passes` = 3); recomputation repeats the forward passes over what it recomputes (all of
   a checkpointed block; the attention core's tensors under selective).
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
+  (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`)
   (with sequence parallelism an all-gather and a reduce-scatter in place of each, the same
   bytes); recomputed blocks repeat their forward pair. `tp_overlap` of it hidden (default none).
 - FSDP (dp_shard > 1), per micro-batch: all-gather the rank's parameters in param_dtype (twice
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
+from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
@@ -47,6 +49,11 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import simulate as simulate_schedule
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
+# The runtime's TP plan (model.config): each block has one tensor-parallel region per row-wise
+# linear (attention ending in wo, the MLP in w2). A region all-reduces its output in forward and
+# its input's gradient in backward (with SP: all-gathers its input, reduce-scatters its output).
+TP_REGIONS_PER_BLOCK = sum(split.style == "rowwise" for split in TP_STYLES.values())
+assert len(SP_GATHERED_INPUTS) == TP_REGIONS_PER_BLOCK
 
 
 @dataclass(frozen=True)
@@ -164,8 +171,8 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
         else:
             one = collective("all_reduce", nbytes, tp, tp, cluster.fabric).seconds
         exposed = (1 - tp_.tp_overlap) * one
-        tp_f = 2 * n_blocks * exposed
-        tp_b = 2 * n_blocks * exposed + 2 * modes.get("full", 0) * exposed
+        tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
+        tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + modes.get("full", 0)) * exposed
     mat_f = fwd_flops / peak
     mat_b = (2 * fwd_flops + recompute_flops) / peak
     fwd = mat_f + elem_f + tp_f
