@@ -11,7 +11,8 @@ config and the runtime's kernel facts on the CPU (`Kernels.for_runtime`), must p
 - `activation_peak_bytes`: the most saved bytes held at once under the 1F1B schedule with 4
   micro-batches in flight (pipeline parallelism, each stage of the runtime's layer split).
 
-Each within 3% (the tolerance issue 11 sets; most agree exactly).
+Parameters exactly; activations within 3% (the tolerance issue 11 sets; they agree exactly but
+for the first stage's token ids, 2 KB, 0.01-0.3%).
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def test_measured_memory_is_the_prediction(name, runs) -> None:
     assert len(rows) == cfg.parallel.pp  # one writer per pipeline stage
     for rank, row in enumerate(rows):
         want = expected_runtime_metrics(cfg, rank=rank, options=options)
-        _close(row["param_bytes"], want["param_bytes"], f"{name} rank {rank} param_bytes")
+        # Exact: with the small vocabulary (264) the embedding and head are under 3% of the
+        # parameters, so a planner that kept them whole on every tp rank would pass a 3% test.
+        assert row["param_bytes"] == want["param_bytes"], (name, rank)
         if plan.pp > 1:
             got = runs[name]["activation_peaks"][rank]  # the last step's
             _close(got, want["activation_peak_bytes"], f"{name} rank {rank} activation_peak")

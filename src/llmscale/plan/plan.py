@@ -173,12 +173,6 @@ class Plan:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError("data.seq_len", self.seq_len, "a positive integer")
         self.to_job().validate(world_size=self.world_size)
-        if self.pp_schedule == "interleaved_1f1b" and self.microbatches % self.pp:
-            raise ConfigError(
-                "train.global_batch_size",
-                self.global_batch_size,
-                f"micro-batches per step a multiple of pp={self.pp} for interleaved_1f1b",
-            )
 
 
 @memoize
