@@ -45,6 +45,29 @@ ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+# ---- degrees, derived once (JobConfig, ParallelDims and the planner's Plan read these) ----
+
+
+def data_parallel_degree(dp_replicate: int, dp_shard: int) -> int:
+    """Data-parallel degree: replicas times shards (different slices of each global batch)."""
+    return dp_replicate * dp_shard
+
+
+def layout_world_size(pp: int, dp_replicate: int, dp_shard: int, tp: int) -> int:
+    """Processes of a layout: the product of the mesh's degrees."""
+    return pp * data_parallel_degree(dp_replicate, dp_shard) * tp
+
+
+def accum_steps(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches each pipeline runs per optimizer step: global = micro x accum x dp."""
+    return global_batch_size // (micro_batch_size * dp)
+
+
+def uses_fsdp_cpu_offload(offload: str, dp: int) -> bool:
+    """`optimizer+params` under data parallelism is FSDP2's CPUOffloadPolicy (see JobConfig)."""
+    return offload == "optimizer+params" and dp > 1
+
+
 @dataclass
 class JobSection:
     """[job]: where a run writes, its seed and its device."""
@@ -295,11 +318,11 @@ class ParallelSection:
     @property
     def dp(self) -> int:
         """Data-parallel degree: replicas times shards."""
-        return self.dp_replicate * self.dp_shard
+        return data_parallel_degree(self.dp_replicate, self.dp_shard)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return layout_world_size(self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_chunks"):
@@ -349,12 +372,14 @@ class JobConfig:
         memory, every all-gather copies the shards up and every reduce-scatter the gradients
         down, and torch's AdamW steps on the host (`parallel.data_parallel.apply_fsdp`).
         """
-        return self.optimizer.offload == "optimizer+params" and self.parallel.dp > 1
+        return uses_fsdp_cpu_offload(self.optimizer.offload, self.parallel.dp)
 
     @property
     def accum_steps(self) -> int:
         """Micro-steps per optimizer step: global = micro x accum x dp."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+        return accum_steps(
+            self.train.global_batch_size, self.train.micro_batch_size, self.parallel.dp
+        )
 
     def validate(self, world_size: int | None = None) -> None:
         """Check every section, then the facts that tie sections together."""

@@ -12,7 +12,6 @@ to the layout tests' 1e-5; each rank's host ledger must be the planner's predict
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,11 +113,7 @@ def test_offloaded_2d_layouts_equal_one_process(name, runs4, reference) -> None:
 @pytest.mark.parametrize("name", ["off_hsdp2x2", "off_fsdp2_tp2", "offp_hsdp2x2"])
 def test_2d_layouts_hold_the_predicted_host_bytes(name, runs4) -> None:
     cfg = load_config(None, [*BASE, *LAYOUTS4[name]])
-    # Under TP the runtime splits an untied embedding and head over the vocabulary.
-    vocab_parallel = cfg.parallel.tp > 1 and not cfg.model.tie_embeddings
-    options = MemoryOptions(
-        kernels=dataclasses.replace(act.RUNTIME_CPU, vocab_parallel=vocab_parallel)
-    )
+    options = MemoryOptions(kernels=act.Kernels.for_runtime(cfg.model, cfg.parallel.tp, "cpu"))
     want = expected_runtime_metrics(cfg, rank=0, options=options)
     host = predict_memory(cfg, options).stages[0].host
     rows = [r for r in read_jsonl(runs4[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
@@ -150,10 +145,7 @@ def test_each_rank_offloads_its_shard_as_the_planner_predicts(name, runs) -> Non
 @pytest.mark.parametrize("name", ["offp_tp2_sp", "offp_pp2"])
 def test_params_offloaded_per_rank_as_the_planner_predicts(name, runs) -> None:
     cfg = load_config(None, [*BASE, *LAYOUTS[name]])
-    # The runtime's TP splits an untied embedding and head over the vocabulary
-    # (parallel/tensor_parallel.py); the planner's kernels default to replicated ones.
-    kernels = dataclasses.replace(act.RUNTIME_CPU, vocab_parallel=not cfg.model.tie_embeddings)
-    options = MemoryOptions(kernels=kernels)
+    options = MemoryOptions(kernels=act.Kernels.for_runtime(cfg.model, cfg.parallel.tp, "cpu"))
     want = expected_runtime_metrics(cfg, rank=0, options=options)
     host = predict_memory(cfg, options).stages[0].host
     rows = [r for r in read_jsonl(runs[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]

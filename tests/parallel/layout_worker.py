@@ -34,6 +34,7 @@ class FirstStepEvents:
 
     def __init__(self, trainer: Trainer) -> None:
         self.events: list[str] = []
+        self.first_row: dict | None = None  # this rank's metrics row of its first step
         self.active = True
         self._undo: list[tuple[object, str, object]] = []
         for name, tag in (
@@ -53,6 +54,8 @@ class FirstStepEvents:
 
         def first_step():
             row = orig_step()
+            if self.first_row is None:
+                self.first_row = dict(row)
             self.stop()
             return row
 
@@ -98,6 +101,7 @@ def main() -> None:
                 "stage_ids": t.parallel.stage_ids,
                 "events": recorder.events,
                 "activation_peak": t.activation_peak,  # the last step's (pipelines)
+                "first_row": recorder.first_row,
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         dist.barrier()

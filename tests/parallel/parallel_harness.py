@@ -76,7 +76,12 @@ def run_layouts(
         name = layout["name"]
         files = sorted(out.glob(f"{name}.stage*.pt"))
         assert files, f"{name}: no results written"
-        merged: dict[str, Any] = {"params": {}, "stage_events": [], "activation_peaks": []}
+        merged: dict[str, Any] = {
+            "params": {},
+            "stage_events": [],
+            "activation_peaks": [],
+            "first_rows": [],
+        }
         for f in files:
             d = torch.load(f, weights_only=False)
             dup = set(d["params"]) & set(merged["params"])
@@ -84,6 +89,7 @@ def run_layouts(
             merged["params"].update(d["params"])
             merged["stage_events"].append(d["events"])
             merged["activation_peaks"].append(d.get("activation_peak"))  # by pipeline rank
+            merged["first_rows"].append(d.get("first_row"))  # metrics of step 1, by pp rank
             for k in ("losses", "val_loss", "steps_done"):
                 merged.setdefault(k, d[k])
                 assert d[k] == merged[k], f"{name}: stages disagree on {k}"

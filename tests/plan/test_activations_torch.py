@@ -17,8 +17,7 @@ import torch
 from llmscale.model.config import ModelConfig
 from llmscale.model.transformer import build_model
 from llmscale.plan import activations as act
-from llmscale.plan.memory import _block_modes
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
 from llmscale.train.precision import autocast
 from llmscale.train.recompute import SavedActivations, apply_recompute, model_state_tensors
 from llmscale.train.trainer import lm_loss
@@ -54,9 +53,17 @@ def measured(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2)
 
 
 def predicted(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2) -> float:
-    plan = Plan(model_cfg, S, B, B, recompute=recompute, recompute_every_k=k, precision=precision)
+    plan = Plan(
+        model=model_cfg,
+        seq_len=S,
+        micro_batch_size=B,
+        global_batch_size=B,
+        recompute=recompute,
+        recompute_every_k=k,
+        precision=precision,
+    )
     kern = act.RUNTIME_CPU
-    modes = _block_modes(plan, list(range(model_cfg.n_layers)))
+    modes = plan.block_modes(list(range(model_cfg.n_layers)))
     total = sum(
         n * act.block_bytes(model_cfg, B, S, precision, 1, False, kern, m) for m, n in modes.items()
     )

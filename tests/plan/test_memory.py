@@ -17,8 +17,8 @@ from llmscale.plan.memory import (
     inflight_units,
     zero_textbook_bytes,
 )
+from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import build_schedule, simulate
-from llmscale.plan.setup import Plan
 
 L7 = get_preset("llama2-7b")
 L70 = get_preset("llama2-70b")
@@ -28,7 +28,9 @@ TENSORS_7B = 1 + 32 * 9 + 2  # embedding; 2 norms + 7 linears per block; final n
 
 def test_config_a_llama2_7b_fp32_one_gpu() -> None:
     """fp32, no parallelism: 4 + 4 + 8 bytes per parameter, no working copies."""
-    m = estimate_memory(Plan(L7, 4096, 1, 1, precision="fp32")).worst
+    m = estimate_memory(
+        Plan(model=L7, seq_len=4096, micro_batch_size=1, global_batch_size=1, precision="fp32")
+    ).worst
     assert m.params == 4 * PSI_7B == 26_953_662_464
     assert m.grads == 4 * PSI_7B
     assert m.optimizer == 8 * PSI_7B + 4 * TENSORS_7B == 53_907_326_092
@@ -47,7 +49,16 @@ def test_config_a_llama2_7b_fp32_one_gpu() -> None:
 
 def test_config_b_llama2_7b_bf16_fsdp8_zero3_full_recompute() -> None:
     m = estimate_memory(
-        Plan(L7, 4096, 2, 16, precision="bf16", dp_shard=8, recompute="full", zero_stage=3)
+        Plan(
+            model=L7,
+            seq_len=4096,
+            micro_batch_size=2,
+            global_batch_size=16,
+            precision="bf16",
+            dp_shard=8,
+            recompute="full",
+            zero_stage=3,
+        )
     ).worst
     shard = PSI_7B // 8  # every dim 0 (4096, 11008, 32000) divides by 8: no padding
     assert m.params == m.grads == 4 * shard == 3_369_207_808
@@ -65,13 +76,27 @@ def test_config_b_llama2_7b_bf16_fsdp8_zero3_full_recompute() -> None:
 
 
 def test_config_c_llama2_70b_tp8_pp4_selective() -> None:
-    plan = Plan(L70, 4096, 1, 64, recompute="selective", tp=8, pp=4, pp_schedule="1f1b")
+    plan = Plan(
+        model=L70,
+        seq_len=4096,
+        micro_batch_size=1,
+        global_batch_size=64,
+        recompute="selective",
+        tp=8,
+        pp=4,
+        pp_schedule="1f1b",
+    )
     est = estimate_memory(plan)
     first, last = est.stages[0], est.stages[3]
     d, kv, f = 8192, 1024, 28672
     block_local = (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 2 * d  # norms are replicated
     assert block_local == 106_971_136
-    numel0 = 20 * block_local + 32000 * d  # embedding replicated over tp
+    # The runtime splits the untied embedding and head over tp along the vocabulary
+    # (parallel/tensor_parallel.py; model.config.vocab_parallel): 32000 / 8 = 4000 rows per rank.
+    # numel0 = 20 x 106_971_136 + 4000 x 8192 = 2_139_422_720 + 32_768_000 = 2_172_190_720.
+    # (Before the planner derived this fact it counted the embedding whole: 32000 x 8192.)
+    numel0 = 20 * block_local + (32000 // 8) * d
+    assert numel0 == 2_172_190_720
     assert first.params == 4 * numel0 and first.grads == 4 * numel0
     assert first.optimizer == 8 * numel0 + 4 * (20 * 9 + 1)
     assert first.working_params == 2 * 20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8
@@ -80,16 +105,31 @@ def test_config_c_llama2_70b_tp8_pp4_selective() -> None:
     assert first.inflight == 4  # 1F1B, stage 0 of 4
     assert first.activations == 4 * 20 * per_token * 4096 + 4 * 8 * 4097
     assert first.transient == 0
-    numel3 = 20 * block_local + d + 32000 * d
+    # Last rank: 20 blocks, the final norm (replicated) and 4000 vocabulary rows of the head.
+    # numel3 = 2_139_422_720 + 8192 + 4000 x 8192 = 2_172_198_912.
+    numel3 = 20 * block_local + d + (32000 // 8) * d
+    assert numel3 == 2_172_198_912
     assert last.params == 4 * numel3
-    assert last.working_params == 2 * (20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 32000 * d)
+    # Autocast's bf16 casts: the blocks' linears and the head's 4000 x 8192 slice.
+    assert last.working_params == 2 * (20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 4000 * d)
+    # The loss's fp32 logit gradients, 8 B per logit: the runtime gathers the logits before a
+    # single-process loss, so all 32000 columns on every tp rank.
     assert last.inflight == 1 and last.transient == 8 * 4096 * 32000
     assert est.worst is first
 
 
 def test_fsdp_pads_each_tensor_to_the_shard_count() -> None:
     tiny = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=264)
-    m = estimate_memory(Plan(tiny, 32, 1, 5, dp_shard=5, precision="fp32")).worst
+    m = estimate_memory(
+        Plan(
+            model=tiny,
+            seq_len=32,
+            micro_batch_size=1,
+            global_batch_size=5,
+            dp_shard=5,
+            precision="fp32",
+        )
+    ).worst
     rows = lambda n: math.ceil(n / 5)  # noqa: E731
     block = (
         2 * rows(64) * 1  # norms (64,)
@@ -196,7 +236,16 @@ def test_last_stage_holds_one_micro_batch_of_logits_except_gpipe(
         if op.stage == last:
             held += 1 if op.kind == "F" else -1
             peak = max(peak, held)
-    plan = Plan(L70, 4096, 1, m, tp=8, pp=pp, pp_schedule=schedule, pp_chunks=chunks)
+    plan = Plan(
+        model=L70,
+        seq_len=4096,
+        micro_batch_size=1,
+        global_batch_size=m,
+        tp=8,
+        pp=pp,
+        pp_schedule=schedule,
+        pp_chunks=chunks,
+    )
     assert head_inflight(plan) == peak
 
 
@@ -233,21 +282,49 @@ def test_sequence_parallel_divides_norm_tensors_only() -> None:
 
 def test_bad_plans_name_the_field() -> None:
     with pytest.raises(ConfigError) as e:
-        estimate_memory(Plan(L70, 4096, 1, 64, tp=3))
+        estimate_memory(
+            Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, tp=3)
+        )
     assert e.value.field == "parallel.tp"
     with pytest.raises(ConfigError) as e:
-        estimate_memory(Plan(L70, 4096, 3, 64, dp_shard=2))
+        estimate_memory(
+            Plan(model=L70, seq_len=4096, micro_batch_size=3, global_batch_size=64, dp_shard=2)
+        )
     assert e.value.field == "train.global_batch_size"
     with pytest.raises(ConfigError) as e:
-        estimate_memory(Plan(L70, 4096, 1, 64, recompute="some"))
+        estimate_memory(
+            Plan(
+                model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, recompute="some"
+            )
+        )
     assert e.value.field == "train.recompute"
+    # More pipeline stages than layers: the runtime refuses it, and so does the planner. (An
+    # uneven split such as pp=3 over 80 layers runs, and is costed: see the test below.)
     with pytest.raises(ConfigError) as e:
-        estimate_memory(Plan(L70, 4096, 1, 64, pp=3))
+        estimate_memory(
+            Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=128, pp=81)
+        )
     assert e.value.field == "parallel.pp"
 
 
+def test_uneven_pipeline_split_is_the_runtimes() -> None:
+    """80 layers over pp=3: 27, 27, 26 blocks (extra layers to the earliest ranks), as
+    parallel/pipeline.py splits them; the planner used to refuse this layout."""
+    plan = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, pp=3)
+    assert [len(plan.rank_layers(r)) for r in range(3)] == [27, 27, 26]
+    est = estimate_memory(plan)
+    d, kv, f = 8192, 1024, 28672
+    block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+    assert est.stages[0].params == 4 * (27 * block + 32000 * d)
+    assert est.stages[1].params == 4 * (27 * block)
+    assert est.stages[2].params == 4 * (26 * block + d + 32000 * d)
+    # 1F1B: ranks hold pp - rank micro-batches of their own blocks' activations.
+    a0, a1 = est.stages[0].activations, est.stages[1].activations
+    assert a1 == pytest.approx(2 * 27 * (a0 - 3 * 8 * 4097) / (3 * 27))
+
+
 def test_options_change_the_overheads() -> None:
-    plan = Plan(L7, 2048, 1, 1)
+    plan = Plan(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=1)
     a = estimate_memory(plan).worst
     b = estimate_memory(plan, MemoryOptions(allocator_overhead=0.0)).worst
     assert b.allocator == 0 and a.allocated == b.allocated

@@ -12,7 +12,7 @@ from llmscale.errors import ConfigError
 from llmscale.model.config import get_preset
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, estimate_step_time, recompute_fraction
 
 L7, L70 = get_preset("llama2-7b"), get_preset("llama2-70b")
@@ -20,7 +20,9 @@ H200 = Cluster.of("h200")
 
 
 def test_one_gpu_step_by_hand() -> None:
-    plan = Plan(L7, 2048, 2, 8, precision="bf16")  # 4 micro-batches, no parallelism
+    plan = Plan(
+        model=L7, seq_len=2048, micro_batch_size=2, global_batch_size=8, precision="bf16"
+    )  # 4 micro-batches, no parallelism
     t = estimate_step_time(plan, H200)
     tokens = 2 * 2048
     matmul = 3 * L7.forward_flops_per_token(2048) * tokens / (989.5e12 * 0.7)
@@ -40,21 +42,42 @@ def test_one_gpu_step_by_hand() -> None:
     [("1f1b", 1, 3 / 11), ("gpipe", 1, 3 / 11), ("interleaved_1f1b", 2, 3 / 19)],
 )
 def test_bubble_closed_forms(schedule: str, chunks: int, bubble: float) -> None:
-    plan = Plan(L70, 4096, 1, 8, tp=8, pp=4, pp_schedule=schedule, pp_chunks=chunks)
+    plan = Plan(
+        model=L70,
+        seq_len=4096,
+        micro_batch_size=1,
+        global_batch_size=8,
+        tp=8,
+        pp=4,
+        pp_schedule=schedule,
+        pp_chunks=chunks,
+    )
     assert estimate_step_time(plan, H200).bubble_fraction == pytest.approx(bubble)
 
 
 def test_simulator_agrees_with_the_closed_form() -> None:
-    plan = Plan(L70, 4096, 1, 16, tp=8, pp=4, recompute="full")
+    plan = Plan(
+        model=L70,
+        seq_len=4096,
+        micro_batch_size=1,
+        global_batch_size=16,
+        tp=8,
+        pp=4,
+        recompute="full",
+    )
     closed = estimate_step_time(plan, H200)
     sim = estimate_step_time(plan, H200, simulate=True)
-    # The closed form runs every stage at the slowest (head) stage's pace: an upper bound.
-    assert sim.seconds <= closed.seconds
+    # The closed form runs every stage at the slowest (head) stage's pace. With the head split
+    # over tp (vocab-parallel, as the runtime runs it) the stages are within 0.1% of each other,
+    # so that is no longer slack enough to hide the p2p latencies the simulator puts on every
+    # steady-state dependency: the closed form is an upper bound only to within 1% (it was
+    # exact while the planner kept the head whole on every tp rank).
+    assert sim.seconds <= 1.01 * closed.seconds
     assert sim.seconds == pytest.approx(closed.seconds, rel=0.03)
 
 
 def test_recompute_shares() -> None:
-    base = Plan(L70, 4096, 1, 8, tp=8)
+    base = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=8, tp=8)
     assert recompute_fraction(base) == 0.0
     assert recompute_fraction(replace(base, recompute="full")) == 1.0
     assert recompute_fraction(replace(base, recompute="every_k", recompute_every_k=4)) == 0.25
@@ -64,9 +87,33 @@ def test_recompute_shares() -> None:
 
 
 def test_tensor_parallel_collectives_per_block() -> None:
-    none = estimate_step_time(Plan(L70, 4096, 1, 8, tp=8, pp=8), H200)
-    full = estimate_step_time(Plan(L70, 4096, 1, 8, tp=8, pp=8, recompute="full"), H200)
-    sp = estimate_step_time(Plan(L70, 4096, 1, 8, tp=8, pp=8, sequence_parallel=True), H200)
+    none = estimate_step_time(
+        Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=8, tp=8, pp=8), H200
+    )
+    full = estimate_step_time(
+        Plan(
+            model=L70,
+            seq_len=4096,
+            micro_batch_size=1,
+            global_batch_size=8,
+            tp=8,
+            pp=8,
+            recompute="full",
+        ),
+        H200,
+    )
+    sp = estimate_step_time(
+        Plan(
+            model=L70,
+            seq_len=4096,
+            micro_batch_size=1,
+            global_batch_size=8,
+            tp=8,
+            pp=8,
+            sequence_parallel=True,
+        ),
+        H200,
+    )
     # 2 all-reduces forward + 2 backward; full recompute repeats the forward 2.
     assert full.breakdown["tp_comm"] / none.breakdown["tp_comm"] == pytest.approx(6 / 4)
     # Sequence parallelism: all-gather + reduce-scatter moves the same bytes (ring).
@@ -74,7 +121,7 @@ def test_tensor_parallel_collectives_per_block() -> None:
 
 
 def test_fsdp_traffic_is_exposed_only_beyond_compute() -> None:
-    plan = Plan(L70, 4096, 1, 64, dp_shard=64)
+    plan = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, dp_shard=64)
     hidden = estimate_step_time(plan, H200)
     exposed = estimate_step_time(plan, H200, replace(DEFAULT_TIME, dp_overlap=0.0))
     assert hidden.breakdown["fsdp_comm"] == 0.0
@@ -83,7 +130,9 @@ def test_fsdp_traffic_is_exposed_only_beyond_compute() -> None:
 
 def test_tp_larger_than_a_node_is_rejected() -> None:
     with pytest.raises(ConfigError) as e:
-        estimate_step_time(Plan(L7, 4096, 1, 1, tp=16), H200)  # valid for the runtime, not a node
+        estimate_step_time(
+            Plan(model=L7, seq_len=4096, micro_batch_size=1, global_batch_size=1, tp=16), H200
+        )  # valid for the runtime, not a node
     assert e.value.field == "parallel.tp" and "GPUs per node" in e.value.allowed
 
 

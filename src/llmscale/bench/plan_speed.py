@@ -14,8 +14,7 @@ import argparse
 import time
 
 from llmscale.model.config import get_preset
-from llmscale.plan import activations, collectives, memory, params
-from llmscale.plan import time as tm
+from llmscale.plan import cache
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import search
 
@@ -30,17 +29,8 @@ CASES = [
 
 
 def clear_planner_caches() -> None:
-    """Empty the planner's memo caches, so that the next search starts cold as the CLI's does.
-
-    The one place this benchmark reaches into the planner's private caches; replace the body by
-    `llmscale.plan.cache.clear_all()` once the planner has one cache mechanism.
-    """
-    for fn in (activations.block_bytes, activations.head_bytes, collectives.collective,
-               params.stage_params):  # fmt: skip
-        fn.cache_clear()  # type: ignore[attr-defined]
-    memory._ACT_CACHE.clear()
-    memory._STATES_CACHE.clear()
-    tm._STAGE_CACHE.clear()
+    """Empty the planner's memo caches, so that the next search starts cold as the CLI's does."""
+    cache.clear_all()
 
 
 def main(argv: list[str] | None = None) -> None:

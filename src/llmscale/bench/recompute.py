@@ -11,7 +11,7 @@ from llmscale.bench.report import Row, SuiteResult, predicted_vs_measured_bars
 from llmscale.bench.runner import BenchOptions, png_path
 from llmscale.bench.timing import calibrated, predicted_seconds
 from llmscale.model.config import get_preset
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
 from llmscale.plan.time import recompute_fraction
 from llmscale.train.trainer import Trainer
 

@@ -1,12 +1,22 @@
-"""Model shapes: one dataclass that feeds both the runtime and the planner.
+"""Model shapes, and the facts about running them that the runtime and the planner share.
 
-This module must not import torch: the planner counts parameters and FLOPs from it.
+This module must not import torch: the planner counts parameters and FLOPs from it. Besides
+`ModelConfig` it states, once, what the runtime does and the planner predicts:
+
+- `TP_STYLES` / `VOCAB_TP_STYLES` / `SP_MODULES` and `vocab_parallel`: which module is split
+  column- or row-wise over tensor-parallel ranks, what sequence parallelism shards and gathers
+  (`parallel/tensor_parallel.py` maps them to DTensor styles; `plan/params.py` and
+  `plan/activations.py` count from them);
+- `split_layers` and `stage_ids`: the layer -> pipeline stage -> rank placement
+  (`parallel/pipeline.py`, `plan/plan.py`);
+- `block_recompute` and `ModelConfig.recompute_fraction`: which blocks each recompute mode
+  checkpoints (the every-k rule) and the share of forward FLOPs run again.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from llmscale.errors import ConfigError
 
@@ -166,11 +176,13 @@ class ModelConfig:
         bias = self.bias
 
         def linear(name: str, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]]:
-            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
+            shapes: list[tuple[str, tuple[int, ...]]] = [(f"{name}.weight", (out, inp))]
+            return shapes + ([(f"{name}.bias", (out,))] if bias else [])
 
         def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
             shift = self.norm == "layernorm" and bias
-            return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if shift else [])
+            shapes: list[tuple[str, tuple[int, ...]]] = [(f"{name}.weight", (d,))]
+            return shapes + ([(f"{name}.bias", (d,))] if shift else [])
 
         emb: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (v, d))]
         if self.pos_emb == "learned":
@@ -220,6 +232,20 @@ class ModelConfig:
         fwd = self.forward_flops_per_token(seq_len)
         return 3.0 * fwd + recompute_fraction * self.block_forward_flops_per_token(seq_len)
 
+    def recompute_fraction(self, mode: str, seq_len: int, every_k: int = 2) -> float:
+        """Share of the blocks' forward FLOPs that `mode` runs a second time in backward.
+
+        full: every block (1.0); every_k: the blocks `block_recompute` checkpoints; selective:
+        the attention core (QK^T, AV: the runtime checkpoints `AttentionCore`, the SDPA call);
+        none: 0. For `train_flops_per_token` (HFU counts it, MFU does not).
+        """
+        if mode == "selective":
+            return self.attention_core_flops_per_token(
+                seq_len
+            ) / self.block_forward_flops_per_token(seq_len)
+        n = self.n_layers
+        return sum(block_recompute(mode, i, every_k) == "full" for i in range(n)) / n
+
     # ---- conversion -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,6 +256,124 @@ class ModelConfig:
             if k not in known:
                 raise ConfigError(f"model.{k}", k, "one of " + ", ".join(sorted(known)))
         return replace(self, **overrides)
+
+
+# ---- facts shared by the runtime and the planner ------------------------------------------------
+
+TPStyle = Literal["colwise", "rowwise"]
+
+
+class TPSplit(NamedTuple):
+    """How one module is split over tensor-parallel ranks (torch's Colwise/RowwiseParallel)."""
+
+    style: TPStyle
+    embedding: bool = False  # an nn.Embedding (weight [vocab, dim]) rather than a nn.Linear
+    gather_output: bool = False  # the output is all-gathered to every rank (not left sharded)
+
+    def sharded_dim(self, param: str) -> int | None:
+        """The dimension of `param` ("weight" or "bias") split over tp; None: replicated.
+
+        Colwise: a linear's weight [out, in] on dim 0 and its bias; an embedding on dim 1.
+        Rowwise: a linear's weight on dim 1 (its bias stays whole); an embedding on dim 0 (the
+        vocabulary). torch.distributed.tensor.parallel.style is the reference.
+        """
+        if self.style == "colwise":
+            return 1 if self.embedding and param == "weight" else 0
+        if param == "weight":
+            return 0 if self.embedding else 1
+        return None
+
+
+# Each block's linears, by module path inside the block (torchtitan's Llama plan, Megatron's
+# split): q, k, v and the FFN's input projections column-wise (heads, hidden units per rank),
+# the output projections row-wise (partial sums, reduced). Norms are replicated.
+TP_STYLES: dict[str, TPSplit] = {
+    "attention.wq": TPSplit("colwise"),
+    "attention.wk": TPSplit("colwise"),
+    "attention.wv": TPSplit("colwise"),
+    "attention.wo": TPSplit("rowwise"),
+    "feed_forward.w1": TPSplit("colwise"),
+    "feed_forward.w2": TPSplit("rowwise"),
+    "feed_forward.w3": TPSplit("colwise"),
+}
+# Root modules under vocabulary parallelism (see `vocab_parallel`): the embedding looks up its
+# vocabulary range and a reduce sums; the output projection computes its vocabulary columns and
+# the logits are all-gathered before the (single-process) loss: the loss and its log-softmax
+# run on the whole vocabulary on every tp rank (no vocab-parallel cross-entropy).
+VOCAB_TP_STYLES: dict[str, TPSplit] = {
+    "tok_embeddings": TPSplit("rowwise", embedding=True),
+    "output": TPSplit("colwise", gather_output=True),
+}
+# Sequence parallelism: these norms run on seq / tp tokens (the residual stream between them is
+# sharded on the sequence); the inputs of these modules are all-gathered to the whole sequence,
+# and the gathered copy is what their first linears save for backward.
+SP_SHARDED_MODULES: tuple[str, ...] = ("attention_norm", "ffn_norm", "norm")
+SP_GATHERED_INPUTS: tuple[str, ...] = ("attention", "feed_forward")
+
+
+def vocab_parallel(model: ModelConfig, tp: int) -> bool:
+    """Whether the embedding and the output projection are split over `tp` ranks.
+
+    Untied models split both along the vocabulary; a tied matrix cannot be row- and column-split
+    at once, so tied models keep both replicated. tp = 1 splits nothing.
+    """
+    return tp > 1 and not model.tie_embeddings
+
+
+def loss_parallel(model: ModelConfig, tp: int) -> bool:
+    """Whether the loss runs on vocabulary shards of the logits (Megatron's vocab-parallel
+    cross-entropy) rather than on logits gathered whole on every tp rank."""
+    return vocab_parallel(model, tp) and not VOCAB_TP_STYLES["output"].gather_output
+
+
+def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:
+    """The split of the module owning parameter `param_name` ("layers.3.attention.wq.weight")."""
+    module = param_name.rsplit(".", 1)[0]
+    if module.startswith("layers."):
+        return TP_STYLES.get(module.split(".", 2)[-1])
+    return VOCAB_TP_STYLES.get(module) if vocab_split else None
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per pipeline stage, sizes differing by at most one.
+
+    Extra layers go to the earliest stages (the last one also carries the output projection
+    and the loss).
+    """
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, chunks: int) -> list[int]:
+    """Stages held by pipeline rank `pp_rank`, loop style: r, r + pp, r + 2 pp, ..."""
+    return [pp_rank + k * pp for k in range(chunks)]
+
+
+BlockMode = Literal["none", "selective", "full"]
+
+
+def block_recompute(mode: str, layer_id: int, every_k: int = 2) -> BlockMode:
+    """What train.recompute = `mode` does to block `layer_id`.
+
+    full: the whole block is checkpointed (only its input kept); every_k: blocks k-1, 2k-1, ...
+    are, the others are not; selective: the block's attention core is checkpointed; none: none.
+    """
+    if mode == "every_k":
+        return "full" if (layer_id + 1) % every_k == 0 else "none"
+    if mode == "full":
+        return "full"
+    if mode == "selective":
+        return "selective"
+    if mode == "none":
+        return "none"
+    raise ConfigError("train.recompute", mode, "none | selective | every_k | full")
 
 
 def _llama(name: str, **kw: Any) -> ModelConfig:

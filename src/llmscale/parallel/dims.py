@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmscale.config import ParallelSection
+from llmscale.config import ParallelSection, data_parallel_degree, layout_world_size
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -64,12 +64,12 @@ class ParallelDims:
     # ---- degrees ----------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return layout_world_size(self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different slices of each global batch exist."""
-        return self.dp_replicate * self.dp_shard
+        return data_parallel_degree(self.dp_replicate, self.dp_shard)
 
     @property
     def stage_size(self) -> int:

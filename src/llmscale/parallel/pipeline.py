@@ -18,26 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmscale.model.config import split_layers, stage_ids
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.timeline import PipelineTimeline
 
-
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer ranges, one per stage, sizes differing by at most one."""
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def stage_ids(pp_rank: int, pp: int, chunks: int) -> list[int]:
-    """Stages held by pipeline rank `pp_rank`, loop style."""
-    return [pp_rank + k * pp for k in range(chunks)]
+__all__ = ["build_schedule", "build_stage_module", "pipeline_split", "split_layers", "stage_ids"]
 
 
 def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:

@@ -17,6 +17,10 @@ code is the single-process one (no loss_parallel; it would avoid that gather). A
 embeddings keeps both replicated instead (the tied matrix cannot be row- and column-split at
 once); sequence parallelism then is not supported, nor with learned positions (the position
 table is added to the embedding output, which would be sequence-sharded).
+
+Which module is split how, and what sequence parallelism shards and gathers, is the torch-free
+table in `model/config.py` (`TP_STYLES`, `VOCAB_TP_STYLES`, `SP_*`, `vocab_parallel`), which the
+planner reads too; this module only maps it to DTensor styles.
 """
 
 from __future__ import annotations
@@ -32,12 +36,20 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llmscale.model.config import (
+    SP_GATHERED_INPUTS,
+    SP_SHARDED_MODULES,
+    TP_STYLES,
+    VOCAB_TP_STYLES,
+    TPSplit,
+    vocab_parallel,
+)
 from llmscale.model.transformer import Transformer
 
 
-def vocab_parallel(model: Transformer) -> bool:
-    """Whether the embedding and output matrices are split over TP ranks."""
-    return not model.cfg.tie_embeddings
+def _style(split: TPSplit, **kw: Any) -> Any:
+    """The DTensor style for one entry of the shared table (model/config.py)."""
+    return (ColwiseParallel if split.style == "colwise" else RowwiseParallel)(**kw)
 
 
 def apply_tp(model: Transformer, tp_mesh: Any, sequence_parallel: bool) -> None:
@@ -45,44 +57,44 @@ def apply_tp(model: Transformer, tp_mesh: Any, sequence_parallel: bool) -> None:
     sp = sequence_parallel
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     root: dict[str, Any] = {}
-    if vocab_parallel(model):
+    if vocab_parallel(model.cfg, tp_mesh.size()):
         if model.tok_embeddings is not None:
-            root["tok_embeddings"] = RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=stream
+            root["tok_embeddings"] = _style(
+                VOCAB_TP_STYLES["tok_embeddings"], input_layouts=Replicate(), output_layouts=stream
             )
         if model.output is not None:
-            root["output"] = ColwiseParallel(
-                input_layouts=stream, output_layouts=Replicate(), use_local_output=True
+            out = VOCAB_TP_STYLES["output"]
+            assert out.gather_output  # the trainer's loss is the single-process one
+            root["output"] = _style(
+                out, input_layouts=stream, output_layouts=Replicate(), use_local_output=True
             )
     if sp and model.norm is not None:
+        assert "norm" in SP_SHARDED_MODULES
         root["norm"] = SequenceParallel()
     if root:
         parallelize_module(model, tp_mesh, root)
 
     for block in model.layers.values():
-        plan: dict[str, Any] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-        }
-        if block.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
-        if sp:
-            plan.update(
-                {
-                    "attention_norm": SequenceParallel(),
-                    # x from the norm (sequence shards) is gathered; the RoPE table passes as is.
-                    "attention": PrepareModuleInput(
-                        input_layouts=(Shard(1), None),
-                        desired_input_layouts=(Replicate(), None),
-                    ),
-                    "ffn_norm": SequenceParallel(),
-                    "feed_forward": PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                    ),
-                }
+        plan: dict[str, Any] = {}
+        for name, split in TP_STYLES.items():
+            if name == "feed_forward.w3" and block.feed_forward.w3 is None:
+                continue
+            # The row-wise output projections return the residual stream's layout.
+            plan[name] = (
+                _style(split, output_layouts=stream)
+                if split.style == "rowwise"
+                else (_style(split))
             )
+        if sp:
+            plan.update({name: SequenceParallel() for name in SP_SHARDED_MODULES if name != "norm"})
+            # x from the norm (sequence shards) is gathered; attention's RoPE table passes as is.
+            gathered = {
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+            plan.update({name: gathered[name] for name in SP_GATHERED_INPUTS})
         parallelize_module(block, tp_mesh, plan)

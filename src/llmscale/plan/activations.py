@@ -22,7 +22,8 @@ what each op's backward keeps (checked against `saved_tensors_hooks` in tests/pl
   input); GELU keeps its input and its output.
 - No dropout, so no masks.
 
-Regions set the divisors: "norm" tensors (residual stream, norms, dropout masks) are split by
+Regions set the divisors (from the runtime's TP plan, `model.config.TP_STYLES` and `SP_*`):
+"norm" tensors (residual stream, norms, dropout masks: `SP_SHARDED_MODULES`) are split by
 tp only under sequence parallelism; "linear_in" tensors (inputs of wq/wk/wv, w1/w3) are
 replicated across tp, and under sequence parallelism are split only when the runtime re-gathers
 them in backward (Megatron) rather than saving the all-gathered copy (DTensor/torchtitan
@@ -32,16 +33,15 @@ them in backward (Megatron) rather than saving the all-gathered copy (DTensor/to
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
+from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig
-from llmscale.plan.fastcache import identity_cache
+from llmscale.model.config import ModelConfig, loss_parallel, vocab_parallel
+from llmscale.plan.cache import memoize
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
 BLOCK_MODES = ("none", "selective", "full")
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,38 @@ class Kernels:
     dropout: bool = False
     residual_fp32: bool = True  # autocast keeps the residual stream in the fp32 param dtype
     sp_saves_gathered_input: bool = True  # DTensor SP: linear inputs saved whole, not split
-    vocab_parallel: bool = False  # embedding and head replicated across tp (not split)
+    # Embedding, head and logits split over tp: None = as the llmscale runtime does
+    # (`model.config.vocab_parallel`: untied models split them); True / False to force.
+    vocab_parallel: bool | None = None
+    # The loss's log-softmax split over tp too (Megatron's vocab-parallel cross-entropy); None =
+    # as the runtime: it gathers the logits first (`model.config.loss_parallel`: never).
+    loss_parallel: bool | None = None
     # The forward's weights are already bf16/fp16 (FSDP2's param_dtype, offloaded working
     # copies): the residual stream and an RMSNorm's output are in that dtype, so the linears
     # reading one norm output share one saved input instead of autocast casting it per linear.
     lowp_weights: bool = False
+
+    @classmethod
+    def for_runtime(cls, model: ModelConfig, tp: int, device: str = "cuda") -> Kernels:
+        """The llmscale runtime's kernel facts for `model` at tensor-parallel degree `tp` on
+        `device` ("cuda" or "cpu"): the one description of the runtime that every caller uses."""
+        return cls(
+            device="cpu" if device == "cpu" else "cuda",
+            vocab_parallel=vocab_parallel(model, tp),
+            loss_parallel=loss_parallel(model, tp),
+        )
+
+    def splits_vocab(self, model: ModelConfig, tp: int) -> bool:
+        """Are the embedding, the output projection and the logits split over `tp` ranks?"""
+        if tp == 1:
+            return False
+        return vocab_parallel(model, tp) if self.vocab_parallel is None else self.vocab_parallel
+
+    def splits_logits(self, model: ModelConfig, tp: int) -> bool:
+        """Does the loss run on the logits split over `tp` ranks (not gathered first)?"""
+        if tp == 1:
+            return False
+        return loss_parallel(model, tp) if self.loss_parallel is None else self.loss_parallel
 
     def attention_kernel(self, model: ModelConfig, precision: str) -> str:
         if self.attention not in ATTENTION_KERNELS:
@@ -70,6 +97,8 @@ class Kernels:
         return "math" if model.n_kv_heads < model.n_heads else "efficient"
 
 
+# The llmscale runtime on CUDA and on the CPU, for any model (vocabulary split as it decides);
+# `Kernels.for_runtime(model, tp, device)` gives the same facts resolved for one model.
 RUNTIME = Kernels()
 RUNTIME_CPU = Kernels(device="cpu")
 # Megatron-LM as Korthikanti et al. and Narayanan et al. ran it: fp16 activations throughout,
@@ -81,6 +110,7 @@ MEGATRON_2021 = Kernels(
     residual_fp32=False,
     sp_saves_gathered_input=False,
     vocab_parallel=True,
+    loss_parallel=True,
 )
 
 
@@ -148,19 +178,19 @@ def block_tensors(
     model: ModelConfig,
     micro_batch_size: int,
     seq_len: int,
-    precision: str,
+    precision: Precision,
     tp: int = 1,
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
     mode: str = "none",
 ) -> list[Saved]:
     """The tensors one block keeps for backward under `mode` (none | selective | full)."""
-    if precision not in BYTES:
-        raise ConfigError("precision.mode", precision, " | ".join(BYTES))
+    if precision not in DTYPE_BYTES:
+        raise ConfigError("precision.mode", precision, " | ".join(PRECISIONS))
     if mode not in BLOCK_MODES:
         raise ConfigError("train.recompute", mode, " | ".join(BLOCK_MODES))
     tokens = micro_batch_size * seq_len
-    a = BYTES[precision]  # activation dtype under autocast (or fp32)
+    a = DTYPE_BYTES[precision]  # activation dtype under autocast (or fp32)
     r = residual_bytes(a, kernels)
     d, kv, f, heads = model.dim, model.kv_dim, model.ffn_dim, model.n_heads
     per_token: list[tuple[str, float, str]] = []  # (name, bytes per token, region)
@@ -240,12 +270,12 @@ def _scale(
     ]
 
 
-@identity_cache()
+@memoize
 def block_bytes(
     model: ModelConfig,
     micro_batch_size: int,
     seq_len: int,
-    precision: str,
+    precision: Precision,
     tp: int = 1,
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
@@ -260,6 +290,27 @@ def block_bytes(
     )
 
 
+@memoize
+def checkpoint_input_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+    mode: str = "none",
+) -> float:
+    """Bytes of the inputs a block's checkpointed region keeps for its recomputation: the block
+    input (full) or the attention core's q, k and v (selective); none keeps nothing extra."""
+    args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels, mode)
+    if mode == "full":
+        return sum(t.nbytes for t in block_tensors(*args))
+    if mode == "selective":
+        return sum(t.nbytes for t in block_tensors(*args) if t.name in ("q", "k", "v"))
+    return 0.0
+
+
 def embedding_tensors(micro_batch_size: int, seq_len: int) -> list[Saved]:
     """First stage: the embedding keeps the token ids (the micro-batch's seq_len + 1 columns)."""
     return [Saved("token ids (int64)", 8 * micro_batch_size * (seq_len + 1), "seq")]
@@ -269,18 +320,18 @@ def head_tensors(
     model: ModelConfig,
     micro_batch_size: int,
     seq_len: int,
-    precision: str,
+    precision: Precision,
     tp: int = 1,
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
 ) -> list[Saved]:
     """Last stage: final norm, the output projection's input and the loss's log-softmax."""
     tokens = micro_batch_size * seq_len
-    a = BYTES[precision]
+    a = DTYPE_BYTES[precision]
     d, v = model.dim, model.vocab_size
     per_token = norm_terms(model, "final norm", a, kernels)
     per_token.append(("output projection input", a * d, "linear_in"))
-    vocab_div = tp if kernels.vocab_parallel else 1
+    vocab_div = tp if kernels.splits_logits(model, tp) else 1
     out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
     out += [
         Saved("log-softmax output (fp32 logits)", 4 * tokens * v / vocab_div, "seq"),
@@ -290,7 +341,7 @@ def head_tensors(
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@memoize
 def with_weights(kernels: Kernels, lowp_weights: bool) -> Kernels:
     """`kernels` for a plan whose forward weights are (or are not) already low precision."""
     if kernels.lowp_weights == lowp_weights:
@@ -298,12 +349,12 @@ def with_weights(kernels: Kernels, lowp_weights: bool) -> Kernels:
     return dataclasses.replace(kernels, lowp_weights=lowp_weights)
 
 
-@identity_cache()
+@memoize
 def head_bytes(
     model: ModelConfig,
     micro_batch_size: int,
     seq_len: int,
-    precision: str,
+    precision: Precision,
     tp: int = 1,
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
@@ -326,7 +377,7 @@ def loss_transient_bytes(
     input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per logit on
     top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4).
     """
-    div = tp if kernels.vocab_parallel else 1
+    div = tp if kernels.splits_logits(model, tp) else 1
     return 8.0 * micro_batch_size * seq_len * model.vocab_size / div
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import Link, Node
 from llmscale.hardware.spec import Sourced
-from llmscale.plan.fastcache import identity_cache
+from llmscale.plan.cache import memoize
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 # NCCL's tuner derates tree bandwidth to 0.9 of the ring's bus bandwidth (tuning.cc:
@@ -152,7 +152,7 @@ class Cost:
     algorithm: str
 
 
-@identity_cache()
+@memoize
 def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) -> Cost:
     """Cost of `op` over `n` ranks placed `per_node` to a node (the cheapest algorithm).
 

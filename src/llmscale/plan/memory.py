@@ -36,25 +36,48 @@ Allocator: PyTorch's caching allocator reserves more than it allocates (rounding
 `allocator_overhead` (default 5%) of the allocated total is added, and `device_reserve_GiB`
 (CUDA context, cuBLAS workspace, NCCL buffers; not torch allocations) counts against capacity.
 
-Pipeline: layers split evenly over pp (and chunks); embedding on the first rank, final norm and
-head on the last. Tensor parallelism: see plan/params.py and the regions in plan/activations.py.
+Pipeline: layers split as the runtime splits them (`model.config.split_layers`: contiguous, extra
+layers to the earliest stages); embedding on the first rank, final norm and head on the last.
+Micro-batches in flight per rank come from plan/schedule.py's op orders. Tensor parallelism: see
+plan/params.py and the regions in plan/activations.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple
 
+from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import GPU, GiB, Node
+from llmscale.hardware.catalog import GPU, GiB
+from llmscale.model.config import BlockMode
 from llmscale.plan import activations as act
+from llmscale.plan.cache import Memo
 from llmscale.plan.params import StageParams, stage_params
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
+from llmscale.plan.schedule import inflight_units
 
-PARAM_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "MemoryEstimate",
+    "MemoryOptions",
+    "StageMemory",
+    "StagePieces",
+    "block_bytes",
+    "embedding_inflight",
+    "estimate_memory",
+    "head_inflight",
+    "inflight_units",
+    "param_window",
+    "plan_kernels",
+    "plan_stage_params",
+    "rank_pieces",
+    "rank_states",
+    "stage_activation_bytes",
+    "worst_total",
+    "zero_textbook_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -130,37 +153,28 @@ class MemoryEstimate:
     def fits(self, gpu: GPU) -> bool:
         return self.total + self.options.device_reserve_GiB * GiB <= gpu.memory_bytes
 
-    def fits_host(self, node: Node) -> bool:
-        """The node's GPUs' host bytes (offload) within its host memory."""
-        return max(s.host for s in self.stages) * node.gpus_per_node <= node.host_memory_bytes
 
-    def headroom(self, gpu: GPU) -> float:
-        """Bytes left on the fullest GPU (negative: does not fit)."""
-        return gpu.memory_bytes - self.options.device_reserve_GiB * GiB - self.total
+class StagePieces(NamedTuple):
+    """Bytes of one pipeline rank by kind, before the allocator's overhead."""
+
+    params: float
+    grads: float
+    optimizer: float
+    working: float  # working_params: unsharded, cast or uploaded parameters in use
+    activations: float
+    transient: float
+    host: float
+
+    @property
+    def allocated(self) -> float:
+        """Device bytes at the peak (everything but `host`)."""
+        return (
+            self.params + self.grads + self.optimizer + self.working + self.activations
+            + self.transient
+        )  # fmt: skip
 
 
-# ---- pipeline in-flight micro-batches -----------------------------------------------------
-
-
-def inflight_units(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
-    """Peak micro-batch-chunks whose forward is done and backward is not, on pipeline `rank`.
-
-    GPipe runs every forward first: m. 1F1B warms up with pp - rank - 1 forwards, then one more
-    before the first backward: min(pp - rank, m). Interleaved 1F1B (v chunks) warms up with
-    (v - 1) * pp forwards to fill the earlier chunks and 2 (pp - rank - 1) to cover the last
-    chunk's round trip, plus one: min((v-1)pp + 2(pp-rank-1) + 1, m v) chunk units, each 1/v of
-    the rank's layers; on rank 0 that is pp(1 + (pp-1)/(pp v)) micro-batches' worth, Korthikanti
-    et al. 2022 section 4.2.3. pp = 1 (accumulation only): one micro-batch at a time.
-    """
-    if pp == 1:
-        return 1 * chunks
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(pp - rank, microbatches)
-    if schedule == "interleaved_1f1b":
-        return min((chunks - 1) * pp + 2 * (pp - rank - 1) + 1, microbatches * chunks)
-    raise ConfigError("parallel.pp_schedule", schedule, "gpipe | 1f1b | interleaved_1f1b")
+# ---- pipeline in-flight micro-batches (counts from plan/schedule.py) ---------------------------
 
 
 def head_inflight(plan: Plan) -> int:
@@ -177,9 +191,15 @@ def embedding_inflight(plan: Plan) -> int:
 # ---- states -------------------------------------------------------------------------------
 
 
-def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...]:
-    """(params, grads, optimizer, working_params, fsdp_transient, host) in bytes."""
-    pb = PARAM_DTYPE_BYTES[plan.precision]
+def plan_stage_params(plan: Plan, rank: int, kernels: act.Kernels) -> StageParams:
+    """Parameters of pipeline `rank` as the runtime lays them out (its layer split, TP plan)."""
+    vp = kernels.splits_vocab(plan.model, plan.tp)
+    return stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp, plan.chunks)
+
+
+def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> StagePieces:
+    """Params, grads, optimizer, working params, FSDP's transient and host bytes (activations 0)."""
+    pb = DTYPE_BYTES[plan.precision]
     low = plan.precision != "fp32"
     counters = 4.0 * sp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
     if plan.sharded:
@@ -192,7 +212,9 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         unsharded = 2.0 * sp.autocast_numel if low else 0.0  # autocast's cast weights
         rs_transient = 0.0
     if plan.offload == "none":
-        return 4 * shard, 4 * shard, 8 * shard + counters, unsharded, rs_transient, 0.0
+        return StagePieces(
+            4 * shard, 4 * shard, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0
+        )
     host = 12 * shard + counters
     if plan.offload == "optimizer":
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
@@ -200,7 +222,9 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         # freed: about one block's gradients are on the device at a time (a transient).
         working = unsharded if plan.sharded else 0.0
         grads_in_flight = pb * sp.block.numel
-        return pb * shard, 0.0, 0.0, working, max(rs_transient, grads_in_flight), host
+        return StagePieces(
+            pb * shard, 0.0, 0.0, working, 0.0, max(rs_transient, grads_in_flight), host
+        )
     if plan.fsdp_cpu_offload:
         # optimizer+params under data parallelism is FSDP2's CPUOffloadPolicy: the fp32 shards
         # (the master), their fp32 gradients and Adam's moments on the host (16 B per parameter
@@ -210,23 +234,24 @@ def _states(plan: Plan, sp: StageParams, opt: MemoryOptions) -> tuple[float, ...
         if not plan.sharded:
             unsharded = pb * float(sp.numel)
             rs_transient = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
-        return 0.0, 0.0, 0.0, unsharded, rs_transient, 16 * shard + counters
+        return StagePieces(0.0, 0.0, 0.0, unsharded, 0.0, rs_transient, 16 * shard + counters)
     # optimizer+params: between uses the device holds no parameter; during forward and backward
     # `param_window` of them, plus one block's gradients in flight. The host also keeps a
     # working-dtype copy to upload (in fp32 the master itself is uploaded).
-    window = pb * param_window(plan, sp, opt.prefetch_blocks)
+    window = pb * param_window(plan, rank, sp, opt.prefetch_blocks)
     grads_in_flight = pb * sp.block.numel
-    return (
-        0.0,
-        0.0,
-        0.0,
-        window,
-        max(rs_transient, grads_in_flight),
-        host + (pb * shard if low else 0),
+    return StagePieces(
+        params=0.0,
+        grads=0.0,
+        optimizer=0.0,
+        working=window,
+        activations=0.0,
+        transient=max(rs_transient, grads_in_flight),
+        host=host + (pb * shard if low else 0),
     )
 
 
-def param_window(plan: Plan, sp: StageParams, prefetch_blocks: int) -> float:
+def param_window(plan: Plan, rank: int, sp: StageParams, prefetch_blocks: int) -> float:
     """Most parameter elements on the device at once under optimizer+params (one process, TP, PP).
 
     The runtime's units are the embedding, each block and the head, in forward order, per model
@@ -235,12 +260,11 @@ def param_window(plan: Plan, sp: StageParams, prefetch_blocks: int) -> float:
     device holds `prefetch_blocks` consecutive units. A tied embedding (read by the head too)
     stays from its forward to its gradient, on top of every window.
     """
-    per_chunk = sp.blocks // plan.chunks
     tied = plan.model.tie_embeddings and sp.embedding is not None and sp.head is not None
     kept = sp.embedding.numel if tied and sp.embedding is not None else 0
     best = 0
-    for c in range(plan.chunks):
-        units: list[int] = [sp.block.numel] * per_chunk
+    for c, layers in enumerate(plan.rank_stages(rank)):
+        units: list[int] = [sp.block.numel] * len(layers)
         if c == 0 and sp.embedding is not None:
             units.insert(0, 0 if tied else sp.embedding.numel)
         if c == plan.chunks - 1 and sp.head is not None:
@@ -254,30 +278,13 @@ def param_window(plan: Plan, sp: StageParams, prefetch_blocks: int) -> float:
 # ---- activations --------------------------------------------------------------------------
 
 
-def _block_modes(plan: Plan, layer_ids: list[int]) -> Counter[str]:
-    """How many of `layer_ids` run each recompute mode (every_k: layers k-1, 2k-1, ... full)."""
-    if plan.recompute == "every_k":
-        k = plan.recompute_every_k
-        return Counter("full" if (i + 1) % k == 0 else "none" for i in layer_ids)
-    return Counter({plan.recompute: len(layer_ids)})
-
-
-def _rank_layers(plan: Plan, rank: int) -> list[int]:
-    """Global layer ids on pipeline rank `rank` (loop-style chunks for interleaved)."""
-    per = plan.model.n_layers // (plan.pp * plan.chunks)
-    out: list[int] = []
-    for c in range(plan.chunks):
-        start = (c * plan.pp + rank) * per
-        out += range(start, start + per)
-    return out
-
-
 def plan_kernels(plan: Plan, kernels: act.Kernels) -> act.Kernels:
     """The kernel facts as they apply to this plan (are its forward weights low precision?)."""
     return act.with_weights(kernels, plan.lowp_weights)
 
 
-def _block_bytes(plan: Plan, mode: str, opt: MemoryOptions) -> float:
+def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
+    """Bytes one block of `plan` saves for one micro-batch under block mode `mode`."""
     return act.block_bytes(
         plan.model,
         plan.micro_batch_size,
@@ -285,55 +292,41 @@ def _block_bytes(plan: Plan, mode: str, opt: MemoryOptions) -> float:
         plan.precision,
         plan.tp,
         plan.sequence_parallel,
-        plan_kernels(plan, opt.kernels),
+        plan_kernels(plan, kernels),
         mode,
     )
 
 
-_ACT_CACHE: dict[tuple[object, ...], float] = {}
+_ACTIVATIONS: Memo[float] = Memo("memory.stage_activation_bytes")
 
 
 def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
     """Saved activations on pipeline `rank` at its peak (all in-flight micro-batches)."""
-    key = (
-        id(plan.model), id(opt), plan.seq_len, plan.micro_batch_size, plan.precision, plan.tp,
-        plan.sequence_parallel, plan.recompute, plan.recompute_every_k, plan.pp,
-        plan.pp_schedule, plan.chunks, plan.microbatches, rank, plan.lowp_weights,
-    )  # fmt: skip
-    return _memo(_ACT_CACHE, key, plan, opt, lambda: _stage_activation_bytes(plan, rank, opt))
-
-
-_KEEP: dict[int, object] = {}
-_T = TypeVar("_T")
-
-
-def _memo(
-    cache: dict[tuple[object, ...], _T],
-    key: tuple[object, ...],
-    plan: Plan,
-    opt: MemoryOptions,
-    compute: Callable[[], _T],
-) -> _T:
-    """`cache[key]`, computed on a miss. The key names the plan's model and options by id (the
-    search builds many plans that share them, and hashing them is slow), so both are kept alive
-    for as long as any entry may name them, and no other object can take their ids."""
-    hit = cache.get(key)
-    if hit is None:
-        if len(cache) > 1 << 16:
-            cache.clear()
-        _KEEP[id(plan.model)], _KEEP[id(opt)] = plan.model, opt
-        hit = cache[key] = compute()
-    return hit
+    key = (*plan.activations_key(), id(opt), rank)
+    compute = lambda: _stage_activation_bytes(plan, rank, opt)  # noqa: E731
+    return _ACTIVATIONS.get(key, compute, (plan.model, opt))
 
 
 def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
-    modes = _block_modes(plan, _rank_layers(plan, rank))
-    per_micro = sum(n * _block_bytes(plan, m, opt) for m, n in modes.items())
+    modes = plan.block_modes(plan.rank_layers(rank))
+    per_micro = sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
+    # With uneven chunks (interleaved), a chunk unit is taken as the rank's mean chunk.
     units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
     total = units * per_micro / plan.chunks
     if rank == 0:
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
         total += embedding_inflight(plan) * emb
+    if rank == plan.pp - 1 and plan.pp > 1 and plan.pp_schedule == "1f1b":
+        # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one
+        # runs forward on the last stage; its graph keeps every checkpointed region's inputs
+        # alive (its other saved tensors were freed by its backward): one micro-batch more of
+        # those (measured: tests/plan/test_predicted_vs_measured.py).
+        kern = plan_kernels(plan, opt.kernels)
+        args = (plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp)
+        total += sum(
+            n * act.checkpoint_input_bytes(*args, plan.sequence_parallel, kern, m)
+            for m, n in modes.items()
+        )
     if rank == plan.pp - 1:
         head = act.head_bytes(
             plan.model,
@@ -348,78 +341,68 @@ def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     return total
 
 
-def estimate_memory(plan: Plan, options: MemoryOptions = DEFAULT_OPTIONS) -> MemoryEstimate:
-    """Per-GPU bytes of every pipeline stage for `plan` (validated first)."""
-    plan.validate()
-    return _estimate(plan, options)
-
-
-_STATES_CACHE: dict[tuple[object, ...], tuple[float, ...]] = {}
-
-
-def _rank_states(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]:
-    """`_states` of pipeline `rank`, cached on the fields it reads."""
-    key = (
-        id(plan.model), id(opt), plan.tp, plan.pp, rank, plan.dp_shard, plan.zero_stage,
-        plan.offload, plan.precision, plan.dp_replicate > 1, plan.chunks,
-    )  # fmt: skip
-
-    def compute() -> tuple[float, ...]:
-        vp = opt.kernels.vocab_parallel
-        return _states(
-            plan, stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp), opt
+def estimate_memory(
+    plan: Plan,
+    options: MemoryOptions = DEFAULT_OPTIONS,
+    ranks: tuple[int, ...] | None = None,
+    validate: bool = True,
+) -> MemoryEstimate:
+    """Per-GPU bytes of every pipeline stage for `plan` (validated first unless `validate` is
+    False); `ranks` limits the stages computed (the search's first and last)."""
+    if validate:
+        plan.validate()
+    stages = []
+    for rank in ranks if ranks is not None else range(plan.pp):
+        p = rank_pieces(plan, rank, options)
+        units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
+        stages.append(
+            StageMemory(
+                stage=rank,
+                params=p.params,
+                grads=p.grads,
+                optimizer=p.optimizer,
+                working_params=p.working,
+                activations=p.activations,
+                transient=p.transient,
+                allocator=options.allocator_overhead * p.allocated,
+                host=p.host,
+                inflight=units / plan.chunks,
+            )
         )
+    return MemoryEstimate(plan, tuple(stages), options)
 
-    return _memo(_STATES_CACHE, key, plan, opt, compute)
+
+_STATES: Memo[StagePieces] = Memo("memory.rank_states")
 
 
-def _rank_pieces(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[float, ...]:
-    """(params, grads, optimizer, working, activations, transient, host) of one rank."""
-    params, grads, optim, working, transient, host = _rank_states(plan, rank, opt)
-    acts = stage_activation_bytes(plan, rank, opt)
+def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> StagePieces:
+    """The states of pipeline `rank` (params, grads, optimizer, working params, FSDP's
+    transient, host; no activations), cached on the fields they read."""
+
+    def compute() -> StagePieces:
+        return _states(plan, rank, plan_stage_params(plan, rank, opt.kernels), opt)
+
+    return _STATES.get((*plan.states_key(), id(opt), rank), compute, (plan.model, opt))
+
+
+def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> StagePieces:
+    """Every piece of pipeline `rank`'s memory, activations and transients included."""
+    st = rank_states(plan, rank, opt)
+    transient = st.transient
     if rank == plan.pp - 1:
         loss = act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )
         transient = max(transient, loss)
     if plan.recompute in ("full", "every_k"):
-        transient = max(transient, _block_bytes(plan, "none", opt))
-    return params, grads, optim, working, acts, transient, host
+        transient = max(transient, block_bytes(plan, "none", opt.kernels))
+    acts = stage_activation_bytes(plan, rank, opt)
+    return st._replace(activations=acts, transient=transient)
 
 
 def worst_total(plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...]) -> float:
     """The largest `StageMemory.total` over `ranks`, without building the records."""
-    worst = 0.0
-    for rank in ranks:
-        p = _rank_pieces(plan, rank, opt)
-        worst = max(worst, (1 + opt.allocator_overhead) * sum(p[:6]))
-    return worst
-
-
-def _estimate(
-    plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...] | None = None
-) -> MemoryEstimate:
-    """Without validation; `ranks` limits the stages computed (the search's first and last)."""
-    stages = []
-    for rank in ranks if ranks is not None else range(plan.pp):
-        params, grads, optim, working, acts, transient, host = _rank_pieces(plan, rank, opt)
-        allocated = params + grads + optim + working + acts + transient
-        units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
-        stages.append(
-            StageMemory(
-                stage=rank,
-                params=params,
-                grads=grads,
-                optimizer=optim,
-                working_params=working,
-                activations=acts,
-                transient=transient,
-                allocator=opt.allocator_overhead * allocated,
-                host=host,
-                inflight=units / plan.chunks,
-            )
-        )
-    return MemoryEstimate(plan, tuple(stages), opt)
+    return max((1 + opt.allocator_overhead) * rank_pieces(plan, r, opt).allocated for r in ranks)
 
 
 # ---- the textbook view ----------------------------------------------------------------------

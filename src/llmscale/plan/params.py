@@ -1,9 +1,11 @@
 """Parameter elements one GPU holds: tensor-parallel slices, pipeline stages, FSDP shards.
 
-Tensor parallelism follows torchtitan's plan for the Llama block: wq, wk, wv, w1, w3 are split
-column-wise (dim 0 of the [out, in] weight, and their biases), wo and w2 row-wise (dim 1; their
-biases stay whole); norms are replicated. The embedding and the output projection are
-replicated across tp unless `vocab_parallel` (then split along the vocabulary, dim 0).
+Tensor parallelism is the runtime's plan, read from `model.config.TP_STYLES` (torchtitan's for
+the Llama block): wq, wk, wv, w1, w3 column-wise (dim 0 of the [out, in] weight, and their
+biases), wo and w2 row-wise (dim 1; their biases stay whole); norms are replicated. The
+embedding and the output projection are replicated across tp unless `vocab_parallel` (then
+split along the vocabulary, dim 0: `VOCAB_TP_STYLES`). Pipeline ranks hold the layers
+`model.config.split_layers` gives them (uneven splits included).
 FSDP2 (`fully_shard`) shards every tensor along dim 0 and pads dim 0 up to a multiple of the
 shard count, so a rank holds ceil(dim0 / n) rows; rank 0 always holds the full ceil, which is
 what is reported (the largest rank).
@@ -14,11 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmscale.model.config import ModelConfig
-from llmscale.plan.fastcache import identity_cache
-
-_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-_ROWWISE = ("attention.wo", "feed_forward.w2")
+from llmscale.model.config import ModelConfig, split_layers, stage_ids, tp_split
+from llmscale.plan.cache import memoize
 
 
 def tp_local_shape(
@@ -27,14 +26,11 @@ def tp_local_shape(
     """The slice of one tensor that a tensor-parallel rank holds."""
     if tp == 1:
         return shape
-    module = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else name
-    if any(module.endswith(c) for c in _COLWISE):
-        return (shape[0] // tp, *shape[1:])
-    if any(module.endswith(r) for r in _ROWWISE) and name.endswith(".weight"):
-        return (shape[0], shape[1] // tp)
-    if vocab_parallel and name in ("tok_embeddings.weight", "output.weight"):
-        return (shape[0] // tp, *shape[1:])
-    return shape
+    split = tp_split(name, vocab_parallel)
+    dim = None if split is None else split.sharded_dim(name.rsplit(".", 1)[-1])
+    if dim is None:
+        return shape
+    return tuple(n // tp if i == dim else n for i, n in enumerate(shape))
 
 
 def shard_numel(shape: tuple[int, ...], n: int) -> int:
@@ -109,7 +105,7 @@ class StageParams:
         return tuple(g for g in (self.embedding, self.head) if g is not None)
 
 
-@identity_cache()
+@memoize
 def stage_params(
     model: ModelConfig,
     tp: int,
@@ -117,8 +113,10 @@ def stage_params(
     rank: int,
     dp_shard: int = 1,
     vocab_parallel: bool = False,
+    chunks: int = 1,
 ) -> StageParams:
-    """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last)."""
+    """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last),
+    whose blocks are those of its `chunks` stages in the runtime's split."""
     shapes = model.parameter_shapes()
     emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
     head = Group.of(shapes["head"], tp, dp_shard, vocab_parallel) if rank == pp - 1 else None
@@ -135,4 +133,6 @@ def stage_params(
             emb.saved_cast_numel + emb_cast,
         )
     block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
-    return StageParams.make(model.n_layers // pp, block, emb, head)
+    split = split_layers(model.n_layers, pp * chunks)
+    blocks = sum(len(split[s]) for s in stage_ids(rank, pp, chunks))
+    return StageParams.make(blocks, block, emb, head)

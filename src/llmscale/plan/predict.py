@@ -8,30 +8,30 @@
 `expected_runtime_metrics` speaks the runtime's own vocabulary (train/metrics.py and the
 `SavedActivations` counter): `param_bytes`, `grad_bytes`, `optimizer_bytes` (Adam moments and
 `step` counters), `activation_bytes` (what autograd saves for the first micro-batch, which under
-autocast includes the bf16 weight casts the linears keep), and `cuda_peak_bytes` (the predicted
+autocast includes the bf16 weight casts the linears keep), under pipelining
+`activation_peak_bytes` (the most saved at once over the schedule), and `cuda_peak_bytes` (the predicted
 torch.cuda.max_memory_allocated over a step); under optimizer+params also
 `device_param_peak_bytes` (the most parameter bytes the device held at once).
 """
 
 from __future__ import annotations
 
-from llmscale.config import JobConfig
+from llmscale.config import DTYPE_BYTES, JobConfig
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import (
     DEFAULT_OPTIONS,
-    PARAM_DTYPE_BYTES,
     MemoryEstimate,
     MemoryOptions,
-    _block_modes,
-    _rank_layers,
-    _rank_pieces,
+    block_bytes,
     estimate_memory,
     param_window,
     plan_kernels,
+    plan_stage_params,
+    rank_pieces,
+    stage_activation_bytes,
 )
-from llmscale.plan.params import stage_params
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams, estimate_step_time
 
 
@@ -63,46 +63,47 @@ def expected_runtime_metrics(
     """What the runtime's per-step metrics should read on pipeline `rank` (bytes)."""
     plan = as_plan(job)
     plan.validate()
-    params, grads, optim, _working, _acts, _transient, _host = _rank_pieces(plan, rank, options)
+    pieces = rank_pieces(plan, rank, options)
+    optim = pieces.optimizer
     m, b, s = plan.model, plan.micro_batch_size, plan.seq_len
-    k = plan_kernels(plan, options.kernels)
-    modes = _block_modes(plan, _rank_layers(plan, rank))
-    saved = sum(
-        n * act.block_bytes(m, b, s, plan.precision, plan.tp, plan.sequence_parallel, k, mode)
-        for mode, n in modes.items()
-    )
+    k = options.kernels
+    modes = plan.block_modes(plan.rank_layers(rank))
+    saved = sum(n * block_bytes(plan, mode, k) for mode, n in modes.items())
     if rank == 0:
         saved += sum(t.nbytes for t in act.embedding_tensors(b, s))
     if rank == plan.pp - 1:
-        saved += act.head_bytes(m, b, s, plan.precision, plan.tp, plan.sequence_parallel, k)
-    casts_kept = plan.precision != "fp32" and not plan.sharded and plan.offload == "none"
-    if casts_kept:
-        sp = stage_params(m, plan.tp, plan.pp, rank, plan.dp_shard, k.vocab_parallel)
+        lowp = plan_kernels(plan, k)
+        saved += act.head_bytes(m, b, s, plan.precision, plan.tp, plan.sequence_parallel, lowp)
+    sp = plan_stage_params(plan, rank, k)
+    casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
+    if plan.precision != "fp32" and not plan.sharded and plan.offload == "none":
         live_blocks = modes.get("none", 0) + modes.get("selective", 0)
-        saved += 2.0 * live_blocks * sp.block.saved_cast_numel
-        saved += 2.0 * sum(g.saved_cast_numel for g in sp.root)
+        casts += 2.0 * live_blocks * sp.block.saved_cast_numel
+        casts += 2.0 * sum(g.saved_cast_numel for g in sp.root)
+    saved += casts
     peak = estimate_memory(plan, options).stages[rank].allocated
     if plan.offload != "none":
         # The optimizer states live on the host; the metric counts them wherever they are.
         optim = _host_optimizer_bytes(plan, rank, options)
     out = {
-        "param_bytes": params,
-        "grad_bytes": grads,
+        "param_bytes": pieces.params,
+        "grad_bytes": pieces.grads,
         "optimizer_bytes": optim,
         "activation_bytes": saved,
         "cuda_peak_bytes": peak,
     }
+    if plan.pp > 1:
+        # The most held at once over the schedule (micro-batches in flight); the casts are
+        # made once per step and shared by every micro-batch.
+        out["activation_peak_bytes"] = stage_activation_bytes(plan, rank, options) + casts
     if plan.offload == "optimizer+params" and not plan.fsdp_cpu_offload:
         # The offloaded optimizer's own count of the parameters it held on the device at once.
-        sp = stage_params(m, plan.tp, plan.pp, rank, plan.dp_shard, k.vocab_parallel)
-        pb = PARAM_DTYPE_BYTES[plan.precision]
-        out["device_param_peak_bytes"] = pb * param_window(plan, sp, options.prefetch_blocks)
+        pb = DTYPE_BYTES[plan.precision]
+        out["device_param_peak_bytes"] = pb * param_window(plan, rank, sp, options.prefetch_blocks)
     return out
 
 
 def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> float:
-    sp = stage_params(
-        plan.model, plan.tp, plan.pp, rank, plan.dp_shard, options.kernels.vocab_parallel
-    )
+    sp = plan_stage_params(plan, rank, options.kernels)
     shard = sp.shard_numel if plan.sharded else sp.numel
     return 8.0 * shard + 4.0 * sp.tensors

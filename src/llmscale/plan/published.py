@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from llmscale.config import PP_SCHEDULES, PPSchedule
 from llmscale.errors import ConfigError
 from llmscale.model.config import ModelConfig
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, TimeParams, estimate_step_time
 
 MEGATRON_2021_RUNTIME = replace(
@@ -61,6 +62,13 @@ def load_rows(path: str | Path = DATA) -> tuple[dict[str, Any], list[dict[str, A
     return raw.get("assume", {}), rows
 
 
+def _schedule(name: str) -> PPSchedule:
+    for schedule in PP_SCHEDULES:
+        if schedule == name:
+            return schedule
+    raise ConfigError("pp_schedule", name, " | ".join(PP_SCHEDULES))
+
+
 def gpt_model(row: dict[str, Any]) -> ModelConfig:
     h = int(row["hidden"])
     return ModelConfig(
@@ -90,16 +98,16 @@ def narayanan_2021(
     for row in rows:
         tp, pp, gpus = int(row["tp"]), int(row["pp"]), int(row["gpus"])
         plan = Plan(
-            gpt_model(row),
-            SEQ_LEN,
-            int(assume.get("micro_batch_size", 1)),
-            int(row["batch"]),
+            model=gpt_model(row),
+            seq_len=SEQ_LEN,
+            micro_batch_size=int(assume.get("micro_batch_size", 1)),
+            global_batch_size=int(row["batch"]),
             recompute="full",
             precision="fp16",
             dp_replicate=gpus // (tp * pp),
             tp=tp,
             pp=pp,
-            pp_schedule=str(assume.get("pp_schedule", "1f1b")),
+            pp_schedule=_schedule(str(assume.get("pp_schedule", "1f1b"))),
         )
         step = estimate_step_time(plan, cluster, params)
         flops = narayanan_flops(int(row["batch"]), int(row["layers"]), int(row["hidden"]))

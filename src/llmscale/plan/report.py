@@ -9,9 +9,9 @@ from rich.table import Table
 
 from llmscale.hardware.catalog import Catalog, GiB
 from llmscale.plan.memory import MemoryEstimate, StageMemory
+from llmscale.plan.plan import Plan
 from llmscale.plan.roofline import Roofline
 from llmscale.plan.search import Candidate, SearchResult
-from llmscale.plan.setup import Plan
 
 MEMORY_PARTS = (
     "params",

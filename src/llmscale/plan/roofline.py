@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmscale.config import DTYPE_BYTES, Precision
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU
 from llmscale.model.config import ModelConfig
@@ -68,7 +69,7 @@ def training(
     gpu: GPU,
     batch: int = 1,
     seq: int | None = None,
-    precision: str = "bf16",
+    precision: Precision = "bf16",
     params: TimeParams = DEFAULT_TIME,
 ) -> Roofline:
     seq = seq or model.max_seq_len
@@ -76,7 +77,7 @@ def training(
     tokens = batch * seq
     flops = model.train_flops_per_token(seq) * tokens
     psi = model.num_params()
-    wbytes = act.BYTES[precision]
+    wbytes = DTYPE_BYTES[precision]
     saved = model.n_layers * act.block_bytes(model, batch, seq, precision)
     saved += act.head_bytes(model, batch, seq, precision)
     traffic = 3 * wbytes * psi + params.optimizer_bytes_per_param * psi

@@ -167,17 +167,35 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) 
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
+def _closed_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
+    # The count peaks right after the first steady-state forward, or at the end of warm-up when
+    # warm-up is everything.
+    warmup = _warmup_forwards(schedule, pp, microbatches, chunks, rank)
+    return min(warmup + 1, microbatches * chunks)
+
+
 def peak_inflight_closed_form(
     schedule: str, pp: int, microbatches: int, chunks: int = 1
 ) -> list[int]:
     """Per rank, the most microbatch-chunks with activations held (forward done, backward not)."""
     _validate(schedule, pp, microbatches, chunks)
-    total = microbatches * chunks
-    # The count peaks right after the first steady-state forward, or at the end of warm-up when
-    # warm-up is everything.
-    return [
-        min(_warmup_forwards(schedule, pp, microbatches, chunks, r) + 1, total) for r in range(pp)
-    ]
+    return [_closed_peak(schedule, pp, microbatches, chunks, r) for r in range(pp)]
+
+
+def inflight_units(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
+    """Peak micro-batch-chunks whose activations pipeline `rank` holds in a training step.
+
+    From the schedule's warm-up (`_warmup_forwards`, the one formula): GPipe m; 1F1B
+    min(pp - rank, m); interleaved 1F1B min((v-1)pp + 2(pp-rank-1) + 1, m v) chunk units, each
+    1/v of the rank's layers (on rank 0, pp(1 + (pp-1)/(pp v)) micro-batches' worth: Korthikanti
+    et al. 2022 section 4.2.3). pp = 1 runs no schedule, only gradient accumulation: one
+    micro-batch (all its chunks) at a time. The memory model (plan/memory.py) reads this.
+    """
+    if schedule not in PP_SCHEDULES:
+        raise ConfigError("parallel.pp_schedule", schedule, " | ".join(PP_SCHEDULES))
+    if pp == 1:
+        return chunks
+    return _closed_peak(schedule, pp, microbatches, chunks, rank)
 
 
 # ---- simulation ---------------------------------------------------------------------------

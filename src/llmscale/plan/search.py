@@ -22,16 +22,21 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from llmscale.config import OFFLOAD_MODES, PRECISIONS, Offload, PPSchedule, Precision, Recompute
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig
 from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.params import stage_params
-from llmscale.plan.setup import Plan
+from llmscale.plan.plan import Plan
 
-RECOMPUTE_ORDER = ("none", "selective", "every_k", "full")  # most memory first
+RECOMPUTE_ORDER: tuple[Recompute, ...] = (
+    "none",
+    "selective",
+    "every_k",
+    "full",
+)  # most memory first
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,12 @@ class SearchSpace:
     """The options tried; each tuple lists the values the search may pick."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER
     recompute_every_k: int = 2
-    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "gpipe")
+    schedules: tuple[PPSchedule, ...] = ("1f1b", "interleaved_1f1b", "gpipe")
     chunks: tuple[int, ...] = (2, 4)
     zero_stages: tuple[int, ...] = (3, 1)  # 2 lays memory out as 1 in FSDP2: not tried twice
-    offload: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
+    offload: tuple[Offload, ...] = OFFLOAD_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     data_parallel: tuple[str, ...] = ("shard", "replicate", "hybrid")  # hybrid: shard in-node
 
@@ -88,6 +93,8 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
 
 
 def _layouts(model: ModelConfig, gpus: int, cluster: Cluster) -> Iterator[tuple[int, int, int]]:
+    # Even layer splits only: the runtime runs uneven ones too (and the planner costs them), but
+    # a stage with an extra layer sets the pace and an even split of the same degree is faster.
     for tp in _divisors(min(gpus, cluster.gpus_per_node)):
         if gpus % tp or model.n_heads % tp or model.n_kv_heads % tp or model.ffn_dim % tp:
             continue
@@ -99,7 +106,7 @@ def _layouts(model: ModelConfig, gpus: int, cluster: Cluster) -> Iterator[tuple[
 
 def _schedules(
     model: ModelConfig, pp: int, microbatches: int, space: SearchSpace
-) -> Iterator[tuple[str, int]]:
+) -> Iterator[tuple[PPSchedule, int]]:
     if pp == 1:
         yield "1f1b", 1
         return
@@ -122,7 +129,7 @@ def search(
     cluster: Cluster,
     seq_len: int,
     global_batch_size: int,
-    precision: str = "bf16",
+    precision: Precision = "bf16",
     top: int = 10,
     space: SearchSpace = DEFAULT_SPACE,
     memory_options: mem.MemoryOptions = mem.DEFAULT_OPTIONS,
@@ -138,14 +145,16 @@ def search(
     found: list[tuple[float, float, Plan]] = []
     evaluated = 0
     recs = [r for r in RECOMPUTE_ORDER if r in space.recompute]
-    offloads = [o for o in ("none", "optimizer", "optimizer+params") if o in space.offload]
+    offloads = [o for o in OFFLOAD_MODES if o in space.offload]
     for tp, pp, dp in _layouts(model, gpus, cluster):
         ends = (0, pp - 1) if pp > 1 else (0,)
         for dp_rep, dp_shard in _dp_splits(dp, tp, cluster, space):
             zeros = sorted(space.zero_stages) if dp_shard > 1 else [3]  # 1 (fewer gathers) first
             base = Plan(
-                model, seq_len, 1, global_batch_size, precision=precision, dp_replicate=dp_rep,
-                dp_shard=dp_shard, tp=tp, pp=pp, recompute_every_k=space.recompute_every_k,
+                model=model, seq_len=seq_len, micro_batch_size=1,
+                global_batch_size=global_batch_size, precision=precision,
+                dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
+                recompute_every_k=space.recompute_every_k,
             )  # fmt: skip
             # Knob settings whose states alone fit, each as (zero index, offload index).
             states_ok = [
@@ -174,15 +183,21 @@ def search(
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
                                 plan = Plan(
-                                    model, seq_len, mbs, global_batch_size, rec,
-                                    space.recompute_every_k, precision, offloads[oi], dp_rep,
-                                    dp_shard, tp, pp, sched, v, sp, zeros[zi],
+                                    model=model, seq_len=seq_len, micro_batch_size=mbs,
+                                    global_batch_size=global_batch_size, recompute=rec,
+                                    recompute_every_k=space.recompute_every_k,
+                                    precision=precision, offload=offloads[oi],
+                                    dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
+                                    pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
+                                    zero_stage=zeros[zi],
                                 )  # fmt: skip
                                 total = mem.worst_total(plan, memory_options, ends)
                                 evaluated += 1
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
-                                    t = tm._estimate(plan, cluster, time_params, False, ends)
+                                    t = tm.estimate_step_time(
+                                        plan, cluster, time_params, ranks=ends, validate=False
+                                    )
                                     found.append((t.seconds, total, plan))
                         fit_any = fit_any or bool(fits)
                     if not fit_any:
@@ -191,8 +206,8 @@ def search(
     found.sort(key=lambda x: (x[0], x[1]))
     finals: list[Candidate] = []
     for _, _, plan in found[: max(top, resimulate)]:
-        full_mem = mem._estimate(plan, memory_options)
-        t = tm._estimate(plan, cluster, time_params, simulate=plan.pp > 1)
+        full_mem = mem.estimate_memory(plan, memory_options, validate=False)
+        t = tm.estimate_step_time(plan, cluster, time_params, simulate=plan.pp > 1, validate=False)
         finals.append(Candidate(plan, full_mem, t))
     finals.sort(key=lambda c: (c.time.seconds, c.memory.total))
     return SearchResult(
@@ -210,11 +225,9 @@ def _states_exceed(
     base: Plan, ends: tuple[int, ...], opt: mem.MemoryOptions, budget: float, host: float
 ) -> bool:
     """True when the states alone overflow some stage's GPU, or its node's host memory."""
-    vp = opt.kernels.vocab_parallel
     for rank in ends:
-        sp = stage_params(base.model, base.tp, base.pp, rank, base.dp_shard, vp)
-        params, grads, optim, working, _, host_bytes = mem._states(base, sp, opt)
-        if params + grads + optim + working > budget or host_bytes > host:
+        st = mem.rank_states(base, rank, opt)
+        if st.params + st.grads + st.optimizer + st.working > budget or st.host > host:
             return True
     return False
 
@@ -227,5 +240,5 @@ def _check_inputs(
             raise ConfigError(name, value, "a positive integer")
     if seq_len > model.max_seq_len:
         raise ConfigError("seq_len", seq_len, f"<= model.max_seq_len={model.max_seq_len}")
-    if precision not in mem.PARAM_DTYPE_BYTES:
-        raise ConfigError("precision", precision, " | ".join(mem.PARAM_DTYPE_BYTES))
+    if precision not in PRECISIONS:
+        raise ConfigError("precision", precision, " | ".join(PRECISIONS))

@@ -4,9 +4,9 @@ Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
 
 - matmul time = FLOPs / (dense peak x `matmul_efficiency`). FLOPs come from ModelConfig: the
   rank's blocks / tp, plus the output projection on the last rank (whole on every tp rank unless
-  vocab-parallel). Backward is 2x forward; recomputation adds its forward share: full = one
-  more forward of the blocks, every_k = of 1 block in k, selective = of the attention core
-  (QK^T, AV).
+  vocab-parallel). Backward is 2x forward; recomputation adds its forward share
+  (`ModelConfig.recompute_fraction`, which the runtime's logged HFU uses too): full = one more
+  forward of the blocks, every_k = of 1 block in k, selective = of the attention core (QK^T, AV).
 - memory-bound time = HBM passes x the bytes the blocks save for backward / HBM bandwidth.
   The saved tensors are the outputs of the norm, RoPE, SiLU/GELU, softmax, dropout and cast
   kernels. Dataflow count: in forward each is written by its producer and read by its consumer
@@ -14,6 +14,7 @@ Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
   (`bwd_passes` = 3); recomputation repeats the forward passes over what it recomputes (all of
   a checkpointed block; the attention core's tensors under selective).
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
+  (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`)
   (with sequence parallelism an all-gather and a reduce-scatter in place of each, the same
   bytes); recomputed blocks repeat their forward pair. `tp_overlap` of it hidden (default none).
 - FSDP (dp_shard > 1), per micro-batch: all-gather the rank's parameters in param_dtype (twice
@@ -36,16 +37,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
+from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES
 from llmscale.plan import activations as act
+from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
-from llmscale.plan.memory import _block_modes, _rank_layers, plan_kernels
-from llmscale.plan.params import stage_params
+from llmscale.plan.memory import plan_kernels, plan_stage_params
+from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import simulate as simulate_schedule
-from llmscale.plan.setup import Plan
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
+# The runtime's TP plan (model.config): each block has one tensor-parallel region per row-wise
+# linear (attention ending in wo, the MLP in w2). A region all-reduces its output in forward and
+# its input's gradient in backward (with SP: all-gathers its input, reduce-scatters its output).
+TP_REGIONS_PER_BLOCK = sum(split.style == "rowwise" for split in TP_STYLES.values())
+assert len(SP_GATHERED_INPUTS) == TP_REGIONS_PER_BLOCK
 
 
 @dataclass(frozen=True)
@@ -90,15 +98,8 @@ def peak_flops(cluster: Cluster, precision: str, params: TimeParams = DEFAULT_TI
 
 
 def recompute_fraction(plan: Plan) -> float:
-    """Share of the blocks' forward FLOPs run again (ModelConfig.train_flops_per_token's)."""
-    m, s = plan.model, plan.seq_len
-    if plan.recompute == "full":
-        return 1.0
-    if plan.recompute == "every_k":
-        return (m.n_layers // plan.recompute_every_k) / m.n_layers
-    if plan.recompute == "selective":
-        return m.attention_core_flops_per_token(s) / m.block_forward_flops_per_token(s)
-    return 0.0
+    """Share of the blocks' forward FLOPs run again (`ModelConfig.recompute_fraction`)."""
+    return plan.model.recompute_fraction(plan.recompute, plan.seq_len, plan.recompute_every_k)
 
 
 def _per_node(group: int, stride: int, gpus_per_node: int) -> int:
@@ -115,26 +116,14 @@ class _Stage:
     parts: dict[str, float]
 
 
-_STAGE_CACHE: dict[tuple[object, ...], _Stage] = {}
-_KEEP: dict[int, object] = {}
+_STAGES: Memo[_Stage] = Memo("time.stage_times")
 
 
 def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
     """Cached on the fields a stage's micro-batch time depends on (not offload or schedule)."""
-    key = (
-        id(plan.model), id(cluster), id(tp_), plan.seq_len, plan.micro_batch_size,
-        plan.precision, plan.tp, plan.pp, plan.chunks, rank, plan.recompute,
-        plan.recompute_every_k, plan.sequence_parallel, plan.dp_shard, plan.zero_stage,
-        plan.lowp_weights,
-    )  # fmt: skip
-    hit = _STAGE_CACHE.get(key)
-    if hit is None:
-        if len(_STAGE_CACHE) > 1 << 16:
-            _STAGE_CACHE.clear()
-        for obj in (plan.model, cluster, tp_):  # alive while cached: ids stay unique
-            _KEEP[id(obj)] = obj
-        hit = _STAGE_CACHE[key] = _compute_stage_times(plan, rank, cluster, tp_)
-    return hit
+    key = (*plan.stage_time_key(), id(cluster), id(tp_), rank)
+    compute = lambda: _compute_stage_times(plan, rank, cluster, tp_)  # noqa: E731
+    return _STAGES.get(key, compute, (plan.model, cluster, tp_))
 
 
 def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
@@ -142,13 +131,14 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
     tokens = b * s
     tp, kern = plan.tp, plan_kernels(plan, tp_.kernels)
     peak = peak_flops(cluster, plan.precision, tp_) * tp_.matmul_efficiency
-    layers = _rank_layers(plan, rank)
-    modes = _block_modes(plan, layers)
+    layers = plan.rank_layers(rank)
+    modes = plan.block_modes(layers)
     n_blocks = len(layers)
     block_f = m.block_forward_flops_per_token(s) / m.n_layers * tokens / tp
     fwd_flops = n_blocks * block_f
     if rank == plan.pp - 1:
-        fwd_flops += m.head_forward_flops_per_token() * tokens / (tp if kern.vocab_parallel else 1)
+        vocab_div = tp if kern.splits_vocab(m, tp) else 1
+        fwd_flops += m.head_forward_flops_per_token() * tokens / vocab_div
     recompute_flops = modes.get("full", 0) * block_f
     if plan.recompute == "selective":
         core = m.attention_core_flops_per_token(s) / m.n_layers
@@ -171,7 +161,7 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
     # Tensor-parallel collectives (inside a node), per block.
     tp_f = tp_b = 0.0
     if tp > 1:
-        act_bytes = act.BYTES[plan.precision]
+        act_bytes = DTYPE_BYTES[plan.precision]
         nbytes = tokens * m.dim * act_bytes
         if plan.sequence_parallel:
             one = (
@@ -181,8 +171,8 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
         else:
             one = collective("all_reduce", nbytes, tp, tp, cluster.fabric).seconds
         exposed = (1 - tp_.tp_overlap) * one
-        tp_f = 2 * n_blocks * exposed
-        tp_b = 2 * n_blocks * exposed + 2 * modes.get("full", 0) * exposed
+        tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
+        tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + modes.get("full", 0)) * exposed
     mat_f = fwd_flops / peak
     mat_b = (2 * fwd_flops + recompute_flops) / peak
     fwd = mat_f + elem_f + tp_f
@@ -194,8 +184,8 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
     }
     # FSDP traffic per micro-batch, hidden behind its compute up to dp_overlap of it.
     if plan.sharded:
-        sp = stage_params(m, tp, plan.pp, rank, plan.dp_shard, kern.vocab_parallel)
-        pb = 2 if plan.precision != "fp32" else 4
+        sp = plan_stage_params(plan, rank, kern)
+        pb = DTYPE_BYTES[plan.precision]
         per_node = _per_node(plan.dp_shard, tp, cluster.gpus_per_node)
         gathers = 2 if plan.zero_stage == 3 else 1
         ag = collective("all_gather", pb * sp.numel, plan.dp_shard, per_node, cluster.fabric)
@@ -211,7 +201,7 @@ def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
     if plan.pp == 1:
         return 0.0
     nbytes: float = (
-        plan.micro_batch_size * plan.seq_len * plan.model.dim * act.BYTES[plan.precision]
+        plan.micro_batch_size * plan.seq_len * plan.model.dim * DTYPE_BYTES[plan.precision]
     )
     if plan.sequence_parallel or tp_.p2p_scatter_gather:
         nbytes /= plan.tp
@@ -225,22 +215,17 @@ def estimate_step_time(
     cluster: Cluster,
     params: TimeParams = DEFAULT_TIME,
     simulate: bool = False,
-) -> StepTime:
-    """Seconds per optimizer step of `plan` on `cluster` (validated first)."""
-    plan.validate()
-    if plan.tp > cluster.gpus_per_node:
-        raise ConfigError("parallel.tp", plan.tp, f"<= GPUs per node = {cluster.gpus_per_node}")
-    return _estimate(plan, cluster, params, simulate)
-
-
-def _estimate(
-    plan: Plan,
-    cluster: Cluster,
-    tparams: TimeParams,
-    simulate: bool,
     ranks: tuple[int, ...] | None = None,
+    validate: bool = True,
 ) -> StepTime:
-    """Without validation; `ranks` limits the stages computed (others are taken as rank 0's)."""
+    """Seconds per optimizer step of `plan` on `cluster` (validated first unless `validate` is
+    False). `ranks` limits the stages computed, the others taken as the first one's (the
+    search's first and last; ignored when simulating)."""
+    if validate:
+        plan.validate()
+        if plan.tp > cluster.gpus_per_node:
+            raise ConfigError("parallel.tp", plan.tp, f"<= GPUs per node = {cluster.gpus_per_node}")
+    tparams = params
     todo = ranks if ranks is not None and not simulate else tuple(range(plan.pp))
     computed = {r: _stage_times(plan, r, cluster, tparams) for r in todo}
     stages = [computed.get(r, computed[todo[0]]) for r in range(plan.pp)]
@@ -267,11 +252,9 @@ def _estimate(
     breakdown["pp_p2p"] = p2p_total
     # Replicated data parallelism: one fp32 all-reduce of the (sharded) gradients per step.
     m = plan.model
-    vp = tparams.kernels.vocab_parallel
-    # The first and last ranks hold the embedding and the head on top of their blocks.
-    worst_params = max(
-        stage_params(m, plan.tp, p, r, plan.dp_shard, vp).shard_numel for r in {0, p - 1}
-    )
+    # The first and last ranks hold the embedding and the head on top of their blocks (and,
+    # split unevenly, the first ranks the most blocks).
+    worst_params = max(plan_stage_params(plan, r, tparams.kernels).shard_numel for r in {0, p - 1})
     dp_sync = 0.0
     if plan.dp_replicate > 1:
         stride = plan.tp * plan.dp_shard
@@ -284,7 +267,7 @@ def _estimate(
     if plan.offload == "none":
         opt = tparams.optimizer_bytes_per_param * worst_params / hbm
     else:
-        pb = 2 if plan.precision != "fp32" else 4
+        pb = DTYPE_BYTES[plan.precision]
         link = cluster.host_link.bandwidth
         transfers = 2 * pb * worst_params / link  # gradients down, parameters up
         if plan.fsdp_cpu_offload:

@@ -63,7 +63,7 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     On a CPU device both are host memory; the first is then 0 and the second the whole share of
     this host.
     """
-    kernels = act.RUNTIME_CPU if device.type == "cpu" else act.RUNTIME
+    kernels = act.Kernels.for_runtime(cfg.model, cfg.parallel.tp, device.type)
     plan = as_plan(cfg)
     stages = estimate_memory(plan, MemoryOptions(kernels=kernels)).stages
     world = plan.world_size

@@ -1,0 +1,193 @@
+"""The training layout the planner costs: one frozen, keyword-only record of the job's fields.
+
+Each field names the config key it mirrors (`_cfg("train.micro_batch_size")`); that one table
+generates `from_job`, `to_job` and `overrides`, so a plan turns into `llmscale train` overrides
+and a JobConfig into a plan without a hand-kept mapping. Derived numbers (dp, world size,
+accumulation steps, FSDP2's CPU offload, the layer split, which blocks recompute) come from the
+functions the runtime uses (`llmscale.config`, `llmscale.model.config`). Validation is the
+runtime's own (`JobConfig.validate`), so both sides reject the same input.
+
+The `*_key` methods list what each cached planner result reads (plan/cache.py); they sit here,
+next to the fields, so a new field is added to them in the same place
+(tests/plan/test_plan.py perturbs every field and checks the keys).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Any
+
+from llmscale.config import (
+    JobConfig,
+    Offload,
+    PPSchedule,
+    Precision,
+    Recompute,
+    accum_steps,
+    data_parallel_degree,
+    layout_world_size,
+    uses_fsdp_cpu_offload,
+)
+from llmscale.errors import ConfigError
+from llmscale.model.config import BlockMode, ModelConfig, block_recompute, split_layers, stage_ids
+from llmscale.plan.cache import memoize
+
+
+def _cfg(key: str, default: Any = None) -> Any:
+    """A Plan field mirroring config key `key` ("section.name"); no default when None."""
+    meta = {"config": key}
+    if default is None:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Model, batch, recomputation, precision, offload and the parallel layout of one job."""
+
+    model: ModelConfig = _cfg("model")
+    seq_len: int = _cfg("data.seq_len")
+    micro_batch_size: int = _cfg("train.micro_batch_size")
+    global_batch_size: int = _cfg("train.global_batch_size")
+    recompute: Recompute = _cfg("train.recompute", "none")
+    recompute_every_k: int = _cfg("train.recompute_every_k", 2)
+    precision: Precision = _cfg("precision.mode", "bf16")
+    offload: Offload = _cfg("optimizer.offload", "none")
+    dp_replicate: int = _cfg("parallel.dp_replicate", 1)
+    dp_shard: int = _cfg("parallel.dp_shard", 1)
+    tp: int = _cfg("parallel.tp", 1)
+    pp: int = _cfg("parallel.pp", 1)
+    pp_schedule: PPSchedule = _cfg("parallel.pp_schedule", "1f1b")
+    pp_chunks: int = _cfg("parallel.pp_chunks", 1)
+    sequence_parallel: bool = _cfg("parallel.sequence_parallel", False)
+    # With dp_shard > 1: 1 and 2 keep params unsharded from forward to backward, 3 reshards.
+    zero_stage: int = _cfg("parallel.zero_stage", 3)
+
+    # ---- derived (each from the function the runtime uses) --------------------------------
+    @property
+    def dp(self) -> int:
+        return data_parallel_degree(self.dp_replicate, self.dp_shard)
+
+    @property
+    def world_size(self) -> int:
+        return layout_world_size(self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
+        return accum_steps(self.global_batch_size, self.micro_batch_size, self.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 (fully_shard) holds the states: dp_shard > 1."""
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_cpu_offload(self) -> bool:
+        """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
+        return uses_fsdp_cpu_offload(self.offload, self.dp)
+
+    @property
+    def lowp_weights(self) -> bool:
+        """The forward runs on bf16/fp16 weights: FSDP2's param_dtype or offloaded working copies."""
+        return self.precision != "fp32" and (self.sharded or self.offload != "none")
+
+    @property
+    def chunks(self) -> int:
+        return self.pp_chunks if self.pp_schedule == "interleaved_1f1b" else 1
+
+    def rank_stages(self, rank: int) -> list[range]:
+        """Layer ids of each model chunk on pipeline `rank`, as the runtime splits them."""
+        return _rank_stages(self.model.n_layers, self.pp, self.chunks, rank)
+
+    def rank_layers(self, rank: int) -> list[int]:
+        """Global layer ids on pipeline `rank` (loop-style chunks for interleaved)."""
+        return [i for stage in self.rank_stages(rank) for i in stage]
+
+    def block_modes(self, layer_ids: list[int]) -> Counter[BlockMode]:
+        """How many of `layer_ids` run each block mode (none | selective | full)."""
+        k = self.recompute_every_k
+        if self.recompute != "every_k":  # the same mode for every block (and fast: the search)
+            return Counter({block_recompute(self.recompute, 0, k): len(layer_ids)})
+        return Counter(block_recompute(self.recompute, i, k) for i in layer_ids)
+
+    # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
+    def states_key(self) -> tuple[Hashable, ...]:
+        """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
+        return (
+            id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
+            self.offload, self.precision, self.fsdp_cpu_offload,
+        )  # fmt: skip
+
+    def activations_key(self) -> tuple[Hashable, ...]:
+        """Saved activations of a rank at its peak (plan/memory.py)."""
+        return (
+            id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
+            self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
+            self.pp_schedule, self.chunks, self.microbatches, self.lowp_weights,
+        )  # fmt: skip
+
+    def stage_time_key(self) -> tuple[Hashable, ...]:
+        """One micro-batch's forward and backward time on a rank (plan/time.py)."""
+        return (
+            id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp, self.pp,
+            self.chunks, self.recompute, self.recompute_every_k, self.sequence_parallel,
+            self.dp_shard, self.zero_stage, self.lowp_weights,
+        )  # fmt: skip
+
+    # ---- conversion (generated from the fields' config keys) -------------------------------
+    @classmethod
+    def from_job(cls, job: JobConfig) -> Plan:
+        return cls(**{f.name: _read(job, _key(f)) for f in fields(cls)})
+
+    def to_job(self) -> JobConfig:
+        """A JobConfig with this plan's fields (defaults elsewhere)."""
+        job = JobConfig(model=self.model)
+        by_section: dict[str, dict[str, Any]] = {}
+        for f in fields(self)[1:]:
+            section, name = _key(f).split(".")
+            by_section.setdefault(section, {})[name] = getattr(self, f.name)
+        for section, values in by_section.items():
+            setattr(job, section, replace(getattr(job, section), **values))
+        return job
+
+    def overrides(self) -> list[str]:
+        """`llmscale train` overrides that reproduce this plan."""
+        out = [f"--model.name {self.model.name}"]
+        for f in fields(self)[1:]:
+            if f.name == "recompute_every_k" and self.recompute != "every_k":
+                continue
+            value = getattr(self, f.name)
+            out.append(f"--{_key(f)} {str(value).lower() if isinstance(value, bool) else value}")
+        return out
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self) -> None:
+        """The runtime's rules (JobConfig.validate), as `llmscale train` applies them."""
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ConfigError("data.seq_len", self.seq_len, "a positive integer")
+        self.to_job().validate(world_size=self.world_size)
+
+
+@memoize
+def _rank_stages(n_layers: int, pp: int, chunks: int, rank: int) -> list[range]:
+    split = split_layers(n_layers, pp * chunks)
+    return [split[s] for s in stage_ids(rank, pp, chunks)]
+
+
+def _key(f: Field[Any]) -> str:
+    key: str = f.metadata["config"]
+    return key
+
+
+def _read(job: JobConfig, key: str) -> Any:
+    value: Any = job
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
