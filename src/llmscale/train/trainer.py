@@ -35,8 +35,10 @@ from llmscale.config import JobConfig, to_toml
 from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
+from llmscale.instrument.activations import ActivationMeter
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
+from llmscale.parallel.activation_checkpoint import recompute_fraction
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
@@ -51,12 +53,6 @@ from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_scheduler
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
-from llmscale.train.recompute import (
-    LiveActivations,
-    SavedActivations,
-    model_state_tensors,
-    recompute_fraction,
-)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -281,7 +277,10 @@ class Trainer:
         cfg = self.cfg
         micro_batches = batch.split(cfg.train.micro_batch_size)
         accum = len(micro_batches)
-        act_bytes = 0
+        # What micro-batch 0's forward (and its loss) saves: the activation_bytes metric.
+        meter = None
+        if cfg.metrics.activation_memory:
+            meter = ActivationMeter(self.model_parts, pipelined=False)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.dims.dp > 1:
@@ -290,18 +289,15 @@ class Trainer:
             # backward, and they should not hold on to the whole batch.
             mb = mb.to(self.device, non_blocking=True, copy=True)
             inputs, targets = mb[:, :-1], mb[:, 1:]
-            counter = None
-            if cfg.metrics.activation_memory and i == 0:
-                counter = SavedActivations(model_state_tensors(self.model))
+            counting = meter.counting() if meter is not None and i == 0 else None
             with (
-                counter or contextlib.nullcontext(),
+                counting or contextlib.nullcontext(),
                 autocast(self.autocast_mode, self.device.type),
             ):
                 loss = lm_loss(self.model(inputs), targets)
-            if counter is not None:
-                act_bytes = counter.bytes
             self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach()
+        act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
 
     def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -329,26 +325,16 @@ class Trainer:
         return self.dims.global_mean_loss(local)
 
     def _forward_backward_pipeline(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        counters: list[SavedActivations] = []
-        hooks = []
-        live = None
+        meter = None
         if self.cfg.metrics.activation_memory:
             # Count the first micro-batch's forward of each of this rank's stages, and the most
             # held at once over the schedule (several micro-batches in flight).
-            for part in self.model_parts:
-                hooks.extend(_count_first_forward(part, counters))
-            live = LiveActivations(
-                t for part in self.model_parts for t in model_state_tensors(part)
-            )
+            meter = ActivationMeter(self.model_parts, pipelined=True)
         timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
-        try:
-            with timed or contextlib.nullcontext(), live or contextlib.nullcontext():
-                loss = self._run_pipeline(batch, train=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        self.activation_peak = live.peak_bytes if live is not None else None
-        return loss, sum(c.bytes for c in counters)
+        with timed or contextlib.nullcontext(), meter or contextlib.nullcontext():
+            loss = self._run_pipeline(batch, train=True)
+        self.activation_peak = meter.peak_bytes if meter is not None else None
+        return loss, meter.saved_bytes if meter is not None else 0
 
     def optimizer_step(self) -> dict[str, Any]:
         """Unscale, check for overflow, clip, step (unless skipped), update the loss scale.
@@ -562,23 +548,6 @@ class Trainer:
     def _restore_signal_handlers(previous: dict[int, Any]) -> None:
         for sig, h in previous.items():
             signal.signal(sig, h)
-
-
-def _count_first_forward(part: nn.Module, counters: list[SavedActivations]) -> list[Any]:
-    """Hooks that count saved activations during `part`'s next forward only."""
-    state: dict[str, Any] = {"done": False}
-
-    def pre(module: nn.Module, args: Any) -> None:
-        if not state["done"]:
-            state["counter"] = SavedActivations(model_state_tensors(module)).__enter__()
-
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        if not state["done"] and "counter" in state:
-            state["counter"].__exit__(None, None, None)
-            counters.append(state["counter"])
-            state["done"] = True
-
-    return [part.register_forward_pre_hook(pre), part.register_forward_hook(post)]
 
 
 def run_training(cfg: JobConfig) -> TrainResult:
