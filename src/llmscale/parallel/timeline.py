@@ -20,9 +20,11 @@ The analysis below (`step_stats`, `stage_op_times`, ...) is plain Python over th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -65,12 +67,17 @@ class PipelineTimeline:
 
     # ---- recording ------------------------------------------------------------------------
     def watch(self, stages: Sequence[Any]) -> None:
-        """Wrap each torch PipelineStage's per-chunk forward and backward (instance attributes)."""
+        """Wrap each torch PipelineStage's per-chunk forward and backward (instance attributes).
+
+        The wrappers reach their stage through a weak reference: a wrapper holding the stage's
+        bound method, stored on that stage, would make every watched stage (and the process
+        group it holds) a reference cycle that only the garbage collector frees.
+        """
         for st in stages:
             if st.is_last:
                 self._last_stage = st.stage_index
-            st.forward_one_chunk = self._timed(st.forward_one_chunk, "F", st.stage_index)
-            st.backward_one_chunk = self._timed(st.backward_one_chunk, "B", st.stage_index)
+            for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+                setattr(st, name, self._timed(_unbound(st, name), kind, st.stage_index))
 
     def _timed(self, fn: Callable[..., Any], kind: str, stage: int) -> Callable[..., Any]:
         def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -125,6 +132,19 @@ class PipelineTimeline:
         out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, out, dst=0)
         return None if out is None else [x for x in out if x is not None]
+
+
+def _unbound(obj: Any, name: str) -> Callable[..., Any]:
+    """`obj.name` as a callable that does not keep `obj` alive (a bound method would)."""
+    method = getattr(obj, name)
+    if not (inspect.ismethod(method) and method.__self__ is obj):
+        return method  # type: ignore[no-any-return]
+    func, ref = method.__func__, weakref.ref(obj)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return func(ref(), *args, **kwargs)
+
+    return call
 
 
 def write_timeline(path: Path, per_rank: list[dict[str, Any]], meta: dict[str, Any]) -> Path:

@@ -180,7 +180,7 @@ class Trainer:
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
-        self._pp_losses: list[torch.Tensor] = []
+        self._pp_loss = _PipelineLoss(self.scaler, cfg.accum_steps)
         self.pp_timeline: PipelineTimeline | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
@@ -300,18 +300,12 @@ class Trainer:
         act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
 
-    def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The pipeline's loss_fn (last stage): mean loss / micro-batches, loss-scaled."""
-        loss = lm_loss(logits, targets)
-        self._pp_losses.append(loss.detach())
-        return self.scaler.scale_loss(loss / self.cfg.accum_steps)
-
     def _run_pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
         """One schedule step (or eval) over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         n = self.cfg.accum_steps
-        self._pp_losses = []
+        self._pp_loss.losses = []
         run = self.pp_schedule.step if train else self.pp_schedule.eval
         args = (inputs,) if self.parallel.has_first_stage else ()
         with autocast(self.autocast_mode, self.device.type):
@@ -320,7 +314,7 @@ class Trainer:
             else:
                 run(*args, target=targets)
         # Metadata inference on the first step may have called the loss once more: keep the last n.
-        mine = self._pp_losses[-n:]
+        mine = self._pp_loss.losses[-n:]
         local = torch.stack(mine).mean() if mine else torch.zeros((), device=self.device)
         return self.dims.global_mean_loss(local)
 
@@ -549,6 +543,52 @@ class Trainer:
         for sig, h in previous.items():
             signal.signal(sig, h)
 
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of the model, optimizers, pipeline schedule and device mesh; a closed trainer
+        cannot train.
+
+        They hold this rank's process groups (pipeline stages and meshes keep theirs) and its
+        device memory. Dropped here, they go at once, before `destroy_process_group`, even if
+        something still refers to the trainer: a traceback's frames, or a cycle that only the
+        garbage collector frees. One such cycle is torch's own: the first meta-device model
+        build imports torch._dynamo, whose `torch.fx.wrap` call keeps its frame (a local
+        refers to it), and with it every caller's frame up to `__init__` and `self`. Left
+        to interpreter exit, a process group is destroyed under a finalising interpreter,
+        where gloo can abort the rank ("terminate called without an active exception").
+        """
+        self.pp_schedule = None
+        self.optimizers = []
+        self.schedulers = []
+        self.model_parts.clear()  # the same list as self.parallel.parts
+        self.dims.mesh = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _PipelineLoss:
+    """The pipeline schedule's loss_fn (last stage): mean loss / micro-batches, loss-scaled.
+
+    An object of its own rather than a bound method of the trainer: the schedule keeps its
+    loss_fn, and a trainer -> schedule -> trainer cycle would keep the stages, and the process
+    groups they hold, alive until the garbage collector ran (possibly only at interpreter exit,
+    past `destroy_process_group`, where gloo's threads can abort the process).
+    """
+
+    def __init__(self, scaler: DynamicLossScaler, n_microbatches: int) -> None:
+        self.scaler = scaler
+        self.n_microbatches = n_microbatches
+        self.losses: list[torch.Tensor] = []  # this step's, detached
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(logits, targets)
+        self.losses.append(loss.detach())
+        return self.scaler.scale_loss(loss / self.n_microbatches)
+
 
 def run_training(cfg: JobConfig) -> TrainResult:
     """Build a Trainer for `cfg` and run it to the end (or to an interruption).
@@ -558,7 +598,8 @@ def run_training(cfg: JobConfig) -> TrainResult:
     """
     started_here = not dist.is_initialized()
     try:
-        result = Trainer(cfg).fit()
+        with Trainer(cfg) as trainer:
+            result = trainer.fit()
     except BaseException:
         if started_here and dist.is_initialized():
             dist.destroy_process_group()  # no barrier: the other ranks may be gone
