@@ -100,6 +100,7 @@ def main() -> None:
                 "activation_peak": t.activation_peak,  # the last step's (pipelines)
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
+        t.close()  # its stages and meshes hold process groups: gone before destroy_process_group
         dist.barrier()
     dist.destroy_process_group()
 
