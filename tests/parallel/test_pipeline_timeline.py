@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
 from llmscale.parallel.timeline import (
     OpRecord,
-    PipelineTimeline,
     Timeline,
     op_waits,
     p2p_gaps,
@@ -19,7 +19,6 @@ from llmscale.parallel.timeline import (
     slack_fraction,
     stage_op_times,
     step_stats,
-    write_timeline,
 )
 from llmscale.plan.schedule import build_schedule, simulate
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmscale.instrument.pipeline import PipelineTimeline
 from llmscale.model.transformer import Transformer
-from llmscale.parallel.timeline import PipelineTimeline
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:

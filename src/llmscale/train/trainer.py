@@ -36,6 +36,8 @@ from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.instrument.activations import ActivationMeter
+from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
+from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
 from llmscale.parallel.activation_checkpoint import recompute_fraction
@@ -45,8 +47,6 @@ from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import parallelize
 from llmscale.parallel.pipeline import build_schedule
-from llmscale.parallel.timeline import FILE_NAME as TIMELINE_FILE
-from llmscale.parallel.timeline import PipelineTimeline, write_timeline
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.memcheck import check_memory
