@@ -13,7 +13,8 @@ import pytest
 
 from llmscale.bench.pipeline import PipeConfig, analyse, run
 from llmscale.bench.runner import BenchOptions
-from llmscale.parallel.timeline import FILE_NAME, Timeline, op_waits
+from llmscale.instrument.pipeline import FILE_NAME
+from llmscale.parallel.timeline import Timeline, op_waits
 from llmscale.plan.schedule import build_schedule
 
 pytestmark = pytest.mark.slow

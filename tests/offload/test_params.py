@@ -20,7 +20,7 @@ from offload_loops import train_reference as _train_reference
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, overlap_stats
 from llmscale.offload.timeline import PARAMS_LANE
-from llmscale.train.recompute import apply_recompute
+from llmscale.parallel.activation_checkpoint import apply_recompute
 
 CLIP = 0.5  # bites: the norms here are 2-7
 

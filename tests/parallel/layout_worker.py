@@ -104,6 +104,7 @@ def main() -> None:
                 "first_row": recorder.first_row,
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
+        t.close()  # its stages and meshes hold process groups: gone before destroy_process_group
         dist.barrier()
     dist.destroy_process_group()
 

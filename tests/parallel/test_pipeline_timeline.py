@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from types import SimpleNamespace
 
 import pytest
 
+from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
 from llmscale.parallel.timeline import (
     OpRecord,
-    PipelineTimeline,
     Timeline,
     op_waits,
     p2p_gaps,
@@ -17,7 +19,6 @@ from llmscale.parallel.timeline import (
     slack_fraction,
     stage_op_times,
     step_stats,
-    write_timeline,
 )
 from llmscale.plan.schedule import build_schedule, simulate
 
@@ -111,3 +112,33 @@ def test_recorder_times_only_inside_a_step_and_extends_the_last_forward_by_the_l
     back = Timeline.load(path)
     assert [(o.kind, o.rank) for o in back.steps[7]] == [("F", 1), ("B", 1)]
     assert "time.time()" in json.loads(path.read_text())["clock"]
+
+
+class _Stage:
+    """The two methods of a torch PipelineStage that the recorder wraps."""
+
+    is_last, stage_index = False, 0
+
+    def forward_one_chunk(self, mb: int, *args, **kwargs) -> tuple[_Stage, int]:
+        return self, mb
+
+    def backward_one_chunk(self, mb: int, **kwargs) -> None:
+        pass
+
+
+def test_watching_a_stage_makes_no_reference_cycle() -> None:
+    """The wrappers do not hold their stage: it is freed (with the process group a real one
+    holds) as soon as it is dropped, not by the garbage collector after destroy_process_group."""
+    gc.disable()
+    try:
+        stage = _Stage()
+        tl = PipelineTimeline(pp_rank=0)
+        tl.watch([stage])
+        with tl.step(1):
+            assert stage.forward_one_chunk(3) == (stage, 3)
+        assert [op[:3] for _, ops in tl.steps for op in ops] == [("F", 0, 3)]
+        gone = weakref.ref(stage)
+        del stage
+        assert gone() is None
+    finally:
+        gc.enable()

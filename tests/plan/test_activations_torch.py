@@ -14,12 +14,13 @@ import math
 import pytest
 import torch
 
+from llmscale.instrument.activations import SavedActivations, model_state_tensors
 from llmscale.model.config import ModelConfig
 from llmscale.model.transformer import build_model
+from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.plan import activations as act
 from llmscale.plan.plan import Plan
 from llmscale.train.precision import autocast
-from llmscale.train.recompute import SavedActivations, apply_recompute, model_state_tensors
 from llmscale.train.trainer import lm_loss
 
 LLAMA = ModelConfig(

@@ -1,7 +1,7 @@
 """The planner predicts the trainer's own memory metrics exactly (one CPU step).
 
 `Trainer.train_step` reports param_bytes, grad_bytes, optimizer_bytes and activation_bytes
-(train/metrics.py, train/recompute.py); `expected_runtime_metrics` must give the same numbers,
+(train/metrics.py, instrument/activations.py); `expected_runtime_metrics` must give the same numbers,
 and with offload the per-stage host bytes must be the offloaded optimizer's.
 One micro-batch per step, so that the saved token ids are that micro-batch's own storage.
 """

@@ -1,16 +1,15 @@
 """Recomputation changes memory, not numbers."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
+from llmscale.instrument.activations import LiveActivations, SavedActivations, model_state_tensors
 from llmscale.model.config import get_preset
-from llmscale.model.transformer import build_model
-from llmscale.train.recompute import (
-    LiveActivations,
-    SavedActivations,
-    apply_recompute,
-    model_state_tensors,
-)
+from llmscale.model.transformer import TransformerBlock, build_model
+from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.train.trainer import lm_loss
 
 MODES = [("none", 2), ("selective", 2), ("every_k", 2), ("full", 2)]
@@ -98,3 +97,38 @@ def test_live_activations_peak_at_the_forwards_in_flight(mode: str) -> None:
     assert live.peak_bytes == 2 * one.bytes
     del la, lb
     assert live.bytes == 0
+
+
+def test_a_checkpointed_model_is_freed_without_the_garbage_collector() -> None:
+    """The class swap leaves no reference cycle: dropping the model frees it at once."""
+    gc.disable()
+    try:
+        model = build_model(get_preset("tiny"), seed=0)
+        apply_recompute(model, "full")
+        apply_recompute(model, "full")  # a second application changes nothing
+        assert type(model.layers["0"]).__name__ == "CheckpointedTransformerBlock"
+        assert isinstance(model.layers["0"], TransformerBlock)
+        tokens = torch.randint(0, 256, (2, 17))
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        gone = weakref.ref(model.layers["0"])
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_instruments_nest_and_share_the_checkpoint_inputs() -> None:
+    """A counter inside a live watcher: both see every saved tensor and the checkpoints' inputs
+    (the pipeline meter's arrangement), with no hand-off between them."""
+    model = build_model(get_preset("tiny"), seed=0)
+    apply_recompute(model, "full")
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(2))
+    state = model_state_tensors(model)
+    with SavedActivations(state) as alone:
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    with LiveActivations(state) as live, SavedActivations(state) as inner:
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        assert inner.bytes == alone.bytes > 0
+        assert live.bytes == alone.bytes
+        loss.backward()
+    assert live.peak_bytes == alone.bytes

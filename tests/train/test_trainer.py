@@ -62,3 +62,23 @@ def test_same_seed_same_run(cfg_factory) -> None:
     c = Trainer(cfg_factory("--job.seed", "1", run="c")).fit()
     assert a.losses == b.losses
     assert a.losses != c.losses
+
+
+def test_closing_frees_the_model_while_the_trainer_lives_on(cfg_factory) -> None:
+    """A trainer may be kept alive (a traceback's frames, a cycle in torch): `close` still lets
+    go of its model at once, and with it, under torchrun, the process groups it holds."""
+    import gc
+    import weakref
+
+    # Imported lazily by the first meta-device build, torch._dynamo leaves a frame cycle that
+    # holds the builder's frames (and so this model) until the collector runs: see Trainer.close.
+    import torch._dynamo  # noqa: F401
+
+    gc.disable()
+    try:
+        with Trainer(cfg_factory("--train.recompute", "full")) as t:
+            t.train_step()
+            part = weakref.ref(t.model)
+        assert part() is None and t.model_parts == [] and t.pp_schedule is None
+    finally:
+        gc.enable()

@@ -77,7 +77,9 @@ def _job(args: argparse.Namespace, run_dir: Path, *overrides: str) -> JobConfig:
 
 def _run(cfg: JobConfig, steps: int, warmup: int = 2) -> dict[str, float]:
     """Train `steps` steps; medians of the timed ones, and the peak CUDA memory."""
-    _free()  # what an earlier run left (a recompute wrapper's cycles wait for the collector)
+    # What an earlier run left: the first model built in a process waits for the collector
+    # (torch._dynamo, imported under its build, keeps those frames in a cycle; Trainer.close).
+    _free()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t = Trainer(cfg)

@@ -2,7 +2,7 @@
 
 Each configuration (pp, schedule, micro-batches) trains for `warmup + steps` steps on CPU
 processes (gloo, one thread each) with `[metrics] pipeline_timeline` on, which records when each
-rank ran each forward and backward chunk (`parallel/timeline.py`). Per timed step the measured
+rank ran each forward and backward chunk (`instrument/pipeline.py`). Per timed step the measured
 bubble is 1 - sum(busy) / (pp x makespan), the simulator's definition, over the first op start
 to the last op end. The prediction is `plan.schedule.simulate` fed with what was measured: the
 mean forward and backward op time of every stage, and as `t_p2p` the median wait on another
@@ -27,8 +27,8 @@ from pathlib import Path
 from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, png_path
 from llmscale.config import to_toml
+from llmscale.instrument.pipeline import FILE_NAME
 from llmscale.parallel.timeline import (
-    FILE_NAME,
     StepStats,
     Timeline,
     as_sim_result,

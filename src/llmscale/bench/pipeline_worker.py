@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,9 +25,19 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(sys.argv[1]).read_text())
     for path in spec["configs"]:
-        Trainer(load_config(path)).fit()
+        # Closed before the next one starts: nothing of it holds a process group any more.
+        with Trainer(load_config(path)) as trainer:
+            trainer.fit()
         dist.barrier()
+    world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
+    if world() is not None:
+        # Destroyed later, under a finalising interpreter, gloo can abort the rank (SIGABRT,
+        # "terminate called without an active exception"): fail here, with the reason.
+        raise RuntimeError(
+            "the process group outlived destroy_process_group(): something still refers to it "
+            "(a pipeline stage or mesh of a trainer that was not closed?)"
+        )
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ from torch import nn
 
 from llmscale.config import JobConfig
 from llmscale.model.transformer import Transformer
+from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.parallel.data_parallel import apply_fsdp
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.pipeline import pipeline_split
 from llmscale.parallel.tensor_parallel import apply_tp
-from llmscale.train.recompute import apply_recompute
 
 
 @dataclass

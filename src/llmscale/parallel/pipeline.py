@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmscale.instrument.pipeline import PipelineTimeline
 from llmscale.model.config import split_layers, stage_ids
 from llmscale.model.transformer import Transformer
-from llmscale.parallel.timeline import PipelineTimeline
 
 __all__ = ["build_schedule", "build_stage_module", "pipeline_split", "split_layers", "stage_ids"]
 

@@ -35,6 +35,9 @@ from llmscale.config import JobConfig, to_toml
 from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
+from llmscale.instrument.activations import ActivationMeter
+from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
+from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
 from llmscale.parallel.data_parallel import set_gradient_sync
@@ -43,20 +46,12 @@ from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import parallelize
 from llmscale.parallel.pipeline import build_schedule
-from llmscale.parallel.timeline import FILE_NAME as TIMELINE_FILE
-from llmscale.parallel.timeline import PipelineTimeline, write_timeline
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_scheduler
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
-from llmscale.train.recompute import (
-    LiveActivations,
-    SavedActivations,
-    model_state_tensors,
-    recompute_fraction,
-)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -184,7 +179,7 @@ class Trainer:
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
-        self._pp_losses: list[torch.Tensor] = []
+        self._pp_loss = _PipelineLoss(self.scaler, cfg.accum_steps)
         self.pp_timeline: PipelineTimeline | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
@@ -217,9 +212,7 @@ class Trainer:
         self.model_flops_per_token = cfg.model.train_flops_per_token(seq)
         self.hw_flops_per_token = cfg.model.train_flops_per_token(
             seq,
-            recompute_fraction(
-                cfg.train.recompute, cfg.model.n_layers, cfg.train.recompute_every_k
-            ),
+            cfg.model.recompute_fraction(cfg.train.recompute, seq, cfg.train.recompute_every_k),
         )
         # Per device: MFU compares one rank's share of the job's FLOP/s with one device's peak.
         self.peak_flops = M.peak_flops_for_device(self.device, cfg.metrics.peak_tflops)
@@ -281,7 +274,10 @@ class Trainer:
         cfg = self.cfg
         micro_batches = batch.split(cfg.train.micro_batch_size)
         accum = len(micro_batches)
-        act_bytes = 0
+        # What micro-batch 0's forward (and its loss) saves: the activation_bytes metric.
+        meter = None
+        if cfg.metrics.activation_memory:
+            meter = ActivationMeter(self.model_parts, pipelined=False)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.dims.dp > 1:
@@ -290,32 +286,23 @@ class Trainer:
             # backward, and they should not hold on to the whole batch.
             mb = mb.to(self.device, non_blocking=True, copy=True)
             inputs, targets = mb[:, :-1], mb[:, 1:]
-            counter = None
-            if cfg.metrics.activation_memory and i == 0:
-                counter = SavedActivations(model_state_tensors(self.model))
+            counting = meter.counting() if meter is not None and i == 0 else None
             with (
-                counter or contextlib.nullcontext(),
+                counting or contextlib.nullcontext(),
                 autocast(self.autocast_mode, self.device.type),
             ):
                 loss = lm_loss(self.model(inputs), targets)
-            if counter is not None:
-                act_bytes = counter.bytes
             self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach()
+        act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
-
-    def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The pipeline's loss_fn (last stage): mean loss / micro-batches, loss-scaled."""
-        loss = lm_loss(logits, targets)
-        self._pp_losses.append(loss.detach())
-        return self.scaler.scale_loss(loss / self.cfg.accum_steps)
 
     def _run_pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
         """One schedule step (or eval) over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         n = self.cfg.accum_steps
-        self._pp_losses = []
+        self._pp_loss.losses = []
         run = self.pp_schedule.step if train else self.pp_schedule.eval
         args = (inputs,) if self.parallel.has_first_stage else ()
         with autocast(self.autocast_mode, self.device.type):
@@ -324,31 +311,21 @@ class Trainer:
             else:
                 run(*args, target=targets)
         # Metadata inference on the first step may have called the loss once more: keep the last n.
-        mine = self._pp_losses[-n:]
+        mine = self._pp_loss.losses[-n:]
         local = torch.stack(mine).mean() if mine else torch.zeros((), device=self.device)
         return self.dims.global_mean_loss(local)
 
     def _forward_backward_pipeline(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        counters: list[SavedActivations] = []
-        hooks = []
-        live = None
+        meter = None
         if self.cfg.metrics.activation_memory:
             # Count the first micro-batch's forward of each of this rank's stages, and the most
             # held at once over the schedule (several micro-batches in flight).
-            for part in self.model_parts:
-                hooks.extend(_count_first_forward(part, counters))
-            live = LiveActivations(
-                t for part in self.model_parts for t in model_state_tensors(part)
-            )
+            meter = ActivationMeter(self.model_parts, pipelined=True)
         timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
-        try:
-            with timed or contextlib.nullcontext(), live or contextlib.nullcontext():
-                loss = self._run_pipeline(batch, train=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        self.activation_peak = live.peak_bytes if live is not None else None
-        return loss, sum(c.bytes for c in counters)
+        with timed or contextlib.nullcontext(), meter or contextlib.nullcontext():
+            loss = self._run_pipeline(batch, train=True)
+        self.activation_peak = meter.peak_bytes if meter is not None else None
+        return loss, meter.saved_bytes if meter is not None else 0
 
     def optimizer_step(self) -> dict[str, Any]:
         """Unscale, check for overflow, clip, step (unless skipped), update the loss scale.
@@ -563,22 +540,51 @@ class Trainer:
         for sig, h in previous.items():
             signal.signal(sig, h)
 
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of the model, optimizers, pipeline schedule and device mesh; a closed trainer
+        cannot train.
 
-def _count_first_forward(part: nn.Module, counters: list[SavedActivations]) -> list[Any]:
-    """Hooks that count saved activations during `part`'s next forward only."""
-    state: dict[str, Any] = {"done": False}
+        They hold this rank's process groups (pipeline stages and meshes keep theirs) and its
+        device memory. Dropped here, they go at once, before `destroy_process_group`, even if
+        something still refers to the trainer: a traceback's frames, or a cycle that only the
+        garbage collector frees. One such cycle is torch's own: the first meta-device model
+        build imports torch._dynamo, whose `torch.fx.wrap` call keeps its frame (a local
+        refers to it), and with it every caller's frame up to `__init__` and `self`. Left
+        to interpreter exit, a process group is destroyed under a finalising interpreter,
+        where gloo can abort the rank ("terminate called without an active exception").
+        """
+        self.pp_schedule = None
+        self.optimizers = []
+        self.schedulers = []
+        self.model_parts.clear()  # the same list as self.parallel.parts
+        self.dims.mesh = None
 
-    def pre(module: nn.Module, args: Any) -> None:
-        if not state["done"]:
-            state["counter"] = SavedActivations(model_state_tensors(module)).__enter__()
+    def __enter__(self) -> Trainer:
+        return self
 
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        if not state["done"] and "counter" in state:
-            state["counter"].__exit__(None, None, None)
-            counters.append(state["counter"])
-            state["done"] = True
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    return [part.register_forward_pre_hook(pre), part.register_forward_hook(post)]
+
+class _PipelineLoss:
+    """The pipeline schedule's loss_fn (last stage): mean loss / micro-batches, loss-scaled.
+
+    An object of its own rather than a bound method of the trainer: the schedule keeps its
+    loss_fn, and a trainer -> schedule -> trainer cycle would keep the stages, and the process
+    groups they hold, alive until the garbage collector ran (possibly only at interpreter exit,
+    past `destroy_process_group`, where gloo's threads can abort the process).
+    """
+
+    def __init__(self, scaler: DynamicLossScaler, n_microbatches: int) -> None:
+        self.scaler = scaler
+        self.n_microbatches = n_microbatches
+        self.losses: list[torch.Tensor] = []  # this step's, detached
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(logits, targets)
+        self.losses.append(loss.detach())
+        return self.scaler.scale_loss(loss / self.n_microbatches)
 
 
 def run_training(cfg: JobConfig) -> TrainResult:
@@ -589,7 +595,8 @@ def run_training(cfg: JobConfig) -> TrainResult:
     """
     started_here = not dist.is_initialized()
     try:
-        result = Trainer(cfg).fit()
+        with Trainer(cfg) as trainer:
+            result = trainer.fit()
     except BaseException:
         if started_here and dist.is_initialized():
             dist.destroy_process_group()  # no barrier: the other ranks may be gone
