@@ -34,8 +34,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +42,8 @@ from torch import nn
 from llmscale.offload.engine import DONE, Ticket, make_agents
 from llmscale.offload.hooks import (
     ModelHooks,
+    Unit,
+    UnitWaits,
     cast_parameters,
     is_fsdp_module,
     layer_units,
@@ -55,8 +55,8 @@ from llmscale.offload.host_adam import (
     fused_cpu_adamw_available,
 )
 from llmscale.offload.params import ParamOffload, Piece, UnitParams
-from llmscale.offload.timeline import COMPUTE_LANE, Timeline
-from llmscale.offload.torch_internals import dtensor_like, fsdp_gather_streams, in_backward
+from llmscale.offload.timeline import Timeline
+from llmscale.offload.torch_internals import dtensor_like
 from llmscale.parallel.grads import (
     GradNorm,
     clip_coefficient,
@@ -64,18 +64,6 @@ from llmscale.parallel.grads import (
     shard_count,
 )
 from llmscale.tensors import is_dtensor, local_tensor
-
-
-@dataclass(eq=False)
-class _Unit:
-    index: int
-    name: str
-    slots: list[HostSlot]
-    fired: int = 0  # gradient hooks run this step
-    final_submitted: bool = False  # norms (and, in backward, the update) are queued
-    norm_future: Future[Any] | None = None
-    upload: Future[Any] | None = None  # resolves to the unit's last upload Ticket
-    modules: list[nn.Module] = field(default_factory=list)
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -170,11 +158,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         unknown = self.keep_resident - set(by_name)
         if unknown:
             raise ValueError(f"keep_resident: {sorted(unknown)} are not trainable parameters")
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         self.slots: list[HostSlot] = []
         self._slot_of: dict[int, HostSlot] = {}
         for ui, (uname, names) in enumerate(units([n for n, _ in named])):
-            unit = _Unit(ui, uname, [])
+            unit = Unit(ui, uname, [])
             for name in names:
                 p = by_name[name]
                 slot = self.host.make_slot(len(self.slots), name, p, ui, group_of[id(p)])
@@ -189,8 +177,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._update_order = list(self.units)  # forward order; `attach` may move some first
         self._step_index = 0
         self._coef: torch.Tensor | None = None  # 1/loss_scale x clip coefficient, for this step
-        self._cursor: Any = None  # compute-lane mark where the current compute interval began
-        self._fwd_unit: int | None = None
+        self.waits = UnitWaits(self.units, self.timeline, lambda: self._step_index)
 
     # ---- module hooks ----------------------------------------------------------------------
     def attach(self, model: nn.Module) -> OffloadedAdamW:
@@ -216,7 +203,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(
                 "offload_params: FSDP2 owns the parameters' storage (use its CPUOffloadPolicy)"
             )
-        at_root: list[_Unit] = []
+        at_root: list[Unit] = []
         for u in self.units:
             owners = wait_points(model, u.name, [s.name for s in u.slots], sharded)
             if "" in owners:
@@ -224,10 +211,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for owner in sorted(o for o in owners if o):
                 mod = model.get_submodule(owner)
                 u.modules.append(mod)
-                self.hooks.before_forward(mod, self._pre_forward, [u])
+                self.hooks.before_forward(mod, self.waits.pre_forward, [u])
         self._update_order = at_root + [u for u in self.units if u not in at_root]
-        self.hooks.before_forward(model, self._pre_forward_root, at_root)
-        self.hooks.after_forward(model, self._post_forward_root)
+        self.hooks.before_forward(model, self.waits.pre_forward_root, at_root)
+        self.hooks.after_forward(model, self.waits.post_forward_root)
         if self.offload_params:
             self._start_param_offload()
         self.hooks.state_dict(
@@ -263,8 +250,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             step_index=lambda: self._step_index,
             pending_update=lambda i: self.units[i].upload,
             prefetch=self.prefetch,
-            on_wait=self._wait_backward,
+            on_wait=self.waits.wait_backward,
         )
+        self.waits.params, self.waits.unit_params = self.params, self._unit_params
         self.params.start()
 
     def _sync_hook(self, *args: Any, **kwargs: Any) -> None:
@@ -300,73 +288,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 host = s.host_param
                 state_dict[key] = dtensor_like(s.param, host) if is_dtensor(s.param) else host
 
-    def _compute(self, unit: str, phase: str, start: Any, end: Any) -> None:
-        self.timeline.add(self._step_index, unit, phase, COMPUTE_LANE, start, end)
-
-    def _pre_forward_root(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
-        if self.params is not None and not in_backward():
-            self.params.start_forward()
-        self._pre_forward(units, module, args)
-
-    def _pre_forward(self, units: list[_Unit], module: nn.Module, args: Any) -> None:
-        if not units:
-            return
-        if in_backward():  # recomputation inside backward: weights already waited for
-            for u in units:
-                if self.params is not None:
-                    self.params.fetch(self._unit_params[u.index], "refetch")
-                self._wait_unit(u)
-            return
-        now = self.timeline.stream_now()
-        if self._fwd_unit is not None and self._cursor is not None:
-            self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
-        also = fsdp_gather_streams(module)
-        for u in units:
-            if self.params is not None:
-                self.params.begin_unit(self._unit_params[u.index], args)
-            self._wait_unit(u, self.timeline.stream_now(), also)
-        self._cursor = self.timeline.stream_now()
-        self._fwd_unit = units[0].index
-
-    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        now = self.timeline.stream_now()
-        if self._fwd_unit is not None and self._cursor is not None:
-            self._compute(self.units[self._fwd_unit].name, "forward", self._cursor, now)
-        if self.params is not None and not in_backward():
-            self.params.end_forward(output)
-        self._fwd_unit = None
-        self._cursor = now
-
-    def _wait_unit(self, unit: _Unit, start: Any = None, also: Sequence[Any] = ()) -> None:
-        if self.params is not None:  # the unit's parameter fetch (its update is waited by it)
-            if self.params.wait(self._unit_params[unit.index]) and start is not None:
-                self._compute(unit.name, "wait", start, self.timeline.stream_now())
-            return
-        fut, unit.upload = unit.upload, None
-        if fut is None:
-            return
-        ticket: Ticket = fut.result()
-        ticket.wait_stream(also)
-        if start is not None:
-            self._compute(unit.name, "wait", start, self.timeline.stream_now())
-
-    def _wait_backward(self, up: UnitParams) -> None:
-        """Before a unit's backward: wait for its parameters (timed on the compute lane)."""
-        assert self.params is not None
-        start = self.timeline.stream_now()
-        if self._cursor is not None:
-            self._compute(up.name, "backward", self._cursor, start)
-        if self.params.wait(up):
-            self._compute(up.name, "wait", start, self.timeline.stream_now())
-        self._cursor = self.timeline.stream_now()
-
     # ---- backward: gradient download and host accumulation ----------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        now = self.timeline.stream_now()
         slot = self._slot_of[id(p)]
         unit = self.units[slot.unit]
-        if self._cursor is not None:
-            self._compute(unit.name, "backward", self._cursor, now)
+        self.waits.close_interval(unit.name, "backward")
         assert p.grad is not None
         g = p.grad
         if is_dtensor(g) and is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
@@ -391,11 +317,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # it unless this unit's modules never ran), the last micro-step's host add done with it.
         # (Under offload_params nothing is uploaded from it.)
         if self.params is None:
-            self._wait_unit(unit)
+            self.waits.wait_unit(unit)
         if slot.pending is not None and not slot.pending.done():
             t0 = self.timeline.stream_now()
             slot.pending.result()
-            self._compute(unit.name, "wait", t0, self.timeline.stream_now())
+            self.waits.compute(unit.name, "wait", t0, self.timeline.stream_now())
         ticket = self.d2h.copy(dst, g, self._step_index, unit.name, "download")
         del g
         slot.pending = self.worker.submit(
@@ -406,7 +332,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._submit_final(unit)
         if self.params is not None:
             self.params.grad_arrived(self._unit_params[unit.index])
-        self._cursor = self.timeline.stream_now()
+        self.waits.cursor = self.timeline.stream_now()
 
     def _accumulate(
         self, slot: HostSlot, ticket: Ticket, first: bool, direct: bool, step: int
@@ -425,7 +351,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for g in self.param_groups
         ]
 
-    def _submit_final(self, unit: _Unit) -> None:
+    def _submit_final(self, unit: Unit) -> None:
         unit.final_submitted = True
         slots = [s for s in unit.slots if s.micro > 0]
         unit.norm_future = self.worker.submit(self._norms, unit, slots, self._step_index)
@@ -434,7 +360,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._update_unit, unit, slots, None, self._hyper(), self._step_index
             )
 
-    def _norms(self, unit: _Unit, slots: list[HostSlot], step: int) -> None:
+    def _norms(self, unit: Unit, slots: list[HostSlot], step: int) -> None:
         t0 = time.perf_counter()
         self.host.norms(slots)
         self.timeline.add(step, unit.name, "norm", "cpu", t0, _now())
@@ -490,7 +416,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _update_unit(
         self,
-        unit: _Unit,
+        unit: Unit,
         slots: list[HostSlot],
         coef: torch.Tensor | None,
         hyper: list[dict[str, Any]],
@@ -501,7 +427,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.timeline.add(step, unit.name, "update", "cpu", t0, _now())
         return self._upload(unit, slots, step)
 
-    def _upload(self, unit: _Unit, slots: list[HostSlot], step: int) -> Ticket:
+    def _upload(self, unit: Unit, slots: list[HostSlot], step: int) -> Ticket:
         """Cast each master to the working dtype (host) and copy it up; the last ticket.
 
         Under offload_params only the cast, into the host copy that the next fetch uploads.
@@ -623,7 +549,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.synchronize()
         if self.params is not None:
             self.params.materialize()
-            self.params = None
+            self.params = self.waits.params = None
         self.hooks.remove()
         self._finalizer()
 

@@ -3,10 +3,12 @@
 A *unit* is a group of parameters moved and updated together: each transformer block, plus the
 parameters before the first block ("embed") and after the last one ("head") (`layer_units`).
 A unit is waited for in the forward pre-hook of the module that first reads its weights
-(`wait_points`); `ModelHooks` installs those pre-hooks, the root's forward hooks, the
-state-dict hooks and the parameters' post-accumulate-grad hooks, and removes them all again.
-What the hooks do is the coordinator's (`offload.adamw.OffloadedAdamW`); the torch-private
-calls they need are in `offload.torch_internals`.
+(`wait_points`). `UnitWaits` is what those pre-hooks do: wait for the unit's upload (or, with
+offload_params, its fetch) and time the compute lane around it. `ModelHooks` installs the
+pre-hooks, the root's forward hooks, the state-dict hooks and the parameters'
+post-accumulate-grad hooks, and removes them all again. The gradient hooks and state-dict hooks
+are the coordinator's (`offload.adamw.OffloadedAdamW`); the torch-private calls are in
+`offload.torch_internals`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,18 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from llmscale.offload.engine import Ticket
+from llmscale.offload.host_adam import HostSlot
+from llmscale.offload.params import ParamOffload, UnitParams
+from llmscale.offload.timeline import COMPUTE_LANE, Timeline
+from llmscale.offload.torch_internals import fsdp_gather_streams, in_backward
 
 LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
@@ -43,6 +53,20 @@ def layer_units(names: Sequence[str]) -> list[tuple[str, list[str]]]:
             units.append((key, []))
         units[-1][1].append(name)
     return units
+
+
+@dataclass(eq=False)
+class Unit:
+    """A group of parameters moved and updated together, and its pipeline state this step."""
+
+    index: int
+    name: str
+    slots: list[HostSlot]
+    fired: int = 0  # gradient hooks run this step
+    final_submitted: bool = False  # norms (and, in backward, the update) are queued
+    norm_future: Future[Any] | None = None
+    upload: Future[Any] | None = None  # resolves to the unit's last upload Ticket
+    modules: list[nn.Module] = field(default_factory=list)  # whose forward waits for it
 
 
 def is_fsdp_module(m: nn.Module) -> bool:
@@ -128,3 +152,87 @@ class ModelHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class UnitWaits:
+    """The wait points: before a unit's weights are read, its upload (or fetch) is waited for.
+
+    Also the compute lane of the timeline: `cursor` marks where the running compute interval
+    (a unit's forward or backward) began. `params`/`unit_params` are set under offload_params.
+    """
+
+    def __init__(self, units: list[Unit], timeline: Timeline, step: Callable[[], int]) -> None:
+        self.units = units
+        self.timeline = timeline
+        self.step = step
+        self.params: ParamOffload | None = None
+        self.unit_params: list[UnitParams] = []
+        self.cursor: Any = None  # compute-lane mark where the current compute interval began
+        self.fwd_unit: int | None = None
+
+    def compute(self, unit: str, phase: str, start: Any, end: Any) -> None:
+        self.timeline.add(self.step(), unit, phase, COMPUTE_LANE, start, end)
+
+    def close_interval(self, unit: str, phase: str) -> None:
+        """End the running compute interval now, as `unit`'s `phase`."""
+        now = self.timeline.stream_now()
+        if self.cursor is not None:
+            self.compute(unit, phase, self.cursor, now)
+
+    def pre_forward_root(self, units: list[Unit], module: nn.Module, args: Any) -> None:
+        if self.params is not None and not in_backward():
+            self.params.start_forward()
+        self.pre_forward(units, module, args)
+
+    def pre_forward(self, units: list[Unit], module: nn.Module, args: Any) -> None:
+        if not units:
+            return
+        if in_backward():  # recomputation inside backward: weights already waited for
+            for u in units:
+                if self.params is not None:
+                    self.params.fetch(self.unit_params[u.index], "refetch")
+                self.wait_unit(u)
+            return
+        now = self.timeline.stream_now()
+        if self.fwd_unit is not None and self.cursor is not None:
+            self.compute(self.units[self.fwd_unit].name, "forward", self.cursor, now)
+        also = fsdp_gather_streams(module)
+        for u in units:
+            if self.params is not None:
+                self.params.begin_unit(self.unit_params[u.index], args)
+            self.wait_unit(u, self.timeline.stream_now(), also)
+        self.cursor = self.timeline.stream_now()
+        self.fwd_unit = units[0].index
+
+    def post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        now = self.timeline.stream_now()
+        if self.fwd_unit is not None and self.cursor is not None:
+            self.compute(self.units[self.fwd_unit].name, "forward", self.cursor, now)
+        if self.params is not None and not in_backward():
+            self.params.end_forward(output)
+        self.fwd_unit = None
+        self.cursor = now
+
+    def wait_unit(self, unit: Unit, start: Any = None, also: Sequence[Any] = ()) -> None:
+        """Wait for `unit`'s last upload (its fetch under offload_params); timed from `start`."""
+        if self.params is not None:  # the unit's parameter fetch (its update is waited by it)
+            if self.params.wait(self.unit_params[unit.index]) and start is not None:
+                self.compute(unit.name, "wait", start, self.timeline.stream_now())
+            return
+        fut, unit.upload = unit.upload, None
+        if fut is None:
+            return
+        ticket: Ticket = fut.result()
+        ticket.wait_stream(also)
+        if start is not None:
+            self.compute(unit.name, "wait", start, self.timeline.stream_now())
+
+    def wait_backward(self, up: UnitParams) -> None:
+        """Before a unit's backward: wait for its parameters (timed on the compute lane)."""
+        assert self.params is not None
+        start = self.timeline.stream_now()
+        if self.cursor is not None:
+            self.compute(up.name, "backward", self.cursor, start)
+        if self.params.wait(up):
+            self.compute(up.name, "wait", start, self.timeline.stream_now())
+        self.cursor = self.timeline.stream_now()

@@ -40,7 +40,8 @@ from llmscale.train.metrics import grad_bytes, optimizer_state_bytes, param_byte
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
     """Decay 2-D weights (matrices, embeddings); leave norms and biases undecayed."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue
