@@ -61,6 +61,7 @@ from llmscale.parallel.grads import (
     GradNorm,
     clip_coefficient,
     global_norm_and_overflow,
+    grad_like_param,
     shard_count,
 )
 from llmscale.tensors import is_dtensor, local_tensor
@@ -294,13 +295,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         unit = self.units[slot.unit]
         self.waits.close_interval(unit.name, "backward")
         assert p.grad is not None
-        g = p.grad
-        if is_dtensor(g) and is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
-            # Under TP autograd may leave a Partial (sequence-parallel norms) or Replicate
-            # (vocab-parallel embedding) gradient: give it its parameter's layout first, as
-            # parallel.grads.match_grad_placements_ does on the device path.
-            g = g.redistribute(device_mesh=p.device_mesh, placements=p.placements)
-        g = local_tensor(g)
+        # Under TP autograd may leave a Partial (sequence-parallel norms) or Replicate
+        # (vocab-parallel embedding) gradient: its parameter's layout first, as on the device.
+        g = local_tensor(grad_like_param(p, p.grad))
         p.grad = None  # the device gradient lives only until its copy has read it
         if unit.final_submitted:
             if self.update_in_backward:

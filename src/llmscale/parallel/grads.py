@@ -43,14 +43,21 @@ def match_grad_placements_(params: Iterable[torch.nn.Parameter]) -> None:
     parameter's layout, so it is restored here (FSDP2 does the same for the gradients it reduces).
     """
     for p in params:
-        g = p.grad
-        if g is None or not hasattr(g, "placements") or not hasattr(p, "placements"):
-            continue
-        if tuple(g.placements) != tuple(p.placements):
-            p.grad = g.redistribute(device_mesh=p.device_mesh, placements=p.placements)
+        if p.grad is not None:
+            p.grad = grad_like_param(p, p.grad)
 
 
-def _shards(g: torch.Tensor) -> int:
+def grad_like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`g` in its parameter `p`'s placements (redistributed if they differ); else `g` itself."""
+    if not hasattr(g, "placements") or not hasattr(p, "placements"):
+        return g
+    if tuple(g.placements) == tuple(p.placements):
+        return g
+    return g.redistribute(device_mesh=p.device_mesh, placements=p.placements)  # type: ignore[attr-defined]
+
+
+def shard_count(g: torch.Tensor) -> int:
+    """Into how many pieces `g` (a gradient or its parameter) is split over the mesh; 1 if plain."""
     placements = getattr(g, "placements", None)
     if placements is None:
         return 1
@@ -58,11 +65,6 @@ def _shards(g: torch.Tensor) -> int:
     # Not `is_shard()`: FSDP's _StridedShard (FSDP over TP shards) is a shard but says False.
     # Partial cannot remain after match_grad_placements_ (no parameter is Partial).
     return math.prod(mesh.size(i) for i, pl in enumerate(placements) if not pl.is_replicate())
-
-
-def shard_count(t: torch.Tensor) -> int:
-    """Into how many pieces `t` (a gradient or its parameter) is split over the mesh; 1 if plain."""
-    return _shards(t)
 
 
 class GradNorm(NamedTuple):
@@ -142,7 +144,7 @@ def grad_norm_and_overflow_(
     # On the mesh's device when this rank has no gradient: NCCL ranks must all reduce a CUDA tensor
     device = dims.mesh.device_type if dims.mesh is not None else "cpu"
     return global_norm_and_overflow(
-        norms, [_shards(g) for g in grads], dims.stage_size, scale is not None, device
+        norms, [shard_count(g) for g in grads], dims.stage_size, scale is not None, device
     )
 
 
