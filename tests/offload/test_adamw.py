@@ -17,11 +17,13 @@ from offload_loops import train_reference as _train_reference
 from llmscale.config import PrecisionSection
 from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, layer_units, overlap_stats, unscale_and_clip
+from llmscale.train.optim import param_groups
 from llmscale.train.precision import DynamicLossScaler
 
 
 def _offloaded(model: torch.nn.Module, **kw) -> OffloadedAdamW:
-    return OffloadedAdamW(model.named_parameters(), **HP, **kw).attach(model)
+    groups = param_groups(model, HP["weight_decay"])
+    return OffloadedAdamW(model.named_parameters(), groups=groups, **HP, **kw).attach(model)
 
 
 def test_layer_units_group_blocks_and_the_ends() -> None:

@@ -21,6 +21,7 @@ from llmscale.model.transformer import build_model
 from llmscale.offload import OffloadedAdamW, overlap_stats
 from llmscale.offload.timeline import PARAMS_LANE
 from llmscale.parallel.activation_checkpoint import apply_recompute
+from llmscale.train.optim import param_groups
 
 CLIP = 0.5  # bites: the norms here are 2-7
 
@@ -32,7 +33,10 @@ def _model(seed: int, recompute: str = "none", **overrides) -> torch.nn.Module:
 
 
 def _offloaded(model: torch.nn.Module, **kw) -> OffloadedAdamW:
-    return OffloadedAdamW(model.named_parameters(), **HP, offload_params=True, **kw).attach(model)
+    groups = param_groups(model, HP["weight_decay"])
+    return OffloadedAdamW(
+        model.named_parameters(), groups=groups, **HP, offload_params=True, **kw
+    ).attach(model)
 
 
 def _train(model, opt, batches, max_norm) -> list[float]:
@@ -55,7 +59,10 @@ def test_five_steps_equal_torch_adamw(overlap: bool, kernel: str, recompute: str
     if kernel == "exact":
         ref_losses = _train_reference(ref, batches, CLIP)
     else:  # the fused kernel rounds unlike torch's AdamW: compare with offloading the optimizer only
-        plain = OffloadedAdamW(ref.named_parameters(), **HP, accum_steps=2).attach(ref)
+        groups = param_groups(ref, HP["weight_decay"])
+        plain = OffloadedAdamW(ref.named_parameters(), groups=groups, **HP, accum_steps=2).attach(
+            ref
+        )
         ref_losses = _train(ref, plain, batches, CLIP)
     model = _model(1, recompute)
     opt = _offloaded(model, overlap=overlap, accum_steps=2, kernel=kernel)

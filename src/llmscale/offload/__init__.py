@@ -1,27 +1,38 @@
 """CPU offload: AdamW with fp32 master weights and moments in host memory, layer-wise overlapped.
 
-See docs/offload.md. `build_optimizer(model, cfg)` is what the trainer calls.
+See docs/offload.md. The trainer builds it through `train.optim.build_optimizers`.
+
+- `adamw`: `OffloadedAdamW`, the coordinator of the pipeline, and the step protocol's
+  reductions (`grad_norm`, `set_clip`, `unscale_and_clip`);
+- `host_adam`: the host buffers and AdamW arithmetic on them;
+- `hooks`: units, wait points and the hooks on the model;
+- `params`: the parameters' own offload (`"optimizer+params"`);
+- `engine`: copiers and the host worker; `timeline`: what ran when;
+- `torch_internals`: every torch-private call the above need.
 """
 
 from llmscale.offload.adamw import (
+    LossScale,
     OffloadedAdamW,
-    fused_cpu_adamw_available,
-    layer_units,
+    grad_norm,
+    set_clip,
     unscale_and_clip,
 )
-from llmscale.offload.build import build_optimizer, optimizer_memory, update_in_backward
+from llmscale.offload.hooks import is_fsdp_module, layer_units
+from llmscale.offload.host_adam import fused_cpu_adamw_available
 from llmscale.offload.timeline import Interval, Timeline, overlap_stats, read_timeline
 
 __all__ = [
     "Interval",
+    "LossScale",
     "OffloadedAdamW",
     "Timeline",
-    "build_optimizer",
     "fused_cpu_adamw_available",
+    "grad_norm",
+    "is_fsdp_module",
     "layer_units",
-    "optimizer_memory",
     "overlap_stats",
     "read_timeline",
+    "set_clip",
     "unscale_and_clip",
-    "update_in_backward",
 ]

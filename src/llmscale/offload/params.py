@@ -39,6 +39,7 @@ import torch
 
 from llmscale.offload.engine import DONE, Copier, HostWorker, Ticket
 from llmscale.offload.timeline import PARAMS_LANE, Timeline
+from llmscale.offload.torch_internals import at_end_of_backward, graph_task_id
 
 
 def storage_alias(t: torch.Tensor) -> torch.Tensor:
@@ -262,10 +263,10 @@ class ParamOffload:
                 t.register_hook(lambda grad, u=u: self._pre_backward(u))
 
     def _pre_backward(self, u: UnitParams) -> None:
-        task = torch._C._current_graph_task_id()
+        task = graph_task_id()
         if task != self._callback_task:
             self._callback_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            at_end_of_backward(self._end_backward)
         self.fetch(u, "refetch")
         self._fetch_ahead(u.index, -1, self.prefetch)
         self.on_wait(u)

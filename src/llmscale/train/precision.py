@@ -6,6 +6,11 @@ but it has no bounds (we keep the scale in [min_scale, max_scale], 2^3..2^15 by 
 DeepSpeed and Megatron do), it does not report a skipped step through a public API, and its
 inf/nan check covers only the local gradients: under pipeline or tensor parallelism every rank
 must agree to skip, so the overflow flag is all-reduced over the whole job here.
+
+The scaler is only the state machine (scale, growth, backoff, state dict). Unscaling, the
+overflow check and the gradient norm are one reduction shared by the on-device and the offload
+path (`parallel.grads.global_norm_and_overflow`): they get the scale (`loss_scale`) and give
+back the overflow flag, which `update` takes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from llmscale.config import PrecisionSection
+from llmscale.parallel.dims import ParallelDims
+from llmscale.parallel.grads import grad_norm_and_overflow_
 from llmscale.tensors import DTYPES, local_tensor
 
 FP16_MIN_SUBNORMAL = 2.0**-24
@@ -48,25 +55,24 @@ class DynamicLossScaler:
         self.growth_tracker = 0  # clean steps since the last change
         self.skipped_steps = 0
 
+    @property
+    def loss_scale(self) -> float | None:
+        """What the loss was multiplied by; None when loss scaling is off."""
+        return self.scale if self.enabled else None
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
     def unscale_and_check(
-        self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
+        self, grads: Iterable[torch.Tensor], dims: ParallelDims | None = None
     ) -> bool:
-        """Divide grads by the scale in place; True when any rank saw inf/nan (skip the step)."""
+        """Divide grads by the scale in place; True when any rank saw inf/nan (skip the step).
+
+        The shared reduction (`parallel.grads.grad_norm_and_overflow_`) without using its norm.
+        """
         if not self.enabled:
             return False
-        grads = [local_tensor(g) for g in grads]
-        inv = 1.0 / self.scale
-        flags = []
-        for g in grads:
-            g.mul_(inv)
-            flags.append(torch.logical_not(torch.isfinite(g).all()))
-        found = torch.stack(flags).any().float() if flags else torch.zeros(())
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
+        return grad_norm_and_overflow_(list(grads), dims or ParallelDims(), self.scale).found_inf
 
     def update(self, found_inf: bool) -> None:
         """GradScaler's rule, then clamped to [min_scale, max_scale]."""

@@ -25,9 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -39,17 +37,15 @@ from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
 from llmscale.model.transformer import build_model
-from llmscale.offload import OffloadedAdamW, build_optimizer, optimizer_memory, unscale_and_clip
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
-from llmscale.parallel.grads import clip_grad_norm_, match_grad_placements_
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import parallelize
 from llmscale.parallel.pipeline import build_schedule
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.memcheck import check_memory
-from llmscale.train.optim import build_scheduler
+from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.progress import StepReporter
 
@@ -80,11 +76,6 @@ class TrainResult:
     interrupted: bool = False
 
 
-# Optimizer state keyed by parameter name (not by position in a param group), so that it is the
-# union of the pipeline stages' states and loads into any other split.
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
 class _AppState(Stateful):
     """Everything a resume needs, as one DCP-savable object.
 
@@ -98,32 +89,29 @@ class _AppState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         model_sd: dict[str, Any] = {}
-        optim_sd: dict[str, Any] = {}
-        for part, opt in zip(self.t.model_parts, self.t.optimizers, strict=True):
+        for part in self.t.model_parts:
             model_sd.update(get_model_state_dict(part))
-            optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
         return {
             "model": model_sd,
-            "optim": optim_sd,
+            "optim": self.t.optimizers.state_dict(),
             "trainer": {
                 "step": self.t.step,
                 "data": self.t.train_stream.state.to_dict(),
                 "scaler": self.t.scaler.state_dict(),
-                "scheduler": self.t.schedulers[0].state_dict(),
+                "scheduler": self.t.optimizers.scheduler_state_dict(),
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part, opt in zip(self.t.model_parts, self.t.optimizers, strict=True):
+        for part in self.t.model_parts:
             # Each part takes its own names from the union.
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
+        self.t.optimizers.load_state_dict(state["optim"])
         tr = state["trainer"]
         self.t.step = int(tr["step"])
         self.t.train_stream.state = StreamState.from_dict(tr["data"])
         self.t.scaler.load_state_dict(tr["scaler"])
-        for sched in self.t.schedulers:
-            sched.load_state_dict(tr["scheduler"])
+        self.t.optimizers.load_scheduler_state_dict(tr["scheduler"])
 
 
 class Trainer:
@@ -168,12 +156,9 @@ class Trainer:
         host = torch.device("cpu") if cfg.fsdp_cpu_offload else None
         materialize(self.model_parts, self.device, cfg.job.seed, param_device=host)
         self.n_params = cfg.model.num_params()
-        # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here).
-        self.optimizers = [build_optimizer(part, cfg) for part in self.model_parts]
-        self.offloaded = isinstance(self.optimizers[0], OffloadedAdamW)
-        self.schedulers = [
-            build_scheduler(opt, cfg.train.steps, cfg.lr_scheduler) for opt in self.optimizers
-        ]
+        # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here), and
+        # the LR schedulers: one per model part, used as one.
+        self.optimizers = build_optimizers(self.model_parts, cfg, self.dims)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
@@ -231,14 +216,15 @@ class Trainer:
         return self.model_parts[0]
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> Any:
+        """This rank's optimizer, when it holds one model part (else see `optimizers.parts`)."""
         if len(self.optimizers) != 1:
             raise AttributeError("this rank holds several model chunks; use optimizers")
         return self.optimizers[0]
 
     @property
     def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
-        return self.schedulers[0]
+        return self.optimizers.schedulers[0]
 
     def parameters(self) -> list[nn.Parameter]:
         """Every trainable parameter this rank holds (DTensor shards under FSDP/TP)."""
@@ -334,31 +320,19 @@ class Trainer:
         replicas and pipeline stages), so every rank skips or clips alike.
         """
         cfg = self.cfg
-        params = self.parameters()
+        opts = self.optimizers
         max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
-        if self.offloaded:  # the gradients are on the host: the same reductions, from there
-            found_inf, grad_norm = unscale_and_clip(
-                self.optimizers, self.scaler, max_norm, self.dims.stage_size
-            )
-        else:
-            match_grad_placements_(params)
-            found_inf = self.scaler.unscale_and_check(gradients(params))
-        out: dict[str, Any] = {"lr": self.optimizers[0].param_groups[0]["lr"]}
+        grad_norm, found_inf = opts.grad_norm(self.scaler.loss_scale)
+        out: dict[str, Any] = {"lr": opts.lr}
         if self.step + 1 in cfg.precision.underflow_steps:
-            out["underflow"] = [r.to_dict() for r in underflow_report(gradients(params))]
-        if not self.offloaded:
-            grad_norm = clip_grad_norm_(params, max_norm, self.dims)
+            out["underflow"] = [r.to_dict() for r in underflow_report(gradients(self.parameters()))]
+        opts.clip_(grad_norm, max_norm)
         out["grad_norm"] = float(grad_norm)
-        out["grad_bytes"] = M.grad_bytes(self.model_parts)
-        if cfg.fsdp_cpu_offload:  # the sharded fp32 gradients FSDP2 copied to the host
-            out["host_grad_bytes"], out["grad_bytes"] = out["grad_bytes"], 0
+        out.update(opts.grad_memory())  # grad_bytes (host_grad_bytes under FSDP2's CPU offload)
         if not found_inf:
-            for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
-                opt.step()
-                sched.step()  # a skipped step does not advance the schedule (as Megatron)
+            opts.step()  # and the LR schedule: a skipped step does not advance it (as Megatron)
         self.scaler.update(found_inf)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        opts.zero_grad()
         out["skipped"] = found_inf
         out["loss_scale"] = self.scaler.scale
         return out
@@ -373,11 +347,7 @@ class Trainer:
         batch = self.train_stream.next_batch(cfg.train.global_batch_size)
         loss, act_bytes = self.forward_backward(batch)
         row: dict[str, Any] = self.optimizer_step()
-        row["param_bytes"] = M.param_bytes(self.model_parts)
-        # optimizer_bytes, device_*, host_*
-        row.update(optimizer_memory(self.optimizers, on_host=cfg.fsdp_cpu_offload))
-        if cfg.fsdp_cpu_offload:  # the fp32 shards on the host are the master weights
-            row["host_master_bytes"], row["param_bytes"] = row["param_bytes"], 0
+        row.update(self.optimizers.memory())  # param_bytes, optimizer_bytes, device_*, host_*
         row["activation_bytes"] = act_bytes
         if self.activation_peak is not None:  # pipelines: the schedule's micro-batches in flight
             row["activation_peak_bytes"] = self.activation_peak
@@ -516,10 +486,7 @@ class Trainer:
 
     def _write_offload_timelines(self) -> None:
         """RUN_DIR/timeline-rank{r}.json (-chunk{i} per further model chunk): `plot --timeline`."""
-        for i, opt in enumerate(self.optimizers):
-            if isinstance(opt, OffloadedAdamW):  # waits for the last uploads, too
-                chunk = f"-chunk{i}" if i else ""
-                opt.write_timeline(self.run_dir / f"timeline-rank{self.rank}{chunk}.json")
+        self.optimizers.write_timelines(self.run_dir, self.rank)  # waits for the last uploads
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop."""
@@ -555,8 +522,7 @@ class Trainer:
         where gloo can abort the rank ("terminate called without an active exception").
         """
         self.pp_schedule = None
-        self.optimizers = []
-        self.schedulers = []
+        self.optimizers.close()
         self.model_parts.clear()  # the same list as self.parallel.parts
         self.dims.mesh = None
 
