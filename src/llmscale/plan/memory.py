@@ -161,7 +161,7 @@ class StagePieces(NamedTuple):
     params: float
     grads: float
     optimizer: float
-    working: float  # working_params: unsharded, cast or uploaded parameters in use
+    working_params: float  # unsharded, cast or uploaded parameters in use
     activations: float
     transient: float
     host: float
@@ -170,7 +170,7 @@ class StagePieces(NamedTuple):
     def allocated(self) -> float:
         """Device bytes at the peak (everything but `host`)."""
         return (
-            self.params + self.grads + self.optimizer + self.working + self.activations
+            self.params + self.grads + self.optimizer + self.working_params + self.activations
             + self.transient
         )  # fmt: skip
 
@@ -245,7 +245,7 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         params=0.0,
         grads=0.0,
         optimizer=0.0,
-        working=window,
+        working_params=window,
         activations=0.0,
         transient=max(rs_transient, grads_in_flight),
         host=host + (pb * shard if low else 0),
@@ -355,14 +355,8 @@ def estimate_memory(
         stages.append(
             StageMemory(
                 stage=rank,
-                params=p.params,
-                grads=p.grads,
-                optimizer=p.optimizer,
-                working_params=p.working,
-                activations=p.activations,
-                transient=p.transient,
+                **p._asdict(),
                 allocator=options.allocator_overhead * p.allocated,
-                host=p.host,
                 inflight=units / plan.chunks,
             )
         )
