@@ -212,21 +212,17 @@ def _parse_costs(field: str, text: str) -> float | list[float]:
 
 def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.plan.gantt import draw_gantt_png
+    from llmscale.plan.schedule import simulate
     from llmscale.plan.schedule_report import schedule_report
 
     t_p2p = _parse_costs("t_p2p", args.t_p2p)
     if isinstance(t_p2p, list):
         raise ConfigError("t_p2p", args.t_p2p, "one number >= 0")
-    rep = schedule_report(
-        _SCHEDULE_ALIASES.get(args.schedule, args.schedule),
-        args.pp,
-        args.microbatches,
-        args.chunks,
-        t_fwd=_parse_costs("t_fwd", args.t_fwd),
-        t_bwd=_parse_costs("t_bwd", args.t_bwd),
-        t_p2p=t_p2p,
-        width=args.width,
-    )
+    t_fwd = _parse_costs("t_fwd", args.t_fwd)
+    t_bwd = _parse_costs("t_bwd", args.t_bwd)
+    schedule = _SCHEDULE_ALIASES.get(args.schedule, args.schedule)
+    res = simulate(schedule, args.pp, args.microbatches, args.chunks, t_fwd, t_bwd, t_p2p)
+    rep = schedule_report(res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width)
     print("\n".join(rep.lines))
     if args.png:
         print(f"wrote {draw_gantt_png(rep.result, args.png)}")

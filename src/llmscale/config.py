@@ -48,14 +48,30 @@ DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 # ---- degrees, derived once (JobConfig, ParallelDims and the planner's Plan read these) ----
 
 
-def data_parallel_degree(dp_replicate: int, dp_shard: int) -> int:
-    """Data-parallel degree: replicas times shards (different slices of each global batch)."""
-    return dp_replicate * dp_shard
+class MeshDegrees:
+    """What follows from a layout's four mesh degrees (pp, dp_replicate, dp_shard, tp), derived
+    once here for the ones that hold them: ParallelSection, the runtime's ParallelDims and the
+    planner's Plan."""
 
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
 
-def layout_world_size(pp: int, dp_replicate: int, dp_shard: int, tp: int) -> int:
-    """Processes of a layout: the product of the mesh's degrees."""
-    return pp * data_parallel_degree(dp_replicate, dp_shard) * tp
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas times shards (different slices of each global batch)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the layout: the product of the mesh's degrees."""
+        return self.pp * self.dp * self.tp
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 (fully_shard) holds the states, sharded over dp_shard (HSDP with dp_replicate)."""
+        return self.dp_shard > 1
 
 
 def accum_steps(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
@@ -294,7 +310,7 @@ class MetricsSection:
 
 
 @dataclass
-class ParallelSection:
+class ParallelSection(MeshDegrees):
     """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, tp)."""
 
     dp_replicate: int = 1
@@ -314,15 +330,6 @@ class ParallelSection:
     zero_stage: ZeroStage = 3
     """With dp_shard > 1: 1 and 2 keep the params unsharded from forward to backward, 3 reshards
     them after the forward."""
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: replicas times shards."""
-        return data_parallel_degree(self.dp_replicate, self.dp_shard)
-
-    @property
-    def world_size(self) -> int:
-        return layout_world_size(self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_chunks"):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from llmscale.errors import ConfigError
 from llmscale.hardware.spec import Entry, Sourced, entries, read_sources
@@ -220,95 +220,65 @@ def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
 # ---- loading ------------------------------------------------------------------------------
 
 
-def _gpu(name: str, e: Entry) -> GPU:
-    gpu = GPU(
-        name=name,
-        display=e.text("display"),
-        vendor=e.text("vendor"),
-        device_names=e.texts("device_names"),
-        scale_up=e.text("scale_up"),
-        host_link=e.text("host_link"),
-        memory_GiB=e.number("memory_GiB"),
-        hbm_TBps=e.number("hbm_TBps"),
-        dense_TFLOPS=e.numbers("dense_TFLOPS"),
-    )
-    e.done(
-        "a GPU field: display, vendor, device_names, scale_up, host_link, memory_GiB, "
-        "hbm_TBps, dense_TFLOPS"
-    )
-    return gpu
+# How each field type of the catalog's dataclasses is read from its TOML entry (the
+# annotations are strings: `from __future__ import annotations`).
+_FIELD_READERS: dict[str, Callable[[Entry, str], object]] = {
+    "str": Entry.text,
+    "tuple[str, ...]": Entry.texts,
+    "bool": Entry.flag,
+    "Sourced": Entry.number,
+    "Sourced | None": Entry.optional_number,
+    "Mapping[str, Sourced]": Entry.numbers,
+}
 
 
-def _link(name: str, e: Entry) -> Link:
-    kind = e.text("kind")
-    if kind not in LINK_KINDS:
-        raise ConfigError(f"{e.where}.kind", kind, " | ".join(LINK_KINDS))
-    link = Link(
-        name=name,
-        display=e.text("display"),
-        kind=kind,
-        bandwidth_GBps=e.number("bandwidth_GBps"),
-        latency_us=e.number("latency_us"),
-        pair_GBps=e.optional_number("pair_GBps"),
-    )
+def _reader(
+    cls: type[_T], what: str, check: Callable[[_T, Entry], None] | None = None
+) -> Callable[[str, Entry], _T]:
+    """Read entry `name` into a `cls`: every field but `name`, by its type; then `check` it;
+    then refuse any other key."""
+    keys = [f for f in fields(cast(Any, cls)) if f.name != "name"]
+    allowed = f"{what} field: " + ", ".join(f.name for f in keys)
+    make: Callable[..., _T] = cls
+
+    def read(name: str, e: Entry) -> _T:
+        obj = make(name=name, **{f.name: _FIELD_READERS[str(f.type)](e, f.name) for f in keys})
+        if check is not None:
+            check(obj, e)
+        e.done(allowed)
+        return obj
+
+    return read
+
+
+def _fail(e: Entry, key: str, value: object, expected: str) -> None:
+    raise ConfigError(f"{e.where}.{key}", value, expected)
+
+
+def _check_link(link: Link, e: Entry) -> None:
+    if link.kind not in LINK_KINDS:
+        _fail(e, "kind", link.kind, " | ".join(LINK_KINDS))
     if link.bandwidth_GBps.value <= 0:
-        raise ConfigError(f"{e.where}.bandwidth_GBps", link.bandwidth_GBps.value, "> 0")
-    e.done("a link field: display, kind, bandwidth_GBps, latency_us, pair_GBps")
-    return link
+        _fail(e, "bandwidth_GBps", link.bandwidth_GBps.value, "> 0")
 
 
-def _node(name: str, e: Entry) -> Node:
-    node = Node(
-        name=name,
-        display=e.text("display"),
-        gpu=e.text("gpu"),
-        scale_up=e.text("scale_up"),
-        nic=e.text("nic"),
-        gpus=e.number("gpus"),
-        nics=e.number("nics"),
-        host_memory_GiB=e.number("host_memory_GiB"),
-    )
+def _check_node(node: Node, e: Entry) -> None:
     if node.gpus.value < 1 or node.gpus.value != int(node.gpus.value):
-        raise ConfigError(f"{e.where}.gpus", node.gpus.value, "a whole number >= 1")
-    e.done("a node field: display, gpu, scale_up, nic, gpus, nics, host_memory_GiB")
-    return node
+        _fail(e, "gpus", node.gpus.value, "a whole number >= 1")
 
 
-def _topology(name: str, e: Entry) -> Topology:
-    kind = e.text("kind")
-    if kind not in TOPOLOGY_KINDS:
-        raise ConfigError(f"{e.where}.kind", kind, " | ".join(TOPOLOGY_KINDS))
-    t = Topology(name, e.text("display"), kind, e.number("oversubscription"))
-    e.done("a topology field: display, kind, oversubscription")
-    return t
-
-
-def _switch(name: str, e: Entry) -> Switch:
-    s = Switch(
-        name=name,
-        display=e.text("display"),
-        link=e.text("link"),
-        ports=e.number("ports"),
-        price_usd=e.number("price_usd"),
-        co_packaged_optics=e.flag("co_packaged_optics"),
-    )
-    e.done("a switch field: display, link, ports, price_usd, co_packaged_optics")
-    return s
-
-
-def _optic(name: str, e: Entry) -> Optic:
-    o = Optic(name, e.text("display"), e.number("price_usd"), e.number("cable_usd"))
-    e.done("an optic field: display, price_usd, cable_usd")
-    return o
+def _check_topology(t: Topology, e: Entry) -> None:
+    if t.kind not in TOPOLOGY_KINDS:
+        _fail(e, "kind", t.kind, " | ".join(TOPOLOGY_KINDS))
 
 
 _READERS: dict[str, Any] = {
-    "gpu": _gpu,
-    "link": _link,
-    "node": _node,
-    "topology": _topology,
-    "switch": _switch,
-    "optic": _optic,
+    "gpu": _reader(GPU, "a GPU"),
+    "link": _reader(Link, "a link", _check_link),
+    "node": _reader(Node, "a node", _check_node),
+    "topology": _reader(Topology, "a topology", _check_topology),
+    "switch": _reader(Switch, "a switch"),
+    "optic": _reader(Optic, "an optic"),
 }
 
 

@@ -376,144 +376,87 @@ def block_recompute(mode: str, layer_id: int, every_k: int = 2) -> BlockMode:
     raise ConfigError("train.recompute", mode, "none | selective | every_k | full")
 
 
-def _llama(name: str, **kw: Any) -> ModelConfig:
-    return ModelConfig(name=name, **kw)
+# Each family's architecture: Llama's (RMSNorm, SwiGLU, RoPE, no biases) is ModelConfig's default;
+# GPT-2 and GPT-3 use LayerNorm, GELU, learned positions and biases.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "gpt": {"norm": "layernorm", "mlp": "gelu", "pos_emb": "learned", "bias": True},
+}
+_BYTES = BYTE_VOCAB_SIZE  # the byte-level tokenizer (tiny, small)
 
-
-def _gpt(name: str, **kw: Any) -> ModelConfig:
-    return ModelConfig(
-        name=name,
-        norm="layernorm",
-        mlp="gelu",
-        pos_emb="learned",
-        bias=True,
-        tie_embeddings=True,
-        **kw,
-    )
-
+# One preset a row: vocabulary, width, layers, attention heads and key/value heads, FFN width,
+# longest sequence, RoPE base (theta) and whether the head shares the embedding's matrix (tied).
+# fmt: off
+_SHAPES: tuple[tuple[str, str, int, int, int, int, int, int, int, float, bool], ...] = (
+    # name          family   vocab   dim    layers heads kv  ffn    seq   theta     tied
+    ("tiny",        "llama", _BYTES, 64,    4,     4,    2,  192,   128,  10000.0,  False),
+    ("small",       "llama", _BYTES, 256,   6,     8,    4,  768,   256,  10000.0,  False),
+    ("gpt2-124m",   "gpt",   50257,  768,   12,    12,   12, 3072,  1024, 10000.0,  True),
+    ("llama2-7b",   "llama", 32000,  4096,  32,    32,   32, 11008, 4096, 10000.0,  False),
+    ("llama2-13b",  "llama", 32000,  5120,  40,    40,   40, 13824, 4096, 10000.0,  False),
+    ("llama2-70b",  "llama", 32000,  8192,  80,    64,   8,  28672, 4096, 10000.0,  False),
+    ("llama3.2-1b", "llama", 128256, 2048,  16,    32,   8,  8192,  8192, 500000.0, True),
+    ("llama3-8b",   "llama", 128256, 4096,  32,    32,   8,  14336, 8192, 500000.0, False),
+    ("llama3-70b",  "llama", 128256, 8192,  80,    64,   8,  28672, 8192, 500000.0, False),
+    ("llama3-405b", "llama", 128256, 16384, 126,   128,  8,  53248, 8192, 500000.0, False),
+    ("gpt3-175b",   "gpt",   50257,  12288, 96,    96,   96, 49152, 2048, 10000.0,  True),
+)
+# fmt: on
 
 _HF = "https://huggingface.co/{} (safetensors parameter count)"
 
-PRESETS: dict[str, ModelConfig] = {
-    p.name: p
-    for p in (
-        _llama("tiny", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=128),
-        _llama("small", dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256),
-        _gpt(
-            "gpt2-124m",
-            vocab_size=50257,
-            dim=768,
-            n_layers=12,
-            n_heads=12,
-            n_kv_heads=12,
-            ffn_dim=3072,
-            max_seq_len=1024,
-            published_params=124_439_808,
-            published_source=_HF.format("openai-community/gpt2"),
-        ),
-        _llama(
-            "llama2-7b",
-            vocab_size=32000,
-            dim=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=32,
-            ffn_dim=11008,
-            max_seq_len=4096,
-            published_params=6_738_415_616,
-            published_source=_HF.format("meta-llama/Llama-2-7b-hf"),
-        ),
-        _llama(
-            "llama2-13b",
-            vocab_size=32000,
-            dim=5120,
-            n_layers=40,
-            n_heads=40,
-            n_kv_heads=40,
-            ffn_dim=13824,
-            max_seq_len=4096,
-            published_params=13_015_864_320,
-            published_source=_HF.format("meta-llama/Llama-2-13b-hf"),
-        ),
-        _llama(
-            "llama2-70b",
-            vocab_size=32000,
-            dim=8192,
-            n_layers=80,
-            n_heads=64,
-            n_kv_heads=8,
-            ffn_dim=28672,
-            max_seq_len=4096,
-            published_params=68_976_648_192,
-            published_source=_HF.format("meta-llama/Llama-2-70b-hf"),
-        ),
-        _llama(
-            "llama3.2-1b",
-            vocab_size=128256,
-            dim=2048,
-            n_layers=16,
-            n_heads=32,
-            n_kv_heads=8,
-            ffn_dim=8192,
-            max_seq_len=8192,
-            rope_theta=500000.0,
-            tie_embeddings=True,
-            published_params=1_235_814_400,
-            published_source=_HF.format("meta-llama/Llama-3.2-1B"),
-        ),
-        _llama(
-            "llama3-8b",
-            vocab_size=128256,
-            dim=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=8,
-            ffn_dim=14336,
-            max_seq_len=8192,
-            rope_theta=500000.0,
-            published_params=8_030_261_248,
-            published_source=_HF.format("meta-llama/Meta-Llama-3-8B"),
-        ),
-        _llama(
-            "llama3-70b",
-            vocab_size=128256,
-            dim=8192,
-            n_layers=80,
-            n_heads=64,
-            n_kv_heads=8,
-            ffn_dim=28672,
-            max_seq_len=8192,
-            rope_theta=500000.0,
-            published_params=70_553_706_496,
-            published_source=_HF.format("meta-llama/Meta-Llama-3-70B"),
-        ),
-        _llama(
-            "llama3-405b",
-            vocab_size=128256,
-            dim=16384,
-            n_layers=126,
-            n_heads=128,
-            n_kv_heads=8,
-            ffn_dim=53248,
-            max_seq_len=8192,
-            rope_theta=500000.0,
-            published_params=405_000_000_000,
-            published_source="Llama Team, 'The Llama 3 Herd of Models' (2024), Table 3: 405B",
-        ),
-        _gpt(
-            "gpt3-175b",
-            vocab_size=50257,
-            dim=12288,
-            n_layers=96,
-            n_heads=96,
-            n_kv_heads=96,
-            ffn_dim=4 * 12288,
-            max_seq_len=2048,
-            published_params=175_000_000_000,
-            published_source="Brown et al., 'Language Models are Few-Shot Learners' (2020), Table 2.1: 175.0B",
-        ),
-    )
+# The published parameter count of a preset and where it comes from.
+_PUBLISHED: dict[str, tuple[int, str]] = {
+    "gpt2-124m": (124_439_808, _HF.format("openai-community/gpt2")),
+    "llama2-7b": (6_738_415_616, _HF.format("meta-llama/Llama-2-7b-hf")),
+    "llama2-13b": (13_015_864_320, _HF.format("meta-llama/Llama-2-13b-hf")),
+    "llama2-70b": (68_976_648_192, _HF.format("meta-llama/Llama-2-70b-hf")),
+    "llama3.2-1b": (1_235_814_400, _HF.format("meta-llama/Llama-3.2-1B")),
+    "llama3-8b": (8_030_261_248, _HF.format("meta-llama/Meta-Llama-3-8B")),
+    "llama3-70b": (70_553_706_496, _HF.format("meta-llama/Meta-Llama-3-70B")),
+    "llama3-405b": (
+        405_000_000_000,
+        "Llama Team, 'The Llama 3 Herd of Models' (2024), Table 3: 405B",
+    ),
+    "gpt3-175b": (
+        175_000_000_000,
+        "Brown et al., 'Language Models are Few-Shot Learners' (2020), Table 2.1: 175.0B",
+    ),
 }
+
+
+def _preset(
+    name: str,
+    family: str,
+    vocab: int,
+    dim: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    seq: int,
+    theta: float,
+    tied: bool,
+) -> ModelConfig:
+    params, source = _PUBLISHED.get(name, (0, ""))
+    return ModelConfig(
+        name=name,
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        ffn_dim=ffn,
+        max_seq_len=seq,
+        rope_theta=theta,
+        tie_embeddings=tied,
+        published_params=params,
+        published_source=source,
+        **_FAMILIES[family],
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {row[0]: _preset(*row) for row in _SHAPES}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -79,22 +79,15 @@ class HostSlot:
         }
 
 
+@dataclass(eq=False)
 class HostAdamW:
     """AdamW over host slots: accumulation, norms, update, state, ledger."""
 
-    def __init__(
-        self,
-        working_dtype: torch.dtype,
-        accum_steps: int,
-        pin: bool,
-        fused: bool,
-        offload_params: bool,
-    ) -> None:
-        self.working_dtype = working_dtype
-        self.accum_steps = accum_steps
-        self.pin = pin
-        self.fused = fused
-        self.offload_params = offload_params
+    working_dtype: torch.dtype
+    accum_steps: int
+    pin: bool
+    fused: bool
+    offload_params: bool
 
     def make_slot(self, index: int, name: str, p: nn.Parameter, unit: int, group: int) -> HostSlot:
         """Host buffers for `p`, the master a full-precision copy of its current value."""

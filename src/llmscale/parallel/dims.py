@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmscale.config import ParallelSection, data_parallel_degree, layout_world_size
+from llmscale.config import MeshDegrees, ParallelSection
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -48,7 +48,7 @@ def init_distributed(device: torch.device) -> None:
 
 
 @dataclass
-class ParallelDims:
+class ParallelDims(MeshDegrees):
     """Degrees of the job and, once `build_mesh` ran, this rank's place in the mesh."""
 
     pp: int = 1
@@ -61,25 +61,11 @@ class ParallelDims:
     def from_config(cls, p: ParallelSection) -> ParallelDims:
         return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
 
-    # ---- degrees ----------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        return layout_world_size(self.pp, self.dp_replicate, self.dp_shard, self.tp)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different slices of each global batch exist."""
-        return data_parallel_degree(self.dp_replicate, self.dp_shard)
-
+    # ---- degrees (dp, world_size and fsdp from MeshDegrees) ----------------------------------
     @property
     def stage_size(self) -> int:
         """Ranks that hold (a shard or a copy of) each parameter of one pipeline stage."""
         return self.dp * self.tp
-
-    @property
-    def fsdp(self) -> bool:
-        """Parameters sharded over dp_shard (FSDP2, HSDP when dp_replicate > 1 too)."""
-        return self.dp_shard > 1
 
     @property
     def distributed(self) -> bool:

@@ -33,7 +33,9 @@ them in backward (Megatron) rather than saving the all-gathered copy (DTensor/to
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec
 
 from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
 from llmscale.errors import ConfigError
@@ -42,6 +44,7 @@ from llmscale.plan.cache import memoize
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
 BLOCK_MODES = ("none", "selective", "full")
+_P = ParamSpec("_P")
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class Kernels:
         # fp32 on CUDA: no flash kernel; the memory-efficient one has no GQA, so GQA -> math.
         return "math" if model.n_kv_heads < model.n_heads else "efficient"
 
+
+# What one micro-batch on one tensor-parallel rank is, as `block_tensors` and `head_tensors`
+# take it: model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels.
+SliceArgs = tuple[ModelConfig, int, int, Precision, int, bool, Kernels]
 
 # The llmscale runtime on CUDA and on the CPU, for any model (vocabulary split as it decides);
 # `Kernels.for_runtime(model, tp, device)` gives the same facts resolved for one model.
@@ -270,45 +277,15 @@ def _scale(
     ]
 
 
-@memoize
-def block_bytes(
-    model: ModelConfig,
-    micro_batch_size: int,
-    seq_len: int,
-    precision: Precision,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    kernels: Kernels = RUNTIME,
-    mode: str = "none",
-) -> float:
-    """Sum of `block_tensors`."""
-    return sum(
-        t.nbytes
-        for t in block_tensors(
-            model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels, mode
-        )
-    )
-
-
-@memoize
-def checkpoint_input_bytes(
-    model: ModelConfig,
-    micro_batch_size: int,
-    seq_len: int,
-    precision: Precision,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    kernels: Kernels = RUNTIME,
-    mode: str = "none",
-) -> float:
-    """Bytes of the inputs a block's checkpointed region keeps for its recomputation: the block
-    input (full) or the attention core's q, k and v (selective); none keeps nothing extra."""
-    args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels, mode)
+def checkpoint_inputs(saved: list[Saved], mode: str) -> list[Saved]:
+    """Of a block's `saved` tensors under `mode`, the inputs its checkpointed region keeps for
+    its recomputation: the block input (full) or the attention core's q, k and v (selective);
+    none keeps nothing extra."""
     if mode == "full":
-        return sum(t.nbytes for t in block_tensors(*args))
+        return saved
     if mode == "selective":
-        return sum(t.nbytes for t in block_tensors(*args) if t.name in ("q", "k", "v"))
-    return 0.0
+        return [t for t in saved if t.name in ("q", "k", "v")]
+    return []
 
 
 def embedding_tensors(micro_batch_size: int, seq_len: int) -> list[Saved]:
@@ -349,23 +326,19 @@ def with_weights(kernels: Kernels, lowp_weights: bool) -> Kernels:
     return dataclasses.replace(kernels, lowp_weights=lowp_weights)
 
 
-@memoize
-def head_bytes(
-    model: ModelConfig,
-    micro_batch_size: int,
-    seq_len: int,
-    precision: Precision,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    kernels: Kernels = RUNTIME,
-) -> float:
-    """Sum of `head_tensors`."""
-    return sum(
-        t.nbytes
-        for t in head_tensors(
-            model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels
-        )
-    )
+def _summed(tensors: Callable[_P, list[Saved]], name: str) -> Callable[_P, float]:
+    """`tensors` summed to bytes, memoized: `name` = sum of `tensors`."""
+
+    def total(*args: _P.args, **kwargs: _P.kwargs) -> float:
+        return sum(t.nbytes for t in tensors(*args, **kwargs))
+
+    total.__name__ = total.__qualname__ = name
+    total.__doc__ = f"Sum of `{tensors.__name__}`."
+    return memoize(total)
+
+
+block_bytes = _summed(block_tensors, "block_bytes")
+head_bytes = _summed(head_tensors, "head_bytes")
 
 
 def loss_transient_bytes(

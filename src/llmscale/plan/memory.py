@@ -74,6 +74,7 @@ __all__ = [
     "plan_stage_params",
     "rank_pieces",
     "rank_states",
+    "slice_args",
     "stage_activation_bytes",
     "worst_total",
     "zero_textbook_bytes",
@@ -160,7 +161,7 @@ class StagePieces(NamedTuple):
     params: float
     grads: float
     optimizer: float
-    working: float  # working_params: unsharded, cast or uploaded parameters in use
+    working_params: float  # unsharded, cast or uploaded parameters in use
     activations: float
     transient: float
     host: float
@@ -169,7 +170,7 @@ class StagePieces(NamedTuple):
     def allocated(self) -> float:
         """Device bytes at the peak (everything but `host`)."""
         return (
-            self.params + self.grads + self.optimizer + self.working + self.activations
+            self.params + self.grads + self.optimizer + self.working_params + self.activations
             + self.transient
         )  # fmt: skip
 
@@ -202,7 +203,7 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
     pb = DTYPE_BYTES[plan.precision]
     low = plan.precision != "fp32"
     counters = 4.0 * sp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
-    if plan.sharded:
+    if plan.fsdp:
         shard = float(sp.shard_numel)
         blocks_live = min(opt.prefetch_blocks, sp.blocks) if plan.zero_stage == 3 else sp.blocks
         unsharded: float = pb * (blocks_live * sp.block.numel + sp.root_numel)
@@ -220,7 +221,7 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
         # gradient goes to the host as soon as backward produces it and its device copy is
         # freed: about one block's gradients are on the device at a time (a transient).
-        working = unsharded if plan.sharded else 0.0
+        working = unsharded if plan.fsdp else 0.0
         grads_in_flight = pb * sp.block.numel
         return StagePieces(
             pb * shard, 0.0, 0.0, working, 0.0, max(rs_transient, grads_in_flight), host
@@ -231,7 +232,7 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         # of the shard); the device holds the unsharded units in use, as without offload.
         # Under replicate every unit stays from its forward to its backward (as ZeRO-1/2), and
         # its gradients are all-reduced in fp32 on the device before they go down.
-        if not plan.sharded:
+        if not plan.fsdp:
             unsharded = pb * float(sp.numel)
             rs_transient = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
         return StagePieces(0.0, 0.0, 0.0, unsharded, 0.0, rs_transient, 16 * shard + counters)
@@ -244,7 +245,7 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         params=0.0,
         grads=0.0,
         optimizer=0.0,
-        working=window,
+        working_params=window,
         activations=0.0,
         transient=max(rs_transient, grads_in_flight),
         host=host + (pb * shard if low else 0),
@@ -283,9 +284,10 @@ def plan_kernels(plan: Plan, kernels: act.Kernels) -> act.Kernels:
     return act.with_weights(kernels, plan.lowp_weights)
 
 
-def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
-    """Bytes one block of `plan` saves for one micro-batch under block mode `mode`."""
-    return act.block_bytes(
+def slice_args(plan: Plan, kernels: act.Kernels) -> act.SliceArgs:
+    """The arguments `act.block_tensors` and `act.head_tensors` take for one micro-batch of
+    `plan` on one tensor-parallel rank (before a block's recompute mode)."""
+    return (
         plan.model,
         plan.micro_batch_size,
         plan.seq_len,
@@ -293,8 +295,12 @@ def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
         plan.tp,
         plan.sequence_parallel,
         plan_kernels(plan, kernels),
-        mode,
     )
+
+
+def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
+    """Bytes one block of `plan` saves for one micro-batch under block mode `mode`."""
+    return act.block_bytes(*slice_args(plan, kernels), mode)
 
 
 _ACTIVATIONS: Memo[float] = Memo("memory.stage_activation_bytes")
@@ -321,22 +327,13 @@ def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
         # runs forward on the last stage; its graph keeps every checkpointed region's inputs
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
         # those (measured: tests/plan/test_predicted_vs_measured.py).
-        kern = plan_kernels(plan, opt.kernels)
-        args = (plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp)
+        args = slice_args(plan, opt.kernels)
         total += sum(
-            n * act.checkpoint_input_bytes(*args, plan.sequence_parallel, kern, m)
+            n * sum(t.nbytes for t in act.checkpoint_inputs(act.block_tensors(*args, m), m))
             for m, n in modes.items()
         )
     if rank == plan.pp - 1:
-        head = act.head_bytes(
-            plan.model,
-            plan.micro_batch_size,
-            plan.seq_len,
-            plan.precision,
-            plan.tp,
-            plan.sequence_parallel,
-            plan_kernels(plan, opt.kernels),
-        )
+        head = act.head_bytes(*slice_args(plan, opt.kernels))
         total += head_inflight(plan) * head
     return total
 
@@ -358,14 +355,8 @@ def estimate_memory(
         stages.append(
             StageMemory(
                 stage=rank,
-                params=p.params,
-                grads=p.grads,
-                optimizer=p.optimizer,
-                working_params=p.working,
-                activations=p.activations,
-                transient=p.transient,
+                **p._asdict(),
                 allocator=options.allocator_overhead * p.allocated,
-                host=p.host,
                 inflight=units / plan.chunks,
             )
         )

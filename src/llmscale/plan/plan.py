@@ -2,9 +2,10 @@
 
 Each field names the config key it mirrors (`_cfg("train.micro_batch_size")`); that one table
 generates `from_job`, `to_job` and `overrides`, so a plan turns into `llmscale train` overrides
-and a JobConfig into a plan without a hand-kept mapping. Derived numbers (dp, world size,
-accumulation steps, FSDP2's CPU offload, the layer split, which blocks recompute) come from the
-functions the runtime uses (`llmscale.config`, `llmscale.model.config`). Validation is the
+and a JobConfig into a plan without a hand-kept mapping. Derived numbers come from where the
+runtime gets them: dp, world size and FSDP from `config.MeshDegrees` (as `ParallelSection` and
+`ParallelDims`); accumulation steps, FSDP2's CPU offload, the layer split and which blocks
+recompute from the functions in `llmscale.config` and `llmscale.model.config`. Validation is the
 runtime's own (`JobConfig.validate`), so both sides reject the same input.
 
 The `*_key` methods list what each cached planner result reads (plan/cache.py); they sit here,
@@ -21,13 +22,12 @@ from typing import Any
 
 from llmscale.config import (
     JobConfig,
+    MeshDegrees,
     Offload,
     PPSchedule,
     Precision,
     Recompute,
     accum_steps,
-    data_parallel_degree,
-    layout_world_size,
     uses_fsdp_cpu_offload,
 )
 from llmscale.errors import ConfigError
@@ -44,7 +44,7 @@ def _cfg(key: str, default: Any = None) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Plan(MeshDegrees):
     """Model, batch, recomputation, precision, offload and the parallel layout of one job."""
 
     model: ModelConfig = _cfg("model")
@@ -65,15 +65,7 @@ class Plan:
     # With dp_shard > 1: 1 and 2 keep params unsharded from forward to backward, 3 reshards.
     zero_stage: int = _cfg("parallel.zero_stage", 3)
 
-    # ---- derived (each from the function the runtime uses) --------------------------------
-    @property
-    def dp(self) -> int:
-        return data_parallel_degree(self.dp_replicate, self.dp_shard)
-
-    @property
-    def world_size(self) -> int:
-        return layout_world_size(self.pp, self.dp_replicate, self.dp_shard, self.tp)
-
+    # ---- derived (dp, world_size, fsdp from MeshDegrees; the rest from the runtime's functions)
     @property
     def microbatches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
@@ -84,11 +76,6 @@ class Plan:
         return self.global_batch_size * self.seq_len
 
     @property
-    def sharded(self) -> bool:
-        """FSDP2 (fully_shard) holds the states: dp_shard > 1."""
-        return self.dp_shard > 1
-
-    @property
     def fsdp_cpu_offload(self) -> bool:
         """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
         return uses_fsdp_cpu_offload(self.offload, self.dp)
@@ -96,7 +83,7 @@ class Plan:
     @property
     def lowp_weights(self) -> bool:
         """The forward runs on bf16/fp16 weights: FSDP2's param_dtype or offloaded working copies."""
-        return self.precision != "fp32" and (self.sharded or self.offload != "none")
+        return self.precision != "fp32" and (self.fsdp or self.offload != "none")
 
     @property
     def chunks(self) -> int:

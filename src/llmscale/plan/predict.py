@@ -26,9 +26,9 @@ from llmscale.plan.memory import (
     block_bytes,
     estimate_memory,
     param_window,
-    plan_kernels,
     plan_stage_params,
     rank_pieces,
+    slice_args,
     stage_activation_bytes,
 )
 from llmscale.plan.plan import Plan
@@ -65,18 +65,16 @@ def expected_runtime_metrics(
     plan.validate()
     pieces = rank_pieces(plan, rank, options)
     optim = pieces.optimizer
-    m, b, s = plan.model, plan.micro_batch_size, plan.seq_len
     k = options.kernels
     modes = plan.block_modes(plan.rank_layers(rank))
     saved = sum(n * block_bytes(plan, mode, k) for mode, n in modes.items())
     if rank == 0:
-        saved += sum(t.nbytes for t in act.embedding_tensors(b, s))
+        saved += sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
     if rank == plan.pp - 1:
-        lowp = plan_kernels(plan, k)
-        saved += act.head_bytes(m, b, s, plan.precision, plan.tp, plan.sequence_parallel, lowp)
+        saved += act.head_bytes(*slice_args(plan, k))
     sp = plan_stage_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
-    if plan.precision != "fp32" and not plan.sharded and plan.offload == "none":
+    if plan.precision != "fp32" and not plan.fsdp and plan.offload == "none":
         live_blocks = modes.get("none", 0) + modes.get("selective", 0)
         casts += 2.0 * live_blocks * sp.block.saved_cast_numel
         casts += 2.0 * sum(g.saved_cast_numel for g in sp.root)
@@ -105,5 +103,5 @@ def expected_runtime_metrics(
 
 def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> float:
     sp = plan_stage_params(plan, rank, options.kernels)
-    shard = sp.shard_numel if plan.sharded else sp.numel
+    shard = sp.shard_numel if plan.fsdp else sp.numel
     return 8.0 * shard + 4.0 * sp.tensors

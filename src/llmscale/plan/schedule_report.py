@@ -12,7 +12,6 @@ from llmscale.plan.schedule import (
     SimResult,
     bubble_fraction,
     peak_inflight_closed_form,
-    simulate,
 )
 
 
@@ -28,29 +27,22 @@ def _costs_text(t: Costs) -> str:
 
 
 def schedule_report(
-    schedule: str,
-    pp: int,
-    microbatches: int,
-    chunks: int = 1,
-    *,
-    t_fwd: Costs = 1.0,
-    t_bwd: Costs = 2.0,
-    t_p2p: float = 0.0,
-    width: int = 160,
+    res: SimResult, *, t_fwd: Costs, t_bwd: Costs, t_p2p: float, width: int = 160
 ) -> ScheduleReport:
-    """Simulate `schedule` and report makespan, bubble and peak in-flight against the closed
-    forms (which hold for equal stages and free p2p), then a Gantt chart at most `width` wide."""
-    res = simulate(schedule, pp, microbatches, chunks, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p)
+    """Report the step `res` simulated with costs `t_fwd`, `t_bwd` and `t_p2p`: makespan, bubble
+    and peak in-flight against the closed forms (which hold for equal stages and free p2p), then
+    a Gantt chart at most `width` wide."""
     if width < 10:
         raise ConfigError("width", width, "an integer >= 10")
-    closed = bubble_fraction(schedule, pp, microbatches, chunks)
-    closed_peak = peak_inflight_closed_form(schedule, pp, microbatches, chunks)
-    formula = "(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"
+    job = (res.schedule, res.pp, res.microbatches, res.chunks)
+    closed = bubble_fraction(*job)
+    closed_peak = peak_inflight_closed_form(*job)
+    formula = "(p-1)/(v*m+p-1)" if res.schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"
     quantum, gantt = text_gantt(res, width)
     peaks = "  ".join(f"rank {r}: {n}" for r, n in enumerate(res.peak_inflight))
     costs = f"t_fwd={_costs_text(t_fwd)}  t_bwd={_costs_text(t_bwd)}  t_p2p={t_p2p:g}"
     lines = [
-        f"schedule        {schedule}  pp={res.pp}  microbatches={res.microbatches}  "
+        f"schedule        {res.schedule}  pp={res.pp}  microbatches={res.microbatches}  "
         f"chunks={res.chunks}",
         f"costs           {costs}",
         f"makespan        {res.makespan:g}",

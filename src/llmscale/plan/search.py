@@ -227,7 +227,7 @@ def _states_exceed(
     """True when the states alone overflow some stage's GPU, or its node's host memory."""
     for rank in ends:
         st = mem.rank_states(base, rank, opt)
-        if st.params + st.grads + st.optimizer + st.working > budget or st.host > host:
+        if st.params + st.grads + st.optimizer + st.working_params > budget or st.host > host:
             return True
     return False
 

@@ -183,7 +183,7 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
         "tp_comm": tp_f + tp_b,
     }
     # FSDP traffic per micro-batch, hidden behind its compute up to dp_overlap of it.
-    if plan.sharded:
+    if plan.fsdp:
         sp = plan_stage_params(plan, rank, kern)
         pb = DTYPE_BYTES[plan.precision]
         per_node = _per_node(plan.dp_shard, tp, cluster.gpus_per_node)
@@ -278,7 +278,7 @@ def estimate_step_time(
             # Every micro-batch uploads the parameters for forward and again for backward
             # (under FSDP2's CPUOffloadPolicy: the fp32 shards, before each all-gather).
             up_bytes = 4 if plan.fsdp_cpu_offload else pb
-            regather = not plan.fsdp_cpu_offload or (plan.sharded and plan.zero_stage == 3)
+            regather = not plan.fsdp_cpu_offload or (plan.fsdp and plan.zero_stage == 3)
             gathers = 2 if regather else 1
             upload = m_ * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
