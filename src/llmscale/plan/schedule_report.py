@@ -11,6 +11,7 @@ from llmscale.plan.schedule import (
     Costs,
     SimResult,
     bubble_fraction,
+    check_size,
     peak_inflight_closed_form,
     simulate,
 )
@@ -40,6 +41,7 @@ def schedule_report(
 ) -> ScheduleReport:
     """Simulate `schedule` and report makespan, bubble and peak in-flight against the closed
     forms (which hold for equal stages and free p2p), then a Gantt chart at most `width` wide."""
+    check_size(pp, microbatches, chunks)
     res = simulate(schedule, pp, microbatches, chunks, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p)
     if width < 10:
         raise ConfigError("width", width, "an integer >= 10")
