@@ -447,7 +447,7 @@ def _add_network(sub: argparse._SubParsersAction[_Parser]) -> None:
             "time of the best plan for --model on each, and an all-to-all (MoE-style) time, "
             "where rail-only forwards cross-rail bytes over NVLink. --gpus is capped at what a "
             "3-tier non-blocking Clos of the NIC's switches connects (65,536 for h100 and h200: "
-            "radix 64, 8 NICs per node; about 2 s to answer)."
+            "radix 64, 8 NICs per node, answered in about 2 s; 16,000 for the a100s: radix 40)."
         ),
         epilog="Example: llmscale network --gpus 1024 --gpu h100",
     )

@@ -117,5 +117,5 @@ def test_indivisible_gpus_name_the_rule() -> None:
     r = search(L70, 7, H200, 4096, 1024)
     assert r.candidates == () and r.unfit == () and r.evaluated == 0
     why = r.why_none() or ""
-    assert "divides evenly" in why and "tp 7 does not divide n_heads 64" in why
-    assert "pp 7 does not divide n_layers 80" in why
+    assert "no valid layout of 7 GPUs" in why and "tp 7 does not divide n_heads 64" in why
+    assert "no pp > 1 divides both 7 GPUs and n_layers 80" in why

@@ -109,7 +109,7 @@ class SearchResult:
             return f"no layout of {self.gpus} GPUs to try"
         shown = "; ".join(self.rejected[:4])
         more = f" (and {len(self.rejected) - 4} more)" if len(self.rejected) > 4 else ""
-        return f"no layout of {self.gpus} GPUs divides evenly: {shown}{more}"
+        return f"no valid layout of {self.gpus} GPUs: {shown}{more}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -150,7 +150,14 @@ def _layouts(
         if why:
             rejected[why] = None
             continue
-        pps = [space.pp] if space.pp is not None else _divisors(gpus // tp)
+        if space.pp is not None:
+            pps = [space.pp]
+        else:  # degrees dividing both the GPUs left and the layers (fast for any GPU count)
+            pps = _divisors(math.gcd(gpus // tp, model.n_layers))
+            if pps == [1] and gpus // tp > 1:
+                rejected[
+                    f"no pp > 1 divides both {gpus // tp} GPUs and n_layers {model.n_layers}"
+                ] = None
         for pp in pps:
             if (gpus // tp) % pp:
                 rejected[f"tp x pp = {tp} x {pp} does not divide {gpus} GPUs"] = None
@@ -170,7 +177,8 @@ def _tp_rule(model: ModelConfig, gpus: int, gpus_per_node: int, tp: int) -> str 
         return f"tp {tp} does not divide {gpus} GPUs"
     if tp > gpus_per_node:
         return f"tp {tp} > {gpus_per_node} GPUs per node"
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+    names = ("n_heads", "n_kv_heads", "ffn_dim") + (() if model.tie_embeddings else ("vocab_size",))
+    for name in names:  # the vocabulary is split too unless tied (the runtime's rule)
         if getattr(model, name) % tp:
             return f"tp {tp} does not divide {name} {getattr(model, name)}"
     return None
