@@ -88,6 +88,7 @@ def test_partial_fixing_searches_the_rest() -> None:
         (["--chunks", "2", "--schedule", "gpipe"], "chunks: got 2"),
         (["--every-k", "2", "--recompute", "full"], "every_k: got 2"),
         (["--mbs", "0"], "mbs: got 0"),
+        (["--tp", "1", "--sp"], "sp: got True"),
     ],
 )  # fmt: skip
 def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> None:

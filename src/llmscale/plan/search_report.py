@@ -160,6 +160,8 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
     if "zero_stage" in fixed:
         changes["zero_stages"] = (fixed["zero_stage"],)
     if "sp" in fixed:
+        if fixed["sp"] and fixed.get("tp") == 1:
+            raise ConfigError("sp", True, "--no-sp with --tp 1 (the runtime's rule)")
         changes["sequence_parallel"] = (bool(fixed["sp"]),)
     if "offload" in fixed:
         changes["offload"] = (fixed["offload"],)
