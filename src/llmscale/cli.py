@@ -8,8 +8,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmscale import __version__
-from llmscale.config import DEVICES, PP_SCHEDULES, PRECISIONS
+from llmscale.config import (
+    DEVICES,
+    OFFLOAD_MODES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+)
 from llmscale.errors import ConfigError, UsageError
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
 
 EXIT_USAGE = 2
 
@@ -183,7 +191,9 @@ def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
             "Simulate one training step of a pipeline-parallel schedule and print its bubble "
             "fraction, makespan, peak activations held per rank and a text Gantt chart. "
             "Costs are per microbatch through one rank's whole model slice (a chunk op costs "
-            "t/chunks); give a comma-separated list for one cost per stage (pp*chunks)."
+            "t/chunks); give a comma-separated list for one cost per stage (pp*chunks). "
+            f"Sizes are capped at pp x chunks x microbatches <= {MAX_STAGE_MICROBATCHES:,} "
+            "(about 2 s of simulation)."
         ),
     )
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
@@ -212,7 +222,7 @@ def _parse_costs(field: str, text: str) -> float | list[float]:
 
 def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.plan.gantt import draw_gantt_png
-    from llmscale.plan.schedule import simulate
+    from llmscale.plan.schedule import check_size, simulate
     from llmscale.plan.schedule_report import schedule_report
 
     t_p2p = _parse_costs("t_p2p", args.t_p2p)
@@ -221,6 +231,7 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     t_fwd = _parse_costs("t_fwd", args.t_fwd)
     t_bwd = _parse_costs("t_bwd", args.t_bwd)
     schedule = _SCHEDULE_ALIASES.get(args.schedule, args.schedule)
+    check_size(args.pp, args.microbatches, args.chunks)
     res = simulate(schedule, args.pp, args.microbatches, args.chunks, t_fwd, t_bwd, t_p2p)
     rep = schedule_report(res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width)
     print("\n".join(rep.lines))
@@ -281,10 +292,15 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
             "offload; keep those whose divisibility holds (tp <= GPUs per node and divides the "
             "heads, kv heads and ffn_dim; pp divides the layers; the global batch divides by "
             "micro-batch x dp) and whose fullest GPU fits; rank by predicted step time. Memory "
-            "is per GPU (docs/memory-model.md), time from plan/time.py (docs/planner.md)."
+            "is per GPU (docs/memory-model.md), time from plan/time.py (docs/planner.md). "
+            "Each layout flag given (--tp ... --offload) fixes that dimension and the search "
+            "runs over the rest; with all fixed it evaluates exactly that plan. When nothing "
+            "fits, the closest plans are shown flagged (#!) with why, and the exit code is 1."
         ),
-        epilog="Example: llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 "
-        "--global-batch 1024 --top 10 --png plans.png",
+        epilog="Examples: llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 "
+        "--global-batch 1024 --top 10 --png plans.png; one fixed layout: llmscale plan --gpus 64 "
+        "--tp 8 --pp 2 --dp-shard 4 --dp-replicate 1 --mbs 1 --recompute selective "
+        "--schedule 1f1b --zero-stage 3 --sp --offload none",
     )
     p.add_argument(
         "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
@@ -301,6 +317,29 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     p.add_argument("--png", help="also draw the top plans' memory as stacked bars to this PNG")
     p.add_argument("--json", action="store_true", help="print JSON on standard output, only")
+    p.add_argument("--wide", action="store_true", help="every column (default: 100 columns)")
+    fix = p.add_argument_group("fix a dimension (default: searched)")
+    for flag, name in (
+        ("--tp", "tensor-parallel degree"),
+        ("--pp", "pipeline-parallel degree"),
+        ("--dp-shard", "FSDP shards"),
+        ("--dp-replicate", "data-parallel replicas"),
+        ("--cp", "context-parallel degree (only 1: not modelled yet)"),
+        ("--mbs", "micro-batch size"),
+        ("--every-k", "recompute one block in k (implies --recompute every_k)"),
+        ("--chunks", "model chunks per pipeline rank (> 1: interleaved_1f1b)"),
+    ):
+        fix.add_argument(flag, type=int, help=name)  # fmt: skip
+    fix.add_argument("--recompute", help=" | ".join(RECOMPUTE_MODES))
+    fix.add_argument("--schedule", help=" | ".join(PP_SCHEDULES) + " (alias: interleaved)")
+    fix.add_argument(
+        "--pp-layers", help="layers per pipeline rank (only empty: uneven stages not modelled yet)"
+    )
+    fix.add_argument("--zero-stage", type=int, help=" | ".join(map(str, ZERO_STAGES)))
+    fix.add_argument(
+        "--sp", action=argparse.BooleanOptionalAction, help="sequence parallelism on or off"
+    )
+    fix.add_argument("--offload", help=" | ".join(OFFLOAD_MODES))
     p.set_defaults(func=_cmd_plan)
 
 
@@ -308,28 +347,45 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from llmscale.plan import report
-    from llmscale.plan.search_report import MEMORY_LEGEND, NO_PLAN, plan_report
+    from llmscale.plan.search_report import (
+        FIXABLE,
+        MEMORY_LEGEND,
+        NARROW_LEGEND,
+        fixed_space,
+        plan_report,
+    )
     from llmscale.ui import console
 
+    _one_of("precision", args.precision, PRECISIONS)
+    given = {k: getattr(args, k) for k in FIXABLE}
+    if given["schedule"] is not None:
+        given["schedule"] = _SCHEDULE_ALIASES.get(given["schedule"], given["schedule"])
+    space, fixed = fixed_space(args.gpus, given)
     rep = plan_report(
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
-        node=args.node, nic=args.nic,
+        node=args.node, nic=args.nic, space=space, fixed=fixed,
     )  # fmt: skip
-    if args.png and rep.result.candidates:
+    why = rep.result.why_none()
+    if args.png and rep.result.shown:
         report.memory_png(rep.result, args.png)
     if args.json:
         print(json.dumps(rep.json(), indent=2))
-        return 0
-    out = console()
-    out.print(rep.headline())
-    if not rep.result.candidates:
-        out.print(NO_PLAN)
-        return 0
-    out.print(report.search_table(rep.result))
-    out.print(rep.best_command())
-    out.print(MEMORY_LEGEND)
-    if args.png:
-        out.print(f"wrote {args.png}")
+    else:
+        out = console()
+        out.print(rep.headline())
+        if rep.result.shown:
+            out.print(report.search_table(rep.result, wide=args.wide))
+        if rep.result.candidates:
+            out.print(rep.best_command())
+        if rep.result.shown:
+            out.print(MEMORY_LEGEND if args.wide else NARROW_LEGEND)
+        for line in rep.unfit_lines():
+            out.print(line)
+        if args.png and rep.result.shown:
+            out.print(f"wrote {args.png}")
+    if why:
+        sys.stderr.write(f"llmscale plan: {why}\n")
+        return 1
     return 0
 
 
@@ -386,7 +442,9 @@ def _add_network(sub: argparse._SubParsersAction[_Parser]) -> None:
             "2023) for the GPUs: tiers, switches, links, transceivers and cost (assumed prices "
             "in hardware/data/network.toml), plus a co-packaged-optics fat-tree; then the step "
             "time of the best plan for --model on each, and an all-to-all (MoE-style) time, "
-            "where rail-only forwards cross-rail bytes over NVLink."
+            "where rail-only forwards cross-rail bytes over NVLink. --gpus is capped at what a "
+            "3-tier non-blocking Clos of the NIC's switches connects (65,536 for h100 and h200: "
+            "radix 64, 8 NICs per node, answered in about 2 s; 16,000 for the a100s: radix 40)."
         ),
         epilog="Example: llmscale network --gpus 1024 --gpu h100",
     )

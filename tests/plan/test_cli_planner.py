@@ -38,6 +38,8 @@ def test_plan_json_and_png(tmp_path) -> None:
         == 64
     )
     assert best["memory_bytes"]["worst_stage"]["total"] < 141 * 2**30
+    assert best["fits"] is True and best["why"] is None and out["why"] is None
+    assert set(best["step_time"]) >= {"seconds", "tokens_per_s", "mfu", "breakdown_seconds"}
     assert png.stat().st_size > 10_000
 
 

@@ -89,3 +89,33 @@ def test_bad_input(kwargs, field: str) -> None:
     with pytest.raises(ConfigError) as e:
         search(**args)
     assert e.value.field == field
+
+
+def test_divisors_are_all_and_sorted() -> None:
+    from llmscale.plan.search import _divisors
+
+    for n in (1, 2, 7, 36, 64, 4096, 1000):
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_fixed_degrees_hold_and_the_rest_is_searched() -> None:
+    r = search(L70, 64, H200, 4096, 1024, top=10, space=SearchSpace(tp=4, dp_shard=8))
+    assert r.candidates
+    assert {(c.plan.tp, c.plan.dp_shard, c.plan.pp * c.plan.dp_replicate) for c in r.candidates} == {(4, 8, 2)}  # fmt: skip
+    assert all(c.fits and c.why is None for c in r.candidates) and r.why_none() is None
+
+
+def test_nothing_fits_keeps_the_closest_with_why() -> None:
+    r = search(get_preset("llama3-405b"), 8, Cluster.of("a100-40g"), 8192, 8, top=3)
+    assert r.candidates == () and len(r.unfit) == 3 and r.shown == r.unfit
+    totals = [c.memory.total for c in r.unfit]
+    assert all(not c.fits and "GiB" in (c.why or "") for c in r.unfit)
+    assert totals[0] > 40 * GiB and "no plan fits in memory" in (r.why_none() or "")
+
+
+def test_indivisible_gpus_name_the_rule() -> None:
+    r = search(L70, 7, H200, 4096, 1024)
+    assert r.candidates == () and r.unfit == () and r.evaluated == 0
+    why = r.why_none() or ""
+    assert "no valid layout of 7 GPUs" in why and "tp 7 does not divide n_heads 64" in why
+    assert "no pp > 1 divides both 7 GPUs and n_layers 80" in why

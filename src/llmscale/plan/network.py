@@ -136,6 +136,28 @@ class NetworkRow:
     all_to_all_seconds: float
 
 
+def max_gpus(gpu: str, catalog: Catalog | None = None) -> int:
+    """The most GPUs of `gpu` every compared network can connect: a 3-tier non-blocking Clos
+    of radix k holds k^3/4 NIC ports (`clos`), on the plain and the co-packaged switches."""
+    cat = catalog or default_catalog()
+    base = Cluster.of(gpu, catalog=cat)
+    radix = min(cat.switch_for_link(base.fabric.inter.name).radix,
+                cat.switch_for_link("cpo-800g").radix)  # fmt: skip
+    return radix**3 // 4 // base.node.nics_per_node * base.gpus_per_node
+
+
+def check_gpus(gpus: int, gpu: str, catalog: Catalog | None = None) -> None:
+    """Refuse a count the networks cannot be sized for before anything is costed."""
+    base = Cluster.of(gpu, catalog=catalog)
+    limit = max_gpus(gpu, catalog)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1 or gpus % base.gpus_per_node:
+        raise ConfigError(
+            "gpus", gpus, f"a positive multiple of {base.gpus_per_node} (whole nodes)"
+        )
+    if gpus > limit:
+        raise ConfigError("gpus", gpus, f"<= {limit} (a 3-tier Clos of the {gpu} NICs' switches)")
+
+
 def compare(
     gpus: int,
     gpu: str,

@@ -41,10 +41,7 @@ def network_report(
 ) -> NetworkReport:
     """Size every network for `gpus` x `gpu` and cost the best plan for `model` on each."""
     base = Cluster.of(gpu)
-    if gpus < 1 or gpus % base.gpus_per_node:
-        raise ConfigError(
-            "gpus", gpus, f"a positive multiple of {base.gpus_per_node} (whole nodes)"
-        )
+    network.check_gpus(gpus, gpu)
     gbs = global_batch or gpus
     found = search(model, gpus, base, seq, gbs, top=1)
     if not found.candidates:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 from llmscale.hardware.catalog import Catalog, GiB
@@ -134,23 +135,55 @@ def plan_label(p: Plan) -> dict[str, str]:
     }  # fmt: skip
 
 
-def search_table(result: SearchResult) -> Table:
+# Short labels for the default (100-column) table; --wide shows plan_label's own.
+_SHORT = {"interleaved": "intl", "optimizer+params": "opt+par", "optimizer": "opt", "none": "-"}
+_NARROW = ("#", "tp", "pp", "dp", "zero", "mbs", "recompute", "schedule", "sp", "offload",
+           "step s", "tok/s", "MFU", "GiB")  # fmt: skip
+_WIDE = ("#", "tp", "pp", "dp", "zero", "mbs", "recompute", "schedule", "sp", "offload",
+         "step s", "tok/s", "MFU", "states", "working", "activ.", "transient", "total GiB")  # fmt: skip
+_LEFT = ("dp", "recompute", "schedule", "offload")
+
+
+def _si(x: float) -> str:
+    """3 significant digits with a k/M/G suffix: 95.6k, 4.02M."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def _short_label(lab: dict[str, str]) -> dict[str, str]:
+    out = dict(lab)
+    out["schedule"] = lab["schedule"].replace("interleaved v=", "intl v")
+    out["offload"] = _SHORT.get(lab["offload"], lab["offload"])
+    return out
+
+
+def search_table(result: SearchResult, wide: bool = False) -> Table:
+    """The shown plans (those that fit, else the closest, flagged): at most 100 columns, or
+    every column with `wide`."""
     gpu = result.cluster.gpu
-    t = Table(title=f"Top plans on {result.gpus} x {gpu.name} ({gpu.memory_GiB.value:g} GiB each)")
-    cols = ["#", "tp", "pp", "dp", "zero", "mbs", "recompute", "schedule", "sp", "offload",
-            "step s", "tok/s", "MFU", "states", "working", "activ.", "transient", "total GiB"]  # fmt: skip
+    head = "Top plans" if result.candidates else "Closest plans (none fits)"
+    cols = _WIDE if wide else _NARROW
+    t = Table(
+        title=f"{head} on {result.gpus} x {gpu.name} ({gpu.memory_GiB.value:g} GiB each)",
+        box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1),
+    )  # fmt: skip
     for c in cols:
-        t.add_column(
-            c, justify="left" if c in ("dp", "recompute", "schedule", "offload") else "right"
-        )
-    for i, cand in enumerate(result.candidates, 1):
+        t.add_column(c, justify="left" if c in _LEFT else "right")
+    for i, cand in enumerate(result.shown, 1):
         w = cand.memory.worst
-        lab = plan_label(cand.plan)
+        lab = plan_label(cand.plan) if wide else _short_label(plan_label(cand.plan))
+        mem_cols = (
+            [gib(w.states), gib(w.working_params), gib(w.activations),
+             gib(w.transient + w.allocator), gib(w.total)]
+            if wide else [gib(w.total)]
+        )  # fmt: skip
         t.add_row(
-            str(i), *[lab[k] for k in cols[1:10]],
-            f"{cand.time.seconds:.2f}", f"{cand.time.tokens_per_s:,.0f}", f"{cand.time.mfu:.1%}",
-            gib(w.states), gib(w.working_params), gib(w.activations),
-            gib(w.transient + w.allocator), gib(w.total),
+            f"{i}" if cand.fits else f"{i}!", *[lab[k] for k in cols[1:10]],
+            f"{cand.time.seconds:.2f}",
+            f"{cand.time.tokens_per_s:,.0f}" if wide else _si(cand.time.tokens_per_s),
+            f"{cand.time.mfu:.1%}", *mem_cols,
         )  # fmt: skip
     return t
 
@@ -173,6 +206,8 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
     return {
         "plan": {"model": p.model.name, **fields},
         "overrides": " ".join(p.overrides()),
+        "fits": c.fits,
+        "why": c.why,
         "memory_bytes": memory_json(c.memory),
         "step_time": {
             "seconds": c.time.seconds, "tokens_per_s": c.time.tokens_per_s, "mfu": c.time.mfu,
@@ -187,7 +222,8 @@ def search_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
         "inputs": inputs,
         "search": {"evaluated": result.evaluated, "feasible": result.feasible,
                    "seconds": result.seconds},
-        "candidates": [candidate_json(c) for c in result.candidates],
+        "candidates": [candidate_json(c) for c in result.shown],
+        "why": result.why_none(),
     }  # fmt: skip
 
 
@@ -200,11 +236,12 @@ def memory_png(result: SearchResult, path: str | Path) -> Path:
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(result.candidates) + 2), 4.5))
-    xs = list(range(1, len(result.candidates) + 1))
+    shown = result.shown
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(shown) + 2), 4.5))
+    xs = list(range(1, len(shown) + 1))
     bottom = [0.0] * len(xs)
     for part in MEMORY_PARTS:
-        vals = [getattr(c.memory.worst, part) / GiB for c in result.candidates]
+        vals = [getattr(c.memory.worst, part) / GiB for c in shown]
         ax.bar(xs, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     cap = result.cluster.gpu.memory_GiB.value
@@ -216,7 +253,7 @@ def memory_png(result: SearchResult, path: str | Path) -> Path:
         label=f"{result.cluster.gpu.name} {cap:g} GiB",
     )
     labels = []
-    for c in result.candidates:
+    for c in shown:
         lab = plan_label(c.plan)
         labels.append(f"tp{lab['tp']} pp{lab['pp']}\n{c.time.seconds:.1f}s")
     ax.set_xticks(xs, labels, fontsize=7)

@@ -18,6 +18,7 @@ activations are cached.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,16 @@ class SearchSpace:
     offload: tuple[Offload, ...] = OFFLOAD_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     data_parallel: tuple[str, ...] = ("shard", "replicate", "hybrid")  # hybrid: shard in-node
+    # Fixed degrees (None: searched). A fixed dp_shard or dp_replicate sets the split directly.
+    tp: int | None = None
+    pp: int | None = None
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
+
+    def fixed_degrees(self) -> dict[str, int]:
+        """The degrees this space fixes, by name."""
+        names = ("tp", "pp", "dp_shard", "dp_replicate")
+        return {n: v for n in names if (v := getattr(self, n)) is not None}
 
 
 DEFAULT_SPACE = SearchSpace()
@@ -62,6 +73,8 @@ class Candidate:
     plan: Plan
     memory: mem.MemoryEstimate
     time: tm.StepTime
+    fits: bool = True
+    why: str | None = None  # why it does not fit (None when it fits)
 
 
 @dataclass(frozen=True)
@@ -73,14 +86,46 @@ class SearchResult:
     cluster: Cluster
     gpus: int
     space: SearchSpace = field(default=DEFAULT_SPACE)
+    # When nothing fits: the plans closest to fitting (least memory first), each with its `why`.
+    unfit: tuple[Candidate, ...] = ()
+    # Why layouts were dropped before any memory was counted (divisibility, schedule rules).
+    rejected: tuple[str, ...] = ()
+
+    @property
+    def shown(self) -> tuple[Candidate, ...]:
+        """What to show: the plans that fit, or else the closest that do not (flagged)."""
+        return self.candidates or self.unfit
+
+    def why_none(self) -> str | None:
+        """Why no plan fits, in one line (None when some plan fits)."""
+        if self.candidates:
+            return None
+        if self.unfit:
+            return (
+                f"no plan fits in memory: the closest {self.unfit[0].why}; try more GPUs, "
+                "a smaller global batch or a shorter sequence"
+            )
+        if not self.rejected:
+            return f"no layout of {self.gpus} GPUs to try"
+        shown = "; ".join(self.rejected[:4])
+        more = f" (and {len(self.rejected) - 4} more)" if len(self.rejected) > 4 else ""
+        return f"no valid layout of {self.gpus} GPUs: {shown}{more}"
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[tuple[int, int]]:
     """(dp_replicate, dp_shard) pairs to try."""
+    rep, shard = space.dp_replicate, space.dp_shard
+    if rep is not None or shard is not None:
+        if rep is None:
+            rep = dp // shard if shard and dp % shard == 0 else 0
+        if shard is None:
+            shard = dp // rep if rep and dp % rep == 0 else 0
+        return [(rep, shard)] if rep * shard == dp else []
     out: list[tuple[int, int]] = []
     if "shard" in space.data_parallel and dp > 1:
         out.append((1, dp))
@@ -92,23 +137,59 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
     return out
 
 
-def _layouts(model: ModelConfig, gpus: int, cluster: Cluster) -> Iterator[tuple[int, int, int]]:
+def _layouts(
+    model: ModelConfig, gpus: int, cluster: Cluster, space: SearchSpace, rejected: dict[str, None]
+) -> Iterator[tuple[int, int, int]]:
+    """(tp, pp, dp) layouts of `gpus`; why others were dropped goes into `rejected` (in order)."""
     # Even layer splits only: the runtime runs uneven ones too (and the planner costs them), but
     # a stage with an extra layer sets the pace and an even split of the same degree is faster.
-    for tp in _divisors(min(gpus, cluster.gpus_per_node)):
-        if gpus % tp or model.n_heads % tp or model.n_kv_heads % tp or model.ffn_dim % tp:
+    gpn = cluster.gpus_per_node
+    tps = [space.tp] if space.tp is not None else _divisors(min(gpus, gpn))
+    for tp in tps:
+        why = _tp_rule(model, gpus, gpn, tp)
+        if why:
+            rejected[why] = None
             continue
-        for pp in _divisors(gpus // tp):
-            if model.n_layers % pp or (pp > 1 and model.tie_embeddings):
-                continue
-            yield tp, pp, gpus // (tp * pp)
+        if space.pp is not None:
+            pps = [space.pp]
+        else:  # degrees dividing both the GPUs left and the layers (fast for any GPU count)
+            pps = _divisors(math.gcd(gpus // tp, model.n_layers))
+            if pps == [1] and gpus // tp > 1:
+                rejected[
+                    f"no pp > 1 divides both {gpus // tp} GPUs and n_layers {model.n_layers}"
+                ] = None
+        for pp in pps:
+            if (gpus // tp) % pp:
+                rejected[f"tp x pp = {tp} x {pp} does not divide {gpus} GPUs"] = None
+            elif model.n_layers % pp:
+                rejected[f"pp {pp} does not divide n_layers {model.n_layers}"] = None
+            elif pp > 1 and model.tie_embeddings:
+                rejected[f"pp {pp} > 1 with tied embeddings ({model.name})"] = None
+            elif pp == 1 and space.schedules == ("interleaved_1f1b",):
+                rejected["interleaved_1f1b needs pp > 1"] = None
+            else:
+                yield tp, pp, gpus // (tp * pp)
+
+
+def _tp_rule(model: ModelConfig, gpus: int, gpus_per_node: int, tp: int) -> str | None:
+    """Why tensor-parallel degree `tp` cannot run (None when it can)."""
+    if gpus % tp:
+        return f"tp {tp} does not divide {gpus} GPUs"
+    if tp > gpus_per_node:
+        return f"tp {tp} > {gpus_per_node} GPUs per node"
+    names = ("n_heads", "n_kv_heads", "ffn_dim") + (() if model.tie_embeddings else ("vocab_size",))
+    for name in names:  # the vocabulary is split too unless tied (the runtime's rule)
+        if getattr(model, name) % tp:
+            return f"tp {tp} does not divide {name} {getattr(model, name)}"
+    return None
 
 
 def _schedules(
     model: ModelConfig, pp: int, microbatches: int, space: SearchSpace
 ) -> Iterator[tuple[PPSchedule, int]]:
     if pp == 1:
-        yield "1f1b", 1
+        # One stage runs every schedule alike: keep a fixed schedule's name, else 1f1b.
+        yield (space.schedules[0] if len(space.schedules) == 1 else "1f1b"), 1
         return
     if microbatches < pp:
         if "gpipe" in space.schedules:
@@ -136,7 +217,9 @@ def search(
     time_params: tm.TimeParams = tm.DEFAULT_TIME,
     resimulate: int = 10,
 ) -> SearchResult:
-    """The `top` fastest plans that fit, best first (an empty result when none fits)."""
+    """The `top` fastest plans that fit, best first. When none fits, `candidates` is empty and
+    `unfit` holds the `top` closest to fitting (each with why not), `rejected` why layouts were
+    dropped before their memory was counted."""
     _check_inputs(model, gpus, seq_len, global_batch_size, precision, top)
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
@@ -144,12 +227,24 @@ def search(
     host_per_gpu = cluster.node.host_memory_bytes / cluster.gpus_per_node
     found: list[tuple[float, float, Plan]] = []
     evaluated = 0
+    rejected: dict[str, None] = {}
+    settings: list[tuple[Plan, tuple[int, ...]]] = []  # each memory-checked layout, once
     recs = [r for r in RECOMPUTE_ORDER if r in space.recompute]
+    if "every_k" in recs and space.recompute_every_k > model.n_layers:
+        recs.remove("every_k")
+        rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
-    for tp, pp, dp in _layouts(model, gpus, cluster):
+    for tp, pp, dp in _layouts(model, gpus, cluster, space, rejected):
         ends = (0, pp - 1) if pp > 1 else (0,)
-        for dp_rep, dp_shard in _dp_splits(dp, tp, cluster, space):
-            zeros = sorted(space.zero_stages) if dp_shard > 1 else [3]  # 1 (fewer gathers) first
+        splits = _dp_splits(dp, tp, cluster, space)
+        if not splits:
+            fixed = ", ".join(f"{k} {v}" for k, v in space.fixed_degrees().items() if "dp" in k)
+            rejected[f"dp {dp} (tp {tp}, pp {pp}) is not {fixed or 'split'}"] = None
+        for dp_rep, dp_shard in splits:
+            zeros = _zero_stages(dp_shard, space)
+            if not zeros:
+                rejected[f"zero_stage 0 with dp_shard {dp_shard} > 1"] = None
+                continue
             base = Plan(
                 model=model, seq_len=seq_len, micro_batch_size=1,
                 global_batch_size=global_batch_size, precision=precision,
@@ -164,21 +259,31 @@ def search(
                 if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends,
                                       memory_options, budget / over, host_per_gpu)
             ]  # fmt: skip
-            if not states_ok:
-                continue
-            for sp in space.sequence_parallel if tp > 1 else (False,):
+            sps = [sp for sp in space.sequence_parallel if tp > 1 or not sp]
+            if not sps:
+                rejected["sequence parallelism needs tp > 1"] = None
+            for sp in sps:
+                divides = False
                 for mbs in space.micro_batch_sizes:
                     if global_batch_size % (mbs * dp):
                         continue
+                    divides = True
                     micro = global_batch_size // (mbs * dp)
+                    scheds = list(_schedules(model, pp, micro, space))
+                    if not scheds:
+                        rejected[_schedule_rule(model, pp, micro, space)] = None
+                        continue
+                    if not found and recs and offloads:  # for `unfit`, while nothing fits
+                        frugal = replace(base, micro_batch_size=mbs, recompute=recs[-1],
+                                         zero_stage=zeros[-1], sequence_parallel=sp)  # fmt: skip
+                        for sched, v in scheds:
+                            settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
                     fit_any = False
-                    for sched, v in _schedules(model, pp, micro, space):
+                    for sched, v in scheds if states_ok else ():
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
                         for ri, rec in enumerate(recs):
-                            if rec == "every_k" and space.recompute_every_k > model.n_layers:
-                                continue
                             for zi, oi in states_ok:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
@@ -202,6 +307,10 @@ def search(
                         fit_any = fit_any or bool(fits)
                     if not fit_any:
                         break  # a bigger micro-batch needs more memory still
+                if not divides:
+                    mbs_text = ", ".join(map(str, space.micro_batch_sizes))
+                    rejected[f"global batch {global_batch_size} is not a multiple of dp {dp} "
+                             f"x micro-batch ({mbs_text})"] = None  # fmt: skip
     feasible = len(found)
     found.sort(key=lambda x: (x[0], x[1]))
     finals: list[Candidate] = []
@@ -210,6 +319,9 @@ def search(
         t = tm.estimate_step_time(plan, cluster, time_params, simulate=plan.pp > 1, validate=False)
         finals.append(Candidate(plan, full_mem, t))
     finals.sort(key=lambda c: (c.time.seconds, c.memory.total))
+    unfit: tuple[Candidate, ...] = ()
+    if not finals and settings:
+        unfit = _closest(settings, offloads, top, cluster, memory_options, time_params)
     return SearchResult(
         candidates=tuple(finals[:top]),
         evaluated=evaluated,
@@ -218,7 +330,86 @@ def search(
         cluster=cluster,
         gpus=gpus,
         space=space,
+        unfit=unfit,
+        rejected=tuple(rejected),
     )
+
+
+def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:
+    """ZeRO stages to try, fewest gathers (1) first; stage 0 only without FSDP shards."""
+    if dp_shard > 1:
+        return sorted(z for z in space.zero_stages if z != 0)
+    # Without shards the stage changes nothing: keep a fixed one's name, else 3.
+    return [space.zero_stages[0]] if len(space.zero_stages) == 1 else [3]
+
+
+def _schedule_rule(model: ModelConfig, pp: int, micro: int, space: SearchSpace) -> str:
+    """Why no schedule in `space` runs `micro` micro-batches on `pp` stages."""
+    names = " | ".join(space.schedules)
+    if micro < pp:
+        return f"{micro} micro-batches < pp {pp}: only gpipe runs them (schedules: {names})"
+    return (
+        f"schedules {names} with chunks {', '.join(map(str, space.chunks))}: pp x chunks must "
+        f"divide n_layers {model.n_layers} and pp {pp} the {micro} micro-batches"
+    )
+
+
+def fit_reason(
+    est: mem.MemoryEstimate, cluster: Cluster, opt: mem.MemoryOptions = mem.DEFAULT_OPTIONS
+) -> str | None:
+    """Why a plan's memory does not fit `cluster` (None when it fits)."""
+    usable = cluster.gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    host = cluster.node.host_memory_bytes / cluster.gpus_per_node
+    w = est.worst
+    reasons = []
+    if w.total > usable:
+        reasons.append(
+            f"needs {w.total / GiB:.1f} GiB on pipeline rank {w.stage}, "
+            f"{usable / GiB:.1f} GiB usable ({cluster.gpu.name} less "
+            f"{opt.device_reserve_GiB:g} GiB reserve)"
+        )
+    h = max(est.stages, key=lambda s: s.host)
+    if h.host > host:
+        reasons.append(
+            f"needs {h.host / GiB:.1f} GiB of host memory per GPU on pipeline rank {h.stage}, "
+            f"{host / GiB:.1f} GiB available ({cluster.node.name})"
+        )
+    return "; ".join(reasons) or None
+
+
+def _closest(
+    settings: list[tuple[Plan, tuple[int, ...]]],
+    offloads: list[Offload],
+    top: int,
+    cluster: Cluster,
+    opt: mem.MemoryOptions,
+    time_params: tm.TimeParams,
+) -> tuple[Candidate, ...]:
+    """The `top` plans nearest to fitting: each layout with its most frugal knobs (the most
+    recompute and the highest ZeRO stage searched), the offload that leaves the least memory
+    over, least over first."""
+    gpu_budget = cluster.gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    host_budget = cluster.node.host_memory_bytes / cluster.gpus_per_node
+    scored: list[tuple[float, Plan]] = []
+    for frugal, ends in settings:
+        best: tuple[float, Plan] | None = None
+        for off in offloads:
+            plan = replace(frugal, offload=off)
+            excess = max(0.0, mem.worst_total(plan, opt, ends) - gpu_budget)
+            host = max(mem.rank_states(plan, r, opt).host for r in ends)
+            excess += max(0.0, host - host_budget)
+            if best is None or excess < best[0]:
+                best = (excess, plan)
+        if best is not None:
+            scored.append(best)
+    scored.sort(key=lambda x: x[0])
+    out: list[Candidate] = []
+    for _, plan in scored[:top]:
+        est = mem.estimate_memory(plan, opt, validate=False)
+        t = tm.estimate_step_time(plan, cluster, time_params, simulate=plan.pp > 1, validate=False)
+        why = fit_reason(est, cluster, opt)
+        out.append(Candidate(plan, est, t, fits=why is None, why=why))
+    return tuple(out)
 
 
 def _states_exceed(

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import math
+import textwrap
+from dataclasses import replace
 from typing import Any, NamedTuple
 
-from llmscale.config import Precision
+from llmscale.config import (
+    OFFLOAD_MODES,
+    PP_SCHEDULES,
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+    Precision,
+)
+from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import get_preset
 from llmscale.plan import report
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.search import SearchResult, search
+from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 
-NO_PLAN = "no plan fits: try more GPUs, a smaller global batch or a shorter sequence"
 MEMORY_LEGEND = (
-    "memory columns are the fullest GPU, GiB: states = params + grads + optimizer; "
-    "working = bf16 weight copies or FSDP-unsharded params; transient includes the "
-    "allocator's 5%"
+    "memory columns are the fullest GPU, GiB: states = params + grads + optimizer;\n"
+    "working = bf16 weight copies or FSDP-unsharded params; transient includes the allocator's 5%"
+)
+NARROW_LEGEND = (
+    "GiB: the fullest GPU, with the allocator's 5%; ! = does not fit; --wide shows its parts"
 )
 
 
@@ -28,17 +39,32 @@ class PlanReport(NamedTuple):
         return report.search_json(self.result, self.inputs)
 
     def headline(self) -> str:
+        """Two lines (each under 100 columns for the catalog's names): the question, the counts."""
         i, res = self.inputs, self.result
-        return (
-            f"{i['model']} on {i['gpus']} x {res.cluster.gpu.display} ({i['node']}, {i['nic']}); "
+        fixed = ", ".join(f"{k}={v}" for k, v in i.get("fixed", {}).items())
+        lines = [
+            f"{i['model']} on {i['gpus']} x {res.cluster.gpu.display} ({i['node']}, {i['nic']})",
             f"seq {i['seq']}, global batch {i['global_batch']}, {i['precision']}: "
-            f"{res.evaluated:,} plans costed, {res.feasible:,} fit, "
-            f"searched in {res.seconds:.2f} s"
-        )
+            f"{res.evaluated:,} plans costed, {res.feasible:,} fit, {res.seconds:.2f} s",
+        ]
+        if fixed:
+            lines += textwrap.wrap("fixed: " + fixed, 100, subsequent_indent="       ")
+        return "\n".join(lines)
 
-    def best_command(self) -> str:
-        """The `llmscale train` overrides of the fastest plan (there must be one)."""
-        return "best: llmscale train " + " ".join(self.result.candidates[0].plan.overrides())
+    def unfit_lines(self) -> list[str]:
+        """Why each shown plan does not fit (empty when they fit)."""
+        return [f"#{n}! {c.why}" for n, c in enumerate(self.result.shown, 1) if not c.fits]
+
+    def best_command(self, width: int = 100) -> str:
+        """The `llmscale train` overrides of the fastest plan (there must be one), as a shell
+        command continued over lines of at most `width` characters."""
+        lines, line = [], "best: llmscale train"
+        for part in self.result.candidates[0].plan.overrides():
+            if len(line) + len(part) + 3 > width:
+                lines.append(line + " \\")
+                line = "     "
+            line += " " + part
+        return "\n".join([*lines, line])
 
 
 def plan_report(
@@ -51,13 +77,98 @@ def plan_report(
     top: int = 10,
     node: str | None = None,
     nic: str | None = None,
+    space: SearchSpace = DEFAULT_SPACE,
+    fixed: dict[str, Any] | None = None,
 ) -> PlanReport:
-    """Search the layouts of preset `model` on `gpus` x `gpu`; keep the `top` fastest that fit."""
+    """Search the layouts of preset `model` on `gpus` x `gpu` within `space`; keep the `top`
+    fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`."""
     cfg = get_preset(model)
     cluster = Cluster.of(gpu, node=node, nic=nic)
-    res = search(cfg, gpus, cluster, seq, global_batch, precision, top)
+    res = search(cfg, gpus, cluster, seq, global_batch, precision, top, space=space)
     inputs = {
         "model": model, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
+        "fixed": fixed or {},
     }  # fmt: skip
     return PlanReport(res, inputs)
+
+
+# The flags of `llmscale plan` that fix one dimension of the search, in the order they print.
+FIXABLE = (
+    "tp", "pp", "dp_shard", "dp_replicate", "cp", "mbs", "recompute", "every_k", "schedule",
+    "chunks", "pp_layers", "zero_stage", "sp", "offload",
+)  # fmt: skip
+_DEGREES = ("tp", "pp", "dp_shard", "dp_replicate")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str, Any]]:
+    """The search space with each given flag's dimension fixed (None: not given), and the
+    fixed values by name. Raises ConfigError for a bad value, UsageError for degrees whose
+    product cannot make `gpus` or for what the planner does not model yet."""
+    fixed = {k: given[k] for k in FIXABLE if given.get(k) is not None}
+    for k in ("tp", "pp", "dp_shard", "dp_replicate", "cp", "mbs", "every_k", "chunks"):
+        v = fixed.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(k, v, "a positive integer")
+    _one("recompute", fixed, RECOMPUTE_MODES)
+    _one("schedule", fixed, PP_SCHEDULES)
+    _one("zero_stage", fixed, ZERO_STAGES)
+    _one("offload", fixed, OFFLOAD_MODES)
+    if fixed.get("cp", 1) != 1:
+        raise UsageError(
+            f"--cp {fixed['cp']}: the planner does not model context parallelism yet (only --cp 1)"
+        )
+    if str(fixed.get("pp_layers", "")).strip():
+        raise UsageError(
+            f"--pp-layers {fixed['pp_layers']}: the planner does not model uneven pipeline stages "
+            "yet (leave it empty: the automatic split)"
+        )
+    fixed.pop("cp", None)
+    fixed.pop("pp_layers", None)
+    degrees = {k: fixed[k] for k in _DEGREES if k in fixed}
+    product = math.prod(degrees.values())
+    if gpus % product or (len(degrees) == len(_DEGREES) and product != gpus):
+        names = " x ".join(f"{_flag(k)} {v}" for k, v in degrees.items())
+        verb = "do not divide" if gpus % product else "do not make"
+        raise UsageError(f"{names} = {product} GPUs {verb} --gpus {gpus}")
+    changes: dict[str, Any] = dict(degrees)
+    if "mbs" in fixed:
+        changes["micro_batch_sizes"] = (fixed["mbs"],)
+    rec = fixed.get("recompute")
+    if "every_k" in fixed:
+        if rec is not None and rec != "every_k":
+            raise ConfigError("every_k", fixed["every_k"], "only with --recompute every_k")
+        rec = "every_k"
+        changes["recompute_every_k"] = fixed["every_k"]
+    if rec is not None:
+        changes["recompute"] = (rec,)
+    sched, chunks = fixed.get("schedule"), fixed.get("chunks")
+    if chunks is not None and chunks > 1:
+        if sched not in (None, "interleaved_1f1b"):
+            raise ConfigError("chunks", chunks, "1 unless --schedule interleaved_1f1b")
+        changes["schedules"], changes["chunks"] = ("interleaved_1f1b",), (chunks,)
+    elif chunks == 1:
+        if sched == "interleaved_1f1b":
+            raise ConfigError("chunks", chunks, ">= 2 with --schedule interleaved_1f1b")
+        changes["schedules"] = (sched,) if sched else ("1f1b", "gpipe")
+    elif sched is not None:
+        changes["schedules"] = (sched,)
+    if "zero_stage" in fixed:
+        changes["zero_stages"] = (fixed["zero_stage"],)
+    if "sp" in fixed:
+        if fixed["sp"] and fixed.get("tp") == 1:
+            raise ConfigError("sp", True, "--no-sp with --tp 1 (the runtime's rule)")
+        changes["sequence_parallel"] = (bool(fixed["sp"]),)
+    if "offload" in fixed:
+        changes["offload"] = (fixed["offload"],)
+    return replace(DEFAULT_SPACE, **changes), fixed
+
+
+def _one(name: str, fixed: dict[str, Any], allowed: tuple[Any, ...]) -> None:
+    v = fixed.get(name)
+    if v is not None and not any(type(v) is type(a) and v == a for a in allowed):
+        raise ConfigError(name, v, " | ".join(map(str, allowed)))

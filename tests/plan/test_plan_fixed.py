@@ -1,0 +1,171 @@
+"""`llmscale plan` with fixed dimensions, fits/why, exit codes, table width; bounded inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmscale.model.config import get_preset
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
+from llmscale.plan.search import search
+from llmscale.plan.search_report import fixed_space
+
+L70 = get_preset("llama2-70b")
+H200 = Cluster.of("h200")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmscale", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _flags(p: dict) -> list[str]:
+    """The fixing flags of a JSON candidate's plan: every dimension."""
+    return [
+        "--tp", str(p["tp"]), "--pp", str(p["pp"]), "--dp-shard", str(p["dp_shard"]),
+        "--dp-replicate", str(p["dp_replicate"]), "--mbs", str(p["micro_batch_size"]),
+        "--recompute", p["recompute"], "--schedule", p["pp_schedule"],
+        "--chunks", str(p["pp_chunks"]), "--zero-stage", str(p["zero_stage"]),
+        "--sp" if p["sequence_parallel"] else "--no-sp", "--offload", p["offload"], "--cp", "1",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def searched() -> dict:
+    r = _run("plan", "--gpus", "64", "--top", "10", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 4])
+def test_one_fixed_layout_equals_the_searchs_candidate(searched: dict, rank: int) -> None:
+    cand = searched["candidates"][rank]
+    r = _run("plan", "--gpus", "64", "--json", *_flags(cand["plan"]))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["search"]["evaluated"] == 1 and len(out["candidates"]) == 1
+    one = out["candidates"][0]
+    assert one["plan"] == cand["plan"] and one["fits"] is True and one["why"] is None
+    assert one["step_time"] == cand["step_time"]
+    assert (
+        one["memory_bytes"]["worst_stage"]["total"] == cand["memory_bytes"]["worst_stage"]["total"]
+    )
+
+
+def test_partial_fixing_searches_the_rest() -> None:
+    r = _run("plan", "--gpus", "64", "--tp", "8", "--recompute", "selective", "--top", "5",
+             "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    plans = [c["plan"] for c in out["candidates"]]
+    assert len(plans) == 5 and {p["tp"] for p in plans} == {8}
+    assert {p["recompute"] for p in plans} == {"selective"}
+    assert len({(p["pp"], p["dp_shard"], p["micro_batch_size"], p["sequence_parallel"])
+                for p in plans}) > 1  # fmt: skip
+    assert out["inputs"]["fixed"] == {"tp": 8, "recompute": "selective"}
+    # The same as the search API with that space, first candidate.
+    space, _ = fixed_space(64, {"tp": 8, "recompute": "selective"})
+    best = search(L70, 64, H200, 4096, 1024, top=5, space=space).candidates[0]
+    assert out["candidates"][0]["step_time"]["seconds"] == best.time.seconds
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--tp", "3"], "--tp 3 = 3 GPUs do not divide --gpus 64"),
+        (["--tp", "8", "--pp", "2", "--dp-shard", "2", "--dp-replicate", "1"],
+         "--tp 8 x --pp 2 x --dp-shard 2 x --dp-replicate 1 = 32 GPUs do not make --gpus 64"),
+        (["--cp", "2"], "does not model context parallelism yet"),
+        (["--pp-layers", "40,40"], "does not model uneven pipeline stages yet"),
+        (["--recompute", "some"], "recompute: got 'some'; allowed: none | full"),
+        (["--zero-stage", "4"], "zero_stage: got 4"),
+        (["--offload", "disk"], "offload: got 'disk'"),
+        (["--chunks", "2", "--schedule", "gpipe"], "chunks: got 2"),
+        (["--every-k", "2", "--recompute", "full"], "every_k: got 2"),
+        (["--mbs", "0"], "mbs: got 0"),
+        (["--tp", "1", "--sp"], "sp: got True"),
+    ],
+)  # fmt: skip
+def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> None:
+    r = _run("plan", "--gpus", "64", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_indivisible_gpus_exit_1_naming_divisibility() -> None:
+    r = _run("plan", "--gpus", "7")
+    assert r.returncode == 1
+    assert "try more GPUs" not in r.stderr and "no valid layout of 7 GPUs" in r.stderr
+    assert "global batch 1024 is not a multiple of dp 7" in r.stderr
+    assert "tp 7 does not divide n_heads 64" in r.stderr
+    out = json.loads(_run("plan", "--gpus", "7", "--json").stdout)
+    assert out["candidates"] == [] and "no valid layout of 7 GPUs" in out["why"]
+
+
+def test_nothing_fits_shows_the_closest_flagged_and_exits_1() -> None:
+    args = ["plan", "--model", "llama3-405b", "--gpu", "a100-40g", "--gpus", "8", "--seq",
+            "8192", "--global-batch", "8", "--top", "3"]  # fmt: skip
+    r = _run(*args, "--json")
+    assert r.returncode == 1
+    out = json.loads(r.stdout)
+    assert len(out["candidates"]) == 3 and "no plan fits in memory" in out["why"]
+    for c in out["candidates"]:
+        assert c["fits"] is False and "GiB" in c["why"]
+        assert c["step_time"]["seconds"] > 0 and c["memory_bytes"]["worst_stage"]["total"] > 0
+    r = _run(*args)
+    assert r.returncode == 1 and "Closest plans (none fits)" in r.stdout and "1!" in r.stdout
+    assert "no plan fits in memory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_fixed_layout_that_does_not_fit_is_shown() -> None:
+    r = _run("plan", "--gpus", "8", "--tp", "1", "--pp", "1", "--dp-shard", "1",
+             "--dp-replicate", "8", "--mbs", "16", "--recompute", "none", "--offload", "none",
+             "--json")  # fmt: skip
+    assert r.returncode == 1
+    (c,) = json.loads(r.stdout)["candidates"]
+    assert c["fits"] is False and c["why"].startswith("needs ")
+    assert c["memory_bytes"]["worst_stage"]["total"] > 141 * 2**30
+
+
+def _table_lines(stdout: str) -> list[str]:
+    """The table: from its title to the last row (not the continued `best:` command)."""
+    lines = stdout.splitlines()
+    start = next(i for i, s in enumerate(lines) if "plans" in s and " on " in s)
+    end = next(i for i, s in enumerate(lines) if s.startswith(("best:", "GiB:", "memory ")))
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("gpus", ["64", "4096"])
+def test_table_fits_100_columns_and_wide_shows_everything(gpus: str) -> None:
+    r = _run("plan", "--gpus", gpus, "--top", "10")
+    assert r.returncode == 0, r.stderr
+    table = _table_lines(r.stdout)
+    assert len(table) >= 12 and max(len(s) for s in table) <= 100
+    assert max(len(s) for s in r.stdout.splitlines()) <= 100  # headline, command lines too
+    assert "transient" not in r.stdout
+    w = _run("plan", "--gpus", gpus, "--top", "10", "--wide")
+    assert w.returncode == 0
+    assert all(c in w.stdout for c in ("states", "working", "activ.", "transient", "total GiB"))
+    assert max(len(s) for s in _table_lines(w.stdout)) > 100
+
+
+def test_schedule_refuses_sizes_past_its_limit() -> None:
+    r = _run("schedule", "--pp", "100000", "--microbatches", "100000")
+    assert r.returncode == 2 and f"<= {MAX_STAGE_MICROBATCHES:,}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert f"{MAX_STAGE_MICROBATCHES:,}" in _run("schedule", "--help").stdout.replace("\n", " ")
+    r = _run("schedule", "--pp", "4", "--microbatches", str(MAX_STAGE_MICROBATCHES // 4))
+    assert r.returncode == 0, r.stderr
+
+
+def test_network_refuses_sizes_past_its_limit() -> None:
+    r = _run("network", "--gpus", "1000000000")
+    assert r.returncode == 2 and "gpus: got 1000000000; allowed: <= 65536" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "65,536" in _run("network", "--help").stdout
