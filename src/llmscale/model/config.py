@@ -153,7 +153,8 @@ class ModelConfig:
 
         def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
             shift = self.norm == "layernorm" and bias
-            return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if shift else [])
+            shape: tuple[int, ...] = (d,)
+            return [(f"{name}.weight", shape)] + ([(f"{name}.bias", shape)] if shift else [])
 
         emb: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (v, d))]
         if self.pos_emb == "learned":
