@@ -352,10 +352,6 @@ def get_link(name: str) -> Link:
     return default_catalog().link(name)
 
 
-def get_node(name: str) -> Node:
-    return default_catalog().node(name)
-
-
 def gpu_for_device_name(cuda_name: str) -> GPU | None:
     """The catalog GPU for a `torch.cuda.get_device_name()` string, or None when unknown."""
     return default_catalog().gpu_for_device_name(cuda_name)

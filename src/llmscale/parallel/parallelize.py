@@ -34,10 +34,6 @@ class ParallelModel:
     def has_first_stage(self) -> bool:
         return 0 in self.stage_ids
 
-    @property
-    def has_last_stage(self) -> bool:
-        return self.n_stages - 1 in self.stage_ids
-
 
 def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> ParallelModel:
     """Split, shard and wrap `model` for this rank; in a single process only recompute applies."""
