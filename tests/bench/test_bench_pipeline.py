@@ -14,8 +14,8 @@ import pytest
 from llmscale.bench.pipeline import PipeConfig, analyse, run
 from llmscale.bench.runner import BenchOptions
 from llmscale.instrument.pipeline import FILE_NAME
-from llmscale.parallel.timeline import Timeline, op_waits
-from llmscale.plan.schedule import build_schedule
+from llmscale.parallel.timeline import PipelineTimeline, op_waits
+from llmscale.plan.schedule import schedule_ops
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +35,11 @@ def test_timeline_has_one_f_and_one_b_per_stage_and_microbatch_in_the_simulators
     bench, cfg
 ) -> None:
     opts, _ = bench
-    tl = Timeline.load(opts.work_dir / cfg.name / FILE_NAME)
+    tl = PipelineTimeline.load(opts.work_dir / cfg.name / FILE_NAME)
     assert sorted(tl.steps) == [1, 2, 3]  # every step, warm-up included
     assert (tl.schedule, tl.pp, tl.chunks, tl.microbatches) == (
         cfg.schedule, 2, cfg.chunks, cfg.microbatches)  # fmt: skip
-    want = [[str(op) for op in rank] for rank in build_schedule(
+    want = [[str(op) for op in rank] for rank in schedule_ops(
         cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)]  # fmt: skip
     n_stages = cfg.pp * cfg.chunks
     for step, ops in tl.steps.items():

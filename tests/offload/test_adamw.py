@@ -243,9 +243,9 @@ def test_state_dict_round_trips_bitwise() -> None:
 
 def test_thread_copier_throttles_to_the_link() -> None:
     from llmscale.offload.engine import ThreadCopier
-    from llmscale.offload.timeline import Timeline
+    from llmscale.offload.timeline import TransferTimeline
 
-    tl = Timeline()
+    tl = TransferTimeline()
     c = ThreadCopier("h2d", tl, link_bytes_per_s=1e8)
     src, dst = torch.ones(2_500_000), torch.zeros(2_500_000)  # 10 MB: >= 0.1 s at 100 MB/s
     c.copy(dst, src, 0, "u", "upload").wait()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmscale.offload.timeline import Interval, Timeline, intersect, overlap_stats, union
+from llmscale.offload.timeline import Interval, TransferTimeline, intersect, overlap_stats, union
 
 
 def _iv(lane: str, a: float, b: float, step: int = 0, phase: str = "x") -> Interval:
@@ -38,7 +38,7 @@ def test_overlap_stats_counts_each_instant_once() -> None:
 def test_timeline_keeps_the_last_steps_and_round_trips(tmp_path) -> None:
     from llmscale.offload.timeline import read_timeline
 
-    tl = Timeline(keep_steps=2)
+    tl = TransferTimeline(keep_steps=2)
     for step in range(4):
         t = tl.host_now()
         tl.add(step, "layers.0", "upload", "h2d", t, t + 0.001)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
+from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
 from llmscale.parallel.timeline import (
     OpRecord,
-    Timeline,
+    PipelineTimeline,
     op_waits,
     p2p_gaps,
     replay,
@@ -20,7 +20,7 @@ from llmscale.parallel.timeline import (
     stage_op_times,
     step_stats,
 )
-from llmscale.plan.schedule import build_schedule, simulate
+from llmscale.plan.schedule import schedule_ops, simulate
 
 
 def _records(sim, t0: float = 1000.0) -> list[OpRecord]:
@@ -66,7 +66,7 @@ def test_a_simulated_step_read_as_records_gives_the_simulators_numbers(schedule,
     st = step_stats(ops, pp)
     assert st.makespan == pytest.approx(sim.makespan)
     assert st.bubble_fraction == pytest.approx(sim.bubble_fraction)
-    want = [tuple(str(op) for op in rank) for rank in build_schedule(schedule, pp, m, v)]
+    want = [tuple(str(op) for op in rank) for rank in schedule_ops(schedule, pp, m, v)]
     assert list(st.orders) == want
     assert all(g == pytest.approx(0.25) for g in p2p_gaps(ops, pp))
     # Slack counts p2p latency (the simulator's t_p2p is idle with the producer done) ...
@@ -92,7 +92,7 @@ def test_recorder_times_only_inside_a_step_and_extends_the_last_forward_by_the_l
 
     stage = SimpleNamespace(is_last=True, stage_index=1, forward_one_chunk=fwd,
                             backward_one_chunk=bwd)  # fmt: skip
-    tl = PipelineTimeline(pp_rank=1)
+    tl = PipelineRecorder(pp_rank=1)
     tl.watch([stage])
     loss_fn = tl.timed_loss(lambda out, target: out + target)
     assert stage.forward_one_chunk(0, ()) == 0  # outside a step: runs, records nothing
@@ -109,7 +109,7 @@ def test_recorder_times_only_inside_a_step_and_extends_the_last_forward_by_the_l
 
     path = write_timeline(tmp_path / "t.json", [{"pp_rank": 1, "steps": list(tl.steps)}],
                           {"schedule": "1f1b", "pp": 2, "chunks": 1, "microbatches": 1})  # fmt: skip
-    back = Timeline.load(path)
+    back = PipelineTimeline.load(path)
     assert [(o.kind, o.rank) for o in back.steps[7]] == [("F", 1), ("B", 1)]
     assert "time.time()" in json.loads(path.read_text())["clock"]
 
@@ -132,7 +132,7 @@ def test_watching_a_stage_makes_no_reference_cycle() -> None:
     gc.disable()
     try:
         stage = _Stage()
-        tl = PipelineTimeline(pp_rank=0)
+        tl = PipelineRecorder(pp_rank=0)
         tl.watch([stage])
         with tl.step(1):
             assert stage.forward_one_chunk(3) == (stage, 3)

@@ -18,7 +18,7 @@ from llmscale.plan.memory import (
     zero_textbook_bytes,
 )
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import build_schedule, simulate
+from llmscale.plan.schedule import schedule_ops, simulate
 
 L7 = get_preset("llama2-7b")
 L70 = get_preset("llama2-70b")
@@ -229,7 +229,7 @@ def test_last_stage_holds_one_micro_batch_of_logits_except_gpipe(
     schedule: str, chunks: int
 ) -> None:
     pp, m = 4, 8
-    order = build_schedule(schedule, pp, m, chunks)[pp - 1]
+    order = schedule_ops(schedule, pp, m, chunks)[pp - 1]
     last = chunks * pp - 1
     held = peak = 0
     for op in order:

@@ -19,8 +19,8 @@ from llmscale.plan.schedule import (
     DeadlockError,
     Op,
     bubble_fraction,
-    build_schedule,
     peak_inflight_closed_form,
+    schedule_ops,
     simulate,
     simulate_orders,
 )
@@ -138,24 +138,24 @@ def _names(ops: list[Op]) -> str:
 
 
 def test_1f1b_order_warmup_steady_cooldown():
-    orders = build_schedule("1f1b", 4, 6)
+    orders = schedule_ops("1f1b", 4, 6)
     assert _names(orders[0]) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5"
     assert _names(orders[3]) == "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5"
 
 
 def test_gpipe_order_all_forward_then_all_backward():
-    assert _names(build_schedule("gpipe", 2, 3)[1]) == "1F0 1F1 1F2 1B0 1B1 1B2"
+    assert _names(schedule_ops("gpipe", 2, 3)[1]) == "1F0 1F1 1F2 1B0 1B1 1B2"
 
 
 def test_interleaved_order_rank0():
     # Stages are loop-style: rank 0 holds stages 0 and 4 (chunk 0 and 1) of 8.
-    got = _names(build_schedule("interleaved_1f1b", 4, 8, 2)[0])
+    got = _names(schedule_ops("interleaved_1f1b", 4, 8, 2)[0])
     assert got == (
         "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 "  # warm-up: 10
         "0F6 4B0 0F7 4B1 4F4 4B2 4F5 4B3 4F6 0B0 4F7 0B1 "  # steady 1F1B
         "0B2 0B3 4B4 4B5 4B6 4B7 0B4 0B5 0B6 0B7"  # cool-down
     )
-    assert {(op.chunk, op.stage) for op in build_schedule("interleaved_1f1b", 4, 8, 2)[1]} == {
+    assert {(op.chunk, op.stage) for op in schedule_ops("interleaved_1f1b", 4, 8, 2)[1]} == {
         (0, 1),
         (1, 5),
     }
@@ -170,7 +170,7 @@ def test_every_microbatch_one_forward_one_backward_per_stage(schedule, case):
     p, m, v = case
     if schedule != "interleaved_1f1b":
         v = 1
-    orders = build_schedule(schedule, p, m, v)
+    orders = schedule_ops(schedule, p, m, v)
     counts = Counter((op.kind, op.stage, op.microbatch) for ops in orders for op in ops)
     expected = {(k, s, i): 1 for k in "FB" for s in range(p * v) for i in range(m)}
     assert counts == expected
@@ -205,7 +205,7 @@ def test_timeline_respects_dependencies_and_rank_order(schedule, case, c, data):
             assert t.start >= end[("F", s, i)] - eps
             if s < p * v - 1:
                 assert t.start >= end[("B", s + 1, i)] + hop - eps
-    orders = build_schedule(schedule, p, m, v)
+    orders = schedule_ops(schedule, p, m, v)
     for r in range(p):
         mine = [t for t in res.timeline if t.rank == r]
         assert [t.op for t in mine] == orders[r]  # ran in its order
@@ -238,14 +238,14 @@ def test_backward_before_own_forward_deadlocks():
 
 
 def test_hand_made_order_equal_to_built_one_simulates_the_same():
-    orders = build_schedule("1f1b", 3, 5)
+    orders = schedule_ops("1f1b", 3, 5)
     assert simulate_orders(orders, schedule="1f1b") == simulate("1f1b", 3, 5)
 
 
 def test_op_costs_replace_single_ops():
     """1F1B, pp=2, m=2 (F=1, B=2) takes 9; rank 1's first forward taking 3 instead of 1 sits on
     the critical path, so the step takes 2 longer. Costs must be finite and >= 0."""
-    orders = build_schedule("1f1b", 2, 2)
+    orders = schedule_ops("1f1b", 2, 2)
     assert simulate_orders(orders).makespan == 9
     slow = simulate_orders(orders, op_costs={("F", 1, 0): 3.0})
     assert slow.makespan == 11 and slow.busy == (6.0, 8.0)
@@ -272,7 +272,7 @@ def test_op_costs_replace_single_ops():
 )
 def test_bad_schedule_inputs_name_the_field(kwargs, field):
     args = {"schedule": "1f1b", "pp": 4, "microbatches": 8, "chunks": 1} | kwargs
-    for fn in (build_schedule, bubble_fraction, peak_inflight_closed_form, simulate):
+    for fn in (schedule_ops, bubble_fraction, peak_inflight_closed_form, simulate):
         with pytest.raises(ConfigError) as e:
             fn(**args)
         assert e.value.field == field
@@ -297,7 +297,7 @@ def test_bad_costs_name_the_field(kwargs, field):
 
 
 def test_bad_hand_made_orders():
-    good = build_schedule("1f1b", 2, 2)
+    good = schedule_ops("1f1b", 2, 2)
     dup = [good[0] + [good[0][0]], good[1]]
     missing = [good[0][:-1], good[1]]
     wrong_rank = [good[1], good[0]]
@@ -329,7 +329,7 @@ def test_text_gantt_labels_read_back_as_each_ranks_order(schedule, p, m, v):
         labels = re.findall(r"([FBfb])(\d+)", line.split("|")[1])
         want = [
             (op.kind if op.chunk % 2 == 0 else op.kind.lower(), str(op.microbatch))
-            for op in build_schedule(schedule, p, m, v)[r]
+            for op in schedule_ops(schedule, p, m, v)[r]
         ]
         assert labels == want
 

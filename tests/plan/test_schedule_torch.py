@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmscale.plan.schedule import build_schedule
+from llmscale.plan.schedule import schedule_ops
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -53,7 +53,7 @@ def _torch_single_stage_orders(cls: type, pp: int, m: int) -> list[list[str]]:
 
 
 def _ours(schedule: str, pp: int, m: int, v: int = 1) -> list[list[str]]:
-    return [[str(op) for op in ops] for ops in build_schedule(schedule, pp, m, v)]
+    return [[str(op) for op in ops] for ops in schedule_ops(schedule, pp, m, v)]
 
 
 @pytest.mark.parametrize("pp,m", [(1, 3), (2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (5, 12)])

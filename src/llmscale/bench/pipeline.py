@@ -29,8 +29,8 @@ from llmscale.bench.runner import BenchOptions, png_path
 from llmscale.config import to_toml
 from llmscale.instrument.pipeline import FILE_NAME
 from llmscale.parallel.timeline import (
+    PipelineTimeline,
     StepStats,
-    Timeline,
     as_sim_result,
     p2p_gaps,
     replay,
@@ -42,7 +42,7 @@ from llmscale.plan import activations as act
 from llmscale.plan.gantt import draw_gantts_png
 from llmscale.plan.memory import MemoryOptions, inflight_units, stage_activation_bytes
 from llmscale.plan.predict import as_plan
-from llmscale.plan.schedule import SimResult, bubble_fraction, build_schedule, simulate
+from llmscale.plan.schedule import SimResult, bubble_fraction, schedule_ops, simulate
 from llmscale.train.metrics import read_jsonl
 
 SUITE = "pipeline"
@@ -87,7 +87,7 @@ class Measured:
     cfg: PipeConfig
     stats: list[StepStats]
     median_step: int  # index into stats of the step with the median bubble
-    timeline: Timeline
+    timeline: PipelineTimeline
     steps: list[int]
     t_fwd: list[float]
     t_bwd: list[float]
@@ -250,7 +250,7 @@ def _launch(opts: BenchOptions, pp: int, configs: list[PipeConfig]) -> None:
 
 def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
     """Read one configuration's timeline, drop the warm-up steps, replay it in the simulator."""
-    tl = Timeline.load(opts.work_dir / c.name / FILE_NAME)
+    tl = PipelineTimeline.load(opts.work_dir / c.name / FILE_NAME)
     steps = [s for s in sorted(tl.steps) if s > opts.warmup] or sorted(tl.steps)
     timed = [tl.steps[s] for s in steps]
     stats = [step_stats(ops, c.pp) for ops in timed]
@@ -258,7 +258,7 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
     gaps = [g for ops in timed for g in p2p_gaps(ops, c.pp)]
     t_p2p = max(0.0, statistics.median(gaps)) if gaps else 0.0
     sim = simulate(c.schedule, c.pp, c.microbatches, c.chunks, t_fwd, t_bwd, t_p2p)
-    want = [tuple(str(op) for op in rank) for rank in build_schedule(
+    want = [tuple(str(op) for op in rank) for rank in schedule_ops(
         c.schedule, c.pp, c.microbatches, c.chunks)]  # fmt: skip
     diffs = [
         f"step {s} rank {r}: {' '.join(got)}"

@@ -1,6 +1,6 @@
 """Pipeline timelines, recorded: when each rank ran each forward and backward chunk of a step.
 
-Opt-in with `[metrics] pipeline_timeline = true` (pp > 1). `PipelineTimeline.watch` wraps the
+Opt-in with `[metrics] pipeline_timeline = true` (pp > 1). `PipelineRecorder.watch` wraps the
 `forward_one_chunk` / `backward_one_chunk` methods of this rank's torch `PipelineStage`s, the
 single point through which every torch schedule (GPipe, 1F1B, the interleaved runtime) runs a
 chunk's compute; the p2p waits happen outside them, so they count as idle, as in the simulator.
@@ -33,7 +33,7 @@ FILE_NAME = "pipeline_timeline.json"
 KEEP_STEPS = 1000  # newest steps kept in memory; the instrument is meant for short runs
 
 
-class PipelineTimeline:
+class PipelineRecorder:
     """This rank's recorder: wrap its stages once, then record inside `step()` blocks."""
 
     def __init__(self, pp_rank: int, sync: Callable[[], None] | None = None) -> None:

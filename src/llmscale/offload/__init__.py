@@ -20,13 +20,13 @@ from llmscale.offload.adamw import (
 )
 from llmscale.offload.hooks import is_fsdp_module, layer_units
 from llmscale.offload.host_adam import fused_cpu_adamw_available
-from llmscale.offload.timeline import Interval, Timeline, overlap_stats, read_timeline
+from llmscale.offload.timeline import Interval, TransferTimeline, overlap_stats, read_timeline
 
 __all__ = [
     "Interval",
     "LossScale",
     "OffloadedAdamW",
-    "Timeline",
+    "TransferTimeline",
     "fused_cpu_adamw_available",
     "grad_norm",
     "is_fsdp_module",

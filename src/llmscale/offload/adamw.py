@@ -55,7 +55,7 @@ from llmscale.offload.host_adam import (
     fused_cpu_adamw_available,
 )
 from llmscale.offload.params import ParamOffload, Piece, UnitParams
-from llmscale.offload.timeline import Timeline
+from llmscale.offload.timeline import TransferTimeline
 from llmscale.offload.torch_internals import dtensor_like
 from llmscale.parallel.grads import (
     GradNorm,
@@ -148,7 +148,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.host = HostAdamW(self.working_dtype, accum_steps, self.pin, self.fused, offload_params)
         self.hooks = ModelHooks()
         self._unit_params: list[UnitParams] = []
-        self.timeline = Timeline(self.device, keep_steps=timeline_steps)
+        self.timeline = TransferTimeline(self.device, keep_steps=timeline_steps)
         self.d2h, self.h2d, self.worker = make_agents(
             self.device, overlap, self.timeline, link_bytes_per_s
         )

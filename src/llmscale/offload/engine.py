@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from llmscale.offload.timeline import Timeline
+from llmscale.offload.timeline import TransferTimeline
 
 
 class Ticket(Protocol):
@@ -113,7 +113,7 @@ class InlineCopier:
     """Copies at once on the calling thread (the no-overlap baseline)."""
 
     def __init__(
-        self, lane: str, timeline: Timeline | None, link_bytes_per_s: float | None = None
+        self, lane: str, timeline: TransferTimeline | None, link_bytes_per_s: float | None = None
     ) -> None:
         self.lane = lane
         self.timeline = timeline
@@ -142,7 +142,7 @@ class ThreadCopier(InlineCopier):
     """
 
     def __init__(
-        self, lane: str, timeline: Timeline | None, link_bytes_per_s: float | None = None
+        self, lane: str, timeline: TransferTimeline | None, link_bytes_per_s: float | None = None
     ) -> None:
         super().__init__(lane, timeline, link_bytes_per_s)
         # Copies are memory-bound; one intra-op thread each keeps them off compute's cores.
@@ -173,7 +173,7 @@ class CudaCopier:
     the next forward, which waits for the copy's event.
     """
 
-    def __init__(self, lane: str, device: torch.device, timeline: Timeline | None) -> None:
+    def __init__(self, lane: str, device: torch.device, timeline: TransferTimeline | None) -> None:
         self.lane = lane
         self.device = device
         self.timeline = timeline
@@ -247,7 +247,7 @@ class ThreadWorker:
 def make_agents(
     device: torch.device,
     overlap: bool,
-    timeline: Timeline | None,
+    timeline: TransferTimeline | None,
     link_bytes_per_s: float | None = None,
 ) -> tuple[Copier, Copier, HostWorker]:
     """(download copier, upload copier, host worker) for a device and an overlap setting."""

@@ -26,7 +26,7 @@ from torch import nn
 from llmscale.offload.engine import Ticket
 from llmscale.offload.host_adam import HostSlot
 from llmscale.offload.params import ParamOffload, UnitParams
-from llmscale.offload.timeline import COMPUTE_LANE, Timeline
+from llmscale.offload.timeline import COMPUTE_LANE, TransferTimeline
 from llmscale.offload.torch_internals import fsdp_gather_streams, in_backward
 
 LAYER = re.compile(r"^(.*?layers\.\d+)\.")
@@ -161,7 +161,9 @@ class UnitWaits:
     (a unit's forward or backward) began. `params`/`unit_params` are set under offload_params.
     """
 
-    def __init__(self, units: list[Unit], timeline: Timeline, step: Callable[[], int]) -> None:
+    def __init__(
+        self, units: list[Unit], timeline: TransferTimeline, step: Callable[[], int]
+    ) -> None:
         self.units = units
         self.timeline = timeline
         self.step = step

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from llmscale.offload.engine import DONE, Copier, HostWorker, Ticket
-from llmscale.offload.timeline import PARAMS_LANE, Timeline
+from llmscale.offload.timeline import PARAMS_LANE, TransferTimeline
 from llmscale.offload.torch_internals import at_end_of_backward, graph_task_id
 
 
@@ -94,7 +94,7 @@ class ParamOffload:
         units: Sequence[UnitParams],
         copier: Copier,
         worker: HostWorker,
-        timeline: Timeline,
+        timeline: TransferTimeline,
         device: torch.device,
         step_index: Callable[[], int],
         pending_update: Callable[[int], cf.Future[Any] | None],

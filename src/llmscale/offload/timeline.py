@@ -44,7 +44,7 @@ class Interval:
     end: float
 
 
-class Timeline:
+class TransferTimeline:
     """Thread-safe recorder of the last `keep_steps` optimizer steps' intervals."""
 
     def __init__(self, device: torch.device | None = None, keep_steps: int = 4) -> None:

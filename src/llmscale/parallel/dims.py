@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from llmscale.config import MeshDegrees, ParallelSection
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def env_world_size() -> int:
@@ -73,7 +73,7 @@ class ParallelDims(MeshDegrees):
 
     def describe(self) -> str:
         """'pp=2 dp_shard=2 tp=2 (8 ranks)': the degrees that are not 1."""
-        parts = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) > 1]
+        parts = [f"{n}={getattr(self, n)}" for n in MESH_AXES if getattr(self, n) > 1]
         return f"{' '.join(parts) or 'single process'} ({self.world_size} ranks)"
 
     # ---- the mesh ---------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class ParallelDims(MeshDegrees):
         self.mesh = init_device_mesh(
             device.type,
             (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=MESH_DIMS,
+            mesh_dim_names=MESH_AXES,
         )
 
     def _local(self, dim: str) -> int:

@@ -18,11 +18,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llmscale.instrument.pipeline import PipelineTimeline
+from llmscale.instrument.pipeline import PipelineRecorder
 from llmscale.model.config import split_layers, stage_ids
 from llmscale.model.transformer import Transformer
 
-__all__ = ["build_schedule", "build_stage_module", "pipeline_split", "split_layers", "stage_ids"]
+__all__ = [
+    "build_pipeline_schedule",
+    "build_stage_module",
+    "pipeline_split",
+    "split_layers",
+    "stage_ids",
+]
 
 
 def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
@@ -49,7 +55,7 @@ def pipeline_split(
     return [build_stage_module(model, s, pp * chunks) for s in ids], ids
 
 
-def build_schedule(
+def build_pipeline_schedule(
     parts: list[nn.Module],
     ids: list[int],
     n_stages: int,
@@ -58,7 +64,7 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     group: torch.distributed.ProcessGroup,
-    timeline: PipelineTimeline | None = None,
+    timeline: PipelineRecorder | None = None,
 ) -> object:
     """A torch.distributed.pipelining schedule over this rank's stages.
 

@@ -1,7 +1,7 @@
 """Measured pipeline timelines, analysed: the records of `instrument/pipeline.py` in the
 simulator's terms.
 
-`Timeline.load` reads a run's pipeline_timeline.json; `step_stats`, `stage_op_times`,
+`PipelineTimeline.load` reads a run's pipeline_timeline.json; `step_stats`, `stage_op_times`,
 `op_waits`, `replay`, ... are plain Python over its records (no torch).
 """
 
@@ -33,7 +33,7 @@ class OpRecord:
 
 
 @dataclass(frozen=True)
-class Timeline:
+class PipelineTimeline:
     """A pipeline_timeline.json: the layout and, per recorded step, every op."""
 
     schedule: str
@@ -43,7 +43,7 @@ class Timeline:
     steps: dict[int, list[OpRecord]]
 
     @classmethod
-    def load(cls, path: str | Path) -> Timeline:
+    def load(cls, path: str | Path) -> PipelineTimeline:
         d = json.loads(Path(path).read_text())
         steps = {
             s["step"]: [

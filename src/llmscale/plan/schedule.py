@@ -1,6 +1,6 @@
 """Pipeline-parallel schedules as explicit per-rank op lists, and a discrete-event simulator.
 
-`build_schedule` gives the ordered forward (F) / backward (B) ops each pipeline rank runs for
+`schedule_ops` gives the ordered forward (F) / backward (B) ops each pipeline rank runs for
 GPipe, 1F1B and interleaved 1F1B, in the order torch.distributed.pipelining executes them
 (Schedule{GPipe,1F1B,Interleaved1F1B}), which for 1F1B and interleaved 1F1B is also
 Megatron-Core's order. Where torch has none (1F1B with microbatches < pp) we follow Megatron-Core;
@@ -170,7 +170,7 @@ def _rank_order(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
     return order
 
 
-def build_schedule(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
+def schedule_ops(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
     """The ordered F/B ops of each pipeline rank: `result[rank]` is what that rank runs, in order."""
     _validate(schedule, pp, microbatches, chunks)
     return [_rank_order(schedule, pp, microbatches, chunks, r) for r in range(pp)]
@@ -400,5 +400,5 @@ def simulate(
     t_p2p: float = 0.0,
 ) -> SimResult:
     """Simulate one step of `schedule`; scalar costs are per whole rank slice (chunk op = t/v)."""
-    orders = build_schedule(schedule, pp, microbatches, chunks)
+    orders = schedule_ops(schedule, pp, microbatches, chunks)
     return simulate_orders(orders, t_fwd, t_bwd, t_p2p, schedule=schedule)

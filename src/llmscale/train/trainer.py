@@ -35,13 +35,13 @@ from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
-from llmscale.instrument.pipeline import PipelineTimeline, write_timeline
+from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
 from llmscale.model.transformer import build_model
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import parallelize
-from llmscale.parallel.pipeline import build_schedule
+from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.memcheck import check_memory
@@ -165,7 +165,7 @@ class Trainer:
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
         self._pp_loss = _PipelineLoss(self.scaler, cfg.accum_steps)
-        self.pp_timeline: PipelineTimeline | None = None
+        self.pp_timeline: PipelineRecorder | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
                 sync = None
@@ -175,8 +175,8 @@ class Trainer:
                     def sync() -> None:
                         torch.cuda.synchronize(device)
 
-                self.pp_timeline = PipelineTimeline(self.dims.pp_rank, sync)
-            self.pp_schedule = build_schedule(
+                self.pp_timeline = PipelineRecorder(self.dims.pp_rank, sync)
+            self.pp_schedule = build_pipeline_schedule(
                 self.model_parts,
                 self.parallel.stage_ids,
                 self.parallel.n_stages,
