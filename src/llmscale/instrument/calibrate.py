@@ -127,7 +127,8 @@ class Calibration:
     @property
     def display(self) -> str:
         k = self.key
-        return f"{k['device_name']} ({k['threads']} threads, measured)"
+        threads = f"{k['threads']} thread" + ("" if k["threads"] == "1" else "s")
+        return f"{k['device_name']} ({threads}, measured)"
 
     def gemm_rate(self, dtype: str, n: float) -> float:
         """FLOP/s of GEMMs of size about `n`: log-linear between the measured sizes."""
