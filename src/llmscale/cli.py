@@ -106,7 +106,8 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from llmscale.ui import console
 
         out = console()
-        for line in dry_run_lines(cfg, resolve_device(cfg.job.device), args.gpu):
+        device = None if args.gpu else resolve_device(cfg.job.device)
+        for line in dry_run_lines(cfg, device, args.gpu):
             out.print(line, markup=False)
         return 0
     run_training(cfg)

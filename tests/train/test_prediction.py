@@ -25,7 +25,7 @@ from llmscale.train.trainer import run_training
 
 CPU = torch.device("cpu")
 # A calibration with round figures: predictions from it are exact to check.
-FAKE_RATES = {n: 1e9 * (i + 1) for i, n in enumerate(calibrate.GEMM_SIZES)}
+FAKE_RATES = {n: 1e9 * (i + 1) for i, n in enumerate(calibrate.GEMM_SIZES["cpu"])}
 FAKE_BANDWIDTH = 1e10
 
 
@@ -60,7 +60,7 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch) -> None:
     folder = tmp_path / "c"
     first = calibrate.cached_calibration(CPU, ("fp32",), folder)  # really measured
     assert first.seconds > 0 and first.bandwidth_bytes > 0
-    assert set(first.gemm_flops["fp32"]) == set(calibrate.GEMM_SIZES)
+    assert set(first.gemm_flops["fp32"]) == set(calibrate.GEMM_SIZES["cpu"])
     assert all(r > 0 for r in first.gemm_flops["fp32"].values())
     (path,) = folder.glob("calibration-*.json")
     assert json.loads(path.read_text())["key"] == calibrate.machine_key(CPU)
@@ -70,7 +70,7 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch) -> None:
     assert again.gemm_flops == first.gemm_flops and again.bandwidth_bytes == first.bandwidth_bytes
     # Another dtype is measured and added; the bandwidth and fp32 figures are kept.
     both = calibrate.cached_calibration(CPU, ("bf16",), folder)
-    assert len(calls) == len(calibrate.GEMM_SIZES) and all("bfloat16" in c for c in calls)
+    assert len(calls) == len(calibrate.GEMM_SIZES["cpu"]) and all("bfloat16" in c for c in calls)
     assert both.gemm_flops["fp32"] == first.gemm_flops["fp32"]
     assert both.bandwidth_bytes == first.bandwidth_bytes
     assert set(json.loads(path.read_text())["gemm_flops_per_s"]) == {"fp32", "bf16"}
@@ -93,7 +93,7 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, text: str
     path.write_text(text)
     calls = _counting_measure(monkeypatch)
     got = calibrate.cached_calibration(CPU, ("fp32",), folder)
-    assert len(calls) == len(calibrate.GEMM_SIZES) and got.bandwidth_bytes == 3e10
+    assert len(calls) == len(calibrate.GEMM_SIZES["cpu"]) and got.bandwidth_bytes == 3e10
     assert calibrate.read_cache(path, calibrate.machine_key(CPU)) == got  # replaced, readable
 
 
@@ -105,12 +105,12 @@ def test_a_cache_of_another_machine_is_not_used(tmp_path, monkeypatch) -> None:
     calibrate.write_cache(path, other)  # under this machine's name, but another's key
     calls = _counting_measure(monkeypatch)
     assert calibrate.cached_calibration(CPU, ("fp32",), folder).key == key
-    assert len(calls) == len(calibrate.GEMM_SIZES)
+    assert len(calls) == len(calibrate.GEMM_SIZES["cpu"])
 
 
 def test_gemm_rate_interpolates_between_sizes() -> None:
     cal = calibrate.Calibration({}, 1.0, {"fp32": dict(FAKE_RATES)})
-    small, mid, large = calibrate.GEMM_SIZES
+    small, mid, large = calibrate.GEMM_SIZES["cpu"]
     assert cal.gemm_rate("fp32", 1) == FAKE_RATES[small]
     assert cal.gemm_rate("fp32", mid) == FAKE_RATES[mid]
     assert cal.gemm_rate("fp32", 10 * large) == FAKE_RATES[large]

@@ -3,7 +3,8 @@
 The planner's time model needs a device: a dense matmul rate per dtype and a memory bandwidth.
 A catalog GPU has them from its data sheet; a CPU (or a GPU missing from the catalog) is measured
 here, by micro-benchmarks that are not the training step: square GEMMs of a few sizes (forward
-and the two backward products), and an element-wise add over tensors larger than the caches.
+and the two backward products; `GEMM_SIZES`), and an element-wise add over tensors larger than
+the caches. Each figure is the fastest of a few timed runs, within about `MAX_SECONDS`.
 
 `cached_calibration(device, dtype)` measures once per machine and keeps the figures in
 `cache_dir()` (`$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
@@ -38,20 +39,31 @@ from llmscale.tensors import DTYPES
 
 SOURCE = "measured by llmscale micro-benchmarks on this machine"
 VERSION = 1
-# Square GEMM sizes measured (n x n by n x n); a model's rate is interpolated between them.
-GEMM_SIZES = (64, 256, 768)
+# Square GEMM sizes measured per device type (n x n by n x n); a model's rate is interpolated
+# between them.
+GEMM_SIZES = {"cpu": (64, 256, 768), "cuda": (512, 2048, 8192)}
+MAX_SECONDS = 0.3  # per figure: fewer timed runs where one call is slow (fp16 GEMMs on a CPU)
 BANDWIDTH_NUMEL = 1 << 22  # fp32 elements per operand: 16 MiB, past the caches
 
 
 def time_call(
-    fn: Callable[[], object], device: torch.device, trials: int = 3, min_seconds: float = 0.02
+    fn: Callable[[], object],
+    device: torch.device,
+    trials: int = 3,
+    min_seconds: float = 0.02,
+    max_seconds: float | None = None,
 ) -> float:
-    """Seconds per call: the fastest of `trials` timed runs (robust to a busy machine)."""
+    """Seconds per call: the fastest of `trials` timed runs of at least `min_seconds` each
+    (robust to a busy machine); no further run starts once `max_seconds` have passed."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    begin = time.perf_counter()
     fn()
     sync(device)
     best = math.inf
     for _ in range(trials):
+        spent = time.perf_counter() - begin
+        if max_seconds is not None and best < math.inf and spent >= max_seconds:
+            break
         n, start = 0, time.perf_counter()
         while True:
             fn()
@@ -73,7 +85,7 @@ def square_gemm_flops_per_s(n: int, dtype: torch.dtype, device: torch.device) ->
         g @ w.T
         x.T @ g
 
-    return 3 * 2 * n**3 / time_call(run, device)
+    return 3 * 2 * n**3 / time_call(run, device, max_seconds=MAX_SECONDS)
 
 
 def bandwidth_bytes_per_s(
@@ -170,9 +182,9 @@ class Calibration:
             str(dt): {int(n): _positive(r) for n, r in sizes.items()}
             for dt, sizes in data["gemm_flops_per_s"].items()
         }
-        if any(set(sizes) != set(GEMM_SIZES) for sizes in gemm.values()):
-            raise ValueError("calibration GEMM sizes differ")
         key = {str(k): str(v) for k, v in data["key"].items()}
+        if any(set(sizes) != set(GEMM_SIZES[key["device"]]) for sizes in gemm.values()):
+            raise ValueError("calibration GEMM sizes differ")
         return cls(key, _positive(data["bandwidth_bytes_per_s"]), gemm)
 
 
@@ -230,7 +242,8 @@ def measure(
     start = time.perf_counter()
     gemm = dict(base.gemm_flops) if base is not None else {}
     for dt in dtypes:
-        gemm[dt] = {n: square_gemm_flops_per_s(n, DTYPES[dt], device) for n in GEMM_SIZES}
+        sizes = GEMM_SIZES[device.type]
+        gemm[dt] = {n: square_gemm_flops_per_s(n, DTYPES[dt], device) for n in sizes}
     bandwidth = (
         base.bandwidth_bytes if base is not None else bandwidth_bytes_per_s(BANDWIDTH_NUMEL, device)
     )
@@ -241,7 +254,7 @@ def read_cache(path: Path, key: Mapping[str, str]) -> Calibration | None:
     """The cached calibration for `key`, or None (no file, or one that cannot be used)."""
     try:
         found = Calibration.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: re-measure
         return None
     return found if found.key == dict(key) else None
 

@@ -194,15 +194,17 @@ BREAKDOWN = (
 )
 
 
-def dry_run_lines(cfg: JobConfig, device: torch.device, gpu: str | None = None) -> list[str]:
+def dry_run_lines(cfg: JobConfig, device: torch.device | None, gpu: str | None = None) -> list[str]:
     """What `llmscale train --dry-run` prints: the layout, each pipeline rank's memory and the
-    predicted step, for catalog `gpu` or (None) this machine's `device`. No process group, no
-    model: a layout of any world size is predicted as the config gives it."""
+    predicted step, for catalog `gpu` or, without one, this machine's `device`. No process
+    group, no model: a layout of any world size is predicted as the config gives it."""
     cfg.validate()
     if gpu is not None:
         hardware = catalog_hardware(gpu)
-    else:
+    elif device is not None:
         hardware = local_hardware(device, Plan.from_job(cfg))
+    else:
+        raise ValueError("dry_run_lines: a device or a catalog gpu")
     pred = predict_run(cfg, hardware)
     p = pred.plan
     out = [
@@ -226,7 +228,7 @@ def dry_run_lines(cfg: JobConfig, device: torch.device, gpu: str | None = None) 
             f"{worst.total / GiB:.2f} GiB (+{pred.memory.options.device_reserve_GiB} GiB "
             f"reserved) of {g.display}'s {g.memory_bytes / GiB:.0f} GiB"
         )
-    else:
+    elif device is not None:
         out += _local_fit(cfg, device)
     if pred.step is None:
         out.append(f"step time: not modelled ({pred.not_modelled})")
