@@ -142,7 +142,9 @@ def test_dry_run_on_this_cpu_prints_memory_and_time_and_trains_nothing(
 def test_dry_run_predicts_a_multi_rank_layout_without_torchrun(cache, capsys) -> None:
     layout = ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]
     batch = ["--train.micro_batch_size", "2", "--train.global_batch_size", "8"]
-    assert main(["train", "--dry-run", "--gpu", "h100", *short_job(), *layout, *batch]) == 0
+    # --job.device cuda: the local device does not matter for a catalog GPU (none here is fine).
+    argv = ["train", "--dry-run", "--gpu", "h100", *short_job(), *layout, *batch]
+    assert main([*argv, "--job.device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "8 rank(s): pp 2 x dp_replicate 1 x dp_shard 2 x tp 2" in out
     assert "NVIDIA H100" in out and "hardware catalog" in out
@@ -238,3 +240,7 @@ def test_the_summary_puts_predicted_next_to_measured() -> None:
     assert param.split() == ["param_bytes", "2.0", "KiB", "1.0", "KiB", "2.00"]
     assert grad.split() == ["grad_bytes", "1.0", "KiB", "2.0", "KiB", "0.50"]  # last step's
     assert comparison_lines(pred, []) == []
+    unknown = RunPrediction({}, {}, 0, {}, None, not_modelled="parallel.cp: got 2")
+    assert comparison_lines(unknown, rows) == [
+        "predicted vs measured: not modelled (parallel.cp: got 2)"
+    ]
