@@ -211,7 +211,7 @@ def test_every_run_writes_its_prediction(cache, tmp_path, capsys, extra) -> None
     (param_line,) = [line for line in out.splitlines() if line.strip().startswith("param_bytes")]
     assert param_line.split()[-1] == "1.00"
     (step_line,) = [line for line in out.splitlines() if line.strip().startswith("step_time_s")]
-    ratio = pred["step_time_s"] / measured_step_time(rows)
+    ratio = pred["step_time_s"] / measured_step_time([r["step_time_s"] for r in rows])
     assert step_line.split()[-1] == f"{ratio:.2f}"
 
 
@@ -223,24 +223,18 @@ def test_the_summary_puts_predicted_next_to_measured() -> None:
         memory_bytes={"param_bytes": 2048.0, "host_master_bytes": 0.0, "grad_bytes": 1024.0},
         step_time_s=0.5,
     )
-    rows = [
-        {"kind": "train", "step_time_s": 9.0, "param_bytes": 2048, "grad_bytes": 0},
-        {"kind": "train", "step_time_s": 1.0, "param_bytes": 2048, "grad_bytes": 0},
-        {"kind": "eval", "val_loss": 1.0},
-        {"kind": "train", "step_time_s": 2.0, "param_bytes": 1024, "grad_bytes": 2048},
-    ]
-    assert measured_step_time(rows) == 1.5  # the median after the first (warm-up) step
-    head, columns, step, param, grad = comparison_lines(pred, rows)
-    assert (
-        "GPU X" in head
-        and "rank 0" in head
-        and columns.split() == ["predicted", "measured", "ratio"]
-    )
+    times = [9.0, 1.0, 2.0]
+    last = {"kind": "train", "step_time_s": 2.0, "param_bytes": 1024, "grad_bytes": 2048}
+    assert measured_step_time(times) == 1.5  # the median after the first (warm-up) step
+    assert measured_step_time([3.0]) == 3.0 and measured_step_time([]) is None
+    head, columns, step, param, grad = comparison_lines(pred, times, last)
+    assert "GPU X" in head and "rank 0" in head
+    assert columns.split() == ["predicted", "measured", "ratio"]
     assert step.split() == ["step_time_s", "0.500", "s", "1.500", "s", "0.33"]
     assert param.split() == ["param_bytes", "2.0", "KiB", "1.0", "KiB", "2.00"]
-    assert grad.split() == ["grad_bytes", "1.0", "KiB", "2.0", "KiB", "0.50"]  # last step's
-    assert comparison_lines(pred, []) == []
+    assert grad.split() == ["grad_bytes", "1.0", "KiB", "2.0", "KiB", "0.50"]
+    assert comparison_lines(pred, [], {}) == []  # no step ran
     unknown = RunPrediction({}, {}, 0, {}, None, not_modelled="parallel.cp: got 2")
-    assert comparison_lines(unknown, rows) == [
+    assert comparison_lines(unknown, times, last) == [
         "predicted vs measured: not modelled (parallel.cp: got 2)"
     ]

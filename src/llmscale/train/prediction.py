@@ -11,7 +11,7 @@ Every run's rank 0 writes `RUN_DIR/prediction.json` before training:
 
 and the end-of-run summary prints each prediction next to what the run measured (rank 0's
 memory keys, and the median step time after the first step). `llmscale train --dry-run` prints
-the same prediction for every pipeline rank without training (`dry_run`).
+the same prediction for every pipeline rank without training (`dry_run_lines`).
 
 The hardware is the device the run uses: a catalog GPU (its data sheet; `--gpu NAME` picks one
 for a dry run), or, on a CPU or a GPU the catalog lacks, this machine's micro-benchmarked rates
@@ -31,7 +31,7 @@ import torch
 
 from llmscale.config import JobConfig
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import GiB, default_catalog, gpu_for_device_name
+from llmscale.hardware.catalog import GiB, gpu_for_device_name
 from llmscale.instrument.calibrate import cached_calibration
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import MemoryEstimate, estimate_memory
@@ -59,7 +59,7 @@ class Hardware:
 
 def catalog_hardware(gpu: str) -> Hardware:
     """A catalog GPU by name (unknown: ConfigError naming the allowed ones)."""
-    cluster = Cluster.of(default_catalog().gpu(gpu).name)
+    cluster = Cluster.of(gpu)
     g = cluster.gpu
     info = {"name": g.name, "display": g.display, "source": "hardware catalog"}
     return Hardware(cluster, "cuda", measured=False, info=info)
@@ -71,7 +71,8 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
         known = gpu_for_device_name(torch.cuda.get_device_name(device))
         if known is not None:
             return catalog_hardware(known.name)
-    dtype = "fp32" if plan.precision not in ("bf16", "fp16") else plan.precision
+    # The dtype whose dense rate the time model reads (plan/time.py: fp32 matmuls without TF32).
+    dtype = plan.precision if plan.precision in ("bf16", "fp16") else "fp32"
     calibration = cached_calibration(device, (dtype,))
     size = gemm_size(plan)
     cluster = calibration.cluster(size, (dtype,))

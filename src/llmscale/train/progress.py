@@ -51,20 +51,19 @@ def format_row(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def measured_step_time(rows: Sequence[dict[str, Any]]) -> float | None:
-    """Median step time of the training rows, after the first (warm-up) when there are more."""
-    times = [r["step_time_s"] for r in rows if r.get("kind") == "train"]
-    if len(times) > 1:
-        times = times[1:]
+def measured_step_time(step_times: Sequence[float]) -> float | None:
+    """Median step time, after the first (warm-up) step when there are more."""
+    times = list(step_times[1:] if len(step_times) > 1 else step_times)
     return statistics.median(times) if times else None
 
 
-def comparison_lines(prediction: RunPrediction, rows: Sequence[dict[str, Any]]) -> list[str]:
+def comparison_lines(
+    prediction: RunPrediction, step_times: Sequence[float], last: dict[str, Any]
+) -> list[str]:
     """The end-of-run summary: each predicted figure next to the measured one (step time: the
-    median after the first step; memory: the last step's keys, leaving out those both sides
-    report as zero)."""
-    train = [r for r in rows if r.get("kind") == "train"]
-    if not train:
+    median of `step_times` after the first; memory: the `last` row's keys, leaving out those
+    both sides report as zero)."""
+    if not step_times:
         return []
     if not prediction.memory_bytes and prediction.step_time_s is None:
         return [f"predicted vs measured: not modelled ({prediction.not_modelled})"]
@@ -81,10 +80,9 @@ def comparison_lines(prediction: RunPrediction, rows: Sequence[dict[str, Any]]) 
         out.append(f"  {name:<24} {p:>11}  {g:>11}  {ratio:>6}")
 
     step = prediction.step_time_s
-    line("step_time_s", step, measured_step_time(train), lambda s: f"{s:.3f} s")
+    line("step_time_s", step, measured_step_time(step_times), lambda s: f"{s:.3f} s")
     if step is None and prediction.not_modelled:
         out.append(f"  (step time not modelled: {prediction.not_modelled})")
-    last = train[-1]
     for key, pred in prediction.memory_bytes.items():
         got = last.get(key)
         if pred or got:
@@ -101,7 +99,8 @@ class StepReporter:
         self.cfg = cfg
         self.enabled = enabled
         self.prediction = prediction  # printed next to the measured figures at the end
-        self.rows: list[dict[str, Any]] = []  # this call's training rows
+        self.step_times: list[float] = []  # this call's steps
+        self.last_row: dict[str, Any] = {}
         self.console = console()
         self.progress: Progress | None = None
         self.task: Any = None
@@ -151,7 +150,8 @@ class StepReporter:
     def step(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.rows.append(row)
+        self.step_times.append(row["step_time_s"])
+        self.last_row = row
         if row["step"] % self.cfg.metrics.log_every == 0 or row["step"] == self.cfg.train.steps:
             self.console.print(format_row(row))
         if self.progress is not None:
@@ -171,6 +171,6 @@ class StepReporter:
         elif result.val_loss is not None:
             self.console.print(f"validation loss {result.val_loss:.4f}")
         if self.prediction is not None:
-            for line in comparison_lines(self.prediction, self.rows):
+            for line in comparison_lines(self.prediction, self.step_times, self.last_row):
                 self.console.print(line, markup=False)
         self.console.print(f"run folder: {self.cfg.job.run_dir}")
