@@ -84,6 +84,18 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.lazy_epilog = _config_keys_help
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config and print each rank's predicted memory and the predicted step "
+        "time, without training (any world size, no torchrun needed)",
+    )
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="with --dry-run: predict for this catalog GPU (llmscale hw) instead of this "
+        "machine's device",
+    )
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
 
 
@@ -92,9 +104,20 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.resume:
         overrides = [*overrides, "--checkpoint.resume", "true"]
+    if args.gpu is not None and not args.dry_run:
+        raise UsageError("--gpu only applies with --dry-run")
     cfg = load_config(args.config, overrides)
-    from llmscale.train.trainer import run_training
+    from llmscale.train.trainer import resolve_device, run_training
 
+    if args.dry_run:
+        from llmscale.train.prediction import dry_run_lines
+        from llmscale.ui import console
+
+        out = console()
+        device = None if args.gpu else resolve_device(cfg.job.device)
+        for line in dry_run_lines(cfg, device, args.gpu):
+            out.print(line, markup=False)
+        return 0
     run_training(cfg)
     return 0
 

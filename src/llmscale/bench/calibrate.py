@@ -3,46 +3,27 @@
 The planner's time model needs a device: dense matmul peak per dtype and memory bandwidth. For a
 CPU (or a GPU missing from the catalog) both are measured here by micro-benchmarks that are *not*
 the training step: the model's own GEMM shapes run alone (forward and the two backward products
-of each linear), and element-wise adds over tensors the size of one micro-batch's activations.
+of each linear), and element-wise adds over tensors the size of one micro-batch's activations
+(the timing and the measured device: instrument/calibrate.py, which `llmscale train` uses
+for its per-machine calibration).
 The step time the planner then predicts from them is compared with the trainer's measured one.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Callable
-
 import torch
 
-from llmscale.hardware.catalog import GPU
-from llmscale.hardware.spec import Sourced
+from llmscale.instrument import calibrate
 from llmscale.model.config import ModelConfig
 from llmscale.plan.cluster import Cluster
 from llmscale.tensors import DTYPES
 
-SOURCE = "measured by llmscale bench micro-benchmarks on this machine"
+TRIALS, MIN_SECONDS = 7, 0.03  # per timing: the fastest of 7 runs of at least 30 ms
 
 
-def _time(
-    fn: Callable[[], object], device: torch.device, trials: int = 7, min_seconds: float = 0.03
-) -> float:
-    """Seconds per call: the fastest of `trials` timed runs (robust to a busy machine)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(trials):
-        n, start = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            sync(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                break
-        best = min(best, elapsed / n)
-    return best
+def bandwidth_bytes_per_s(numel: int, device: torch.device) -> float:
+    """Bytes/s of out = a + b over fp32 tensors of `numel` elements (2 reads and a write)."""
+    return calibrate.bandwidth_bytes_per_s(numel, device, TRIALS, MIN_SECONDS)
 
 
 def linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
@@ -69,18 +50,9 @@ def gemm_flops_per_s(
             g @ w.T  # input gradient
             x.T @ g  # weight gradient
 
-    seconds = _time(run, device)
+    seconds = calibrate.time_call(run, device, TRIALS, MIN_SECONDS)
     flops_once = sum(3 * 2 * x.shape[0] * x.shape[1] * w.shape[1] for x, w, _, _ in mats)
     return flops_once / seconds
-
-
-def bandwidth_bytes_per_s(numel: int, device: torch.device) -> float:
-    """Bytes/s of out = a + b over fp32 tensors of `numel` elements (2 reads and a write)."""
-    a = torch.randn(numel, device=device)
-    b = torch.randn(numel, device=device)
-    out = torch.empty_like(a)
-    seconds = _time(lambda: torch.add(a, b, out=out), device)
-    return 3 * 4 * numel / seconds
 
 
 def measured_cluster(
@@ -95,16 +67,7 @@ def measured_cluster(
     }
     figures["bandwidth_bytes"] = bandwidth_bytes_per_s(tokens * model.dim, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    template = Cluster.of("h100")  # node/fabric unused by a one-device plan
-    gpu = GPU(
-        name="measured",
-        display=f"{name} (measured)",
-        vendor="measured",
-        device_names=(),
-        scale_up=template.gpu.scale_up,
-        host_link=template.gpu.host_link,
-        memory_GiB=Sourced(1e6, "not modelled: the benchmark only times steps"),
-        hbm_TBps=Sourced(figures["bandwidth_bytes"] / 1e12, SOURCE),
-        dense_TFLOPS={dt: Sourced(figures[f"gemm_{dt}_flops"] / 1e12, SOURCE) for dt in dtypes},
-    )
-    return dataclasses.replace(template, gpu=gpu), figures
+    rates = {dt: figures[f"gemm_{dt}_flops"] for dt in dtypes}
+    return calibrate.measured_cluster(
+        f"{name} (measured)", rates, figures["bandwidth_bytes"]
+    ), figures

@@ -16,6 +16,8 @@ torch.cuda.max_memory_allocated over a step); under optimizer+params also
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llmscale.config import DTYPE_BYTES, JobConfig
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
@@ -105,3 +107,69 @@ def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> floa
     sp = plan_stage_params(plan, rank, options.kernels)
     shard = sp.shard_numel if plan.fsdp else sp.numel
     return 8.0 * shard + 4.0 * sp.tensors
+
+
+# ---- the runtime's own view: its kernels, and every byte key of its metrics rows ------------
+
+# The optimizer ledger every metrics row carries (train/optim.py), zero where nothing is held.
+LEDGER_KEYS = (
+    "device_optimizer_bytes",
+    "device_master_bytes",
+    "host_optimizer_bytes",
+    "host_master_bytes",
+)
+
+
+def runtime_options(job: JobConfig | Plan, device: str = "cuda") -> MemoryOptions:
+    """The memory model's options for the llmscale runtime on `device` ("cuda" or "cpu")."""
+    plan = as_plan(job)
+    return MemoryOptions(kernels=act.Kernels.for_runtime(plan.model, plan.tp, device))
+
+
+def runtime_time_params(
+    job: JobConfig | Plan, device: str = "cuda", measured: bool = False
+) -> TimeParams:
+    """The time model's parameters for the llmscale runtime on `device`; `measured`: the
+    device's GEMM rate is an achieved one (micro-benchmarked), so its efficiency is 1."""
+    plan = as_plan(job)
+    kernels = act.Kernels.for_runtime(plan.model, plan.tp, device)
+    if measured:
+        return replace(DEFAULT_TIME, kernels=kernels, matmul_efficiency=1.0)
+    return replace(DEFAULT_TIME, kernels=kernels)
+
+
+def runtime_metric_bytes(
+    job: JobConfig | Plan, rank: int = 0, device: str = "cuda"
+) -> dict[str, float]:
+    """Every byte-valued key of the trainer's metrics rows on pipeline `rank`, predicted.
+
+    The keys are the ones the runtime writes for this layout on `device`: those of
+    `expected_runtime_metrics` (`cuda_peak_bytes` on CUDA only), the optimizer ledger
+    (`LEDGER_KEYS`: where the Adam states and fp32 masters live) and, with the optimizer
+    offloaded, the host buffers the offloaded optimizer reports (offload/host_adam.py: an fp32
+    gradient per parameter, a transfer buffer in the working dtype unless fp32 without
+    accumulation, under optimizer+params a working-dtype copy of low-precision weights) or,
+    under FSDP2's CPU offload, its fp32 gradient shards (`host_grad_bytes`).
+    """
+    plan = as_plan(job)
+    options = runtime_options(plan, device)
+    out = expected_runtime_metrics(plan, rank, options)
+    if device != "cuda":
+        del out["cuda_peak_bytes"]
+    out.update(dict.fromkeys(LEDGER_KEYS, 0.0))
+    where = "device" if plan.offload == "none" else "host"
+    out[f"{where}_optimizer_bytes"] = out["optimizer_bytes"]
+    if plan.offload == "none":
+        return out
+    sp = plan_stage_params(plan, rank, options.kernels)
+    shard = float(sp.shard_numel if plan.sharded else sp.numel)
+    out["host_master_bytes"] = 4 * shard
+    out["host_grad_bytes"] = 4 * shard
+    if plan.fsdp_cpu_offload:
+        return out
+    pb = DTYPE_BYTES[plan.precision]
+    staging = plan.precision != "fp32" or plan.microbatches > 1
+    out["host_staging_bytes"] = pb * shard if staging else 0.0
+    if plan.offload == "optimizer+params":
+        out["host_param_bytes"] = pb * shard if plan.precision != "fp32" else 0.0
+    return out

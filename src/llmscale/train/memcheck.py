@@ -23,9 +23,8 @@ import torch
 
 from llmscale.config import JobConfig
 from llmscale.errors import ConfigError, UsageError
-from llmscale.plan import activations as act
-from llmscale.plan.memory import MemoryOptions, estimate_memory
-from llmscale.plan.predict import as_plan
+from llmscale.plan.memory import estimate_memory
+from llmscale.plan.predict import as_plan, runtime_options
 
 GIB = 2**30
 
@@ -63,9 +62,8 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     On a CPU device both are host memory; the first is then 0 and the second the whole share of
     this host.
     """
-    kernels = act.Kernels.for_runtime(cfg.model, cfg.parallel.tp, device.type)
     plan = as_plan(cfg)
-    stages = estimate_memory(plan, MemoryOptions(kernels=kernels)).stages
+    stages = estimate_memory(plan, runtime_options(plan, device.type)).stages
     world = plan.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ranks_per_stage = plan.dp * plan.tp

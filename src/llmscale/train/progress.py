@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -10,6 +12,7 @@ from llmscale.config import JobConfig
 from llmscale.ui import console
 
 if TYPE_CHECKING:
+    from llmscale.train.prediction import RunPrediction
     from llmscale.train.trainer import Trainer, TrainResult
 
 
@@ -48,12 +51,56 @@ def format_row(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def measured_step_time(step_times: Sequence[float]) -> float | None:
+    """Median step time, after the first (warm-up) step when there are more."""
+    times = list(step_times[1:] if len(step_times) > 1 else step_times)
+    return statistics.median(times) if times else None
+
+
+def comparison_lines(
+    prediction: RunPrediction, step_times: Sequence[float], last: dict[str, Any]
+) -> list[str]:
+    """The end-of-run summary: each predicted figure next to the measured one (step time: the
+    median of `step_times` after the first; memory: the `last` row's keys, leaving out those
+    both sides report as zero)."""
+    if not step_times:
+        return []
+    if not prediction.memory_bytes and prediction.step_time_s is None:
+        return [f"predicted vs measured: not modelled ({prediction.not_modelled})"]
+    hw = prediction.hardware.get("display", "?")
+    out = [
+        f"predicted (prediction.json, {hw}) vs measured, rank {prediction.rank}:",
+        f"  {'':<24} {'predicted':>11}  {'measured':>11}  {'ratio':>6}",
+    ]
+
+    def line(name: str, pred: float | None, got: float | None, fmt: Callable[[float], str]) -> None:
+        ratio = f"{pred / got:.2f}" if pred is not None and got else "-"
+        p = fmt(pred) if pred is not None else "-"
+        g = fmt(got) if got is not None else "-"
+        out.append(f"  {name:<24} {p:>11}  {g:>11}  {ratio:>6}")
+
+    step = prediction.step_time_s
+    line("step_time_s", step, measured_step_time(step_times), lambda s: f"{s:.3f} s")
+    if step is None and prediction.not_modelled:
+        out.append(f"  (step time not modelled: {prediction.not_modelled})")
+    for key, pred in prediction.memory_bytes.items():
+        got = last.get(key)
+        if pred or got:
+            line(key, pred, got, human_bytes)
+    return out
+
+
 class StepReporter:
     """Prints on rank 0 only; the bar needs a terminal and metrics.progress = true."""
 
-    def __init__(self, cfg: JobConfig, enabled: bool) -> None:
+    def __init__(
+        self, cfg: JobConfig, enabled: bool, prediction: RunPrediction | None = None
+    ) -> None:
         self.cfg = cfg
         self.enabled = enabled
+        self.prediction = prediction  # printed next to the measured figures at the end
+        self.step_times: list[float] = []  # this call's steps
+        self.last_row: dict[str, Any] = {}
         self.console = console()
         self.progress: Progress | None = None
         self.task: Any = None
@@ -103,6 +150,8 @@ class StepReporter:
     def step(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self.step_times.append(row["step_time_s"])
+        self.last_row = row
         if row["step"] % self.cfg.metrics.log_every == 0 or row["step"] == self.cfg.train.steps:
             self.console.print(format_row(row))
         if self.progress is not None:
@@ -121,4 +170,7 @@ class StepReporter:
             )
         elif result.val_loss is not None:
             self.console.print(f"validation loss {result.val_loss:.4f}")
+        if self.prediction is not None:
+            for line in comparison_lines(self.prediction, self.step_times, self.last_row):
+                self.console.print(line, markup=False)
         self.console.print(f"run folder: {self.cfg.job.run_dir}")

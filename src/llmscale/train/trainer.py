@@ -47,6 +47,7 @@ from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
+from llmscale.train.prediction import write_run_prediction
 from llmscale.train.progress import StepReporter
 
 
@@ -440,8 +441,12 @@ class Trainer:
             elif metrics_path.exists():
                 metrics_path.unlink()
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        # The planner's expectation, next to what the run measures (train/prediction.py).
+        prediction = (
+            write_run_prediction(cfg, self.device, self.run_dir) if self.rank == 0 else None
+        )
         writer = M.JsonlWriter(metrics_path, enabled=self.rank == 0)
-        reporter = StepReporter(cfg, enabled=self.rank == 0)
+        reporter = StepReporter(cfg, enabled=self.rank == 0, prediction=prediction)
         reporter.start(self, resumed)
         result = TrainResult(steps_done=self.step)
         previous = self._install_signal_handlers()

@@ -1,0 +1,272 @@
+"""Predictions travel with every run: what the planner expects, written before the first step.
+
+Every run's rank 0 writes `RUN_DIR/prediction.json` before training:
+
+    {"hardware": {...},            # what the time model ran on: a catalog GPU or this machine
+     "plan": {...},                # the layout (plan.Plan's fields; the model by name)
+     "memory_bytes": {...},        # every byte-valued key of the metrics rows, same names
+     "step_time_s": 0.21,          # predicted seconds per optimizer step
+     "step_breakdown_s": {...},    # where the time goes (plan/time.py)
+     "not_modelled": null}         # or why the planner could not predict this layout
+
+and the end-of-run summary prints each prediction next to what the run measured (rank 0's
+memory keys, and the median step time after the first step). `llmscale train --dry-run` prints
+the same prediction for every pipeline rank without training (`dry_run_lines`).
+
+The hardware is the device the run uses: a catalog GPU (its data sheet; `--gpu NAME` picks one
+for a dry run), or, on a CPU or a GPU the catalog lacks, this machine's micro-benchmarked rates
+(instrument/calibrate.py, measured once and cached per machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmscale.config import JobConfig
+from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import GiB, gpu_for_device_name
+from llmscale.instrument.calibrate import cached_calibration
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.memory import MemoryEstimate, estimate_memory
+from llmscale.plan.plan import Plan
+from llmscale.plan.predict import (
+    runtime_metric_bytes,
+    runtime_options,
+    runtime_time_params,
+)
+from llmscale.plan.time import StepTime, estimate_step_time
+from llmscale.train.memcheck import check_memory
+
+FILE_NAME = "prediction.json"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The device a prediction is for, and where its numbers come from."""
+
+    cluster: Cluster
+    device: str  # the runtime's kernels: "cuda" or "cpu"
+    measured: bool  # the GEMM rate and bandwidth were micro-benchmarked here
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def catalog_hardware(gpu: str) -> Hardware:
+    """A catalog GPU by name (unknown: ConfigError naming the allowed ones)."""
+    cluster = Cluster.of(gpu)
+    g = cluster.gpu
+    info = {"name": g.name, "display": g.display, "source": "hardware catalog"}
+    return Hardware(cluster, "cuda", measured=False, info=info)
+
+
+def local_hardware(device: torch.device, plan: Plan) -> Hardware:
+    """The run's own device: its catalog entry, else this machine calibrated (cached)."""
+    if device.type == "cuda":
+        known = gpu_for_device_name(torch.cuda.get_device_name(device))
+        if known is not None:
+            return catalog_hardware(known.name)
+    # The dtype whose dense rate the time model reads (plan/time.py: fp32 matmuls without TF32).
+    dtype = plan.precision if plan.precision in ("bf16", "fp16") else "fp32"
+    calibration = cached_calibration(device, (dtype,))
+    size = gemm_size(plan)
+    cluster = calibration.cluster(size, (dtype,))
+    info = {
+        "name": "measured",
+        "display": calibration.display,
+        "source": "micro-benchmarks of this machine (instrument/calibrate.py; cached per machine)",
+        "machine": calibration.key,
+        "gemm_size": round(size),
+        "gemm_flops_per_s": cluster.gpu.peak_flops(dtype),
+        "bandwidth_bytes_per_s": calibration.bandwidth_bytes,
+        "links": "not measured: the h100 node's stand in",
+    }
+    return Hardware(cluster, "cpu" if device.type == "cpu" else "cuda", measured=True, info=info)
+
+
+def gemm_size(plan: Plan) -> float:
+    """The side of a square GEMM as large as the model's typical one: the geometric mean of
+    a micro-batch's tokens, the model width and the MLP width (per tensor-parallel rank)."""
+    m = plan.model
+    tokens = plan.micro_batch_size * plan.seq_len
+    return float((tokens * m.dim * m.ffn_dim / plan.tp) ** (1 / 3))
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """What the planner expects of a run on pipeline rank `rank` (and every stage's memory)."""
+
+    hardware: dict[str, Any]
+    plan: dict[str, Any]
+    rank: int
+    memory_bytes: dict[str, float]
+    step_time_s: float | None
+    step_breakdown_s: dict[str, float] = field(default_factory=dict)
+    memory: MemoryEstimate | None = None  # every pipeline rank, at the step's peak
+    step: StepTime | None = None
+    not_modelled: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hardware": self.hardware,
+            "plan": self.plan,
+            "rank": self.rank,
+            "memory_bytes": self.memory_bytes,
+            "step_time_s": self.step_time_s,
+            "step_breakdown_s": self.step_breakdown_s,
+            "not_modelled": self.not_modelled,
+        }
+
+    def write(self, run_dir: str | Path) -> Path:
+        """RUN_DIR/prediction.json, atomically: a temporary file, then a rename."""
+        path = Path(run_dir) / FILE_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=FILE_NAME, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+
+def layout(plan: Plan) -> dict[str, Any]:
+    """The plan's fields (the model by name), with the derived world size and micro-batches."""
+    out: dict[str, Any] = {f.name: getattr(plan, f.name) for f in fields(plan)}
+    out["model"] = plan.model.name
+    out["world_size"] = plan.world_size
+    out["microbatches"] = plan.microbatches
+    return out
+
+
+def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPrediction:
+    """The planner's prediction for `cfg` on `hardware`; a layout it does not model is said so
+    (`not_modelled`), with what it could predict."""
+    plan = Plan.from_job(cfg)
+    base: dict[str, Any] = {"hardware": hardware.info, "plan": layout(plan), "rank": rank}
+    try:
+        memory_bytes = runtime_metric_bytes(plan, rank, hardware.device)
+        memory = estimate_memory(plan, runtime_options(plan, hardware.device))
+    except ConfigError as e:
+        return RunPrediction(**base, memory_bytes={}, step_time_s=None, not_modelled=str(e))
+    params = runtime_time_params(plan, hardware.device, measured=hardware.measured)
+    try:
+        step: StepTime | None = estimate_step_time(plan, hardware.cluster, params)
+        reason = None
+    except ConfigError as e:
+        step, reason = None, str(e)
+    return RunPrediction(
+        **base,
+        memory_bytes=memory_bytes,
+        step_time_s=step.seconds if step else None,
+        step_breakdown_s=dict(step.breakdown) if step else {},
+        memory=memory,
+        step=step,
+        not_modelled=reason,
+    )
+
+
+def write_run_prediction(
+    cfg: JobConfig, device: torch.device, run_dir: str | Path
+) -> RunPrediction:
+    """Rank 0 at the start of a run: predict for its own device and write RUN_DIR/prediction.json."""
+    prediction = predict_run(cfg, local_hardware(device, Plan.from_job(cfg)))
+    prediction.write(run_dir)
+    return prediction
+
+
+# ---- llmscale train --dry-run ---------------------------------------------------------------
+
+BREAKDOWN = (
+    ("params", "params"),
+    ("grads", "grads"),
+    ("optimizer", "optim"),
+    ("working_params", "working"),
+    ("activations", "activ"),
+    ("transient", "transient"),
+    ("allocator", "allocator"),
+)
+
+
+def dry_run_lines(cfg: JobConfig, device: torch.device | None, gpu: str | None = None) -> list[str]:
+    """What `llmscale train --dry-run` prints: the layout, each pipeline rank's memory and the
+    predicted step, for catalog `gpu` or, without one, this machine's `device`. No process
+    group, no model: a layout of any world size is predicted as the config gives it."""
+    cfg.validate()
+    if gpu is not None:
+        hardware = catalog_hardware(gpu)
+    elif device is not None:
+        hardware = local_hardware(device, Plan.from_job(cfg))
+    else:
+        raise ValueError("dry_run_lines: a device or a catalog gpu")
+    pred = predict_run(cfg, hardware)
+    p = pred.plan
+    out = [
+        f"dry run: {cfg.job.name}, model {p['model']}, {p['precision']}, "
+        f"recompute {p['recompute']}, offload {p['offload']}; {p['world_size']} rank(s): "
+        f"pp {p['pp']} x dp_replicate {p['dp_replicate']} x dp_shard {p['dp_shard']} x tp "
+        f"{p['tp']}; global batch {p['global_batch_size']} = micro-batch "
+        f"{p['micro_batch_size']} x {p['microbatches']} micro-batches x dp "
+        f"{p['dp_replicate'] * p['dp_shard']}; seq {p['seq_len']}",
+        f"hardware: {hardware.info['display']}, from the {hardware.info['source']}",
+    ]
+    if pred.memory is None:
+        out.append(f"not modelled: {pred.not_modelled}")
+        return out
+    out += memory_table(pred.memory, p["world_size"] // p["pp"])
+    worst = pred.memory.worst
+    if gpu is not None:
+        g = hardware.cluster.gpu
+        out.append(
+            f"fits: {'yes' if pred.memory.fits(g) else 'NO'}: the fullest rank needs "
+            f"{worst.total / GiB:.2f} GiB (+{pred.memory.options.device_reserve_GiB} GiB "
+            f"reserved) of {g.display}'s {g.memory_bytes / GiB:.0f} GiB"
+        )
+    elif device is not None:
+        out += _local_fit(cfg, device)
+    if pred.step is None:
+        out.append(f"step time: not modelled ({pred.not_modelled})")
+        return out
+    st = pred.step
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in st.breakdown.items() if v > 0)
+    # On a measured device the peak is the measured GEMM rate: an MFU against it means little.
+    mfu = "" if hardware.measured else f", MFU {100 * st.mfu:.1f}%"
+    out.append(
+        f"step time: {st.seconds:.3f} s predicted ({st.tokens_per_s:,.0f} tokens/s{mfu}); "
+        f"ms per step: {parts}"
+    )
+    return out
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def memory_table(memory: MemoryEstimate, ranks_per_stage: int) -> list[str]:
+    """Each pipeline rank's bytes at the step's peak by kind (plan/memory.py), GiB."""
+    head = ["pp rank", "ranks"] + [short for _, short in BREAKDOWN] + ["total", "host"]
+    rows = [head]
+    for s in memory.stages:
+        first = s.stage * ranks_per_stage
+        ranks = f"{first}" if ranks_per_stage == 1 else f"{first}-{first + ranks_per_stage - 1}"
+        parts = [_gib(s.breakdown()[k]) for k, _ in BREAKDOWN]
+        rows.append([str(s.stage), ranks, *parts, _gib(s.total), _gib(s.host)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = ["memory per rank at the step's peak, GiB:"]
+    for r in rows:
+        out.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    return out
+
+
+def _local_fit(cfg: JobConfig, device: torch.device) -> list[str]:
+    """The run-time memory check's verdict for this machine, as lines (never raises)."""
+    warned = replace(cfg, job=replace(cfg.job, memory_check="warn"))
+    lines = check_memory(warned, device)
+    return lines or ["fits: yes (the run-time memory check against this machine passes)"]
