@@ -16,6 +16,15 @@ def make_config(run_dir: Path, *overrides: str) -> JobConfig:
     return load_config(None, [*base, *overrides])
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _calibration_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Runs measure this machine's calibration into a folder of the session, not the home one."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMSCALE_CACHE_DIR", str(tmp_path_factory.mktemp("llmscale-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def cfg_factory(tmp_path: Path):
     def factory(*overrides: str, run: str = "run") -> JobConfig:

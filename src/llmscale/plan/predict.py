@@ -162,7 +162,7 @@ def runtime_metric_bytes(
     if plan.offload == "none":
         return out
     sp = plan_stage_params(plan, rank, options.kernels)
-    shard = float(sp.shard_numel if plan.sharded else sp.numel)
+    shard = float(sp.shard_numel if plan.fsdp else sp.numel)
     out["host_master_bytes"] = 4 * shard
     out["host_grad_bytes"] = 4 * shard
     if plan.fsdp_cpu_offload:
