@@ -153,14 +153,14 @@ class Row:
 
 
 def narayanan_rows(path: str | Path = DATA) -> list[Row]:
-    """Narayanan et al. 2021, Table 1, as rows (TFLOP/s per GPU; tolerance 15%)."""
+    """Narayanan et al. 2021, Table 1, as rows (TFLOP/s per GPU)."""
     out = []
     for c in narayanan_2021(path):
         p = c.plan
         layout = f"t{p.tp} p{p.pp} d{p.dp}, {p.world_size} GPUs, batch {p.global_batch_size}"
         out.append(
             Row(c.name, layout, "TFLOP/s per GPU", c.published_tflops, c.predicted_tflops,
-                c.source, 0.15)
+                c.source)
         )  # fmt: skip
     return out
 
