@@ -116,3 +116,14 @@ def op_sac_block_bytes(
     per_token: float = a * d  # block input (bf16 residual under FSDP2's param_dtype)
     per_token += a * saved / tp + a * d / tp + 4 * model.n_heads / tp  # mm outs, SDPA out, lse
     return per_token * tokens
+
+
+def time_params(name: str) -> TimeParams:
+    """The time model's parameters for profile `name` (`estimate_step_time(..., params)`)."""
+    return get_profile(name).time
+
+
+def memory_kernels(name: str) -> act.Kernels:
+    """The kernels for `MemoryOptions(kernels=...)` under profile `name` (llmscale: the runtime's,
+    resolved per plan by `plan.memory.plan_kernels`)."""
+    return get_profile(name).kernels

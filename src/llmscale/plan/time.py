@@ -1,35 +1,49 @@
 """Step time of a plan on a cluster: compute, memory-bound kernels, collectives, pipeline bubble.
 
-Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
+What the GPU achieves comes from its catalog calibration (`hardware.catalog.Calibration`, one
+per GPU, every number sourced); the training stack's facts from the plan's kernels / profile
+(plan/profiles.py). Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
 
-- matmul time = FLOPs / (dense peak x `matmul_efficiency`). FLOPs come from ModelConfig: the
-  rank's blocks / tp, plus the output projection on the last rank (whole on every tp rank unless
-  vocab-parallel). Backward is 2x forward; recomputation adds its forward share
-  (`ModelConfig.recompute_fraction`, which the runtime's logged HFU uses too): full = one more
-  forward of the blocks, every_k = of 1 block in k, selective = of the attention core (QK^T, AV).
-- memory-bound time = HBM passes x the bytes the blocks save for backward / HBM bandwidth.
-  The saved tensors are the outputs of the norm, RoPE, SiLU/GELU, softmax, dropout and cast
-  kernels. Dataflow count: in forward each is written by its producer and read by its consumer
-  (`fwd_passes` = 2); in backward it is read once and a gradient of its size is written and read
-  (`bwd_passes` = 3); recomputation repeats the forward passes over what it recomputes (all of
-  a checkpointed block; the attention core's tensors under selective).
+- GEMMs: each linear of the rank's blocks (`block_gemms`: M = tokens, N and K split by tp as the
+  runtime's TP plan splits them) at the calibrated efficiency for its shape,
+  `gemm_efficiency * d / (d + gemm_half_dim)` with d the geometric mean of M, N, K; backward is
+  the same shapes twice. The output projection runs on the last rank, its vocabulary divided
+  by tp when the head is vocabulary-parallel. A flat `TimeParams.matmul_efficiency` (a device
+  measured by `llmscale bench`) replaces the curve.
+- attention core (QK^T, AV): a flash kernel executes half of the s x s products under causal
+  masking, and its backward 2.5x its forward (it recomputes QK^T), at the calibrated
+  flash-attention efficiency; a materialised softmax (Megatron 2021/2022, the math kernel)
+  computes all of s x s as batched GEMMs (backward 2x).
+- recomputation adds forward work: full = the whole block again; selective = the attention core
+  (llmscale, Megatron) or, with `selective_policy = "op"` (torchtitan's op-level SAC), the
+  matmuls whose outputs were not saved (every other one) and every element-wise op.
+- memory-bound kernels at `hbm_efficiency` of the datasheet bandwidth: HBM passes x the bytes
+  the blocks save for backward (norm, RoPE, SiLU/GELU, softmax, dropout, cast outputs; in
+  forward each is written and read, `fwd_passes` = 2; in backward read, and a gradient of its
+  size written and read, `bwd_passes` = 3), the head's logits and loss included; or, with
+  `eager_elementwise` (one kernel per op, no fusion), the traffic of `eager_block_bytes`.
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
-  (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`)
-  (with sequence parallelism an all-gather and a reduce-scatter in place of each, the same
-  bytes); recomputed blocks repeat their forward pair. `tp_overlap` of it hidden (default none).
-- FSDP (dp_shard > 1), per micro-batch: all-gather the rank's parameters in param_dtype (twice
-  for zero_stage 3: forward and backward) and reduce-scatter its gradients in fp32; hidden behind
-  the micro-batch's compute up to `dp_overlap` of it. Replicated data parallelism (dp_replicate)
-  all-reduces fp32 gradients once per step, overlapping the last micro-batch's backward.
+  (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`; with sequence
+  parallelism an all-gather and a reduce-scatter in place of each); recomputed blocks repeat
+  their forward pair; `tp_overlap` of it hidden (default none).
+- FSDP (dp_shard > 1), per unit (block): its all-gather is prefetched one unit ahead behind the
+  previous unit's compute, the first one exposed (forward, and backward under zero_stage 3);
+  gradients are reduce-scattered per unit behind the next unit's backward, sharing that window
+  with the all-gathers, the last one exposed. Hidden traffic still costs (1 - `dp_overlap`) of
+  its time (NCCL takes SMs and HBM bandwidth from the compute it overlaps). Under gradient
+  accumulation the runtime syncs gradients on the last micro-batch only (`grad_sync_once`):
+  the reduce-scatter, and replicated data parallelism's all-reduce, are paid once per step.
 - pipeline: closed form T = (m + p - 1) t (GPipe, 1F1B; bubble (p-1)/(m+p-1)) or
   (m + (p-1)/v) t (interleaved; bubble (p-1)/(v m + p - 1)) with t the slowest rank's
-  micro-batch time, plus 2(p v - 1) activation sends on the fill/drain path; or, with
-  `simulate=True`, the discrete-event simulator of plan/schedule.py on per-stage costs.
-- optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at HBM speed
-  (device) or `host_adam_GBps` (offloaded), plus the PCIe transfers, `offload_overlap` hidden.
+  micro-batch time, plus 2(p v - 1) activation sends on the real link (NVLink inside a node,
+  the NIC across) on the fill/drain path; or, with `simulate=True`, the discrete-event
+  simulator of plan/schedule.py on per-stage costs.
+- optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
+  HBM bandwidth (device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
+  `offload_overlap` hidden. Plus the GPU's fixed cost per step (`step_overhead_ms`).
 
-MFU counts model FLOPs (no recomputation) against the dense peak of the precision's dtype; HFU
-counts recomputation too.
+MFU counts model FLOPs (no recomputation, attention as Narayanan et al. count it) against the
+dense peak of the precision's dtype; HFU counts recomputation too.
 """
 
 from __future__ import annotations
