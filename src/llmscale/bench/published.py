@@ -164,7 +164,14 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.markdown).write_text(markdown(rows))
         console().print(f"wrote {args.markdown}")
         return
-    console().print(table(rows))
+    c = console()
+    c.print(table(rows))
+    ratios = [r.ratio for r in rows]
+    misses = sum(not r.within for r in rows)
+    c.print(
+        f"ratio range {min(ratios):.3f} .. {max(ratios):.3f}; {len(rows) - misses} of "
+        f"{len(rows)} rows within 10%; one calibration per GPU (hardware/data/gpus.toml)"
+    )
 
 
 if __name__ == "__main__":
