@@ -43,7 +43,6 @@ class Profile:
     time: TimeParams
     selective: str  # attention_core | op
     state_bytes_per_param: float  # params + grads + optimizer (+ kept weight casts), unsharded
-    sp_with_learned_positions: bool = True
 
 
 PROFILES: dict[str, Profile] = {
