@@ -185,3 +185,66 @@ def test_unknown_names_list_the_known_ones() -> None:
 def test_gpu_for_device_name(name: str, gpu: str | None) -> None:
     found = gpu_for_device_name(name)
     assert (found.name if found else None) == gpu
+
+
+# ---- calibration: what each GPU achieves -------------------------------------------------
+
+
+def test_h100_96gb_hbm2e() -> None:
+    g = get_gpu("h100-96g")
+    assert g.memory_bytes == 96 * 2**30
+    assert g.hbm_bandwidth == pytest.approx(2.4e12)
+    assert "torchtitan" in g.hbm_TBps.source and "500 W" in g.hbm_TBps.source
+    node = CAT.node_for_gpu("h100-96g")
+    assert get_link(node.nic).bandwidth == pytest.approx(50e9)  # 400 Gb/s per GPU
+    assert node.nics_per_node == node.gpus_per_node == 8
+
+
+@pytest.mark.parametrize("name", sorted(CAT.gpus))
+def test_every_gpu_has_a_sourced_calibration(name: str) -> None:
+    cal = get_gpu(name).calibration
+    for f in dataclasses.fields(cal):
+        num = getattr(cal, f.name)
+        assert isinstance(num, Sourced) and len(num.source) > 10, (name, f.name)
+    assert 0.3 < cal.gemm_efficiency.value <= 0.9
+    assert 0 < cal.attention_efficiency.value < 1 and 0 < cal.hbm_efficiency.value < 1
+    assert cal.step_overhead > 0
+
+
+def test_gemm_efficiency_saturates_with_shape() -> None:
+    cal = get_gpu("a100-80g").calibration
+    effs = [cal.gemm_efficiency_at(d, d, d) for d in (64, 256, 1024, 8192)]
+    assert effs == sorted(effs) and effs[-1] < cal.gemm_efficiency.value
+    assert effs[-1] > 0.98 * cal.gemm_efficiency.value and effs[0] < 0.5 * effs[-1]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        (
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }',
+            "",
+            "calibration.hbm_efficiency",
+        ),
+        (
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }',
+            "calibration.hbm_efficiency = 0.85",
+            "calibration.hbm_efficiency",
+        ),
+        (
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }',
+            'calibration.hbm_efficiency = { value = 1.5, source = "stream" }',
+            "calibration.hbm_efficiency",
+        ),
+        (
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }',
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }\n'
+            'calibration.fudge = { value = 1.1, source = "stream" }',
+            "calibration.fudge",
+        ),
+    ],
+)
+def test_loader_checks_the_calibration(tmp_path: Path, old: str, new: str, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_catalog(_copy_with(tmp_path, old, new))
+    assert e.value.field.endswith(field), e.value

@@ -1,4 +1,4 @@
-"""Published validation: Narayanan et al. 2021, Table 1, predicted within 0.85-1.15."""
+"""Published validation: Narayanan et al. 2021, Korthikanti et al. 2022, torchtitan 2024."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from llmscale.bench.published import COMMAND, markdown
 from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import default_catalog
 from llmscale.plan.published import (
     DATA,
     MEGATRON_2021_RUNTIME,
+    Row,
+    all_rows,
     gpt_model,
     load_rows,
     narayanan_2021,
@@ -78,3 +82,67 @@ def test_no_product_code_reads_test_data() -> None:
         if "tests/data" in (text := p.read_text()) or '"tests"' in text
     ]
     assert not offenders, offenders
+
+
+# ---- every published row against its value (docs/planner-validation.md) -------------------
+
+ALL = all_rows()
+KNOWN_MISSES = {("GPT 22B", "GiB activations, no recompute"): 0.13}
+
+
+def _id(r: Row) -> str:
+    return f"{r.case}|{r.quantity}"
+
+
+@pytest.mark.parametrize("row", ALL, ids=_id)
+def test_every_published_row_within_10_percent(row: Row) -> None:
+    tol = KNOWN_MISSES.get((row.case, row.quantity), 0.10)
+    assert abs(row.ratio - 1) <= tol, (row.case, row.quantity, row.published, row.predicted)
+
+
+def test_the_known_miss_is_still_a_miss() -> None:
+    # Documented in docs/planner-validation.md: Fig. 1 implies 64 heads for the 22B, Table 3
+    # says 48. If it ever comes within 10%, the doc's explanation is stale.
+    (miss,) = [r for r in ALL if (r.case, r.quantity) in KNOWN_MISSES]
+    assert not miss.within and 0.87 < miss.ratio < 0.89
+
+
+def test_the_rows_cover_the_issue() -> None:
+    k = [r for r in ALL if r.source.startswith("Korthikanti")]
+    t = [r for r in ALL if r.source.startswith("torchtitan")]
+    assert len(k) == 4 * 5 and len(t) == 2 * 2
+    assert len([r for r in ALL if r.source.startswith("Narayanan")]) == 10
+    published = {(r.case, r.quantity): r.published for r in ALL}
+    assert published[("GPT 175B", "iteration s, SP + selective")] == 13.75
+    assert published[("Llama 3.1 8B, 128 GPUs", "tokens/s per GPU")] == 5605
+
+
+def test_korthikanti_activations_follow_the_paper_formula() -> None:
+    # 1T, t8 p64 (no interleaving): the first stage holds p micro-batches of L/p layers,
+    # sbhL (10 + 24/t + 5as/(ht)) = sbhL * 21 bytes; with SP + selective sbhL * 34/t.
+    acts = {r.quantity: r.predicted for r in ALL if r.case == "GPT 1000B"}
+    sbhl = 2048 * 1 * 25600 * 128 / 2**30
+    # (plus the first stage's int64 token ids: a few MiB)
+    assert acts["GiB activations, no recompute"] == pytest.approx(21 * sbhl, rel=1e-4)
+    assert acts["GiB activations, SP + selective"] == pytest.approx(34 / 8 * sbhl, rel=2e-4)
+
+
+def test_the_fitted_rows_are_fits() -> None:
+    # The two calibrated numbers reproduce the rows they were fitted on (their sources say so).
+    by = {(r.case, r.quantity): r for r in ALL}
+    assert by[("gpt-1008.0b", "TFLOP/s per GPU")].ratio == pytest.approx(1.0, abs=0.01)
+    assert by[("Llama 3.1 8B, 8 GPUs", "tokens/s per GPU")].ratio == pytest.approx(1.0, abs=0.01)
+    cat = default_catalog()
+    assert "Narayanan" in cat.gpu("a100-80g").calibration.gemm_efficiency.source
+    assert "torchtitan" in cat.gpu("h100-96g").calibration.gemm_efficiency.source
+
+
+def test_the_validation_page_is_regenerated() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "planner-validation.md"
+    assert page.read_text() == markdown(ALL), f"stale: run {COMMAND}"
+
+
+def test_bench_suite_lists_the_rows() -> None:
+    from llmscale.bench.suites import SUITES
+
+    assert SUITES["published"] == "llmscale.bench.published"

@@ -133,7 +133,7 @@ def test_dry_run_on_this_cpu_prints_memory_and_time_and_trains_nothing(
     assert "memory per rank" in out and "fits: yes" in out
     cfg = load_config(None, short_job(job__run_dir=run_dir))
     hw = local_hardware(CPU, Plan.from_job(cfg))
-    want = predict_step_time(cfg, hw.cluster, runtime_time_params(cfg, "cpu", measured=True))
+    want = predict_step_time(cfg, hw.cluster, runtime_time_params(cfg, "cpu"))
     assert f"step time: {want.seconds:.3f} s predicted" in out
     assert "MFU" not in out  # against a measured rate it would mean nothing
     assert not run_dir.exists()

@@ -3,22 +3,30 @@
 The planner's time model needs a device: dense matmul peak per dtype and memory bandwidth. For a
 CPU (or a GPU missing from the catalog) both are measured here by micro-benchmarks that are *not*
 the training step: the model's own GEMM shapes run alone (forward and the two backward products
-of each linear), and element-wise adds over tensors the size of one micro-batch's activations
-(the timing and the measured device: instrument/calibrate.py, which `llmscale train` uses
-for its per-machine calibration).
+of each linear), element-wise adds over tensors the size of one micro-batch's activations,
+causal SDPA forward and backward (its achieved share of the GEMM rate is the device's attention
+efficiency), and the model's forward and backward on one token (the fixed cost per step:
+dispatch, autograd). The timing and the measured device come from instrument/calibrate.py, which
+`llmscale train` uses for its per-machine calibration.
 The step time the planner then predicts from them is compared with the trainer's measured one.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
+import torch
+import torch.nn.functional as F
+
+from llmscale.hardware.spec import Sourced
 from llmscale.instrument import calibrate
 from llmscale.model.config import ModelConfig
+from llmscale.model.transformer import build_model
 from llmscale.plan.cluster import Cluster
 from llmscale.tensors import DTYPES
 
 TRIALS, MIN_SECONDS = 7, 0.03  # per timing: the fastest of 7 runs of at least 30 ms
+SOURCE = "measured by llmscale bench micro-benchmarks on this machine"
 
 
 def bandwidth_bytes_per_s(numel: int, device: torch.device) -> float:
@@ -55,6 +63,36 @@ def gemm_flops_per_s(
     return flops_once / seconds
 
 
+def attention_flops_per_s(
+    model: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """FLOP/s SDPA executes, causal, forward + backward: half of the s x s products of QK^T and
+    AV, the backward 2.5x the forward (as plan/time.py counts them)."""
+    shape = (micro_batch, model.n_heads, seq_len, model.head_dim)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in "qkv")
+    g = torch.randn(shape, dtype=dtype, device=device)
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(g)
+
+    seconds = calibrate.time_call(run, device, 3, MIN_SECONDS)
+    fwd = 0.5 * 4 * micro_batch * seq_len * seq_len * model.dim
+    return 3.5 * fwd / seconds
+
+
+def fixed_seconds(model: ModelConfig, device: torch.device) -> float:
+    """Seconds of a forward and backward of the whole model on one token: what a step costs
+    beyond its FLOPs and bytes (op dispatch, autograd bookkeeping, allocator), per micro-batch."""
+    net = build_model(model, device)
+    tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+    def run() -> None:
+        net(tokens).float().sum().backward()
+
+    return calibrate.time_call(run, device, 3, MIN_SECONDS)
+
+
 def measured_cluster(
     model: ModelConfig,
     tokens: int,
@@ -66,8 +104,21 @@ def measured_cluster(
         f"gemm_{dt}_flops": gemm_flops_per_s(model, tokens, DTYPES[dt], device) for dt in dtypes
     }
     figures["bandwidth_bytes"] = bandwidth_bytes_per_s(tokens * model.dim, device)
+    seq = min(model.max_seq_len, max(1, tokens))
+    micro = max(1, tokens // seq)
+    figures["attention_fp32_flops"] = attention_flops_per_s(
+        model, micro, seq, torch.float32, device
+    )
+    figures["fixed_s"] = fixed_seconds(model, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rates = {dt: figures[f"gemm_{dt}_flops"] for dt in dtypes}
-    return calibrate.measured_cluster(
-        f"{name} (measured)", rates, figures["bandwidth_bytes"]
-    ), figures
+    cluster = calibrate.measured_cluster(f"{name} (measured)", rates, figures["bandwidth_bytes"])
+    gpu = cluster.gpu
+    achieved = dataclasses.replace(
+        gpu.calibration,
+        attention_efficiency=Sourced(
+            figures["attention_fp32_flops"] / figures[f"gemm_{dtypes[0]}_flops"], SOURCE
+        ),
+        step_overhead_ms=Sourced(1000 * figures["fixed_s"], SOURCE),
+    )
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=achieved)), figures

@@ -17,6 +17,7 @@ SUITES: dict[str, str] = {
     "accum": "llmscale.bench.accum",
     "precision": "llmscale.bench.precision",
     "pipeline": "llmscale.bench.pipeline",
+    "published": "llmscale.bench.published",
 }
 
 

@@ -32,7 +32,7 @@ def calibrated(
     device = resolve_device(opts.device)
     cluster, figures = measured_cluster(get_preset(opts.model), micro_batch * opts.seq_len, device)
     kernels = act.RUNTIME_CPU if device.type == "cpu" else act.RUNTIME
-    params = dataclasses.replace(DEFAULT_TIME, matmul_efficiency=1.0, kernels=kernels)
+    params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
     return cluster, params, figures
 
 

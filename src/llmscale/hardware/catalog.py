@@ -8,6 +8,7 @@ raise ConfigError listing the known ones.
 from __future__ import annotations
 
 import functools
+import math
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -25,9 +26,63 @@ TOPOLOGY_KINDS = ("fat-tree", "rail-only", "single-switch", "scale-up-domain")
 _TOP_LEVEL = ("sources", "gpu", "link", "node", "topology", "switch", "optic")
 
 
+CALIBRATION_FIELDS = (
+    "gemm_efficiency",
+    "gemm_half_dim",
+    "attention_efficiency",
+    "hbm_efficiency",
+    "step_overhead_ms",
+)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one GPU achieves, as opposed to its datasheet peaks (plan/time.py uses each).
+
+    - gemm_efficiency: achieved / dense peak of a large GEMM (cuBLAS, the model's dtype);
+    - gemm_half_dim: the GEMM size (geometric mean of M, N, K) at which half of that is reached:
+      a GEMM of size d runs at gemm_efficiency * d / (d + gemm_half_dim) (wave quantisation,
+      tile under-fill and launch cost, lumped in one saturating curve);
+    - attention_efficiency: a flash-attention kernel's achieved / dense peak over the FLOPs it
+      executes (causal masking skips half the tiles; backward recomputes QK^T);
+    - hbm_efficiency: achieved / datasheet HBM bandwidth of streaming kernels (norms,
+      activations, casts, softmax/cross-entropy, the optimizer);
+    - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging).
+    """
+
+    gemm_efficiency: Sourced
+    gemm_half_dim: Sourced
+    attention_efficiency: Sourced
+    hbm_efficiency: Sourced
+    step_overhead_ms: Sourced
+
+    def gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
+        """Achieved / peak for an (m x k) @ (k x n) GEMM."""
+        if min(m, n, k) <= 0:
+            return self.gemm_efficiency.value
+        d: float = math.cbrt(float(m) * float(n) * float(k))
+        return self.gemm_efficiency.value * d / (d + self.gemm_half_dim.value)
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds."""
+        return self.step_overhead_ms.value * 1e-3
+
+
+_PEAK = "a measured rate: the peaks themselves are what this device achieved"
+MEASURED = Calibration(
+    gemm_efficiency=Sourced(1.0, _PEAK),
+    gemm_half_dim=Sourced(0.0, _PEAK),
+    attention_efficiency=Sourced(1.0, _PEAK),
+    hbm_efficiency=Sourced(1.0, _PEAK),
+    step_overhead_ms=Sourced(0.0, "not measured"),
+)
+
+
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator: HBM capacity and bandwidth, dense peak FLOP/s per dtype."""
+    """One accelerator: HBM capacity and bandwidth, dense peak FLOP/s per dtype, and what it
+    achieves (`calibration`)."""
 
     name: str
     display: str
@@ -38,6 +93,7 @@ class GPU:
     memory_GiB: Sourced
     hbm_TBps: Sourced
     dense_TFLOPS: Mapping[str, Sourced]
+    calibration: Calibration = MEASURED
 
     @property
     def memory_bytes(self) -> int:
@@ -220,6 +276,21 @@ def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
 # ---- loading ------------------------------------------------------------------------------
 
 
+def _calibration(e: Entry, table_key: str) -> Calibration:
+    """A GPU's `calibration` table: every field of `Calibration`, each sourced."""
+    table = e.numbers(table_key)
+    for key in table:
+        if key not in CALIBRATION_FIELDS:
+            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(CALIBRATION_FIELDS))
+    for key in CALIBRATION_FIELDS:
+        if key not in table:
+            raise ConfigError(f"{e.where}.calibration.{key}", None, "a value (every GPU has one)")
+    for key in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency"):
+        if not 0 < table[key].value <= 1:
+            raise ConfigError(f"{e.where}.calibration.{key}", table[key].value, "in (0, 1]")
+    return Calibration(**{k: table[k] for k in CALIBRATION_FIELDS})
+
+
 # How each field type of the catalog's dataclasses is read from its TOML entry (the
 # annotations are strings: `from __future__ import annotations`).
 _FIELD_READERS: dict[str, Callable[[Entry, str], object]] = {
@@ -229,6 +300,7 @@ _FIELD_READERS: dict[str, Callable[[Entry, str], object]] = {
     "Sourced": Entry.number,
     "Sourced | None": Entry.optional_number,
     "Mapping[str, Sourced]": Entry.numbers,
+    "Calibration": _calibration,
 }
 
 

@@ -126,16 +126,11 @@ def runtime_options(job: JobConfig | Plan, device: str = "cuda") -> MemoryOption
     return MemoryOptions(kernels=act.Kernels.for_runtime(plan.model, plan.tp, device))
 
 
-def runtime_time_params(
-    job: JobConfig | Plan, device: str = "cuda", measured: bool = False
-) -> TimeParams:
-    """The time model's parameters for the llmscale runtime on `device`; `measured`: the
-    device's GEMM rate is an achieved one (micro-benchmarked), so its efficiency is 1."""
+def runtime_time_params(job: JobConfig | Plan, device: str = "cuda") -> TimeParams:
+    """The time model's parameters for the llmscale runtime on `device`. A measured device's
+    achieved rates are in its catalog entry's calibration (efficiencies 1), not in these."""
     plan = as_plan(job)
-    kernels = act.Kernels.for_runtime(plan.model, plan.tp, device)
-    if measured:
-        return replace(DEFAULT_TIME, kernels=kernels, matmul_efficiency=1.0)
-    return replace(DEFAULT_TIME, kernels=kernels)
+    return replace(DEFAULT_TIME, kernels=act.Kernels.for_runtime(plan.model, plan.tp, device))
 
 
 def runtime_metric_bytes(

@@ -1,11 +1,15 @@
-"""Published training throughputs, and the planner's prediction for each (bench/published.py).
+"""Published training runs, and the planner's prediction for each (bench/published.py).
 
-The rows live in `plan/data/published.toml` (each with its source). Narayanan et al. 2021,
-Table 1 ran Megatron-LM on DGX A100 80GB nodes; the prediction uses the planner's default
-efficiencies (`TimeParams()`), with only the facts of that runtime changed, the same for every
-row: Megatron's kernels (fp16, dropout, materialised softmax, vocabulary-parallel head:
-`MEGATRON_2021`), its scatter/gather of pipeline sends over tensor-parallel ranks, and its
-data-parallel all-reduce after the pipeline flush (no overlap).
+The rows live in `plan/data/published.toml` (each with its source). Every prediction uses the
+catalog's calibration of the GPU it ran on (one per GPU: hardware/data/gpus.toml) and the
+profile of the stack that ran it (plan/profiles.py), nothing per row:
+
+- Narayanan et al. 2021, Table 1 and Korthikanti et al. 2022, Table 5 / Fig. 1: Megatron-LM on
+  DGX A100 80GB (profile "megatron": fp16, dropout, materialised softmax, vocabulary-parallel
+  head and loss, pipeline sends scattered over tensor-parallel ranks, the data-parallel
+  all-reduce after the flush, 18 B of states per parameter).
+- torchtitan (December 2024): Llama 3.1 8B under FSDP2 on H100 96GB (profile "torchtitan":
+  op-level selective checkpointing; its memory is states + the op-SAC activations + the loss).
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ from typing import Any
 
 from llmscale.config import PP_SCHEDULES, PPSchedule
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig
-from llmscale.plan import activations as act
+from llmscale.hardware.catalog import GiB
+from llmscale.model.config import ModelConfig, get_preset
 from llmscale.plan.cluster import Cluster
+from llmscale.plan.memory import MemoryOptions, estimate_memory
 from llmscale.plan.plan import Plan
-from llmscale.plan.time import DEFAULT_TIME, TimeParams, estimate_step_time
+from llmscale.plan.profiles import get_profile, op_sac_block_bytes
+from llmscale.plan.time import TimeParams, estimate_step_time
 
-MEGATRON_2021_RUNTIME = replace(
-    DEFAULT_TIME, kernels=act.MEGATRON_2021, p2p_scatter_gather=True, dp_overlap=0.0
-)
+MEGATRON_2021_RUNTIME = get_profile("megatron").time
+TORCHTITAN = get_profile("torchtitan")
+A100 = ("a100-80g", "dgx-a100")
+H100_96G = ("h100-96g", "hgx-h100-96g")
 SEQ_LEN = 2048
 VOCAB = 51200
 DATA = Path(__file__).parent / "data" / "published.toml"
@@ -53,12 +60,15 @@ def narayanan_flops(
     return 96.0 * batch * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
 
 
-def load_rows(path: str | Path = DATA) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def load_rows(
+    path: str | Path = DATA, table: str = "narayanan2021"
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The `assume` table and the rows of `table` (each must carry a source)."""
     raw = tomllib.loads(Path(path).read_text())
-    rows = raw.get("narayanan2021", [])
+    rows = raw.get(table, [])
     for i, row in enumerate(rows):
         if not str(row.get("source", "")).strip():
-            raise ConfigError(f"narayanan2021[{i}].source", row.get("source"), "a citation")
+            raise ConfigError(f"{table}[{i}].source", row.get("source"), "a citation")
     return raw.get("assume", {}), rows
 
 
@@ -93,7 +103,7 @@ def narayanan_2021(
 ) -> list[Comparison]:
     """Predicted vs published TFLOP/s per GPU for every Table 1 row."""
     assume, rows = load_rows(path)
-    cluster = Cluster.of("a100-80g", node="dgx-a100")
+    cluster = Cluster.of(*A100)
     out = []
     for row in rows:
         tp, pp, gpus = int(row["tp"]), int(row["pp"]), int(row["gpus"])
@@ -118,3 +128,155 @@ def narayanan_2021(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published number and the planner's prediction of it."""
+
+    case: str
+    layout: str
+    quantity: str  # what is compared, with its unit
+    published: float
+    predicted: float
+    source: str
+    tolerance: float = 0.10  # |ratio - 1| the tests hold it to
+
+    @property
+    def ratio(self) -> float:
+        """Predicted / published."""
+        return self.predicted / self.published
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1) <= self.tolerance
+
+
+def narayanan_rows(path: str | Path = DATA) -> list[Row]:
+    """Narayanan et al. 2021, Table 1, as rows (TFLOP/s per GPU)."""
+    out = []
+    for c in narayanan_2021(path):
+        p = c.plan
+        layout = f"t{p.tp} p{p.pp} d{p.dp}, {p.world_size} GPUs, batch {p.global_batch_size}"
+        out.append(
+            Row(c.name, layout, "TFLOP/s per GPU", c.published_tflops, c.predicted_tflops,
+                c.source)
+        )  # fmt: skip
+    return out
+
+
+def korthikanti_plan(row: dict[str, Any], recompute: str, sp: bool) -> Plan:
+    """The Table 5 layout of `row` with `recompute` and sequence parallelism `sp`."""
+    tp, pp, chunks = int(row["tp"]), int(row["pp"]), int(row["chunks"])
+    return Plan(
+        model=gpt_model(row),
+        seq_len=SEQ_LEN,
+        micro_batch_size=int(row["micro_batch"]),
+        global_batch_size=int(row["batch"]),
+        recompute=recompute,  # type: ignore[arg-type]
+        precision="fp16",
+        dp_replicate=int(row["gpus"]) // (tp * pp),
+        tp=tp,
+        pp=pp,
+        pp_schedule="interleaved_1f1b" if chunks > 1 else "1f1b",
+        pp_chunks=chunks,
+        sequence_parallel=sp,
+    )
+
+
+def _layout(p: Plan) -> str:
+    v = f" v{p.chunks}" if p.chunks > 1 else ""
+    sp = " sp" if p.sequence_parallel else ""
+    return f"t{p.tp} p{p.pp}{v}{sp}, {p.world_size} GPUs, batch {p.global_batch_size}"
+
+
+def korthikanti_2022(path: str | Path = DATA) -> list[Row]:
+    """Table 5 iteration times and Fig. 1 per-GPU memory of Korthikanti et al. 2022."""
+    _, rows = load_rows(path, "korthikanti2022")
+    prof = get_profile("megatron")
+    cluster = Cluster.of(*A100)
+    opts = MemoryOptions(kernels=prof.kernels)
+    out = []
+    for row in rows:
+        case, src = f"GPT {row['params_billion']}B", str(row["source"])
+        for recompute, sp, key, what in (
+            ("full", False, "full_recompute_s", "iteration s, full recompute"),
+            ("selective", True, "sp_selective_s", "iteration s, SP + selective"),
+        ):
+            plan = korthikanti_plan(row, recompute, sp)
+            step = estimate_step_time(plan, cluster, prof.time, validate=False)
+            out.append(Row(case, _layout(plan), what, float(row[key]), step.seconds, src))
+        full = korthikanti_plan(row, "none", False)
+        # Fig. 1 counts the transformer layers' states (18 B x 12 l h^2 / (t p)): a middle
+        # stage, without the first stage's embedding; activations peak on the first stage.
+        middle = full.pp // 2
+        mem = estimate_memory(full, opts, ranks=(middle,), validate=False).stages[0]
+        states = (mem.params + mem.grads + mem.optimizer + mem.working_params) / GiB
+        out.append(Row(case, _layout(full), "GiB params + optimizer", float(row["states_GiB"]),
+                       states, src))  # fmt: skip
+        for recompute, sp, key, what in (
+            ("none", False, "activations_none_GiB", "GiB activations, no recompute"),
+            ("selective", True, "activations_sp_selective_GiB", "GiB activations, SP + selective"),
+        ):
+            plan = korthikanti_plan(row, recompute, sp)
+            acts = estimate_memory(plan, opts, ranks=(0,), validate=False).stages[0].activations
+            out.append(Row(case, _layout(plan), what, float(row[key]), acts / GiB, src))
+    return out
+
+
+def torchtitan_plan(row: dict[str, Any]) -> Plan:
+    gpus, local = int(row["gpus"]), int(row["local_batch"])
+    return Plan(
+        model=get_preset(str(row["model"])),
+        seq_len=int(row["seq_len"]),
+        micro_batch_size=local,
+        global_batch_size=local * gpus,
+        recompute="selective",
+        precision="bf16",
+        dp_shard=gpus,
+    )
+
+
+def torchtitan_memory_bytes(plan: Plan, opts: MemoryOptions) -> float:
+    """Peak reserved bytes under torchtitan's op-level SAC: the planner's states, working
+    parameters and transients for the plan, with the blocks' activations as op-SAC keeps them
+    (`op_sac_block_bytes`) plus the head's and the embedding's."""
+    none = replace(plan, recompute="none")
+    pieces = estimate_memory(none, opts, validate=False).stages[0]
+    m = plan.model
+    block = op_sac_block_bytes(m, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp)
+    per_block = pieces.activations - m.n_layers * _block_none(plan, opts)
+    acts = m.n_layers * block + per_block
+    allocated = pieces.allocated - pieces.activations + acts
+    return allocated * (1 + opts.allocator_overhead)
+
+
+def _block_none(plan: Plan, opts: MemoryOptions) -> float:
+    from llmscale.plan.memory import block_bytes
+
+    return block_bytes(replace(plan, recompute="none"), "none", opts.kernels)
+
+
+def torchtitan_2024(path: str | Path = DATA) -> list[Row]:
+    """torchtitan's Llama 3.1 8B on H100 96GB: tokens/s per GPU and peak memory."""
+    _, rows = load_rows(path, "torchtitan2024")
+    cluster = Cluster.of(*H100_96G)
+    opts = MemoryOptions(kernels=TORCHTITAN.kernels)
+    params = TORCHTITAN.time
+    out = []
+    for row in rows:
+        plan = torchtitan_plan(row)
+        case, src = f"Llama 3.1 8B, {row['gpus']} GPUs", str(row["source"])
+        layout = f"FSDP {plan.dp_shard}, local batch {plan.micro_batch_size}, seq {plan.seq_len}"
+        step = estimate_step_time(plan, cluster, params, validate=False)
+        tps = plan.micro_batch_size * plan.seq_len / step.seconds
+        out.append(Row(case, layout, "tokens/s per GPU", float(row["tokens_per_s_per_gpu"]),
+                       tps, src))  # fmt: skip
+        mem = torchtitan_memory_bytes(plan, opts) / GiB
+        out.append(Row(case, layout, "GiB peak memory", float(row["memory_GiB"]), mem, src))
+    return out
+
+
+def all_rows(path: str | Path = DATA) -> list[Row]:
+    """Every published row with its prediction."""
+    return narayanan_rows(path) + korthikanti_2022(path) + torchtitan_2024(path)

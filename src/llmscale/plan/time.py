@@ -1,35 +1,49 @@
 """Step time of a plan on a cluster: compute, memory-bound kernels, collectives, pipeline bubble.
 
-Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
+What the GPU achieves comes from its catalog calibration (`hardware.catalog.Calibration`, one
+per GPU, every number sourced); the training stack's facts from the plan's kernels / profile
+(plan/profiles.py). Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
 
-- matmul time = FLOPs / (dense peak x `matmul_efficiency`). FLOPs come from ModelConfig: the
-  rank's blocks / tp, plus the output projection on the last rank (whole on every tp rank unless
-  vocab-parallel). Backward is 2x forward; recomputation adds its forward share
-  (`ModelConfig.recompute_fraction`, which the runtime's logged HFU uses too): full = one more
-  forward of the blocks, every_k = of 1 block in k, selective = of the attention core (QK^T, AV).
-- memory-bound time = HBM passes x the bytes the blocks save for backward / HBM bandwidth.
-  The saved tensors are the outputs of the norm, RoPE, SiLU/GELU, softmax, dropout and cast
-  kernels. Dataflow count: in forward each is written by its producer and read by its consumer
-  (`fwd_passes` = 2); in backward it is read once and a gradient of its size is written and read
-  (`bwd_passes` = 3); recomputation repeats the forward passes over what it recomputes (all of
-  a checkpointed block; the attention core's tensors under selective).
+- GEMMs: each linear of the rank's blocks (`block_gemms`: M = tokens, N and K split by tp as the
+  runtime's TP plan splits them) at the calibrated efficiency for its shape,
+  `gemm_efficiency * d / (d + gemm_half_dim)` with d the geometric mean of M, N, K; backward is
+  the same shapes twice. The output projection runs on the last rank, its vocabulary divided
+  by tp when the head is vocabulary-parallel. A flat `TimeParams.matmul_efficiency` (a device
+  measured by `llmscale bench`) replaces the curve.
+- attention core (QK^T, AV): a flash kernel executes half of the s x s products under causal
+  masking, and its backward 2.5x its forward (it recomputes QK^T), at the calibrated
+  flash-attention efficiency; a materialised softmax (Megatron 2021/2022, the math kernel)
+  computes all of s x s as batched GEMMs (backward 2x).
+- recomputation adds forward work: full = the whole block again; selective = the attention core
+  (llmscale, Megatron) or, with `selective_policy = "op"` (torchtitan's op-level SAC), the
+  matmuls whose outputs were not saved (every other one) and every element-wise op.
+- memory-bound kernels at `hbm_efficiency` of the datasheet bandwidth: HBM passes x the bytes
+  the blocks save for backward (norm, RoPE, SiLU/GELU, softmax, dropout, cast outputs; in
+  forward each is written and read, `fwd_passes` = 2; in backward read, and a gradient of its
+  size written and read, `bwd_passes` = 3), the head's logits and loss included; or, with
+  `eager_elementwise` (one kernel per op, no fusion), the traffic of `eager_block_bytes`.
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
-  (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`)
-  (with sequence parallelism an all-gather and a reduce-scatter in place of each, the same
-  bytes); recomputed blocks repeat their forward pair. `tp_overlap` of it hidden (default none).
-- FSDP (dp_shard > 1), per micro-batch: all-gather the rank's parameters in param_dtype (twice
-  for zero_stage 3: forward and backward) and reduce-scatter its gradients in fp32; hidden behind
-  the micro-batch's compute up to `dp_overlap` of it. Replicated data parallelism (dp_replicate)
-  all-reduces fp32 gradients once per step, overlapping the last micro-batch's backward.
+  (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`; with sequence
+  parallelism an all-gather and a reduce-scatter in place of each); recomputed blocks repeat
+  their forward pair; `tp_overlap` of it hidden (default none).
+- FSDP (dp_shard > 1), per unit (block): its all-gather is prefetched one unit ahead behind the
+  previous unit's compute, the first one exposed (forward, and backward under zero_stage 3);
+  gradients are reduce-scattered per unit behind the next unit's backward, sharing that window
+  with the all-gathers, the last one exposed. Hidden traffic still costs (1 - `dp_overlap`) of
+  its time (NCCL takes SMs and HBM bandwidth from the compute it overlaps). Under gradient
+  accumulation the runtime syncs gradients on the last micro-batch only (`grad_sync_once`):
+  the reduce-scatter, and replicated data parallelism's all-reduce, are paid once per step.
 - pipeline: closed form T = (m + p - 1) t (GPipe, 1F1B; bubble (p-1)/(m+p-1)) or
   (m + (p-1)/v) t (interleaved; bubble (p-1)/(v m + p - 1)) with t the slowest rank's
-  micro-batch time, plus 2(p v - 1) activation sends on the fill/drain path; or, with
-  `simulate=True`, the discrete-event simulator of plan/schedule.py on per-stage costs.
-- optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at HBM speed
-  (device) or `host_adam_GBps` (offloaded), plus the PCIe transfers, `offload_overlap` hidden.
+  micro-batch time, plus 2(p v - 1) activation sends on the real link (NVLink inside a node,
+  the NIC across) on the fill/drain path; or, with `simulate=True`, the discrete-event
+  simulator of plan/schedule.py on per-stage costs.
+- optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
+  HBM bandwidth (device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
+  `offload_overlap` hidden. Plus the GPU's fixed cost per step (`step_overhead_ms`).
 
-MFU counts model FLOPs (no recomputation) against the dense peak of the precision's dtype; HFU
-counts recomputation too.
+MFU counts model FLOPs (no recomputation, attention as Narayanan et al. count it) against the
+dense peak of the precision's dtype; HFU counts recomputation too.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from dataclasses import dataclass, field
 
 from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import Calibration
 from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
@@ -58,19 +73,35 @@ assert len(SP_GATHERED_INPUTS) == TP_REGIONS_PER_BLOCK
 
 @dataclass(frozen=True)
 class TimeParams:
-    """Efficiency and overlap assumptions, each stated once here."""
+    """Modelling choices that are not the GPU's (those are its `Calibration`), stated once."""
 
-    matmul_efficiency: float = 0.7  # achieved / dense peak for the model's GEMMs
+    # None: the GPU's calibration (GEMM efficiency by shape, flash-attention efficiency); a
+    # number: that flat share of peak for every GEMM and the attention core (a measured device).
+    matmul_efficiency: float | None = None
     fwd_passes: float = 2.0  # HBM passes over the saved bytes in forward: written, read
     bwd_passes: float = 3.0  # in backward: read, gradient written and read
     tp_overlap: float = 0.0  # share of tensor-parallel collectives hidden behind compute
-    dp_overlap: float = 1.0  # share of the overlap window data-parallel traffic can use
+    # Overlap efficiency of data-parallel traffic: a collective hidden behind compute still
+    # costs (1 - dp_overlap) of its time (NCCL kernels take SMs and HBM bandwidth from the
+    # compute they overlap); 0 = nothing hidden.
+    dp_overlap: float = 0.85
     p2p_scatter_gather: bool = False  # Megatron sends 1/tp of each activation across stages
     optimizer_bytes_per_param: float = 28.0  # AdamW foreach, fp32: read p g m v, write p m v
     host_adam_GBps: float = 50.0  # host memory bandwidth the CPU AdamW gets (assumption)
     offload_overlap: float = 0.5  # share of offload transfers and host step hidden
     fp32_matmul: str = "fp32"  # the runtime leaves TF32 off; "tf32" if enabled
     kernels: act.Kernels = act.RUNTIME
+    # Gradients reduced once per step (FSDP2 / replicate with `set_requires_gradient_sync`
+    # off on all but the last micro-batch, as the llmscale runtime does); False: every one.
+    grad_sync_once: bool = True
+    step_overhead: bool = True  # add the GPU's fixed per-step cost
+    # What recompute = "selective" recomputes: the attention core (llmscale, Megatron) or, "op",
+    # torchtitan's op-level SAC (every other matmul and the element-wise ops; plan/profiles.py).
+    selective_policy: str = "attention_core"
+    # Element-wise ops run eagerly, one kernel each (torchtitan without torch.compile: composite
+    # RMSNorm, complex RoPE in fp32, silu and mul apart): HBM traffic from `eager_block_bytes`
+    # instead of the saved-bytes proxy.
+    eager_elementwise: bool = False
 
 
 DEFAULT_TIME = TimeParams()
@@ -114,6 +145,7 @@ class _Stage:
     fwd: float
     bwd: float
     parts: dict[str, float]
+    sync: float = 0.0  # FSDP gradient reduce-scatter exposed once per step
 
 
 _STAGES: Memo[_Stage] = Memo("time.stage_times")
@@ -126,38 +158,115 @@ def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _S
     return _STAGES.get(key, compute, (plan.model, cluster, tp_))
 
 
+def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
+    """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (M = tokens)."""
+    m, tp = plan.model, plan.tp
+    tokens = plan.micro_batch_size * plan.seq_len
+    d, kv, f = m.dim, m.kv_dim, m.ffn_dim
+    out = [(tokens, d // tp, d), (tokens, kv // tp, d), (tokens, kv // tp, d)]
+    out.append((tokens, d, d // tp))
+    out += [(tokens, f // tp, d)] * (2 if m.gated else 1)
+    out.append((tokens, d, f // tp))
+    return out
+
+
+def eager_block_bytes(plan: Plan) -> float:
+    """HBM bytes one block's element-wise kernels move in forward on one rank, run eagerly
+    (one kernel per op, bf16 activations, as torchtitan's Llama without torch.compile):
+
+    - composite RMSNorm x 2: to fp32 (2 read, 4 written), pow (4, 4), mean (4), x * rstd (4, 4),
+      back to bf16 (4, 2), times the weight (2, 2): 36 bytes per element of d;
+    - RoPE on q and k as complex products in fp32: cast (2, 4), multiply (4, 4), cast back
+      (4, 2): 20 bytes per element;
+    - repeat_kv (GQA) copies k and v to n_heads: 2 read per kv element, 2 written per q element;
+    - SwiGLU: silu (2, 2) and the product (4, 2): 10 bytes per element of the FFN width;
+    - two residual adds: (4, 2) each, per element of d.
+    Backward moves about twice that (read the saved input and the gradient, write a gradient).
+    """
+    m, tp = plan.model, plan.tp
+    tokens = plan.micro_batch_size * plan.seq_len
+    d, kv, f = m.dim, m.kv_dim, m.ffn_dim
+    per_token: float = 2 * 36 * d + 2 * 6 * d  # norms and residual adds (replicated over tp)
+    per_token += (20 * (d + kv) + 2 * (d + kv) * (2 if kv < d else 0)) / tp
+    per_token += (10 if m.gated else 6) * f / tp
+    return per_token * tokens
+
+
+def _gemm_seconds(
+    shapes: list[tuple[int, int, int]], peak: float, cal: Calibration, flat: float | None
+) -> float:
+    total = 0.0
+    for mm, n, k in shapes:
+        eff = flat if flat is not None else cal.gemm_efficiency_at(mm, n, k)
+        total += 2.0 * mm * n * k / (peak * eff)
+    return total
+
+
 def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
     m, s, b = plan.model, plan.seq_len, plan.micro_batch_size
     tokens = b * s
     tp, kern = plan.tp, plan_kernels(plan, tp_.kernels)
-    peak = peak_flops(cluster, plan.precision, tp_) * tp_.matmul_efficiency
+    cal = cluster.gpu.calibration
+    flat = tp_.matmul_efficiency
+    peak = peak_flops(cluster, plan.precision, tp_)
     layers = plan.rank_layers(rank)
     modes = plan.block_modes(layers)
     n_blocks = len(layers)
-    block_f = m.block_forward_flops_per_token(s) / m.n_layers * tokens / tp
-    fwd_flops = n_blocks * block_f
+    n_full = modes.get("full", 0)
+    # GEMMs of one block (forward; backward is twice, the same shapes transposed).
+    gemm_block = _gemm_seconds(block_gemms(plan), peak, cal, flat)
+    # Attention core (QK^T, AV): a flash kernel skips the masked half under causal masking and
+    # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
+    # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
+    core_fwd_flops = m.attention_core_flops_per_token(s) / m.n_layers * tokens / tp
+    if kern.attention_kernel(m, plan.precision) in ("materialized", "math"):
+        head_dim = m.dim // m.n_heads
+        eff = flat if flat is not None else cal.gemm_efficiency_at(s, s, head_dim)
+        attn_f, attn_b = core_fwd_flops / (peak * eff), 2 * core_fwd_flops / (peak * eff)
+    else:
+        eff = flat if flat is not None else cal.attention_efficiency.value
+        attn_f = 0.5 * core_fwd_flops / (peak * eff)
+        attn_b = 2.5 * attn_f
+    mat_f = n_blocks * (gemm_block + attn_f)
+    mat_b = n_blocks * (2 * gemm_block + attn_b) + n_full * (gemm_block + attn_f)
+    op_sac = plan.recompute == "selective" and tp_.selective_policy == "op"
+    if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
+        shapes = block_gemms(plan)
+        redo = [g for i, g in enumerate(shapes) if i % 2 == 1]
+        mat_b += n_blocks * _gemm_seconds(redo, peak, cal, flat)
+    elif plan.recompute == "selective":
+        mat_b += n_blocks * attn_f
     if rank == plan.pp - 1:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
-        fwd_flops += m.head_forward_flops_per_token() * tokens / vocab_div
-    recompute_flops = modes.get("full", 0) * block_f
-    if plan.recompute == "selective":
-        core = m.attention_core_flops_per_token(s) / m.n_layers
-        recompute_flops = n_blocks * core * tokens / tp
+        head = _gemm_seconds([(tokens, m.vocab_size // vocab_div, m.dim)], peak, cal, flat)
+        mat_f += head
+        mat_b += 2 * head
 
     # Memory-bound kernels, through the bytes they leave behind for backward.
     def saved_bytes(mode: str) -> float:
         return act.block_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern, mode)
 
     saved = n_blocks * saved_bytes("none")
-    if plan.recompute == "selective":
+    if op_sac:  # every element-wise op of the block runs again
+        redone = saved
+    elif plan.recompute == "selective":
         redone = n_blocks * (saved_bytes("none") - saved_bytes("selective"))
     else:
-        redone = modes.get("full", 0) * saved_bytes("none")
+        redone = n_full * saved_bytes("none")
     if rank == plan.pp - 1:
         saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
-    hbm = cluster.gpu.hbm_bandwidth
+    hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     elem_f = tp_.fwd_passes * saved / hbm
     elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
+    if tp_.eager_elementwise:
+        block_f = eager_block_bytes(plan) / hbm
+        head = 0.0
+        if rank == plan.pp - 1:
+            head_saved = act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
+            head = head_saved / hbm
+        redo_blocks = n_blocks if op_sac else n_full
+        elem_f = n_blocks * block_f + tp_.fwd_passes * head
+        elem_b = 2 * n_blocks * block_f + redo_blocks * block_f + tp_.bwd_passes * head
     # Tensor-parallel collectives (inside a node), per block.
     tp_f = tp_b = 0.0
     if tp > 1:
@@ -172,9 +281,7 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
             one = collective("all_reduce", nbytes, tp, tp, cluster.fabric).seconds
         exposed = (1 - tp_.tp_overlap) * one
         tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
-        tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + modes.get("full", 0)) * exposed
-    mat_f = fwd_flops / peak
-    mat_b = (2 * fwd_flops + recompute_flops) / peak
+        tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
     fwd = mat_f + elem_f + tp_f
     bwd = mat_b + elem_b + tp_b
     parts = {
@@ -182,19 +289,60 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
         "elementwise": elem_f + elem_b,
         "tp_comm": tp_f + tp_b,
     }
-    # FSDP traffic per micro-batch, hidden behind its compute up to dp_overlap of it.
+    sync = 0.0
     if plan.fsdp:
-        sp = plan_stage_params(plan, rank, kern)
-        pb = DTYPE_BYTES[plan.precision]
-        per_node = _per_node(plan.dp_shard, tp, cluster.gpus_per_node)
-        gathers = 2 if plan.zero_stage == 3 else 1
-        ag = collective("all_gather", pb * sp.numel, plan.dp_shard, per_node, cluster.fabric)
-        rs = collective("reduce_scatter", 4 * sp.numel, plan.dp_shard, per_node, cluster.fabric)
-        comm = gathers * ag.seconds + rs.seconds
-        exposed = max(0.0, comm - tp_.dp_overlap * (fwd + bwd))
-        parts["fsdp_comm"] = exposed
-        bwd += exposed
-    return _Stage(fwd, bwd, parts)
+        gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
+        parts["fsdp_comm"] = gather
+        bwd += gather
+    return _Stage(fwd, bwd, parts, sync)
+
+
+def _overlapped(comm: float, compute: float, efficiency: float) -> float:
+    """Exposed seconds of `comm` run beside `compute`: the part that does not fit, plus the
+    share (1 - efficiency) of the hidden part that the compute loses to it."""
+    hidden = min(comm, compute)
+    return comm - hidden + (1 - efficiency) * hidden
+
+
+def _fsdp_exposed(
+    plan: Plan,
+    rank: int,
+    cluster: Cluster,
+    tp_: TimeParams,
+    kern: act.Kernels,
+    fwd: float,
+    bwd: float,
+    n_blocks: int,
+) -> tuple[float, float]:
+    """FSDP2 per unit (one block; the root holds embedding and head): each unit's all-gather
+    is prefetched one unit ahead (FSDP2's default) behind the previous unit's compute; the first
+    all-gather of forward (and of backward under zero_stage 3) is exposed. Gradients are
+    reduce-scattered per unit behind the next unit's backward, the last one exposed: on every
+    micro-batch, or once per step (`grad_sync_once`). Returns (per micro-batch, per step)."""
+    sp = plan_stage_params(plan, rank, kern)
+    pb = DTYPE_BYTES[plan.precision]
+    per_node = _per_node(plan.dp_shard, plan.tp, cluster.gpus_per_node)
+    units = max(1, n_blocks)
+    unit_numel = sp.numel / units
+
+    def cost(op: str, nbytes: float) -> float:
+        return collective(op, nbytes, plan.dp_shard, per_node, cluster.fabric).seconds
+
+    ag = cost("all_gather", pb * unit_numel)
+    rs = cost("reduce_scatter", 4 * unit_numel)
+    eta = tp_.dp_overlap
+    c_f, c_b = fwd / units, bwd / units
+    ag_b = ag if plan.zero_stage == 3 else 0.0
+    gather = ag + (units - 1) * _overlapped(ag, c_f, eta)
+    bwd_plain = ag_b + (units - 1) * _overlapped(ag_b, c_b, eta) if ag_b else 0.0
+    gather += bwd_plain
+    # With gradient sync, backward's all-gathers and reduce-scatters share the link and the
+    # same compute window (the next unit's backward).
+    bwd_sync = ag_b + rs + (units - 1) * _overlapped(ag_b + rs, c_b, eta)
+    scatter = bwd_sync - bwd_plain
+    if tp_.grad_sync_once:
+        return gather, scatter
+    return gather + scatter, 0.0
 
 
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
@@ -260,10 +408,15 @@ def estimate_step_time(
         stride = plan.tp * plan.dp_shard
         per_node = _per_node(plan.dp_replicate, stride, cluster.gpus_per_node)
         ar = collective("all_reduce", 4 * worst_params, plan.dp_replicate, per_node, cluster.fabric)
-        dp_sync = max(0.0, ar.seconds - tparams.dp_overlap * slow.bwd)
+        if tparams.grad_sync_once:  # once per step, behind the last micro-batch's backward
+            dp_sync = _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
+        else:  # after every micro-batch (Megatron 2021: after the pipeline flush, exposed)
+            dp_sync = m_ * _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
+    dp_sync += slow.sync
     breakdown["dp_comm"] = dp_sync
     # Optimizer step.
-    hbm = cluster.gpu.hbm_bandwidth
+    cal = cluster.gpu.calibration
+    hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     if plan.offload == "none":
         opt = tparams.optimizer_bytes_per_param * worst_params / hbm
     else:
@@ -283,7 +436,9 @@ def estimate_step_time(
             upload = m_ * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
-    seconds = pipe + p2p_total + dp_sync + opt
+    fixed = cal.step_overhead if tparams.step_overhead else 0.0
+    breakdown["fixed"] = fixed
+    seconds = pipe + p2p_total + dp_sync + opt + fixed
     tokens = plan.tokens_per_step
     peak = peak_flops(cluster, plan.precision, tparams)
     model_flops = m.train_flops_per_token(plan.seq_len) * tokens

@@ -1,0 +1,25 @@
+"""This machine as the planner's hardware: the measured calibration carries every quantity."""
+
+from __future__ import annotations
+
+import torch
+
+from llmscale.bench.calibrate import SOURCE, measured_cluster
+from llmscale.model.config import get_preset
+from llmscale.plan.plan import Plan
+from llmscale.plan.time import estimate_step_time
+
+
+def test_measured_cluster_has_a_calibration_and_the_model_uses_it() -> None:
+    model = get_preset("tiny")
+    cluster, figures = measured_cluster(model, 2 * 64, torch.device("cpu"), dtypes=("fp32",))
+    cal = cluster.gpu.calibration
+    assert figures["attention_fp32_flops"] > 0 and figures["fixed_s"] > 0
+    assert cal.attention_efficiency.source == SOURCE and cal.attention_efficiency.value > 0
+    assert cal.step_overhead_ms.value == 1000 * figures["fixed_s"]
+    # The measured GEMM rate is the peak: every shape runs at it.
+    assert cal.gemm_efficiency_at(7, 11, 13) == 1.0 and cal.hbm_efficiency.value == 1.0
+    plan = Plan(model=model, seq_len=64, micro_batch_size=2, global_batch_size=2,
+                precision="fp32")  # fmt: skip
+    t = estimate_step_time(plan, cluster)
+    assert t.breakdown["fixed"] == figures["fixed_s"]
