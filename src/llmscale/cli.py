@@ -17,6 +17,7 @@ from llmscale.config import (
     ZERO_STAGES,
 )
 from llmscale.errors import ConfigError, UsageError
+from llmscale.plan.profiles import PROFILE_NAMES
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
 
 EXIT_USAGE = 2
@@ -341,6 +342,15 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--png", help="also draw the top plans' memory as stacked bars to this PNG")
     p.add_argument("--json", action="store_true", help="print JSON on standard output, only")
     p.add_argument("--wide", action="store_true", help="every column (default: 100 columns)")
+    p.add_argument(
+        "--profile",
+        choices=PROFILE_NAMES,
+        default="llmscale",
+        help="whose kernels and memory behaviour to model: llmscale (this runtime, the "
+        "default), megatron (Megatron-LM as Narayanan 2021 and Korthikanti 2022 ran it: "
+        "vocab-parallel loss, selective recompute of the attention core) or torchtitan "
+        "(FSDP2, flash SDPA, op-level selective checkpointing)",
+    )
     fix = p.add_argument_group("fix a dimension (default: searched)")
     for flag, name in (
         ("--tp", "tensor-parallel degree"),
@@ -386,7 +396,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     space, fixed = fixed_space(args.gpus, given)
     rep = plan_report(
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
-        node=args.node, nic=args.nic, space=space, fixed=fixed,
+        node=args.node, nic=args.nic, space=space, fixed=fixed, profile=args.profile,
     )  # fmt: skip
     why = rep.result.why_none()
     if args.png and rep.result.shown:

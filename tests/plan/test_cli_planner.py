@@ -80,3 +80,23 @@ def test_bad_names_exit_2_with_one_line(args: list[str], needle: str) -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_profile_changes_what_is_modelled() -> None:
+    """One fixed layout under each training stack's profile: the same plan, other kernels and
+    time parameters, so other predictions; an unknown profile is one line and exit 2."""
+    layout = ["--tp", "8", "--pp", "1", "--dp-shard", "8", "--dp-replicate", "1", "--mbs", "1",
+              "--recompute", "full", "--zero-stage", "3", "--sp", "--offload", "none"]  # fmt: skip
+    base = ["plan", "--model", "llama2-70b", "--gpu", "h100", "--gpus", "64", "--seq", "4096",
+            "--global-batch", "512", "--json", *layout]  # fmt: skip
+    got = {}
+    for profile in ("llmscale", "megatron", "torchtitan"):
+        r = _run(*base, "--profile", profile)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["inputs"]["profile"] == profile
+        (c,) = out["candidates"]
+        got[profile] = (c["step_time"]["seconds"], c["memory_bytes"]["worst_stage"]["total"])
+    assert len(set(got.values())) == 3
+    r = _run(*base, "--profile", "deepspeed")
+    assert r.returncode == 2 and "deepspeed" in r.stderr and len(r.stderr.strip().splitlines()) == 1

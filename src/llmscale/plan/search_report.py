@@ -16,8 +16,10 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import get_preset
+from llmscale.plan import memory as mem
 from llmscale.plan import report
 from llmscale.plan.cluster import Cluster
+from llmscale.plan.profiles import get_profile
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 
 MEMORY_LEGEND = (
@@ -79,16 +81,29 @@ def plan_report(
     nic: str | None = None,
     space: SearchSpace = DEFAULT_SPACE,
     fixed: dict[str, Any] | None = None,
+    profile: str = "llmscale",
 ) -> PlanReport:
     """Search the layouts of preset `model` on `gpus` x `gpu` within `space`; keep the `top`
-    fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`."""
+    fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`;
+    `profile` the training stack whose kernels and memory behaviour are modelled."""
     cfg = get_preset(model)
     cluster = Cluster.of(gpu, node=node, nic=nic)
-    res = search(cfg, gpus, cluster, seq, global_batch, precision, top, space=space)
+    prof = get_profile(profile)
+    # llmscale's own kernels depend on the layout (vocab-parallel under tp): the default
+    # options derive them per plan; another stack's are fixed facts of that stack.
+    options = (
+        mem.DEFAULT_OPTIONS
+        if profile == "llmscale"
+        else replace(mem.DEFAULT_OPTIONS, kernels=prof.kernels)
+    )
+    res = search(
+        cfg, gpus, cluster, seq, global_batch, precision, top, space=space,
+        memory_options=options, time_params=prof.time,
+    )  # fmt: skip
     inputs = {
         "model": model, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
-        "fixed": fixed or {},
+        "profile": profile, "fixed": fixed or {},
     }  # fmt: skip
     return PlanReport(res, inputs)
 
