@@ -112,9 +112,10 @@ def test_config_c_llama2_70b_tp8_pp4_selective() -> None:
     assert last.params == 4 * numel3
     # Autocast's bf16 casts: the blocks' linears and the head's 4000 x 8192 slice.
     assert last.working_params == 2 * (20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 4000 * d)
-    # The loss's fp32 logit gradients, 8 B per logit: the runtime gathers the logits before a
-    # single-process loss, so all 32000 columns on every tp rank.
-    assert last.inflight == 1 and last.transient == 8 * 4096 * 32000
+    # The loss's fp32 logit gradients, 8 B per logit: the runtime's loss runs on vocabulary
+    # shards (torch's loss_parallel, model.config.loss_parallel), so 4000 columns per tp rank.
+    # (Before issue 12 it gathered the logits first: all 32000 columns on every rank.)
+    assert last.inflight == 1 and last.transient == 8 * 4096 * 32000 / 8
     assert est.worst is first
 
 
