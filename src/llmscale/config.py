@@ -300,7 +300,7 @@ class MetricsSection:
 
 @dataclass
 class ParallelSection:
-    """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, tp)."""
+    """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, cp, tp)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas (DDP-style: every replica holds the whole states)."""
