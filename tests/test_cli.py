@@ -150,7 +150,7 @@ def test_train_help_lists_every_key_with_default_and_choices(capsys) -> None:
     out = capsys.readouterr().out
     for k in config_keys():
         assert f"--{k.key} " in out
-    assert '--precision.mode fp32 | bf16 | fp16  (default "fp32")' in out
+    assert '--precision.mode fp32 | bf16 | fp16 | fp8  (default "fp32")' in out
     assert '--train.recompute none | full | selective | every_k  (default "none")' in out
     assert '--optimizer.offload none | optimizer | optimizer+params  (default "none")' in out
     assert "--parallel.zero_stage 0 | 1 | 2 | 3  (default 3)" in out

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from llmscale.errors import ConfigError, UsageError
-from llmscale.model.config import ModelConfig, get_preset
+from llmscale.model.config import ModelConfig, get_preset, pp_layers_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "full", "selective", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LRDecay = Literal["cosine", "linear", "constant"]
@@ -41,21 +41,26 @@ MEMORY_CHECKS: tuple[MemoryCheck, ...] = get_args(MemoryCheck)
 OFFLOAD_KERNELS: tuple[OffloadKernel, ...] = get_args(OffloadKernel)
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 
-# Bytes of one element in each precision: the planner's and the runtime's one table.
-DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes of one element in each precision: the planner's and the runtime's one table. fp8 is
+# torchao's float8 training: bf16 autocast whose linears run their matmuls in float8 (inputs and
+# weights cast per matmul, the bf16 tensors are what autograd saves), so its tensors are 2 bytes;
+# FP8_MATMUL_BYTES is the matmul operands' width.
+DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+FP8_MATMUL_BYTES = 1
 
 
 # ---- degrees, derived once (JobConfig, ParallelDims and the planner's Plan read these) ----
 
 
 class MeshDegrees:
-    """What follows from a layout's four mesh degrees (pp, dp_replicate, dp_shard, tp), derived
+    """What follows from a layout's mesh degrees (pp, dp_replicate, dp_shard, cp, tp), derived
     once here for the ones that hold them: ParallelSection, the runtime's ParallelDims and the
     planner's Plan."""
 
     pp: int
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
 
     @property
@@ -66,7 +71,7 @@ class MeshDegrees:
     @property
     def world_size(self) -> int:
         """Processes of the layout: the product of the mesh's degrees."""
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def fsdp(self) -> bool:
@@ -169,7 +174,8 @@ class PrecisionSection:
     """[precision]: autocast dtype over fp32 master weights, and fp16 dynamic loss scaling."""
 
     mode: Precision = "fp32"
-    """Autocast dtype of the forward and backward; the master weights stay fp32."""
+    """Autocast dtype of the forward and backward; the master weights stay fp32. fp8: bf16 with
+    float8 matmuls in the linears (torchao's float8 training; GPUs with FP8 only)."""
     initial_scale: float = 2.0**15
     """fp16: the loss scale at the first step."""
     growth_factor: float = 2.0
@@ -311,7 +317,7 @@ class MetricsSection:
 
 @dataclass
 class ParallelSection(MeshDegrees):
-    """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, tp)."""
+    """[parallel]: degrees of one N-D device mesh (pp, dp_replicate, dp_shard, cp, tp)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas (DDP-style: every replica holds the whole states)."""
@@ -325,6 +331,12 @@ class ParallelSection(MeshDegrees):
     """Order of the pipeline's forward and backward micro-batches."""
     pp_chunks: int = 1
     """Model chunks per pipeline rank (interleaved_1f1b; 1 otherwise)."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Layers of each pipeline stage (pp x pp_chunks entries, summing to model.n_layers); empty
+    = automatic: floor or ceil of n_layers / stages each, the first and last stages the lighter."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (ring attention; planner only,
+    the runtime does not have it yet)."""
     sequence_parallel: bool = False
     """With tp > 1: the residual stream and the norms are split over tp ranks on the sequence."""
     zero_stage: ZeroStage = 3
@@ -332,7 +344,7 @@ class ParallelSection(MeshDegrees):
     them after the forward."""
 
     def validate(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_chunks"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_chunks", "cp"):
             _positive(f"parallel.{name}", getattr(self, name))
         _choice("parallel", self, "pp_schedule")
         _choice("parallel", self, "zero_stage")
@@ -408,7 +420,8 @@ class JobConfig:
             raise ConfigError(
                 "parallel",
                 f"pp x dp_replicate x dp_shard x tp = {p.pp} x {p.dp_replicate} x {p.dp_shard} x {p.tp}"
-                f" = {p.world_size}",
+                + (f" x cp {p.cp}" if p.cp > 1 else "")
+                + f" = {p.world_size}",
                 f"degrees whose product equals the world size {world_size}"
                 + (
                     " (start that many processes: torchrun --nproc-per-node N -m llmscale train ...)"
@@ -428,12 +441,6 @@ class JobConfig:
                 p.tp,
                 f"a divisor of model.vocab_size={m.vocab_size} (vocab-parallel)",
             )
-        if p.sequence_parallel and (m.tie_embeddings or m.pos_emb != "rope"):
-            raise ConfigError(
-                "parallel.sequence_parallel",
-                True,
-                "false for models with tied embeddings or learned positions",
-            )
         if p.sequence_parallel and self.data.seq_len % p.tp:
             raise ConfigError(
                 "data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}"
@@ -444,6 +451,16 @@ class JobConfig:
                 "parallel.pp",
                 p.pp,
                 f"pp x pp_chunks = {stages} stages, at most model.n_layers={m.n_layers}",
+            )
+        if p.pp_layers:
+            problem = pp_layers_problem(p.pp_layers, m.n_layers, stages)
+            if problem:
+                raise ConfigError("parallel.pp_layers", p.pp_layers, problem)
+        if p.cp > 1 and self.data.seq_len % (2 * p.cp):
+            raise ConfigError(
+                "data.seq_len",
+                self.data.seq_len,
+                f"a multiple of 2 x parallel.cp = {2 * p.cp} (load-balanced ring attention)",
             )
         if p.pp > 1 and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")

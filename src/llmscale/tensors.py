@@ -11,8 +11,14 @@ from collections.abc import Iterable
 
 import torch
 
-# Precision names as the config spells them (`precision.mode`), to torch dtypes.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Precision names as the config spells them (`precision.mode`), to the dtype of their tensors
+# (fp8 training keeps bf16 tensors and casts to float8 only inside the linears' matmuls).
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

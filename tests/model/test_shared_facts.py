@@ -16,8 +16,11 @@ from llmscale.model.config import (
     block_recompute,
     get_preset,
     loss_parallel,
+    pp_layers_problem,
+    sp_embedding_scatter,
     split_layers,
     stage_ids,
+    stage_layer_counts,
     tp_split,
     vocab_parallel,
 )
@@ -29,11 +32,18 @@ def test_vocab_parallel_is_untied_models_under_tp() -> None:
     llama, gpt = get_preset("llama2-7b"), get_preset("gpt2-124m")
     assert vocab_parallel(llama, 8) and not vocab_parallel(llama, 1)
     assert not vocab_parallel(gpt, 8)  # tied: a matrix cannot be row- and column-split at once
-    assert not loss_parallel(llama, 8)  # logits gathered before a single-process loss
+    # The loss runs on vocabulary shards (torch's loss_parallel) wherever the head is split.
+    assert loss_parallel(llama, 8) and not loss_parallel(gpt, 8) and not loss_parallel(llama, 1)
     # The planner's default kernels and `for_runtime` follow it; Megatron's forces both.
-    assert RUNTIME.splits_vocab(llama, 8) and not RUNTIME.splits_logits(llama, 8)
+    assert RUNTIME.splits_vocab(llama, 8) and RUNTIME.splits_logits(llama, 8)
+    assert not RUNTIME.splits_logits(gpt, 8)
     k = Kernels.for_runtime(llama, 8, "cpu")
-    assert k.vocab_parallel is True and k.loss_parallel is False and k.device == "cpu"
+    assert k.vocab_parallel is True and k.loss_parallel is True and k.device == "cpu"
+    # Sequence parallelism begins at the embedding only for a vocabulary-parallel one without
+    # learned positions; otherwise the first block takes its slice of the sequence.
+    assert sp_embedding_scatter(llama, 8) and not sp_embedding_scatter(gpt, 8)
+    learned = llama.with_overrides(pos_emb="learned")
+    assert not sp_embedding_scatter(learned, 8)
     assert MEGATRON_2021.splits_vocab(gpt, 8) and MEGATRON_2021.splits_logits(gpt, 8)
 
 
@@ -79,13 +89,30 @@ def test_apply_tp_shards_what_the_table_says(tmp_path) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("layers", "stages"), [(6, 2), (80, 3), (7, 4), (32, 6)])
+@pytest.mark.parametrize(("layers", "stages"), [(6, 2), (80, 3), (7, 4), (32, 6), (126, 4)])
 def test_layer_split_covers_every_layer_once(layers: int, stages: int) -> None:
     parts = split_layers(layers, stages)
     assert [i for r in parts for i in r] == list(range(layers))
-    assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert [len(r) for r in parts] == sorted((len(r) for r in parts), reverse=True)  # early +1
+    sizes = [len(r) for r in parts]
+    assert max(sizes) - min(sizes) <= 1
+    # The first and last stages (embedding, head) are the lighter ones where any are lighter.
+    if stages > 2 and max(sizes) != min(sizes) and layers % stages <= stages - 2:
+        assert sizes[0] == sizes[-1] == min(sizes)
+    assert stage_layer_counts(layers, stages) == sizes
     assert stage_ids(1, 4, 2) == [1, 5]
+
+
+@pytest.mark.parametrize(
+    ("pp_layers", "needle"),
+    [
+        ([2, 2, 2], "2 entries"),
+        ([4, 0], "positive layer counts"),
+        ([3, 3], "summing to model.n_layers=4, got 6"),
+    ],
+)
+def test_bad_pp_layers_are_named(pp_layers: list[int], needle: str) -> None:
+    assert needle in pp_layers_problem(pp_layers, 4, 2)
+    assert pp_layers_problem([1, 3], 4, 2) == ""
 
 
 def test_recompute_rules() -> None:

@@ -101,12 +101,13 @@ def run_layouts(
 RTOL = 1e-5
 
 
-def single_process_reference(run_dir: Path) -> dict[str, Any]:
-    """The BASE job in this process: its losses, validation loss and final parameters."""
+def single_process_reference(run_dir: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The BASE job (plus `extra` overrides) in this process: its losses, validation loss and
+    final parameters."""
     from llmscale.config import load_config
     from llmscale.train.trainer import Trainer
 
-    t = Trainer(load_config(None, [*BASE, "--job.run_dir", str(run_dir)]))
+    t = Trainer(load_config(None, [*BASE, *extra, "--job.run_dir", str(run_dir)]))
     r = t.fit()
     params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     return {"losses": r.losses, "val_loss": r.val_loss, "params": params}

@@ -69,6 +69,21 @@ def _p(**degrees: object) -> list[str]:
             "micro_batch_size x dp = 2 x 4 = 8",
         ),
         (2, _p(pp=2) + ["--model.tie_embeddings", "true"], "model.tie_embeddings", "pp > 1"),
+        # Explicit layers per pipeline stage (issue 12): one entry per stage, each positive,
+        # summing to the model's layers.
+        (2, _p(pp=2) + ["--parallel.pp_layers", "[1, 2]"], "parallel.pp_layers", "got 3"),
+        (2, _p(pp=2) + ["--parallel.pp_layers", "[4]"], "parallel.pp_layers", "2 entries"),
+        (2, _p(pp=2) + ["--parallel.pp_layers", "[0, 4]"], "parallel.pp_layers", "positive"),
+        (
+            4,
+            _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=2, pp_layers="[1, 1, 2]"),
+            "parallel.pp_layers",
+            "4 entries (one per pipeline stage: pp x pp_chunks), got 3",
+        ),
+        # Values the planner costs before the runtime has them: refused with one line.
+        (2, _p(cp=2), "parallel.cp", "the runtime has no context parallelism yet"),
+        (1, ["--precision.mode", "fp8"], "precision.mode", "fp8 training needs"),
+        (2, _p(cp=2) + ["--data.seq_len", "30"], "data.seq_len", "a multiple of 2 x parallel.cp"),
     ],
 )
 def test_bad_layout_is_a_config_error_before_any_process_group(

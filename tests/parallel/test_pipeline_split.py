@@ -18,8 +18,12 @@ from llmscale.parallel.pipeline import build_stage_module, split_layers, stage_i
         (4, 2, [2, 2]),
         (4, 4, [1, 1, 1, 1]),
         (5, 2, [3, 2]),
-        (7, 3, [3, 2, 2]),
-        (32, 6, [6] * 2 + [5] * 4),
+        # Issue 12: the extra layers go to the middle stages first, then the first, then the
+        # last: the stages with the embedding and the head are the lighter ones.
+        (7, 3, [2, 3, 2]),
+        (32, 6, [5, 6, 6, 5, 5, 5]),
+        (126, 4, [31, 32, 32, 31]),  # Llama 3 405B over 4 stages
+        (80, 3, [27, 27, 26]),
     ],
 )
 def test_split_is_contiguous_and_balanced(layers, stages, sizes) -> None:
@@ -31,6 +35,21 @@ def test_split_is_contiguous_and_balanced(layers, stages, sizes) -> None:
 def test_split_needs_a_layer_per_stage() -> None:
     with pytest.raises(ValueError):
         split_layers(4, 5)
+
+
+def test_explicit_layers_per_stage() -> None:
+    assert split_layers(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
+    assert split_layers(7, 3, (3, 3, 1)) == [range(0, 3), range(3, 6), range(6, 7)]
+    for bad in ([2, 3], [4], [0, 4], [1, 1, 2]):
+        with pytest.raises(ValueError, match="parallel.pp_layers"):
+            split_layers(4, 2, bad)
+
+
+def test_stage_module_holds_its_explicit_layers() -> None:
+    model = build_model(get_preset("tiny"), "meta")
+    first = build_stage_module(model, 0, 2, [3, 1])
+    last = build_stage_module(model, 1, 2, [3, 1])
+    assert list(first.layers) == ["0", "1", "2"] and list(last.layers) == ["3"]
 
 
 def test_interleaved_stages_are_assigned_loop_style() -> None:

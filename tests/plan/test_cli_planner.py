@@ -70,8 +70,11 @@ def test_network_table() -> None:
         (["hw", "--compare", "h200", "h300"], "gpu: got 'h300'"),
         (["network", "--gpus", "100"], "gpus: got 100"),
         (["network", "--gpus", "64", "--gpu", "tpu"], "gpu: got 'tpu'"),
-        (["roofline", "--precision", "fp8"], "precision: got 'fp8'; allowed: fp32 | bf16 | fp16"),
-        (["plan", "--gpus", "8", "--precision", "fp8"], "precision: got 'fp8'"),
+        (
+            ["roofline", "--precision", "int8"],
+            "precision: got 'int8'; allowed: fp32 | bf16 | fp16 | fp8",
+        ),
+        (["plan", "--gpus", "8", "--precision", "int8"], "precision: got 'int8'"),
         (["plan", "--gpus", "8", "--json-out", "x"], "plan: error: unrecognized arguments"),
     ],
 )

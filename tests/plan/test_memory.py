@@ -15,6 +15,7 @@ from llmscale.plan.memory import (
     estimate_memory,
     head_inflight,
     inflight_units,
+    plan_stage_params,
     zero_textbook_bytes,
 )
 from llmscale.plan.plan import Plan
@@ -112,9 +113,10 @@ def test_config_c_llama2_70b_tp8_pp4_selective() -> None:
     assert last.params == 4 * numel3
     # Autocast's bf16 casts: the blocks' linears and the head's 4000 x 8192 slice.
     assert last.working_params == 2 * (20 * (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 4000 * d)
-    # The loss's fp32 logit gradients, 8 B per logit: the runtime gathers the logits before a
-    # single-process loss, so all 32000 columns on every tp rank.
-    assert last.inflight == 1 and last.transient == 8 * 4096 * 32000
+    # The loss's fp32 logit gradients, 8 B per logit: the runtime's loss runs on vocabulary
+    # shards (torch's loss_parallel, model.config.loss_parallel), so 4000 columns per tp rank.
+    # (Before issue 12 it gathered the logits first: all 32000 columns on every rank.)
+    assert last.inflight == 1 and last.transient == 8 * 4096 * 32000 / 8
     assert est.worst is first
 
 
@@ -328,3 +330,119 @@ def test_options_change_the_overheads() -> None:
     a = estimate_memory(plan).worst
     b = estimate_memory(plan, MemoryOptions(allocator_overhead=0.0)).worst
     assert b.allocator == 0 and a.allocated == b.allocated
+
+
+# ---- issue 12: wider layouts ----------------------------------------------------------------
+
+L405 = get_preset("llama3-405b")
+GPT3 = get_preset("gpt3-175b")
+
+
+def test_explicit_pp_layers_are_what_each_rank_holds() -> None:
+    """Llama 3 405B (126 layers) over pp=4: automatic 31, 32, 32, 31 (the embedding's and the
+    head's ranks lighter); explicit [30, 33, 33, 30] moves a block from each end inwards."""
+    base = dict(model=L405, seq_len=8192, micro_batch_size=1, global_batch_size=16, pp=4, tp=8)
+    auto = Plan(**base)
+    assert [len(auto.rank_layers(r)) for r in range(4)] == [31, 32, 32, 31]
+    plan = Plan(**base, pp_layers=(30, 33, 33, 30))
+    assert [plan.rank_layers(r) for r in range(4)] == [
+        list(range(0, 30)), list(range(30, 63)), list(range(63, 96)), list(range(96, 126)),
+    ]  # fmt: skip
+    a, b = estimate_memory(auto), estimate_memory(plan)
+    block = (b.stages[1].params - a.stages[1].params) / 4  # one block's fp32 params per tp rank
+    assert block > 0
+    assert a.stages[0].params - b.stages[0].params == 4 * block
+    assert a.stages[3].params - b.stages[3].params == 4 * block
+    # The job and the plan convert both ways with the list (a tuple in the plan).
+    job = plan.to_job()
+    assert job.parallel.pp_layers == [30, 33, 33, 30] and Plan.from_job(job) == plan
+    assert "--parallel.pp_layers [30,33,33,30]" in plan.overrides()
+
+
+@pytest.mark.parametrize(
+    ("pp_layers", "needle"),
+    [((60, 66), "4 entries"), ((0, 42, 42, 42), "positive"), ((31, 31, 31, 31), "got 124")],
+)
+def test_bad_pp_layers_are_refused_by_the_planner(pp_layers, needle) -> None:
+    plan = Plan(
+        model=L405, seq_len=8192, micro_batch_size=1, global_batch_size=16, pp=4,
+        pp_layers=pp_layers,
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(plan)
+    assert e.value.field == "parallel.pp_layers" and needle in str(e.value)
+
+
+def test_sequence_parallel_with_learned_positions_and_tied_embeddings_is_costed() -> None:
+    """GPT-3 175B (learned positions, tied embeddings) with SP: the planner used to refuse it
+    as the runtime did. The block's norm-region tensors split over tp; the tied head (replicated,
+    its logits whole on every rank) is the same as without SP but for the final norm."""
+    base = dict(model=GPT3, seq_len=2048, micro_batch_size=1, global_batch_size=8, tp=8)
+    sp = estimate_memory(Plan(**base, sequence_parallel=True)).worst
+    no = estimate_memory(Plan(**base)).worst
+    assert sp.params == no.params  # SP moves no parameter
+    assert sp.activations < no.activations
+    blk = act.block_tensors(GPT3, 1, 2048, "bf16", 8, True)
+    norm = [t for t in blk if t.region == "norm"]
+    assert len(norm) == 6  # two LayerNorms: input, mean, rstd each
+    whole = act.block_tensors(GPT3, 1, 2048, "bf16", 8, False)
+    assert sum(t.nbytes for t in norm) * 8 == pytest.approx(
+        sum(t.nbytes for t in whole if t.region == "norm")
+    )
+
+
+def test_loss_parallel_keeps_a_vocabulary_shard_of_the_logits() -> None:
+    """Untied models under TP: the runtime's loss runs on vocabulary shards (torch's
+    loss_parallel), so the saved log-softmax and the loss's transient are 1/tp of the logits;
+    a tied model keeps them whole."""
+    plan = Plan(model=L7, seq_len=4096, micro_batch_size=1, global_batch_size=8, tp=8)
+    last = estimate_memory(plan).worst
+    assert last.transient == 8 * 4096 * 32000 / 8
+    head = act.head_tensors(L7, 1, 4096, "bf16", 8, False, act.RUNTIME)
+    (logits,) = [t for t in head if t.name.startswith("log-softmax")]
+    assert logits.nbytes == 4 * 4096 * 32000 / 8
+    tied = act.head_tensors(GPT3, 1, 2048, "bf16", 8, False, act.RUNTIME)
+    (whole,) = [t for t in tied if t.name.startswith("log-softmax")]
+    assert whole.nbytes == 4 * 2048 * 50257
+
+
+def test_context_parallelism_divides_activations_and_shards_states_further() -> None:
+    base = dict(model=L7, seq_len=4096, micro_batch_size=1, global_batch_size=8, dp_shard=8)
+    one, two = Plan(**base), Plan(**base, cp=2)
+    assert two.world_size == 16 and two.fsdp_shards == 16 and one.fsdp_shards == 8
+    a, b = estimate_memory(one).worst, estimate_memory(two).worst
+    assert b.activations == pytest.approx(a.activations / 2)
+    assert b.params < a.params and b.params == pytest.approx(a.params / 2, rel=1e-3)
+    # Without FSDP the cp ranks hold the states whole.
+    c = estimate_memory(Plan(**dict(base, dp_shard=1, global_batch_size=1), cp=2)).worst
+    d = estimate_memory(Plan(**dict(base, dp_shard=1, global_batch_size=1))).worst
+    assert c.params == d.params and c.activations == pytest.approx(d.activations / 2)
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(Plan(**dict(base, seq_len=4094), cp=2))
+    assert e.value.field == "data.seq_len"
+
+
+def test_fp8_memory_is_bf16_memory() -> None:
+    """torchao's float8 linears save their bf16 input and weight and cast per matmul: the
+    planner's bytes are bf16's; only the time model prices the float8 matmuls."""
+    base = dict(model=L7, seq_len=4096, micro_batch_size=1, global_batch_size=8, dp_shard=8)
+    fp8, bf16 = Plan(**base, precision="fp8"), Plan(**base, precision="bf16")
+    assert fp8.fp8_matmuls and not bf16.fp8_matmuls
+    assert estimate_memory(fp8).worst.breakdown() == estimate_memory(bf16).worst.breakdown()
+
+
+def test_fsdp_under_a_pipeline_holds_unsharded_gradients_across_micro_batches() -> None:
+    """torch's pipeline schedules turn FSDP2's gradient sync and reshard-after-backward off for
+    every micro-batch and reduce-scatter once at the step's end: each stage holds its unsharded
+    fp32 gradients and unsharded params (param_dtype) until then, whatever the zero_stage."""
+    base = dict(model=L7, seq_len=4096, micro_batch_size=1, global_batch_size=16, dp_shard=4)
+    plan = Plan(**base, pp=2)
+    assert plan.fsdp_holds_grads_across_microbatches
+    assert not Plan(**base).fsdp_holds_grads_across_microbatches
+    st = estimate_memory(plan).stages[0]
+    sp = plan_stage_params(plan, 0, act.RUNTIME)
+    assert st.grads == 4 * sp.numel  # unsharded, fp32 (FSDP2's reduce_dtype)
+    assert st.params == 4 * sp.shard_numel
+    assert st.working_params == 2 * sp.numel  # every unit unsharded in bf16
+    without_pp = estimate_memory(Plan(**base)).worst
+    assert without_pp.grads == 4 * plan_stage_params(Plan(**base), 0, act.RUNTIME).shard_numel

@@ -56,6 +56,8 @@ OTHER: dict[str, list[Any]] = {
     "pp": [1, 2],
     "pp_schedule": ["gpipe", "1f1b"],
     "pp_chunks": [3, 1],
+    "pp_layers": [(15, 17), (7, 9, 8, 8), (4,)],
+    "cp": [2, 1],
     "sequence_parallel": [False, True],
     "zero_stage": [1, 2],
 }

@@ -11,6 +11,10 @@ config and the runtime's kernel facts on the CPU (`Kernels.for_runtime`), must p
 - `activation_peak_bytes`: the most saved bytes held at once under the 1F1B schedule with 4
   micro-batches in flight (pipeline parallelism, each stage of the runtime's layer split).
 
+Issue 12 adds: tp=2 with a 4096-token vocabulary (the loss on vocabulary shards, torch's
+`loss_parallel`: a third of the saved bytes are logits), sequence parallelism with learned
+positions and with tied embeddings (GPT style), and an uneven pipeline split (`pp_layers`).
+
 Parameters exactly; activations within 3% (the tolerance issue 11 sets; they agree exactly but
 for the first stage's token ids, 2 KB, 0.01-0.3%).
 """
@@ -64,6 +68,26 @@ def _layouts() -> dict[str, list[str]]:
                 # on the first, holding more than a training step does.
                 "--train.steps", "2",
             ]  # fmt: skip
+    # Issue 12. The loss on vocabulary shards (torch's loss_parallel): with a 4096-token
+    # vocabulary the logits are a third of what a tp rank saves, so a planner that counted them
+    # whole (gathered) would be off by far more than the tolerance.
+    tp2 = ["--parallel.tp", "2", "--train.global_batch_size", "2"]
+    out["tp2_vocab4096_fp32_none"] = [*tp2, "--model.vocab_size", "4096"]
+    # Sequence parallelism with learned positions, and with tied embeddings (GPT style).
+    learned = ["--model.pos_emb", "learned", "--model.bias", "true"]
+    gpt = [*learned, "--model.norm", "layernorm", "--model.mlp", "gelu"]
+    gpt += ["--model.tie_embeddings", "true"]
+    for tag, model in (("learned", learned), ("gpt", gpt)):
+        for precision in ("fp32", "bf16"):
+            out[f"tp2_sp_{tag}_{precision}_none"] = [
+                *tp2, *model, "--parallel.sequence_parallel", "true",
+                "--precision.mode", precision,
+            ]  # fmt: skip
+    # An uneven pipeline split: 5 blocks on the first rank, 1 on the last.
+    out["pp2_layers_5_1_fp32_none"] = [
+        "--parallel.pp", "2", "--parallel.pp_layers", "[5, 1]",
+        "--train.global_batch_size", "8", "--train.steps", "2",
+    ]  # fmt: skip
     return out
 
 

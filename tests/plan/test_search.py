@@ -67,7 +67,9 @@ def test_space_restricts_options() -> None:
 
 def test_interleaved_plans_have_whole_chunks() -> None:
     space = SearchSpace(schedules=("interleaved_1f1b",), micro_batch_sizes=(1, 2))
-    r = search(L70, 64, H200, 4096, 1024, top=5, space=space)
+    # top=20: since issue 12 FSDP2 under a pipeline holds each stage's unsharded gradients
+    # (as the runtime does), so tp=1 interleaved FSDP plans no longer fit and rank lower.
+    r = search(L70, 64, H200, 4096, 1024, top=20, space=space)
     inter = [c.plan for c in r.candidates if c.plan.pp_schedule == "interleaved_1f1b"]
     assert inter
     for p in inter:
@@ -79,7 +81,7 @@ def test_interleaved_plans_have_whole_chunks() -> None:
     [
         ({"gpus": 0}, "gpus"),
         ({"seq_len": 8192}, "seq_len"),
-        ({"precision": "fp8"}, "precision"),
+        ({"precision": "int8"}, "precision"),
         ({"global_batch_size": -1}, "global_batch_size"),
     ],
 )

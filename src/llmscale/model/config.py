@@ -4,11 +4,12 @@ This module must not import torch: the planner counts parameters and FLOPs from 
 `ModelConfig` it states, once, what the runtime does and the planner predicts:
 
 - `TP_STYLES` / `VOCAB_TP_STYLES` / `SP_MODULES` and `vocab_parallel`: which module is split
-  column- or row-wise over tensor-parallel ranks, what sequence parallelism shards and gathers
+  column- or row-wise over tensor-parallel ranks, what sequence parallelism shards and gathers,
+  whether the loss runs on vocabulary shards (`loss_parallel`, `sp_embedding_scatter`)
   (`parallel/tensor_parallel.py` maps them to DTensor styles; `plan/params.py` and
   `plan/activations.py` count from them);
-- `split_layers` and `stage_ids`: the layer -> pipeline stage -> rank placement
-  (`parallel/pipeline.py`, `plan/plan.py`);
+- `stage_layer_counts`, `split_layers` and `stage_ids`: the layer -> pipeline stage -> rank
+  placement, automatic or from `parallel.pp_layers` (`parallel/pipeline.py`, `plan/plan.py`);
 - `block_recompute` and `ModelConfig.recompute_fraction`: which blocks each recompute mode
   checkpoints (the every-k rule) and the share of forward FLOPs run again.
 """
@@ -298,11 +299,12 @@ TP_STYLES: dict[str, TPSplit] = {
 }
 # Root modules under vocabulary parallelism (see `vocab_parallel`): the embedding looks up its
 # vocabulary range and a reduce sums; the output projection computes its vocabulary columns and
-# the logits are all-gathered before the (single-process) loss: the loss and its log-softmax
-# run on the whole vocabulary on every tp rank (no vocab-parallel cross-entropy).
+# leaves the logits split over the vocabulary: the loss runs on the shards (torch's
+# `loss_parallel`, Megatron's vocab-parallel cross-entropy), so the full logits are never
+# gathered (see `loss_parallel`).
 VOCAB_TP_STYLES: dict[str, TPSplit] = {
     "tok_embeddings": TPSplit("rowwise", embedding=True),
-    "output": TPSplit("colwise", gather_output=True),
+    "output": TPSplit("colwise", gather_output=False),
 }
 # Sequence parallelism: these norms run on seq / tp tokens (the residual stream between them is
 # sharded on the sequence); the inputs of these modules are all-gathered to the whole sequence,
@@ -321,9 +323,23 @@ def vocab_parallel(model: ModelConfig, tp: int) -> bool:
 
 
 def loss_parallel(model: ModelConfig, tp: int) -> bool:
-    """Whether the loss runs on vocabulary shards of the logits (Megatron's vocab-parallel
-    cross-entropy) rather than on logits gathered whole on every tp rank."""
+    """Whether the loss runs on vocabulary shards of the logits (torch's `loss_parallel`,
+    Megatron's vocab-parallel cross-entropy) rather than on logits gathered whole on every tp
+    rank: wherever the output projection is vocabulary-parallel."""
     return vocab_parallel(model, tp) and not VOCAB_TP_STYLES["output"].gather_output
+
+
+def sp_embedding_scatter(model: ModelConfig, tp: int) -> bool:
+    """Under sequence parallelism: does the embedding itself leave the sequence split?
+
+    Yes for a vocabulary-parallel embedding without learned positions: its partial sums are
+    reduce-scattered onto sequence shards. Otherwise the embedding's output is whole on every
+    tp rank (a vocabulary-parallel one all-reduces; learned positions are added to the whole
+    sequence, as Megatron does) and the first block's input is split on the sequence, each rank
+    keeping its slice (no communication). With tied embeddings the final norm's output is
+    all-gathered before the (replicated) head, whose logits are whole on every rank.
+    """
+    return vocab_parallel(model, tp) and model.pos_emb == "rope"
 
 
 def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:
@@ -334,18 +350,46 @@ def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:
     return VOCAB_TP_STYLES.get(module) if vocab_split else None
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer ranges, one per pipeline stage, sizes differing by at most one.
+def pp_layers_problem(pp_layers: list[int] | tuple[int, ...], n_layers: int, n_stages: int) -> str:
+    """What is wrong with an explicit `parallel.pp_layers` list ("" when nothing is)."""
+    if len(pp_layers) != n_stages:
+        return f"{n_stages} entries (one per pipeline stage: pp x pp_chunks), got {len(pp_layers)}"
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in pp_layers):
+        return "positive layer counts (every stage holds at least one layer)"
+    if sum(pp_layers) != n_layers:
+        return f"layer counts summing to model.n_layers={n_layers}, got {sum(pp_layers)}"
+    return ""
 
-    Extra layers go to the earliest stages (the last one also carries the output projection
-    and the loss).
+
+def stage_layer_counts(
+    n_layers: int, n_stages: int, pp_layers: list[int] | tuple[int, ...] = ()
+) -> list[int]:
+    """Layers of each pipeline stage: `pp_layers` when given, else automatic.
+
+    Automatic: floor(L / stages) or ceil(L / stages) each; the extra layers go to the middle
+    stages first (rank 1 upwards), then to the first stage, then to the last, so that the
+    first stage (embedding) and the last (final norm, output projection and loss) are the
+    lighter ones. 126 layers over 4 stages: 31, 32, 32, 31.
     """
+    if pp_layers:
+        problem = pp_layers_problem(pp_layers, n_layers, n_stages)
+        if problem:
+            raise ValueError(f"parallel.pp_layers = {list(pp_layers)}: expected {problem}")
+        return list(pp_layers)
     if not 1 <= n_stages <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
     base, extra = divmod(n_layers, n_stages)
+    order = [*range(1, n_stages - 1), 0, n_stages - 1] if n_stages > 1 else [0]
+    heavy = set(order[:extra])
+    return [base + (1 if s in heavy else 0) for s in range(n_stages)]
+
+
+def split_layers(
+    n_layers: int, n_stages: int, pp_layers: list[int] | tuple[int, ...] = ()
+) -> list[range]:
+    """Contiguous layer ranges, one per pipeline stage (`stage_layer_counts` sizes)."""
     out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
+    for size in stage_layer_counts(n_layers, n_stages, pp_layers):
         out.append(range(start, start + size))
         start += size
     return out

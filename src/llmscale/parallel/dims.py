@@ -54,12 +54,13 @@ class ParallelDims(MeshDegrees):
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1  # context parallelism: not in the runtime's mesh yet (the trainer refuses cp > 1)
     tp: int = 1
     mesh: Any = field(default=None, repr=False)  # DeviceMesh, or None for one process
 
     @classmethod
     def from_config(cls, p: ParallelSection) -> ParallelDims:
-        return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
+        return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
 
     # ---- degrees (dp, world_size and fsdp from MeshDegrees) ----------------------------------
     @property

@@ -9,11 +9,14 @@ of any of it.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from llmscale.config import JobConfig
+from llmscale.config import PRECISIONS, JobConfig
+from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.parallel.data_parallel import apply_fsdp
@@ -39,7 +42,7 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
     """Split, shard and wrap `model` for this rank; in a single process only recompute applies."""
     p = cfg.parallel
     if dims.pp > 1:
-        parts, ids = pipeline_split(model, dims.pp_rank, dims.pp, p.pp_chunks)
+        parts, ids = pipeline_split(model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers)
         n_stages = dims.pp * p.pp_chunks
     else:
         parts, ids, n_stages = [model], [0], 1
@@ -57,3 +60,25 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
                 cpu_offload=cfg.fsdp_cpu_offload,
             )
     return ParallelModel(list(parts), ids, n_stages)
+
+
+def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
+    """Refuse, with one line, config values the planner costs but this runtime cannot run here.
+
+    `parallel.cp > 1`: the runtime has no context parallelism yet. `precision.mode = "fp8"`:
+    torchao's float8 training, which needs torchao installed and a CUDA GPU with FP8 matmuls
+    (compute capability 8.9 or later: Ada, Hopper, Blackwell); this runtime does not wire it in
+    yet either, so it is refused everywhere, naming what it would need.
+    """
+    if cfg.parallel.cp > 1:
+        raise ConfigError(
+            "parallel.cp", cfg.parallel.cp, "1 (the runtime has no context parallelism yet)"
+        )
+    if cfg.precision.mode == "fp8":
+        fp8_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        has_torchao = importlib.util.find_spec("torchao") is not None
+        need = [] if fp8_gpu else [f"a CUDA GPU with FP8 matmuls (this device: {device.type})"]
+        need += [] if has_torchao else ["torchao installed"]
+        why = "needs " + " and ".join(need) if need else "not wired into this runtime yet"
+        others = " | ".join(m for m in PRECISIONS if m != "fp8")
+        raise ConfigError("precision.mode", "fp8", f"{others} (fp8 training {why})")

@@ -1,7 +1,9 @@
 """Pipeline parallelism: split the model by layers into stages, run them with a torch schedule.
 
-Stages are contiguous runs of blocks, as even as the layer count allows (extra layers go to the
-earliest stages: the last one also carries the output projection and the loss). Stage 0 keeps the
+Stages are contiguous runs of blocks: `parallel.pp_layers` of them each, or automatically as even
+as the layer count allows with the first and last stages the lighter ones (the first also carries
+the embedding, the last the output projection and the loss): `model.config.stage_layer_counts`,
+which the planner reads too. Stage 0 keeps the
 embeddings, the last stage the final norm and output; the model's forward already handles each
 of them being absent, and blocks keep their names (`layers.5...`), so a checkpoint saved under
 one split loads under another.
@@ -31,10 +33,12 @@ __all__ = [
 ]
 
 
-def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
+def build_stage_module(
+    model: Transformer, stage: int, n_stages: int, pp_layers: list[int] | tuple[int, ...] = ()
+) -> Transformer:
     """A copy of `model` with only stage `stage`'s layers (and embeddings/head where they live)."""
     part = copy.deepcopy(model)
-    keep = split_layers(model.cfg.n_layers, n_stages)[stage]
+    keep = split_layers(model.cfg.n_layers, n_stages, pp_layers)[stage]
     for name in list(part.layers.keys()):
         if int(name) not in keep:
             del part.layers[name]
@@ -48,11 +52,16 @@ def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transfo
 
 
 def pipeline_split(
-    model: Transformer, pp_rank: int, pp: int, chunks: int
+    model: Transformer,
+    pp_rank: int,
+    pp: int,
+    chunks: int,
+    pp_layers: list[int] | tuple[int, ...] = (),
 ) -> tuple[list[Transformer], list[int]]:
-    """This pipeline rank's model chunks and their stage indices."""
+    """This pipeline rank's model chunks and their stage indices (`pp_layers`: layers per stage,
+    empty for the automatic split)."""
     ids = stage_ids(pp_rank, pp, chunks)
-    return [build_stage_module(model, s, pp * chunks) for s in ids], ids
+    return [build_stage_module(model, s, pp * chunks, pp_layers) for s in ids], ids
 
 
 def build_pipeline_schedule(

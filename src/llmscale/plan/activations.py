@@ -60,7 +60,7 @@ class Kernels:
     # (`model.config.vocab_parallel`: untied models split them); True / False to force.
     vocab_parallel: bool | None = None
     # The loss's log-softmax split over tp too (Megatron's vocab-parallel cross-entropy); None =
-    # as the runtime: it gathers the logits first (`model.config.loss_parallel`: never).
+    # as the runtime (`model.config.loss_parallel`: wherever the head is vocabulary-parallel).
     loss_parallel: bool | None = None
     # The forward's weights are already bf16/fp16 (FSDP2's param_dtype, offloaded working
     # copies): the residual stream and an RMSNorm's output are in that dtype, so the linears

@@ -26,6 +26,19 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   CPUOffloadPolicy: fp32 shards, their gradients and the moments on the host (16 B per
   parameter of the shard), on the device the unsharded units in use as without offload.
 
+- FSDP2 under pipelining (dp_shard > 1, pp > 1): torch's schedules turn gradient sync and
+  resharding after backward off for every micro-batch and reduce-scatter once at the step's end
+  (`Plan.fsdp_holds_grads_across_microbatches`), so at the end of the last backward a stage
+  holds every unit's unsharded parameters (param_dtype, `working_params`, whatever the
+  zero_stage) and its unsharded fp32 gradients (`grads`: 4 B per TP-local parameter instead of
+  the shard; the sharded gradients only replace them unit by unit as they are reduced).
+- Context parallelism (cp > 1): FSDP2 shards over dp_shard x cp (`Plan.fsdp_shards`); without
+  FSDP the cp ranks hold the states whole. Activations, token ids and logits are split on the
+  sequence: 1/cp of each (ring attention keeps no s x s matrix beyond its own queries' rows).
+- fp8 (torchao float8 training): as bf16. torchao's float8 linears save their bf16 input and
+  weight and cast both (and the output gradient) to float8 per matmul: 1-byte transients, not
+  counted; FSDP2 all-gathers bf16 weights (torchao's float8 all-gather is opt-in).
+
 Activations: `plan/activations.py` lists the tensors of one block; a stage holds them for every
 micro-batch in flight (see `inflight_units`), plus the token ids on the first stage and the
 head's tensors and the loss's logits on the last. `transient` adds the largest short-lived
@@ -36,8 +49,9 @@ Allocator: PyTorch's caching allocator reserves more than it allocates (rounding
 `allocator_overhead` (default 5%) of the allocated total is added, and `device_reserve_GiB`
 (CUDA context, cuBLAS workspace, NCCL buffers; not torch allocations) counts against capacity.
 
-Pipeline: layers split as the runtime splits them (`model.config.split_layers`: contiguous, extra
-layers to the earliest stages); embedding on the first rank, final norm and head on the last.
+Pipeline: layers split as the runtime splits them (`model.config.split_layers`: contiguous,
+`parallel.pp_layers` or automatic with the first and last stages the lighter); embedding on the
+first rank, final norm and head on the last.
 Micro-batches in flight per rank come from plan/schedule.py's op orders. Tensor parallelism: see
 plan/params.py and the regions in plan/activations.py.
 """
@@ -65,6 +79,7 @@ __all__ = [
     "StageMemory",
     "StagePieces",
     "block_bytes",
+    "cp_share",
     "embedding_inflight",
     "estimate_memory",
     "head_inflight",
@@ -195,7 +210,9 @@ def embedding_inflight(plan: Plan) -> int:
 def plan_stage_params(plan: Plan, rank: int, kernels: act.Kernels) -> StageParams:
     """Parameters of pipeline `rank` as the runtime lays them out (its layer split, TP plan)."""
     vp = kernels.splits_vocab(plan.model, plan.tp)
-    return stage_params(plan.model, plan.tp, plan.pp, rank, plan.dp_shard, vp, plan.chunks)
+    return stage_params(
+        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards, vp, plan.chunks, plan.pp_layers
+    )
 
 
 def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> StagePieces:
@@ -203,9 +220,13 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
     pb = DTYPE_BYTES[plan.precision]
     low = plan.precision != "fp32"
     counters = 4.0 * sp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
+    grads_held: float | None = None  # FSDP2 + PP: unsharded gradients until the step's end
     if plan.fsdp:
         shard = float(sp.shard_numel)
         blocks_live = min(opt.prefetch_blocks, sp.blocks) if plan.zero_stage == 3 else sp.blocks
+        if plan.fsdp_holds_grads_across_microbatches:
+            blocks_live = sp.blocks
+            grads_held = 4.0 * sp.numel
         unsharded: float = pb * (blocks_live * sp.block.numel + sp.root_numel)
         rs_transient: float = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
     else:
@@ -213,8 +234,9 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         unsharded = 2.0 * sp.autocast_numel if low else 0.0  # autocast's cast weights
         rs_transient = 0.0
     if plan.offload == "none":
+        grads = 4 * shard if grads_held is None else grads_held
         return StagePieces(
-            4 * shard, 4 * shard, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0
+            4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0
         )
     host = 12 * shard + counters
     if plan.offload == "optimizer":
@@ -224,7 +246,13 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         working = unsharded if plan.fsdp else 0.0
         grads_in_flight = pb * sp.block.numel
         return StagePieces(
-            pb * shard, 0.0, 0.0, working, 0.0, max(rs_transient, grads_in_flight), host
+            pb * shard,
+            grads_held or 0.0,
+            0.0,
+            working,
+            0.0,
+            max(rs_transient, grads_in_flight),
+            host,
         )
     if plan.fsdp_cpu_offload:
         # optimizer+params under data parallelism is FSDP2's CPUOffloadPolicy: the fp32 shards
@@ -235,7 +263,9 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         if not plan.fsdp:
             unsharded = pb * float(sp.numel)
             rs_transient = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
-        return StagePieces(0.0, 0.0, 0.0, unsharded, 0.0, rs_transient, 16 * shard + counters)
+        return StagePieces(
+            0.0, grads_held or 0.0, 0.0, unsharded, 0.0, rs_transient, 16 * shard + counters
+        )
     # optimizer+params: between uses the device holds no parameter; during forward and backward
     # `param_window` of them, plus one block's gradients in flight. The host also keeps a
     # working-dtype copy to upload (in fp32 the master itself is uploaded).
@@ -298,9 +328,15 @@ def slice_args(plan: Plan, kernels: act.Kernels) -> act.SliceArgs:
     )
 
 
+def cp_share(plan: Plan) -> float:
+    """The share of each sequence's tokens (and of every per-token tensor) on one cp rank."""
+    return 1.0 / plan.cp
+
+
 def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
-    """Bytes one block of `plan` saves for one micro-batch under block mode `mode`."""
-    return act.block_bytes(*slice_args(plan, kernels), mode)
+    """Bytes one block of `plan` saves for one micro-batch under block mode `mode` (on one of
+    its cp ranks: 1/cp of the sequence)."""
+    return cp_share(plan) * act.block_bytes(*slice_args(plan, kernels), mode)
 
 
 _ACTIVATIONS: Memo[float] = Memo("memory.stage_activation_bytes")
@@ -321,20 +357,20 @@ def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     total = units * per_micro / plan.chunks
     if rank == 0:
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
-        total += embedding_inflight(plan) * emb
+        total += embedding_inflight(plan) * emb * cp_share(plan)
     if rank == plan.pp - 1 and plan.pp > 1 and plan.pp_schedule == "1f1b":
         # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one
         # runs forward on the last stage; its graph keeps every checkpointed region's inputs
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
         # those (measured: tests/plan/test_predicted_vs_measured.py).
         args = slice_args(plan, opt.kernels)
-        total += sum(
+        total += cp_share(plan) * sum(
             n * sum(t.nbytes for t in act.checkpoint_inputs(act.block_tensors(*args, m), m))
             for m, n in modes.items()
         )
     if rank == plan.pp - 1:
         head = act.head_bytes(*slice_args(plan, opt.kernels))
-        total += head_inflight(plan) * head
+        total += head_inflight(plan) * head * cp_share(plan)
     return total
 
 
@@ -381,7 +417,7 @@ def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
     st = rank_states(plan, rank, opt)
     transient = st.transient
     if rank == plan.pp - 1:
-        loss = act.loss_transient_bytes(
+        loss = cp_share(plan) * act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )
         transient = max(transient, loss)

@@ -5,7 +5,7 @@ the Llama block): wq, wk, wv, w1, w3 column-wise (dim 0 of the [out, in] weight,
 biases), wo and w2 row-wise (dim 1; their biases stay whole); norms are replicated. The
 embedding and the output projection are replicated across tp unless `vocab_parallel` (then
 split along the vocabulary, dim 0: `VOCAB_TP_STYLES`). Pipeline ranks hold the layers
-`model.config.split_layers` gives them (uneven splits included).
+`model.config.split_layers` gives them (uneven splits, automatic or `parallel.pp_layers`).
 FSDP2 (`fully_shard`) shards every tensor along dim 0 and pads dim 0 up to a multiple of the
 shard count, so a rank holds ceil(dim0 / n) rows; rank 0 always holds the full ceil, which is
 what is reported (the largest rank).
@@ -114,9 +114,11 @@ def stage_params(
     dp_shard: int = 1,
     vocab_parallel: bool = False,
     chunks: int = 1,
+    pp_layers: tuple[int, ...] = (),
 ) -> StageParams:
     """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last),
-    whose blocks are those of its `chunks` stages in the runtime's split."""
+    whose blocks are those of its `chunks` stages in the runtime's split (`pp_layers` per stage,
+    or automatic); `dp_shard` is the FSDP shard count."""
     shapes = model.parameter_shapes()
     emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
     head = Group.of(shapes["head"], tp, dp_shard, vocab_parallel) if rank == pp - 1 else None
@@ -133,6 +135,6 @@ def stage_params(
             emb.saved_cast_numel + emb_cast,
         )
     block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
-    split = split_layers(model.n_layers, pp * chunks)
+    split = split_layers(model.n_layers, pp * chunks, pp_layers)
     blocks = sum(len(split[s]) for s in stage_ids(rank, pp, chunks))
     return StageParams.make(blocks, block, emb, head)

@@ -35,9 +35,10 @@ from llmscale.model.config import BlockMode, ModelConfig, block_recompute, split
 from llmscale.plan.cache import memoize
 
 
-def _cfg(key: str, default: Any = None) -> Any:
-    """A Plan field mirroring config key `key` ("section.name"); no default when None."""
-    meta = {"config": key}
+def _cfg(key: str, default: Any = None, frozen: type | None = None) -> Any:
+    """A Plan field mirroring config key `key` ("section.name"); no default when None. `frozen`:
+    the hashable type a config list becomes in the plan (tuple; back to a list in the job)."""
+    meta = {"config": key, "frozen": frozen}
     if default is None:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -61,6 +62,10 @@ class Plan(MeshDegrees):
     pp: int = _cfg("parallel.pp", 1)
     pp_schedule: PPSchedule = _cfg("parallel.pp_schedule", "1f1b")
     pp_chunks: int = _cfg("parallel.pp_chunks", 1)
+    # Layers of each pipeline stage; () = the automatic split (model.config.stage_layer_counts).
+    pp_layers: tuple[int, ...] = _cfg("parallel.pp_layers", (), frozen=tuple)
+    # Context parallelism (costed before the runtime has it): each sequence over cp ranks.
+    cp: int = _cfg("parallel.cp", 1)
     sequence_parallel: bool = _cfg("parallel.sequence_parallel", False)
     # With dp_shard > 1: 1 and 2 keep params unsharded from forward to backward, 3 reshards.
     zero_stage: int = _cfg("parallel.zero_stage", 3)
@@ -74,6 +79,25 @@ class Plan(MeshDegrees):
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks each FSDP2 parameter is sharded over: dp_shard, times cp under context
+        parallelism (torchtitan's dp_shard x cp mesh: cp ranks hold the same parameters)."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
+    def fsdp_holds_grads_across_microbatches(self) -> bool:
+        """FSDP2 under a pipeline schedule: torch.distributed.pipelining turns off gradient
+        sync and resharding after backward for every micro-batch, then reduce-scatters once at
+        the step's end (`PipelineStage.backward_maybe_with_nosync`, `_post_backward`), so each
+        stage keeps its unsharded parameters and unsharded fp32 gradients until then."""
+        return self.fsdp and self.pp > 1
+
+    @property
+    def fp8_matmuls(self) -> bool:
+        """precision fp8: the linears' matmuls in float8 (torchao), everything else as bf16."""
+        return self.precision == "fp8"
 
     @property
     def fsdp_cpu_offload(self) -> bool:
@@ -91,7 +115,7 @@ class Plan(MeshDegrees):
 
     def rank_stages(self, rank: int) -> list[range]:
         """Layer ids of each model chunk on pipeline `rank`, as the runtime splits them."""
-        return _rank_stages(self.model.n_layers, self.pp, self.chunks, rank)
+        return _rank_stages(self.model.n_layers, self.pp, self.chunks, rank, self.pp_layers)
 
     def rank_layers(self, rank: int) -> list[int]:
         """Global layer ids on pipeline `rank` (loop-style chunks for interleaved)."""
@@ -109,7 +133,7 @@ class Plan(MeshDegrees):
         """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
         return (
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
-            self.offload, self.precision, self.fsdp_cpu_offload,
+            self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
         )  # fmt: skip
 
     def activations_key(self) -> tuple[Hashable, ...]:
@@ -117,7 +141,8 @@ class Plan(MeshDegrees):
         return (
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
             self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
-            self.pp_schedule, self.chunks, self.microbatches, self.lowp_weights,
+            self.pp_schedule, self.chunks, self.microbatches, self.lowp_weights, self.pp_layers,
+            self.cp,
         )  # fmt: skip
 
     def stage_time_key(self) -> tuple[Hashable, ...]:
@@ -125,13 +150,17 @@ class Plan(MeshDegrees):
         return (
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp, self.pp,
             self.chunks, self.recompute, self.recompute_every_k, self.sequence_parallel,
-            self.dp_shard, self.zero_stage, self.lowp_weights,
+            self.dp_shard, self.zero_stage, self.lowp_weights, self.pp_layers, self.cp,
         )  # fmt: skip
 
     # ---- conversion (generated from the fields' config keys) -------------------------------
     @classmethod
     def from_job(cls, job: JobConfig) -> Plan:
-        return cls(**{f.name: _read(job, _key(f)) for f in fields(cls)})
+        values = {f.name: _read(job, _key(f)) for f in fields(cls)}
+        for f in fields(cls):
+            if f.metadata["frozen"] is not None:
+                values[f.name] = f.metadata["frozen"](values[f.name])
+        return cls(**values)
 
     def to_job(self) -> JobConfig:
         """A JobConfig with this plan's fields (defaults elsewhere)."""
@@ -139,7 +168,10 @@ class Plan(MeshDegrees):
         by_section: dict[str, dict[str, Any]] = {}
         for f in fields(self)[1:]:
             section, name = _key(f).split(".")
-            by_section.setdefault(section, {})[name] = getattr(self, f.name)
+            value = getattr(self, f.name)
+            by_section.setdefault(section, {})[name] = (
+                list(value) if f.metadata["frozen"] else value
+            )
         for section, values in by_section.items():
             setattr(job, section, replace(getattr(job, section), **values))
         return job
@@ -151,6 +183,10 @@ class Plan(MeshDegrees):
             if f.name == "recompute_every_k" and self.recompute != "every_k":
                 continue
             value = getattr(self, f.name)
+            if f.metadata["frozen"]:
+                if not value:
+                    continue
+                value = "[" + ",".join(map(str, value)) + "]"  # one shell word
             out.append(f"--{_key(f)} {str(value).lower() if isinstance(value, bool) else value}")
         return out
 
@@ -163,8 +199,10 @@ class Plan(MeshDegrees):
 
 
 @memoize
-def _rank_stages(n_layers: int, pp: int, chunks: int, rank: int) -> list[range]:
-    split = split_layers(n_layers, pp * chunks)
+def _rank_stages(
+    n_layers: int, pp: int, chunks: int, rank: int, pp_layers: tuple[int, ...] = ()
+) -> list[range]:
+    split = split_layers(n_layers, pp * chunks, pp_layers)
     return [split[s] for s in stage_ids(rank, pp, chunks)]
 
 

@@ -34,7 +34,7 @@ from llmscale.parallel.grads import (
     match_grad_placements_,
     scale_grads_,
 )
-from llmscale.tensors import DTYPES
+from llmscale.tensors import DTYPES, is_dtensor
 from llmscale.train.metrics import grad_bytes, optimizer_state_bytes, param_bytes
 
 
@@ -53,7 +53,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object
 
 
 def _groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict[str, object]]:
-    return [g for m in modules for g in param_groups(m, weight_decay) if g["params"]]
+    # foreach AdamW cannot take DTensors and plain tensors in one list; tensor parallelism leaves
+    # some parameters plain (replicated: tied or learned-position embeddings, norms without SP),
+    # so a group holding both is split in two (groups that are not mixed stay as they were).
+    out: list[dict[str, object]] = []
+    for m in modules:
+        for g in param_groups(m, weight_decay):
+            params: list[nn.Parameter] = g["params"]  # type: ignore[assignment]
+            dist_ = [p for p in params if is_dtensor(p)]
+            plain = [p for p in params if not is_dtensor(p)]
+            out += [
+                {**g, "params": ps} for ps in ((dist_, plain) if dist_ and plain else (params,))
+            ]
+    return [g for g in out if g["params"]]
 
 
 def build_optimizer(

@@ -10,6 +10,7 @@ rank 0 prints and writes metrics.jsonl.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from llmscale.config import JobConfig, to_toml
 from llmscale.data.corpus import load_corpus
@@ -40,8 +42,9 @@ from llmscale.model.transformer import build_model
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.materialize import materialize
-from llmscale.parallel.parallelize import parallelize
+from llmscale.parallel.parallelize import check_runtime_support, parallelize
 from llmscale.parallel.pipeline import build_pipeline_schedule
+from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.memcheck import check_memory
@@ -63,8 +66,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross-entropy, computed in fp32.
+
+    Logits split over the vocabulary (a DTensor, under tensor parallelism) need torch's
+    `loss_parallel` around this call and its backward (`loss_context`); the mean, the same on
+    every tp rank, comes back as a plain tensor.
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 @dataclass
@@ -124,12 +133,15 @@ class Trainer:
         cfg.validate(world_size=env_world_size())
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
+        check_runtime_support(cfg, self.device)  # fp8 and context parallelism: not here yet
         # Will it fit? The planner's prediction against this device, before anything is built.
         self.memory_warnings = check_memory(cfg, self.device)
         init_distributed(self.device)
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.dims.build_mesh(self.device)
         self.rank = self.dims.rank
+        # The loss (and its backward) on vocabulary shards of the logits under TP.
+        self.loss_context = functools.partial(loss_context, cfg.model, self.dims.tp)
         torch.manual_seed(cfg.job.seed)
 
         corpus = load_corpus(
@@ -274,12 +286,13 @@ class Trainer:
             mb = mb.to(self.device, non_blocking=True, copy=True)
             inputs, targets = mb[:, :-1], mb[:, 1:]
             counting = meter.counting() if meter is not None and i == 0 else None
-            with (
-                counting or contextlib.nullcontext(),
-                autocast(self.autocast_mode, self.device.type),
-            ):
-                loss = lm_loss(self.model(inputs), targets)
-            self.scaler.scale_loss(loss / accum).backward()
+            with self.loss_context():
+                with (
+                    counting or contextlib.nullcontext(),
+                    autocast(self.autocast_mode, self.device.type),
+                ):
+                    loss = lm_loss(self.model(inputs), targets)
+                self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach()
         act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
@@ -292,7 +305,7 @@ class Trainer:
         self._pp_loss.losses = []
         run = self.pp_schedule.step if train else self.pp_schedule.eval
         args = (inputs,) if self.parallel.has_first_stage else ()
-        with autocast(self.autocast_mode, self.device.type):
+        with self.loss_context(), autocast(self.autocast_mode, self.device.type):
             if train:
                 run(*args, target=targets, return_outputs=False)
             else:
@@ -401,9 +414,10 @@ class Trainer:
         total = 0.0
         for _ in range(n):
             mb = stream.next_batch(mb_size).to(self.device)
-            with autocast(self.autocast_mode, self.device.type):
-                logits = self.model(mb[:, :-1])
-            total += lm_loss(logits, mb[:, 1:]).item()
+            with self.loss_context():
+                with autocast(self.autocast_mode, self.device.type):
+                    logits = self.model(mb[:, :-1])
+                total += lm_loss(logits, mb[:, 1:]).item()
         return total / n
 
     def write_pipeline_timeline(self) -> Path | None:
