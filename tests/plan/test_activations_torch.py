@@ -82,7 +82,7 @@ def predicted(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("recompute", ["none", "selective", "every_k", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "selective_op", "every_k", "full"])
 def test_saved_bytes_equal_autograd(cfg: ModelConfig, precision: str, recompute: str) -> None:
     assert predicted(cfg, precision, recompute) == measured(cfg, precision, recompute)
 

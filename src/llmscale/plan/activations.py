@@ -37,11 +37,14 @@ from dataclasses import dataclass
 
 from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig, loss_parallel, vocab_parallel
+from llmscale.model.config import ModelConfig, loss_parallel, op_sac_saves_matmul, vocab_parallel
 from llmscale.plan.cache import memoize
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
-BLOCK_MODES = ("none", "selective", "full")
+BLOCK_MODES = ("none", "selective", "selective_op", "full")
+FUSED_ATTENTION = ("flash", "efficient")  # kernels that keep out + log-sum-exp, no s x s
+# Row-parallel matmuls: under tp their local output is a partial sum of the full width.
+ROW_PARALLEL = ("wo", "w2")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class Saved:
 
 
 def _divisor(region: str, tp: int, sp: bool, kernels: Kernels) -> int:
+    if region == "partial":
+        return 1
     if region == "tp":
         return tp
     if region == "norm":
@@ -184,7 +189,7 @@ def block_tensors(
     kernels: Kernels = RUNTIME,
     mode: str = "none",
 ) -> list[Saved]:
-    """The tensors one block keeps for backward under `mode` (none | selective | full)."""
+    """The tensors one block keeps for backward under `mode` (`BLOCK_MODES`)."""
     if precision not in DTYPE_BYTES:
         raise ConfigError("precision.mode", precision, " | ".join(PRECISIONS))
     if mode not in BLOCK_MODES:
@@ -196,6 +201,11 @@ def block_tensors(
     per_token: list[tuple[str, float, str]] = []  # (name, bytes per token, region)
     if mode == "full":
         per_token.append(("block input", r * d, "norm"))
+        return _scale(per_token, tokens, tp, sequence_parallel, kernels)
+    if mode == "selective_op":
+        per_token = _op_sac_terms(model, a, r, kernels.attention_kernel(model, precision))
+        if sequence_parallel and tp > 1:  # the reduce-scattered outputs of wo and w2
+            per_token += [(f"{n} output (reduce-scattered)", a * d, "norm") for n in ROW_PARALLEL]
         return _scale(per_token, tokens, tp, sequence_parallel, kernels)
 
     def norm(tag: str) -> None:
@@ -261,6 +271,23 @@ def block_tensors(
     return out
 
 
+def _op_sac_terms(model: ModelConfig, a: int, r: int, kernel: str) -> list[tuple[str, float, str]]:
+    """selective_op's per-token list: the checkpointed block's input, the outputs of the
+    matmuls `op_sac_saves_matmul` keeps, and a fused attention kernel's output and log-sum-exp
+    (the math / materialised paths are composite: nothing of theirs is kept)."""
+    out: list[tuple[str, float, str]] = [("block input", r * model.dim, "norm")]
+    for i, (name, _, n_out) in enumerate(model.block_matmuls()):
+        if op_sac_saves_matmul(i):
+            region = "partial" if name in ROW_PARALLEL else "tp"
+            out.append((f"{name} output", a * n_out, region))
+    if kernel in FUSED_ATTENTION:
+        out += [
+            ("attention output", a * model.dim, "tp"),
+            ("log-sum-exp (fp32)", 4 * model.n_heads, "tp"),
+        ]
+    return out
+
+
 def _scale(
     per_token: list[tuple[str, float, str]], tokens: int, tp: int, sp: bool, kernels: Kernels
 ) -> list[Saved]:
@@ -302,10 +329,13 @@ def checkpoint_input_bytes(
     mode: str = "none",
 ) -> float:
     """Bytes of the inputs a block's checkpointed region keeps for its recomputation: the block
-    input (full) or the attention core's q, k and v (selective); none keeps nothing extra."""
+    input (full, selective_op: the op outputs it stores are freed by the block's backward) or
+    the attention core's q, k and v (selective); none keeps nothing extra."""
     args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels, mode)
     if mode == "full":
         return sum(t.nbytes for t in block_tensors(*args))
+    if mode == "selective_op":
+        return sum(t.nbytes for t in block_tensors(*args) if t.name == "block input")
     if mode == "selective":
         return sum(t.nbytes for t in block_tensors(*args) if t.name in ("q", "k", "v"))
     return 0.0
