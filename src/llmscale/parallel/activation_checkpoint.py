@@ -108,7 +108,7 @@ class _CountingForward:
 
 def op_sac_contexts() -> tuple[Any, Any]:
     """`context_fn` for `checkpoint`: a fresh selective_op policy per block forward."""
-    caching, cached = create_selective_checkpoint_contexts(_OpPolicy())
+    caching, cached = create_selective_checkpoint_contexts(_OpPolicy())  # type: ignore[no-untyped-call]
     return _CountingForward(caching), cached
 
 

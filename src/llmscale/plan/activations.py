@@ -21,6 +21,10 @@ what each op's backward keeps (checked against `saved_tensors_hooks` in tests/pl
 - SwiGLU keeps w1's output (silu input), silu's output, w3's output and their product (w2's
   input); GELU keeps its input and its output.
 - No dropout, so no masks.
+- Recompute modes (`BLOCK_MODES`): selective keeps the checkpointed attention core's inputs
+  instead of what it saves; full keeps the block input; selective_op (torchtitan's op-level
+  policy, `_op_sac_terms`) keeps the block input, every other matmul's output and the fused
+  attention kernel's output and log-sum-exp (docs/memory-model.md, "Recompute modes").
 
 Regions set the divisors (from the runtime's TP plan, `model.config.TP_STYLES` and `SP_*`):
 "norm" tensors (residual stream, norms, dropout masks: `SP_SHARDED_MODULES`) are split by
