@@ -32,7 +32,10 @@ def test_check_fails_on_a_stale_table(tmp_path, capsys) -> None:
     assert main(["--check", str(stale)]) == 0
     text = stale.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{END}\noutro\n")
-    assert '| `train.recompute` | `"none"` | none \\| full \\| selective \\| every_k |' in text
+    assert (
+        '| `train.recompute` | `"none"` | none \\| full \\| selective \\| selective_op \\| every_k |'
+        in text
+    )
 
 
 def test_with_table_needs_the_markers() -> None:

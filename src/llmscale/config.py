@@ -21,7 +21,7 @@ from llmscale.model.config import ModelConfig, get_preset, pp_layers_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
-Recompute = Literal["none", "full", "selective", "every_k"]
+Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LRDecay = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -148,7 +148,8 @@ class TrainSection:
     global_batch_size: int = 8
     """Sequences per optimizer step: micro_batch_size x accumulation steps x dp."""
     recompute: Recompute = "none"
-    """Activation recomputation: none, selective (attention core), every_k blocks, or full."""
+    """Activation recomputation: none, selective (attention core), selective_op (every other
+    matmul and the attention kernel saved, the rest recomputed), every_k blocks, or full."""
     recompute_every_k: int = 2
     """With recompute = every_k: recompute one transformer block in every k."""
     max_grad_norm: float = 1.0

@@ -43,17 +43,22 @@ GPT = ModelConfig(
 B, S = 3, 10
 
 
-def measured(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2) -> int:
+def measured(
+    model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2, b: int = B, s: int = S
+) -> int:
     torch.manual_seed(0)
     model = build_model(model_cfg)
     apply_recompute(model, recompute, k)
-    tokens = torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(1))
     with SavedActivations(model_state_tensors(model)) as c, autocast(precision, "cpu"):
         lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
     return c.bytes
 
 
-def predicted(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2) -> float:
+def predicted(
+    model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2, b: int = B, s: int = S
+) -> float:
+    B, S = b, s  # noqa: N806
     plan = Plan(
         model=model_cfg,
         seq_len=S,
@@ -82,9 +87,45 @@ def predicted(model_cfg: ModelConfig, precision: str, recompute: str, k: int = 2
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("recompute", ["none", "selective", "every_k", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "selective_op", "every_k", "full"])
 def test_saved_bytes_equal_autograd(cfg: ModelConfig, precision: str, recompute: str) -> None:
     assert predicted(cfg, precision, recompute) == measured(cfg, precision, recompute)
+
+
+SHAPES = {
+    "llama-b1-s16": (LLAMA, 1, 16),
+    "llama-mha-b2-s7": (LLAMA.with_overrides(n_kv_heads=4), 2, 7),
+    "llama-mqa-b4-s12": (
+        ModelConfig(
+            dim=64, n_layers=2, n_heads=8, n_kv_heads=1, ffn_dim=160, vocab_size=300,
+            max_seq_len=32,
+        ),
+        4,
+        12,
+    ),
+    "gpt-b2-s16": (GPT, 2, 16),
+    "gpt-wide-b1-s32": (
+        GPT.with_overrides(dim=96, n_heads=6, n_kv_heads=6, ffn_dim=384, max_seq_len=32), 1, 32
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_selective_op_saved_bytes_within_3_percent(shape: str, precision: str) -> None:
+    """selective_op (op-level SAC): what the planner lists (block input, every other matmul's
+    output, the attention kernel's output and log-sum-exp) against autograd plus the tensors the
+    checkpoint stores, over shapes (MHA, GQA, MQA; SwiGLU and GELU; several b x s)."""
+    cfg, b, s = SHAPES[shape]
+    got = measured(cfg, precision, "selective_op", b=b, s=s)
+    want = predicted(cfg, precision, "selective_op", b=b, s=s)
+    assert want == pytest.approx(got, rel=0.03)
+    # and it lies between full and no recomputation
+    assert (
+        measured(cfg, precision, "full", b=b, s=s)
+        < got
+        < measured(cfg, precision, "none", b=b, s=s)
+    )
 
 
 def test_every_3_checkpoints_one_block_of_four() -> None:

@@ -446,3 +446,49 @@ def test_fsdp_under_a_pipeline_holds_unsharded_gradients_across_micro_batches() 
     assert st.working_params == 2 * sp.numel  # every unit unsharded in bf16
     without_pp = estimate_memory(Plan(**base)).worst
     assert without_pp.grads == 4 * plan_stage_params(Plan(**base), 0, act.RUNTIME).shard_numel
+
+
+def test_selective_op_block_by_hand_llama3_8b() -> None:
+    """selective_op (torchtitan's op-level policy), Llama 3 8B, bf16, CUDA kernels: the block
+    input (fp32 residual), wq, wv, w1 and w2 outputs, flash's output and log-sum-exp. Under
+    tp 2 with sequence parallelism: column-parallel outputs and attention halve, w2's output is
+    a partial sum (whole), the block input halves and the two reduce-scattered outputs join."""
+    m = get_preset("llama3-8b")
+    d, kv, f, h = m.dim, m.kv_dim, m.ffn_dim, m.n_heads
+    b, s = 2, 8192
+    per_token = 4 * d + 2 * d + 2 * kv + 2 * f + 2 * d + 2 * d + 4 * h
+    assert act.block_bytes(m, b, s, "bf16", mode="selective_op") == per_token * b * s
+    tp_sp = (4 * d + 2 * 2 * d) / 2 + (2 * d + 2 * kv + 2 * f + 2 * d + 4 * h) / 2 + 2 * d
+    assert act.block_bytes(m, b, s, "bf16", 2, True, mode="selective_op") == tp_sp * b * s
+    # between full and selective; the checkpoint's own input is what outlives the backward
+    full = act.block_bytes(m, b, s, "bf16", mode="full")
+    assert (
+        full
+        < act.block_bytes(m, b, s, "bf16", mode="selective_op")
+        < act.block_bytes(m, b, s, "bf16", mode="selective")
+    )
+    kept = act.checkpoint_inputs(
+        act.block_tensors(m, b, s, "bf16", mode="selective_op"), "selective_op"
+    )
+    assert sum(x.nbytes for x in kept) == full
+    # a composite attention path (Megatron's materialised softmax) leaves nothing of attention
+    mega = act.block_bytes(m, b, s, "bf16", kernels=act.MEGATRON_2021, mode="selective_op")
+    assert mega == (2 * d + 2 * d + 2 * kv + 2 * f + 2 * d) * b * s  # fp16 residual
+
+
+def test_selective_op_recomputes_the_unsaved_matmuls() -> None:
+    """Its FLOP share: wk, wo and w3 (SwiGLU) or wk, wo and w2 (GELU) over the block forward."""
+    m = get_preset("llama3-8b")
+    d, kv, f, s = m.dim, m.kv_dim, m.ffn_dim, 8192
+    block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * s * d
+    assert m.recompute_fraction("selective_op", s) == pytest.approx(
+        (d * kv + d * d + d * f) / block
+    )
+    g = get_preset("gpt3-175b")
+    block = 4 * g.dim**2 + 2 * g.dim * g.ffn_dim + 2 * 2048 * g.dim
+    want = (g.dim**2 + g.dim**2 + g.ffn_dim * g.dim) / block
+    assert g.recompute_fraction("selective_op", 2048) == pytest.approx(want)
+    plan = Plan(
+        model=m, seq_len=s, micro_batch_size=1, global_batch_size=1, recompute="selective_op"
+    )
+    assert plan.block_modes(list(range(m.n_layers))) == {"selective_op": m.n_layers}

@@ -12,7 +12,7 @@ from llmscale.model.transformer import TransformerBlock, build_model
 from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.train.trainer import lm_loss
 
-MODES = [("none", 2), ("selective", 2), ("every_k", 2), ("full", 2)]
+MODES = [("none", 2), ("selective", 2), ("selective_op", 2), ("every_k", 2), ("full", 2)]
 
 
 def _run(mode: str, k: int, tokens: torch.Tensor):
@@ -33,7 +33,7 @@ def results():
 
 def test_loss_and_gradients_identical_to_no_recompute(results) -> None:
     loss0, grads0, _, _ = results["none"]
-    for mode in ("selective", "every_k", "full"):
+    for mode in ("selective", "selective_op", "every_k", "full"):
         loss, grads, _, _ = results[mode]
         torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0)
         for g, g0 in zip(grads, grads0, strict=True):
@@ -45,9 +45,15 @@ def test_saved_activation_bytes_strictly_ordered(results) -> None:
     assert b["none"] > b["selective"] > b["every_k"] > b["full"] > 0, b
 
 
+def test_selective_op_keeps_less_than_every_other_block_more_than_full(results) -> None:
+    b = {mode: r[2] for mode, r in results.items()}
+    assert b["every_k"] > b["selective_op"] > b["full"], b
+
+
 def test_wrapped_modules(results) -> None:
     assert results["none"][3] == []
     assert results["selective"][3] == [f"layers.{i}.attention.core" for i in range(4)]
+    assert results["selective_op"][3] == [f"layers.{i}" for i in range(4)]
     assert results["every_k"][3] == ["layers.1", "layers.3"]
     assert results["full"][3] == [f"layers.{i}" for i in range(4)]
 
@@ -57,6 +63,10 @@ def test_parameter_names_do_not_change() -> None:
     full = build_model(get_preset("tiny"))
     apply_recompute(full, "full")
     assert list(plain.state_dict()) == list(full.state_dict())
+    op = build_model(get_preset("tiny"))
+    apply_recompute(op, "selective_op")
+    assert type(op.layers["0"]).__name__ == "OpCheckpointedTransformerBlock"
+    assert list(plain.state_dict()) == list(op.state_dict())
 
 
 def test_full_recompute_keeps_only_block_inputs_per_layer() -> None:
@@ -74,7 +84,7 @@ def test_full_recompute_keeps_only_block_inputs_per_layer() -> None:
     assert per_layer == 2 * 32 * cfg.dim * 4
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
+@pytest.mark.parametrize("mode", ["none", "full", "selective_op"])
 def test_live_activations_peak_at_the_forwards_in_flight(mode: str) -> None:
     """Two forwards before their backwards hold twice one forward's saved bytes; each backward
     frees its own (a pipeline's micro-batches in flight, in one process)."""

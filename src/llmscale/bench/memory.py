@@ -16,7 +16,7 @@ from llmscale.plan.memory import MemoryOptions
 from llmscale.plan.predict import expected_runtime_metrics, predict_memory
 from llmscale.train.trainer import resolve_device
 
-RECOMPUTE = ("none", "selective", "every_k", "full")
+RECOMPUTE = ("none", "selective", "selective_op", "every_k", "full")
 MICRO_BATCHES = (1, 4)
 STATES = ("param_bytes", "grad_bytes", "optimizer_bytes")
 

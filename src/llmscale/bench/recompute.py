@@ -2,7 +2,10 @@
 
 The seed quotes ~33% extra compute for full recomputation: one more forward of the blocks on
 top of forward + backward (3 forward-equivalents become 4). Measured here as the fastest step of
-each mode over the fastest step without recomputation, on the same batches.
+each mode over the fastest step without recomputation, on the same batches. selective_op (op-level
+checkpointing) recomputes the unsaved matmuls and element-wise ops; its policy runs as a Python
+dispatch mode over every op of the block, forward and recompute, a per-op cost that small models
+on a CPU feel most.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.time import recompute_fraction
 from llmscale.train.trainer import Trainer
 
-MODES = ("none", "selective", "every_k", "full")
+MODES = ("none", "selective", "selective_op", "every_k", "full")
 MICRO_BATCH = 8
 ROUNDS = 2  # passes over the modes, each of warm-up + timed steps
 

@@ -9,7 +9,8 @@ Both count through autograd's saved-tensor hooks. Torch runs only the innermost 
 so the instruments entered are kept on one stack here and a single pack function serves them
 all. Activation checkpointing keeps its region's inputs itself, outside those hooks (and runs
 the region under hooks of its own): the checkpoint wrapper (`parallel/activation_checkpoint.py`)
-reports the inputs with `note_checkpoint_inputs`, the one call from there to here.
+reports the inputs (and the op outputs a selective policy stores) with `note_checkpoint_kept`,
+the one call from there to here.
 
 Like torch's hooks, an instrument counts the forwards run in the thread that entered it.
 """
@@ -34,8 +35,9 @@ _StorageKey = tuple[int, int]
 _active: list[SavedActivations | LiveActivations] = []
 
 
-def note_checkpoint_inputs(args: Iterable[Any]) -> None:
-    """Count a checkpointed region's tensor inputs: the region keeps them for its recompute.
+def note_checkpoint_kept(args: Iterable[Any]) -> None:
+    """Count what a checkpointed region keeps outside autograd's saved-tensor hooks: its tensor
+    inputs (for its recompute) and the op outputs a selective policy stores (selective_op).
 
     Called by the checkpoint wrapper at each forward it runs; autograd's saved-tensor hooks do
     not see these tensors. A `LiveActivations` counts each until the tensor itself is freed.
@@ -90,7 +92,8 @@ class SavedActivations(_Instrument):
     """Counts the bytes autograd keeps for backward while active (a forward pass).
 
     Each storage is counted once (views share one); parameters and buffers are left out, so what
-    remains is activations. Tensors kept by checkpointed regions count as their inputs only.
+    remains is activations. Tensors kept by checkpointed regions count as what the region keeps: its inputs
+    (and, under an op-level policy, the op outputs it stores).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:

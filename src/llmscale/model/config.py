@@ -10,8 +10,9 @@ This module must not import torch: the planner counts parameters and FLOPs from 
   `plan/activations.py` count from them);
 - `stage_layer_counts`, `split_layers` and `stage_ids`: the layer -> pipeline stage -> rank
   placement, automatic or from `parallel.pp_layers` (`parallel/pipeline.py`, `plan/plan.py`);
-- `block_recompute` and `ModelConfig.recompute_fraction`: which blocks each recompute mode
-  checkpoints (the every-k rule) and the share of forward FLOPs run again.
+- `block_recompute`, `op_sac_saves_matmul` and `ModelConfig.recompute_fraction`: which blocks
+  each recompute mode checkpoints (the every-k rule), which matmul outputs selective_op keeps,
+  and the share of forward FLOPs run again.
 """
 
 from __future__ import annotations
@@ -217,6 +218,12 @@ class ModelConfig:
         """Forward FLOPs per token of every block's QK^T and AV (what selective recompute redoes)."""
         return 2.0 * self.n_layers * 2 * seq_len * self.dim
 
+    def block_matmuls(self) -> list[tuple[str, int, int]]:
+        """A block's matmuls in the order its forward runs them: (module, in, out features)."""
+        d, kv, f = self.dim, self.kv_dim, self.ffn_dim
+        mlp = [("w1", d, f), ("w3", d, f)] if self.gated else [("w1", d, f)]
+        return [("wq", d, d), ("wk", d, kv), ("wv", d, kv), ("wo", d, d), *mlp, ("w2", f, d)]
+
     def head_forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the output projection to the vocabulary."""
         return 2.0 * self.vocab_size * self.dim
@@ -238,12 +245,21 @@ class ModelConfig:
 
         full: every block (1.0); every_k: the blocks `block_recompute` checkpoints; selective:
         the attention core (QK^T, AV: the runtime checkpoints `AttentionCore`, the SDPA call);
-        none: 0. For `train_flops_per_token` (HFU counts it, MFU does not).
+        selective_op: the matmuls `op_sac_saves_matmul` does not save (the attention kernel is
+        saved, so QK^T and AV are not redone); none: 0. For `train_flops_per_token` (HFU counts
+        it, MFU does not). Element-wise work redone (norms, RoPE, activations) is not FLOPs here.
         """
         if mode == "selective":
             return self.attention_core_flops_per_token(
                 seq_len
             ) / self.block_forward_flops_per_token(seq_len)
+        if mode == "selective_op":
+            redone = sum(
+                n_in * n_out
+                for i, (_, n_in, n_out) in enumerate(self.block_matmuls())
+                if not op_sac_saves_matmul(i)
+            )
+            return 2.0 * self.n_layers * redone / self.block_forward_flops_per_token(seq_len)
         n = self.n_layers
         return sum(block_recompute(mode, i, every_k) == "full" for i in range(n)) / n
 
@@ -400,24 +416,29 @@ def stage_ids(pp_rank: int, pp: int, chunks: int) -> list[int]:
     return [pp_rank + k * pp for k in range(chunks)]
 
 
-BlockMode = Literal["none", "selective", "full"]
+BlockMode = Literal["none", "selective", "selective_op", "full"]
 
 
 def block_recompute(mode: str, layer_id: int, every_k: int = 2) -> BlockMode:
     """What train.recompute = `mode` does to block `layer_id`.
 
     full: the whole block is checkpointed (only its input kept); every_k: blocks k-1, 2k-1, ...
-    are, the others are not; selective: the block's attention core is checkpointed; none: none.
+    are, the others are not; selective: the block's attention core is checkpointed;
+    selective_op: the whole block is checkpointed with an op-level policy that keeps some
+    outputs (`op_sac_saves_matmul`, the attention kernel's); none: none.
     """
     if mode == "every_k":
         return "full" if (layer_id + 1) % every_k == 0 else "none"
-    if mode == "full":
-        return "full"
-    if mode == "selective":
-        return "selective"
-    if mode == "none":
-        return "none"
-    raise ConfigError("train.recompute", mode, "none | selective | every_k | full")
+    if mode in ("full", "selective", "selective_op", "none"):
+        return mode  # type: ignore[return-value]
+    raise ConfigError("train.recompute", mode, "none | selective | selective_op | every_k | full")
+
+
+def op_sac_saves_matmul(index: int) -> bool:
+    """selective_op: does a block keep the output of its `index`-th matmul (0-based, in
+    `ModelConfig.block_matmuls` order)? Every other one, from the first (torchtitan's op-level
+    policy: wq, wv, w1, w2 for SwiGLU; wq, wv, w1 for GELU); the rest are recomputed."""
+    return index % 2 == 0
 
 
 # Each family's architecture: Llama's (RMSNorm, SwiGLU, RoPE, no biases) is ModelConfig's default;

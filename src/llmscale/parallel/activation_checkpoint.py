@@ -4,14 +4,20 @@ It lives in `parallel/` with tensor parallelism and FSDP because it is the same 
 a rewrite of the built model, applied in a fixed order (after TP, so the recomputed forward
 includes TP's collectives; before FSDP, so FSDP's hooks wrap the checkpointed blocks), that the
 model file knows nothing about; the trainer only names the mode. The measuring of what autograd
-keeps is elsewhere (`instrument/activations.py`); this module only reports to it the inputs a
-checkpointed region keeps, with `note_checkpoint_inputs`.
+keeps is elsewhere (`instrument/activations.py`); this module only reports to it what a
+checkpointed region keeps outside autograd's hooks (its inputs, and the outputs an op-level
+policy stores), with `note_checkpoint_kept`.
 
 Modes (train.recompute):
 - none: every block keeps what autograd saves;
 - selective: only the attention core (SDPA) is recomputed: it keeps q, k, v instead of its
   output and log-sum-exp (Korthikanti et al. 2022 recompute the core for the s x s matrix; with
   SDPA that matrix is never stored, so the saving is smaller, but the mode is the same);
+- selective_op: every block is checkpointed with an op-level policy (torchtitan's selective
+  activation checkpointing): it keeps its input, the outputs of every other matmul
+  (`model.config.op_sac_saves_matmul`: wq, wv, w1, w2), the attention kernel's outputs (output
+  and log-sum-exp) and, under sequence parallelism, the reduce-scattered outputs; the rest
+  (norms, wk, wo, w3, RoPE, activations) is recomputed in backward;
 - every_k: every k-th block (layers k-1, 2k-1, ...) is recomputed whole;
 - full: every block is recomputed; only its input is kept.
 
@@ -28,36 +34,118 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
-from llmscale.instrument.activations import note_checkpoint_inputs
-from llmscale.model.config import block_recompute
+from llmscale.instrument.activations import note_checkpoint_kept
+from llmscale.model.config import block_recompute, op_sac_saves_matmul
 from llmscale.model.transformer import AttentionCore, TransformerBlock
+
+_aten = torch.ops.aten
+# The matmuls the op-level policy counts (nn.Linear: mm without bias, addmm with one).
+MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default})
+# Ops whose outputs selective_op always keeps: the fused attention kernels (torchtitan's list,
+# with the CPU flash kernel and cuDNN's) and the sequence-parallel reduce-scatter.
+SAVED_OPS = frozenset(
+    {
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+)
+
+
+class _OpPolicy:
+    """selective_op's policy for one block's forward: keep the attention kernel's outputs and
+    every other matmul's (`op_sac_saves_matmul`), recompute everything else. The policy is
+    consulted in the forward only; the recomputation replays its decisions."""
+
+    def __init__(self) -> None:
+        self.matmuls = 0
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, func: Any, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        if func in MATMUL_OPS:
+            self.matmuls += 1
+            keep = op_sac_saves_matmul(self.matmuls - 1)
+        else:
+            keep = func in SAVED_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _CountingForward:
+    """SAC's forward context; on leaving it, reports the outputs it stored to the instruments."""
+
+    def __init__(self, caching: Any) -> None:
+        self.caching = caching
+
+    def __enter__(self) -> _CountingForward:
+        self.caching.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.caching.__exit__(*exc)
+        # storage: op -> {call index: tree of _VersionWrapper (.val) | recompute marker}
+        stored = [
+            getattr(leaf, "val", None)
+            for calls in self.caching.storage.values()
+            for entry in calls.values()
+            for leaf in tree_leaves(entry)
+        ]
+        note_checkpoint_kept(t for t in stored if isinstance(t, torch.Tensor))
+
+
+def op_sac_contexts() -> tuple[Any, Any]:
+    """`context_fn` for `checkpoint`: a fresh selective_op policy per block forward."""
+    caching, cached = create_selective_checkpoint_contexts(_OpPolicy())  # type: ignore[no-untyped-call]
+    return _CountingForward(caching), cached
 
 
 class Checkpointed(nn.Module):
     """Placed before a module's own class: its forward runs under activation checkpointing."""
 
+    _context_fn: Any = staticmethod(noop_context_fn)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        note_checkpoint_inputs(args)  # the checkpoint keeps them for the recomputation
-        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+        note_checkpoint_kept(args)  # the checkpoint keeps them for the recomputation
+        return checkpoint(
+            super().forward, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs
+        )
 
 
-_SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+class OpCheckpointed(Checkpointed):
+    """Checkpointed with selective_op's op-level policy (some op outputs kept)."""
+
+    _context_fn: Any = staticmethod(op_sac_contexts)
 
 
-def checkpoint_module(module: nn.Module) -> None:
-    """Run `module`'s forward under checkpointing from now on (once; names are unchanged)."""
+_SUBCLASSES: dict[tuple[type[nn.Module], type[Checkpointed]], type[nn.Module]] = {}
+
+
+def checkpoint_module(module: nn.Module, policy: type[Checkpointed] = Checkpointed) -> None:
+    """Run `module`'s forward under checkpointing from now on (once; names are unchanged).
+
+    `policy`: `Checkpointed` (keep only the inputs) or `OpCheckpointed` (selective_op)."""
     if isinstance(module, Checkpointed):
         return
     if "forward" in vars(module):
         raise TypeError(f"{type(module).__name__} has a per-instance forward; cannot checkpoint")
     cls = type(module)
-    sub = _SUBCLASSES.get(cls)
+    sub = _SUBCLASSES.get((cls, policy))
     if sub is None:
-        sub = type(f"Checkpointed{cls.__name__}", (Checkpointed, cls), {})
-        _SUBCLASSES[cls] = sub
+        sub = type(f"{policy.__name__}{cls.__name__}", (policy, cls), {})
+        _SUBCLASSES[(cls, policy)] = sub
     module.__class__ = sub
 
 
@@ -66,7 +154,7 @@ def is_recomputed(module: nn.Module, mode: str, every_k: int = 2) -> bool:
     if isinstance(module, AttentionCore):
         return block_recompute(mode, 0, every_k) == "selective"
     if isinstance(module, TransformerBlock):
-        return block_recompute(mode, module.layer_id, every_k) == "full"
+        return block_recompute(mode, module.layer_id, every_k) in ("full", "selective_op")
     return False
 
 
@@ -74,7 +162,8 @@ def apply_recompute(model: nn.Module, mode: str, every_k: int = 2) -> list[str]:
     """Checkpoint the parts that `mode` names; returns the names of the wrapped modules."""
     if mode == "none":
         return []
+    policy = OpCheckpointed if mode == "selective_op" else Checkpointed
     wrapped = [name for name, m in model.named_modules() if is_recomputed(m, mode, every_k)]
     for name in wrapped:
-        checkpoint_module(model.get_submodule(name))
+        checkpoint_module(model.get_submodule(name), policy)
     return wrapped

@@ -21,6 +21,10 @@ what each op's backward keeps (checked against `saved_tensors_hooks` in tests/pl
 - SwiGLU keeps w1's output (silu input), silu's output, w3's output and their product (w2's
   input); GELU keeps its input and its output.
 - No dropout, so no masks.
+- Recompute modes (`BLOCK_MODES`): selective keeps the checkpointed attention core's inputs
+  instead of what it saves; full keeps the block input; selective_op (torchtitan's op-level
+  policy, `_op_sac_terms`) keeps the block input, every other matmul's output and the fused
+  attention kernel's output and log-sum-exp (docs/memory-model.md, "Recompute modes").
 
 Regions set the divisors (from the runtime's TP plan, `model.config.TP_STYLES` and `SP_*`):
 "norm" tensors (residual stream, norms, dropout masks: `SP_SHARDED_MODULES`) are split by
@@ -39,11 +43,14 @@ from typing import ParamSpec
 
 from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig, loss_parallel, vocab_parallel
+from llmscale.model.config import ModelConfig, loss_parallel, op_sac_saves_matmul, vocab_parallel
 from llmscale.plan.cache import memoize
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
-BLOCK_MODES = ("none", "selective", "full")
+BLOCK_MODES = ("none", "selective", "selective_op", "full")
+FUSED_ATTENTION = ("flash", "efficient")  # kernels that keep out + log-sum-exp, no s x s
+# Row-parallel matmuls: under tp their local output is a partial sum of the full width.
+ROW_PARALLEL = ("wo", "w2")
 _P = ParamSpec("_P")
 
 
@@ -131,6 +138,8 @@ class Saved:
 
 
 def _divisor(region: str, tp: int, sp: bool, kernels: Kernels) -> int:
+    if region == "partial":
+        return 1
     if region == "tp":
         return tp
     if region == "norm":
@@ -191,7 +200,7 @@ def block_tensors(
     kernels: Kernels = RUNTIME,
     mode: str = "none",
 ) -> list[Saved]:
-    """The tensors one block keeps for backward under `mode` (none | selective | full)."""
+    """The tensors one block keeps for backward under `mode` (`BLOCK_MODES`)."""
     if precision not in DTYPE_BYTES:
         raise ConfigError("precision.mode", precision, " | ".join(PRECISIONS))
     if mode not in BLOCK_MODES:
@@ -203,6 +212,11 @@ def block_tensors(
     per_token: list[tuple[str, float, str]] = []  # (name, bytes per token, region)
     if mode == "full":
         per_token.append(("block input", r * d, "norm"))
+        return _scale(per_token, tokens, tp, sequence_parallel, kernels)
+    if mode == "selective_op":
+        per_token = _op_sac_terms(model, a, r, kernels.attention_kernel(model, precision))
+        if sequence_parallel and tp > 1:  # the reduce-scattered outputs of wo and w2
+            per_token += [(f"{n} output (reduce-scattered)", a * d, "norm") for n in ROW_PARALLEL]
         return _scale(per_token, tokens, tp, sequence_parallel, kernels)
 
     def norm(tag: str) -> None:
@@ -268,6 +282,23 @@ def block_tensors(
     return out
 
 
+def _op_sac_terms(model: ModelConfig, a: int, r: int, kernel: str) -> list[tuple[str, float, str]]:
+    """selective_op's per-token list: the checkpointed block's input, the outputs of the
+    matmuls `op_sac_saves_matmul` keeps, and a fused attention kernel's output and log-sum-exp
+    (the math / materialised paths are composite: nothing of theirs is kept)."""
+    out: list[tuple[str, float, str]] = [("block input", r * model.dim, "norm")]
+    for i, (name, _, n_out) in enumerate(model.block_matmuls()):
+        if op_sac_saves_matmul(i):
+            region = "partial" if name in ROW_PARALLEL else "tp"
+            out.append((f"{name} output", a * n_out, region))
+    if kernel in FUSED_ATTENTION:
+        out += [
+            ("attention output", a * model.dim, "tp"),
+            ("log-sum-exp (fp32)", 4 * model.n_heads, "tp"),
+        ]
+    return out
+
+
 def _scale(
     per_token: list[tuple[str, float, str]], tokens: int, tp: int, sp: bool, kernels: Kernels
 ) -> list[Saved]:
@@ -279,10 +310,13 @@ def _scale(
 
 def checkpoint_inputs(saved: list[Saved], mode: str) -> list[Saved]:
     """Of a block's `saved` tensors under `mode`, the inputs its checkpointed region keeps for
-    its recomputation: the block input (full) or the attention core's q, k and v (selective);
-    none keeps nothing extra."""
+    its recomputation: the block input (full, selective_op: the op outputs it stores are freed
+    by the block's backward) or the attention core's q, k and v (selective); none keeps nothing
+    extra."""
     if mode == "full":
         return saved
+    if mode == "selective_op":
+        return [t for t in saved if t.name == "block input"]
     if mode == "selective":
         return [t for t in saved if t.name in ("q", "k", "v")]
     return []

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from llmscale.config import DTYPE_BYTES, Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig
+from llmscale.model.config import ModelConfig, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.time import DEFAULT_TIME, TimeParams
 
@@ -98,8 +98,7 @@ def op_sac_gemms_saved(model: ModelConfig) -> tuple[bool, ...]:
     """For each forward matmul of a block, in call order (wq, wk, wv, wo, w1, [w3,] w2): is its
     output saved under torchtitan's op-level SAC? It counts aten.mm calls and saves the odd
     ones (the 1st, 3rd, ...), recomputing the others."""
-    n = 7 if model.gated else 6
-    return tuple(i % 2 == 0 for i in range(n))
+    return tuple(op_sac_saves_matmul(i) for i in range(len(model.block_matmuls())))
 
 
 def op_sac_block_bytes(

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import Calibration
-from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES
+from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
@@ -159,14 +159,17 @@ def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _S
 
 
 def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
-    """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (M = tokens)."""
-    m, tp = plan.model, plan.tp
+    """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (M = tokens), in the
+    order the block runs them (`ModelConfig.block_matmuls`), split as the runtime's TP plan
+    splits each (`TP_STYLES`: column-parallel outputs, row-parallel inputs over tp)."""
     tokens = plan.micro_batch_size * plan.seq_len
-    d, kv, f = m.dim, m.kv_dim, m.ffn_dim
-    out = [(tokens, d // tp, d), (tokens, kv // tp, d), (tokens, kv // tp, d)]
-    out.append((tokens, d, d // tp))
-    out += [(tokens, f // tp, d)] * (2 if m.gated else 1)
-    out.append((tokens, d, f // tp))
+    out = []
+    for name, fan_in, fan_out in plan.model.block_matmuls():
+        group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
+        if TP_STYLES[f"{group}.{name}"].style == "colwise":
+            out.append((tokens, fan_out // plan.tp, fan_in))
+        else:
+            out.append((tokens, fan_out, fan_in // plan.tp))
     return out
 
 
@@ -229,10 +232,14 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
         attn_b = 2.5 * attn_f
     mat_f = n_blocks * (gemm_block + attn_f)
     mat_b = n_blocks * (2 * gemm_block + attn_b) + n_full * (gemm_block + attn_f)
-    op_sac = plan.recompute == "selective" and tp_.selective_policy == "op"
+    # Op-level selective checkpointing: this runtime's selective_op, or a stack whose
+    # "selective" is that policy (torchtitan's profile).
+    op_sac = plan.recompute == "selective_op" or (
+        plan.recompute == "selective" and tp_.selective_policy == "op"
+    )
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
         shapes = block_gemms(plan)
-        redo = [g for i, g in enumerate(shapes) if i % 2 == 1]
+        redo = [g for i, g in enumerate(shapes) if not op_sac_saves_matmul(i)]
         mat_b += n_blocks * _gemm_seconds(redo, peak, cal, flat)
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
