@@ -72,7 +72,7 @@ def main() -> None:
                     "layout": layout,
                     "pp_rank": t.dims.pp_rank,
                     "measured": measured,
-                    "predicted": {"grads": st.grads, "params": st.working},
+                    "predicted": {"grads": st.grads, "params": st.working_params},
                 }
             )
         t.close()
