@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("llmscale.errors", "llmscale.ui", "llmscale.config", "llmscale.model.config"),
     ("llmscale.hardware",),
     ("llmscale.plan",),
-    ("llmscale.tensors", "llmscale.instrument"),
+    ("llmscale.tensors", "llmscale.torch_internals", "llmscale.instrument"),
     ("llmscale.model",),
     ("llmscale.data",),
     ("llmscale.parallel",),

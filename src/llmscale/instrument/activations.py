@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmscale.tensors import local_tensor
+from llmscale.torch_internals import is_wrapper_subclass
 
 _StorageKey = tuple[int, int]
 
@@ -263,7 +263,7 @@ def model_state_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The countable plain tensors behind `t`: none for parameters, meta or sparse tensors."""
-    if is_traceable_wrapper_subclass(t) and not _is_parameter(t):
+    if is_wrapper_subclass(t) and not _is_parameter(t):
         # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside. A
         # DTensor parameter (FSDP's unsharded one under TP) is checked before unwrapping.
         attrs, _ = t.__tensor_flatten__()

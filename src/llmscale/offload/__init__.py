@@ -8,7 +8,7 @@ See docs/offload.md. The trainer builds it through `train.optim.build_optimizers
 - `hooks`: units, wait points and the hooks on the model;
 - `params`: the parameters' own offload (`"optimizer+params"`);
 - `engine`: copiers and the host worker; `timeline`: what ran when;
-- `torch_internals`: every torch-private call the above need.
+- every torch-private call the above need is in `llmscale.torch_internals`.
 """
 
 from llmscale.offload.adamw import (

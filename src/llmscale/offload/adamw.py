@@ -56,7 +56,6 @@ from llmscale.offload.host_adam import (
 )
 from llmscale.offload.params import ParamOffload, Piece, UnitParams
 from llmscale.offload.timeline import TransferTimeline
-from llmscale.offload.torch_internals import dtensor_like
 from llmscale.parallel.grads import (
     GradNorm,
     clip_coefficient,
@@ -65,6 +64,7 @@ from llmscale.parallel.grads import (
     shard_count,
 )
 from llmscale.tensors import is_dtensor, local_tensor
+from llmscale.torch_internals import dtensor_like
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -107,7 +107,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         working_dtype: torch.dtype | None = None,
         overlap: bool = True,
         update_in_backward: bool = False,
-        accum_steps: int = 1,
+        n_microbatches: int = 1,
         kernel: str = "fused",
         pin_memory: bool | None = None,
         link_bytes_per_s: float | None = None,
@@ -138,14 +138,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.device = local_tensor(named[0][1]).device
         self.overlap = overlap
         self.update_in_backward = update_in_backward
-        self.accum_steps = accum_steps
+        self.n_microbatches = n_microbatches
         self.pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.working_dtype = working_dtype or local_tensor(named[0][1]).dtype
         self.offload_params = offload_params
         self.prefetch = prefetch
         self.keep_resident = set(keep_resident)
         self.params: ParamOffload | None = None  # made by `attach` under offload_params
-        self.host = HostAdamW(self.working_dtype, accum_steps, self.pin, self.fused, offload_params)
+        self.host = HostAdamW(
+            self.working_dtype, n_microbatches, self.pin, self.fused, offload_params
+        )
         self.hooks = ModelHooks()
         self._unit_params: list[UnitParams] = []
         self.timeline = TransferTimeline(self.device, keep_steps=timeline_steps)
@@ -303,7 +305,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self.update_in_backward:
                 raise RuntimeError(
                     f"unit {unit.name!r} got gradients after its update ran in backward: more "
-                    f"backward passes than accum_steps={self.accum_steps} in one step"
+                    f"backward passes than n_microbatches={self.n_microbatches} in one step"
                 )
             unit.final_submitted = False  # its norms are stale; taken again at step time
         first = slot.micro == 0
@@ -325,7 +327,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._accumulate, slot, ticket, first, direct, self._step_index
         )
         unit.fired += 1
-        if unit.fired == len(unit.slots) * self.accum_steps:
+        if unit.fired == len(unit.slots) * self.n_microbatches:
             self._submit_final(unit)
         if self.params is not None:
             self.params.grad_arrived(self._unit_params[unit.index])

@@ -8,7 +8,7 @@ offload_params, its fetch) and time the compute lane around it. `ModelHooks` ins
 pre-hooks, the root's forward hooks, the state-dict hooks and the parameters'
 post-accumulate-grad hooks, and removes them all again. The gradient hooks and state-dict hooks
 are the coordinator's (`offload.adamw.OffloadedAdamW`); the torch-private calls are in
-`offload.torch_internals`.
+`llmscale.torch_internals`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from llmscale.offload.engine import Ticket
 from llmscale.offload.host_adam import HostSlot
 from llmscale.offload.params import ParamOffload, UnitParams
 from llmscale.offload.timeline import COMPUTE_LANE, TransferTimeline
-from llmscale.offload.torch_internals import fsdp_gather_streams, in_backward
+from llmscale.torch_internals import fsdp_gather_streams, in_backward
 
 LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 

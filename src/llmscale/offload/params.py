@@ -39,7 +39,7 @@ import torch
 
 from llmscale.offload.engine import DONE, Copier, HostWorker, Ticket
 from llmscale.offload.timeline import PARAMS_LANE, TransferTimeline
-from llmscale.offload.torch_internals import at_end_of_backward, graph_task_id
+from llmscale.torch_internals import at_end_of_backward, graph_task_id
 
 
 def storage_alias(t: torch.Tensor) -> torch.Tensor:

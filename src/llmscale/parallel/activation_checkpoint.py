@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -48,6 +47,7 @@ from torch.utils.checkpoint import (
 from llmscale.instrument.activations import note_checkpoint_kept
 from llmscale.model.config import block_recompute, op_sac_saves_matmul
 from llmscale.model.transformer import AttentionCore, TransformerBlock
+from llmscale.torch_internals import sac_stored_tensors
 
 _aten = torch.ops.aten
 # The matmuls the op-level policy counts (nn.Linear: mm without bias, addmm with one).
@@ -96,14 +96,7 @@ class _CountingForward:
 
     def __exit__(self, *exc: object) -> None:
         self.caching.__exit__(*exc)
-        # storage: op -> {call index: tree of _VersionWrapper (.val) | recompute marker}
-        stored = [
-            getattr(leaf, "val", None)
-            for calls in self.caching.storage.values()
-            for entry in calls.values()
-            for leaf in tree_leaves(entry)
-        ]
-        note_checkpoint_kept(t for t in stored if isinstance(t, torch.Tensor))
+        note_checkpoint_kept(sac_stored_tensors(self.caching))
 
 
 def op_sac_contexts() -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""Every torch-private interface the offload pipeline relies on, in one place.
+"""Every torch-private interface llmscale relies on, in one place (below every runtime layer).
 
 Checked against torch 2.13.0. Each is a small function, so a torch upgrade that moves one
 breaks here, with a name saying what it was for, not inside the pipeline's logic.
@@ -15,6 +15,13 @@ breaks here, with a name saying what it was for, not inside the pipeline's logic
 - `DTensor(local, DTensorSpec(...), requires_grad=False)` with `param._spec` and
   `torch.distributed.tensor._dtensor_spec`: wrap a host shard as a DTensor sharded like its
   parameter without moving it (`DTensor.from_local` would copy a CPU shard onto the mesh's device).
+- `torch.utils._python_dispatch.is_traceable_wrapper_subclass(t)`: a tensor subclass that wraps
+  inner tensors (DTensor, a functional wrapper), whose storage is its inner tensors' (the
+  saved-activation meters count those).
+- `create_selective_checkpoint_contexts(...)`'s caching context's `.storage` (op -> {call
+  index: tree of `_VersionWrapper` with `.val`, or a recompute marker}): the outputs op-level
+  selective checkpointing stored (what `selective_op` keeps, counted by the meters; autograd's
+  saved-tensor hooks do not see them).
 """
 
 from __future__ import annotations
@@ -69,3 +76,23 @@ def dtensor_like(param: Any, host: torch.Tensor) -> Any:
     meta = TensorMeta(shape=param.shape, stride=param.stride(), dtype=host.dtype)
     new_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
     return DTensor(host, new_spec, requires_grad=False)
+
+
+def is_wrapper_subclass(t: torch.Tensor) -> bool:
+    """Whether `t` is a traceable wrapper subclass (e.g. a DTensor) around inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return bool(is_traceable_wrapper_subclass(t))
+
+
+def sac_stored_tensors(caching: Any) -> list[torch.Tensor]:
+    """The tensors a selective-checkpoint caching context stored during its forward."""
+    from torch.utils._pytree import tree_leaves
+
+    stored = [
+        getattr(leaf, "val", None)
+        for calls in caching.storage.values()
+        for entry in calls.values()
+        for leaf in tree_leaves(entry)
+    ]
+    return [t for t in stored if isinstance(t, torch.Tensor)]
