@@ -79,7 +79,7 @@ class MeshDegrees:
         return self.dp_shard > 1
 
 
-def accum_steps(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+def n_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
     """Micro-batches each pipeline runs per optimizer step: global = micro x accum x dp."""
     return global_batch_size // (micro_batch_size * dp)
 
@@ -395,9 +395,9 @@ class JobConfig:
         return uses_fsdp_cpu_offload(self.optimizer.offload, self.parallel.dp)
 
     @property
-    def accum_steps(self) -> int:
+    def n_microbatches(self) -> int:
         """Micro-steps per optimizer step: global = micro x accum x dp."""
-        return accum_steps(
+        return n_microbatches(
             self.train.global_batch_size, self.train.micro_batch_size, self.parallel.dp
         )
 
@@ -465,17 +465,17 @@ class JobConfig:
             )
         if p.pp > 1 and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")
-        if p.pp > 1 and self.accum_steps < p.pp and p.pp_schedule != "gpipe":
+        if p.pp > 1 and self.n_microbatches < p.pp and p.pp_schedule != "gpipe":
             raise ConfigError(
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"at least pp={p.pp} micro-batches per step (micro_batch_size x dp x pp)",
             )
-        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and self.accum_steps % p.pp:
+        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and self.n_microbatches % p.pp:
             raise ConfigError(
                 "train.global_batch_size",
                 t.global_batch_size,
-                f"micro-batches per step (global / (micro_batch_size x dp) = {self.accum_steps})"
+                f"micro-batches per step (global / (micro_batch_size x dp) = {self.n_microbatches})"
                 f" a multiple of pp={p.pp} for interleaved_1f1b",
             )
         if self.optimizer.offload != "none" and self.precision.underflow_steps:

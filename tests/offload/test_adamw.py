@@ -53,7 +53,7 @@ def test_five_steps_equal_torch_adamw(overlap, micro, max_norm, kernel) -> None:
     ref = build_model(CFG, seed=1)
     ref_losses = _train_reference(ref, batches, max_norm)
     model = build_model(CFG, seed=1)
-    opt = _offloaded(model, overlap=overlap, accum_steps=micro, kernel=kernel)
+    opt = _offloaded(model, overlap=overlap, n_microbatches=micro, kernel=kernel)
     losses, norms = _train_offloaded(model, opt, batches, max_norm)
     if math.isfinite(max_norm):
         assert min(norms) > max_norm  # clipping was in play on every step
@@ -79,7 +79,7 @@ def test_update_in_backward_runs_during_backward_and_matches(kernel: str) -> Non
     # update worker then surely gets a core while backward still has work left, so the check
     # below tests that the update was started during backward, not how threads were scheduled.
     model.layers["0"].register_full_backward_pre_hook(lambda *_: time.sleep(0.05))
-    opt = _offloaded(model, overlap=True, update_in_backward=True, accum_steps=2, kernel=kernel)
+    opt = _offloaded(model, overlap=True, update_in_backward=True, n_microbatches=2, kernel=kernel)
     losses, _ = _train_offloaded(model, opt, batches, math.inf)
     if not opt.fused:
         assert losses == ref_losses
@@ -106,16 +106,16 @@ def test_update_in_backward_runs_during_backward_and_matches(kernel: str) -> Non
 
 def test_more_micro_steps_than_declared_is_an_error_when_updating_in_backward() -> None:
     model = build_model(CFG, seed=0)
-    _offloaded(model, overlap=True, update_in_backward=True, accum_steps=1)
+    _offloaded(model, overlap=True, update_in_backward=True, n_microbatches=1)
     (mb,) = _batches(1, 1)[0]
     _loss(model, mb).backward()
-    with pytest.raises(RuntimeError, match="accum_steps=1"):
+    with pytest.raises(RuntimeError, match="n_microbatches=1"):
         _loss(model, mb).backward()
 
 
 def test_with_clipping_no_update_starts_before_the_last_gradient_is_in() -> None:
     model = build_model(CFG, seed=0)
-    opt = _offloaded(model, overlap=True, accum_steps=1, link_bytes_per_s=2e8)
+    opt = _offloaded(model, overlap=True, n_microbatches=1, link_bytes_per_s=2e8)
     _train_offloaded(model, opt, _batches(3, 1), 1.0)
     ivs = opt.timeline.intervals()
     for step in (0, 1, 2):
@@ -129,7 +129,7 @@ def test_each_forward_waits_for_its_own_upload_and_later_uploads_overlap_it() ->
     """The upload of unit k ends before unit k's next forward; some uploads run under forward."""
     model = build_model(CFG, seed=0)
     # A slow link (20 MB/s) makes each unit's upload long next to its forward.
-    opt = _offloaded(model, overlap=True, accum_steps=1, link_bytes_per_s=2e7)
+    opt = _offloaded(model, overlap=True, n_microbatches=1, link_bytes_per_s=2e7)
     _train_offloaded(model, opt, _batches(3, 1), 1.0)
     ivs = opt.timeline.intervals()
     hidden = 0.0
@@ -203,7 +203,7 @@ def test_bf16_device_weights_are_the_rounded_master_and_the_ledger_is_12_bytes()
     model = build_model(CFG, seed=4)
     n = sum(p.numel() for p in model.parameters())
     fp32 = [p.detach().clone() for p in model.parameters()]
-    opt = _offloaded(model, working_dtype=torch.bfloat16, overlap=True, accum_steps=2)
+    opt = _offloaded(model, working_dtype=torch.bfloat16, overlap=True, n_microbatches=2)
     for p, w in zip(model.parameters(), fp32, strict=True):
         assert p.dtype == torch.bfloat16
         assert torch.equal(opt.state[p]["master"], w)  # the master kept full precision

@@ -16,7 +16,7 @@ def _params() -> list[torch.nn.Parameter]:
 
 def test_update_is_bitwise_torch_adamw_and_norms_reduce_like_the_device_path() -> None:
     params = _params()
-    host = HostAdamW(torch.float32, accum_steps=2, pin=False, fused=False, offload_params=False)
+    host = HostAdamW(torch.float32, n_microbatches=2, pin=False, fused=False, offload_params=False)
     slots = [
         host.make_slot(i, f"p{i}", p, unit=0, group=int(p.dim() < 2)) for i, p in enumerate(params)
     ]

@@ -115,7 +115,7 @@ def test_2d_layouts_hold_the_predicted_host_bytes(name, runs4) -> None:
     cfg = load_config(None, [*BASE, *LAYOUTS4[name]])
     options = MemoryOptions(kernels=act.Kernels.for_runtime(cfg.model, cfg.parallel.tp, "cpu"))
     want = expected_runtime_metrics(cfg, rank=0, options=options)
-    host = predict_memory(cfg, options).stages[0].host
+    host = predict_memory(cfg, options).per_rank[0].host
     rows = [r for r in read_jsonl(runs4[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
     assert len(rows) == 5
     for row in rows:  # rank 0's
@@ -147,7 +147,7 @@ def test_params_offloaded_per_rank_as_the_planner_predicts(name, runs) -> None:
     cfg = load_config(None, [*BASE, *LAYOUTS[name]])
     options = MemoryOptions(kernels=act.Kernels.for_runtime(cfg.model, cfg.parallel.tp, "cpu"))
     want = expected_runtime_metrics(cfg, rank=0, options=options)
-    host = predict_memory(cfg, options).stages[0].host
+    host = predict_memory(cfg, options).per_rank[0].host
     rows = [r for r in read_jsonl(runs[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]
     assert len(rows) == 5
     for row in rows:  # rank 0's: a TP shard, or the first pipeline stage
@@ -162,7 +162,7 @@ def test_fsdp_cpu_offload_holds_shards_on_the_host_as_the_planner_predicts(name,
     cfg = load_config(None, [*BASE, *LAYOUTS[name]])
     options = MemoryOptions(kernels=act.RUNTIME_CPU)
     want = expected_runtime_metrics(cfg, rank=0, options=options)
-    host = predict_memory(cfg, options).stages[0].host
+    host = predict_memory(cfg, options).per_rank[0].host
     n, tensors = cfg.model.num_params(), len(runs[name]["params"])
     shard = n // 2 if "fsdp" in name else n
     rows = [r for r in read_jsonl(runs[name]["run_dir"] / "metrics.jsonl") if r["kind"] == "train"]

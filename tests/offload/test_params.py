@@ -60,12 +60,12 @@ def test_five_steps_equal_torch_adamw(overlap: bool, kernel: str, recompute: str
         ref_losses = _train_reference(ref, batches, CLIP)
     else:  # the fused kernel rounds unlike torch's AdamW: compare with offloading the optimizer only
         groups = param_groups(ref, HP["weight_decay"])
-        plain = OffloadedAdamW(ref.named_parameters(), groups=groups, **HP, accum_steps=2).attach(
-            ref
-        )
+        plain = OffloadedAdamW(
+            ref.named_parameters(), groups=groups, **HP, n_microbatches=2
+        ).attach(ref)
         ref_losses = _train(ref, plain, batches, CLIP)
     model = _model(1, recompute)
-    opt = _offloaded(model, overlap=overlap, accum_steps=2, kernel=kernel)
+    opt = _offloaded(model, overlap=overlap, n_microbatches=2, kernel=kernel)
     assert opt.fused == (kernel == "fused")
     losses = _train(model, opt, batches, CLIP)
     # Between steps the device holds no parameter; the state dict holds the host copies.
@@ -88,7 +88,7 @@ def _open_intervals(ivs, step: int) -> list[tuple[float, int, str]]:
 
 def test_two_consecutive_units_at_a_time_each_fetched_twice_per_micro_step() -> None:
     model = _model(0)
-    opt = _offloaded(model, overlap=True, accum_steps=2)
+    opt = _offloaded(model, overlap=True, n_microbatches=2)
     assert opt.params is not None
     names = [u.name for u in opt.units]
     at_forward: dict[str, list[str]] = {}
@@ -137,7 +137,9 @@ def test_tied_embedding_stays_from_its_forward_to_its_gradient() -> None:
     ref = _model(2, "full", tie_embeddings=True)
     ref_losses = _train_reference(ref, batches, CLIP)
     model = _model(2, "full", tie_embeddings=True)
-    opt = _offloaded(model, accum_steps=2, kernel="exact", keep_resident=["tok_embeddings.weight"])
+    opt = _offloaded(
+        model, n_microbatches=2, kernel="exact", keep_resident=["tok_embeddings.weight"]
+    )
     assert _train(model, opt, batches, CLIP) == ref_losses
     sd = model.state_dict()
     assert all(torch.equal(sd[n], r) for n, r in ref.named_parameters())
@@ -182,7 +184,7 @@ def test_uploads_run_under_compute() -> None:
 
 def test_bf16_host_copies_and_state_dict_round_trip() -> None:
     a_model = _model(5)
-    a = _offloaded(a_model, working_dtype=torch.bfloat16, accum_steps=1)
+    a = _offloaded(a_model, working_dtype=torch.bfloat16, n_microbatches=1)
     n = sum(p.numel() for p in a_model.parameters())
     _train(a_model, a, _batches(2, 1), CLIP)
     sd = a_model.state_dict()
@@ -215,7 +217,7 @@ def test_update_in_backward_with_params_offloaded_matches() -> None:
     ref = _model(7)
     ref_losses = _train_reference(ref, batches, math.inf)
     model = _model(7)
-    opt = _offloaded(model, overlap=True, update_in_backward=True, accum_steps=2, kernel="exact")
+    opt = _offloaded(model, overlap=True, update_in_backward=True, n_microbatches=2, kernel="exact")
     assert _train(model, opt, batches, math.inf) == ref_losses
     sd = model.state_dict()
     assert all(torch.equal(sd[n], r) for n, r in ref.named_parameters())

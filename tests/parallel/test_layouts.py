@@ -144,7 +144,7 @@ def test_each_stage_holds_the_micro_batches_in_flight_the_planner_predicts(name,
     micro-batch's bytes. GPipe holds all 4 micro-batches on both stages; 1F1B p - rank of them;
     interleaved (v = 2) 5 and 3 half-stage units on ranks 0 and 1."""
     from llmscale.plan import activations as act
-    from llmscale.plan.memory import MemoryOptions, stage_activation_bytes
+    from llmscale.plan.memory import MemoryOptions, rank_activation_bytes
     from llmscale.plan.predict import as_plan
 
     plan = as_plan(load_config(None, [*BASE, *WORLD2[name]]))
@@ -152,7 +152,7 @@ def test_each_stage_holds_the_micro_batches_in_flight_the_planner_predicts(name,
     peaks = world2[name]["activation_peaks"]
     assert len(peaks) == 2
     for rank, got in enumerate(peaks):
-        want = stage_activation_bytes(plan, rank, options)
+        want = rank_activation_bytes(plan, rank, options)
         # The schedule's micro-batches of token ids are views of the batch, so the first stage
         # holds the batch's storage, some hundred bytes beyond the micro-batches' own.
         assert abs(got - want) <= 0.002 * want, (rank, got, want)

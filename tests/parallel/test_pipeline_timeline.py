@@ -114,12 +114,12 @@ def test_recorder_times_only_inside_a_step_and_extends_the_last_forward_by_the_l
     assert "time.time()" in json.loads(path.read_text())["clock"]
 
 
-class _Stage:
+class _RankTimes:
     """The two methods of a torch PipelineStage that the recorder wraps."""
 
     is_last, stage_index = False, 0
 
-    def forward_one_chunk(self, mb: int, *args, **kwargs) -> tuple[_Stage, int]:
+    def forward_one_chunk(self, mb: int, *args, **kwargs) -> tuple[_RankTimes, int]:
         return self, mb
 
     def backward_one_chunk(self, mb: int, **kwargs) -> None:
@@ -131,7 +131,7 @@ def test_watching_a_stage_makes_no_reference_cycle() -> None:
     holds) as soon as it is dropped, not by the garbage collector after destroy_process_group."""
     gc.disable()
     try:
-        stage = _Stage()
+        stage = _RankTimes()
         tl = PipelineRecorder(pp_rank=0)
         tl.watch([stage])
         with tl.step(1):

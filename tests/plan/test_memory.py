@@ -15,7 +15,7 @@ from llmscale.plan.memory import (
     estimate_memory,
     head_inflight,
     inflight_units,
-    plan_stage_params,
+    plan_rank_params,
     zero_textbook_bytes,
 )
 from llmscale.plan.plan import Plan
@@ -88,7 +88,7 @@ def test_config_c_llama2_70b_tp8_pp4_selective() -> None:
         pp_schedule="1f1b",
     )
     est = estimate_memory(plan)
-    first, last = est.stages[0], est.stages[3]
+    first, last = est.per_rank[0], est.per_rank[3]
     d, kv, f = 8192, 1024, 28672
     block_local = (2 * d * d + 2 * d * kv + 3 * d * f) // 8 + 2 * d  # norms are replicated
     assert block_local == 106_971_136
@@ -317,11 +317,11 @@ def test_uneven_pipeline_split_is_the_runtimes() -> None:
     est = estimate_memory(plan)
     d, kv, f = 8192, 1024, 28672
     block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
-    assert est.stages[0].params == 4 * (27 * block + 32000 * d)
-    assert est.stages[1].params == 4 * (27 * block)
-    assert est.stages[2].params == 4 * (26 * block + d + 32000 * d)
+    assert est.per_rank[0].params == 4 * (27 * block + 32000 * d)
+    assert est.per_rank[1].params == 4 * (27 * block)
+    assert est.per_rank[2].params == 4 * (26 * block + d + 32000 * d)
     # 1F1B: ranks hold pp - rank micro-batches of their own blocks' activations.
-    a0, a1 = est.stages[0].activations, est.stages[1].activations
+    a0, a1 = est.per_rank[0].activations, est.per_rank[1].activations
     assert a1 == pytest.approx(2 * 27 * (a0 - 3 * 8 * 4097) / (3 * 27))
 
 
@@ -349,10 +349,10 @@ def test_explicit_pp_layers_are_what_each_rank_holds() -> None:
         list(range(0, 30)), list(range(30, 63)), list(range(63, 96)), list(range(96, 126)),
     ]  # fmt: skip
     a, b = estimate_memory(auto), estimate_memory(plan)
-    block = (b.stages[1].params - a.stages[1].params) / 4  # one block's fp32 params per tp rank
+    block = (b.per_rank[1].params - a.per_rank[1].params) / 4  # one block's fp32 params per tp rank
     assert block > 0
-    assert a.stages[0].params - b.stages[0].params == 4 * block
-    assert a.stages[3].params - b.stages[3].params == 4 * block
+    assert a.per_rank[0].params - b.per_rank[0].params == 4 * block
+    assert a.per_rank[3].params - b.per_rank[3].params == 4 * block
     # The job and the plan convert both ways with the list (a tuple in the plan).
     job = plan.to_job()
     assert job.parallel.pp_layers == [30, 33, 33, 30] and Plan.from_job(job) == plan
@@ -439,13 +439,13 @@ def test_fsdp_under_a_pipeline_holds_unsharded_gradients_across_micro_batches() 
     plan = Plan(**base, pp=2)
     assert plan.fsdp_holds_grads_across_microbatches
     assert not Plan(**base).fsdp_holds_grads_across_microbatches
-    st = estimate_memory(plan).stages[0]
-    sp = plan_stage_params(plan, 0, act.RUNTIME)
+    st = estimate_memory(plan).per_rank[0]
+    sp = plan_rank_params(plan, 0, act.RUNTIME)
     assert st.grads == 4 * sp.numel  # unsharded, fp32 (FSDP2's reduce_dtype)
     assert st.params == 4 * sp.shard_numel
     assert st.working_params == 2 * sp.numel  # every unit unsharded in bf16
     without_pp = estimate_memory(Plan(**base)).worst
-    assert without_pp.grads == 4 * plan_stage_params(Plan(**base), 0, act.RUNTIME).shard_numel
+    assert without_pp.grads == 4 * plan_rank_params(Plan(**base), 0, act.RUNTIME).shard_numel
 
 
 def test_selective_op_block_by_hand_llama3_8b() -> None:

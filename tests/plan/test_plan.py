@@ -20,7 +20,7 @@ from llmscale.model.config import get_preset
 from llmscale.plan import cache
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.memory import DEFAULT_OPTIONS, rank_states, stage_activation_bytes
+from llmscale.plan.memory import DEFAULT_OPTIONS, rank_activation_bytes, rank_states
 from llmscale.plan.plan import Plan
 
 L7 = get_preset("llama2-7b")
@@ -64,7 +64,7 @@ OTHER: dict[str, list[Any]] = {
 
 RESULTS: dict[str, tuple[Callable[[Plan], tuple[Any, ...]], Callable[[Plan, int], Any]]] = {
     "states": (Plan.states_key, lambda p, r: rank_states(p, r, DEFAULT_OPTIONS)),
-    "activations": (Plan.activations_key, lambda p, r: stage_activation_bytes(p, r)),
+    "activations": (Plan.activations_key, lambda p, r: rank_activation_bytes(p, r)),
     "stage time": (
         Plan.stage_time_key,
         lambda p, r: (lambda t: (t.stage_fwd[r], t.stage_bwd[r]))(
@@ -131,7 +131,7 @@ def test_plan_is_keyword_only_and_frozen() -> None:
 
 
 def test_clear_all_empties_every_memo() -> None:
-    stage_activation_bytes(BASES["one_rank"], 0)
+    rank_activation_bytes(BASES["one_rank"], 0)
     assert cache.entries() > 0
     cache.clear_all()
     assert cache.entries() == 0

@@ -102,4 +102,4 @@ def test_states_and_saved_activations_match_the_trainer(cfg_factory, extra: list
         host = (
             row["host_optimizer_bytes"] + row["host_master_bytes"] + row.get("host_param_bytes", 0)
         )
-        assert host == predict_memory(cfg, CPU).stages[0].host
+        assert host == predict_memory(cfg, CPU).per_rank[0].host

@@ -73,7 +73,7 @@ def test_interleaved_plans_have_whole_chunks() -> None:
     inter = [c.plan for c in r.candidates if c.plan.pp_schedule == "interleaved_1f1b"]
     assert inter
     for p in inter:
-        assert p.microbatches % p.pp == 0 and L70.n_layers % (p.pp * p.pp_chunks) == 0
+        assert p.n_microbatches % p.pp == 0 and L70.n_layers % (p.pp * p.pp_chunks) == 0
 
 
 @pytest.mark.parametrize(

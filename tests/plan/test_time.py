@@ -216,7 +216,7 @@ def test_replicated_dp_synchronises_once_per_step() -> None:
     base = Plan(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=16, dp_replicate=2)
     once = estimate_step_time(base, H200)
     every = estimate_step_time(base, H200, replace(DEFAULT_TIME, grad_sync_once=False))
-    assert base.microbatches == 8
+    assert base.n_microbatches == 8
     assert every.breakdown["dp_comm"] == pytest.approx(8 * once.breakdown["dp_comm"])
 
 

@@ -13,7 +13,7 @@ def test_four_micro_steps_of_two_equal_one_step_of_eight(cfg_factory) -> None:
     common = ("--train.global_batch_size", "8", "--train.max_grad_norm", "0")
     accum = Trainer(cfg_factory(*common, "--train.micro_batch_size", "2", run="a"))
     whole = Trainer(cfg_factory(*common, "--train.micro_batch_size", "8", run="b"))
-    assert accum.cfg.accum_steps == 4 and whole.cfg.accum_steps == 1
+    assert accum.cfg.n_microbatches == 4 and whole.cfg.n_microbatches == 1
     batch = accum.train_stream.next_batch(8)
     assert torch.equal(batch, whole.train_stream.next_batch(8))
     loss_a, _ = accum.forward_backward(batch)

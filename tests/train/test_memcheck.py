@@ -37,11 +37,11 @@ def test_warn_and_off_let_it_through() -> None:
 def test_on_a_cpu_the_need_is_every_rank_on_this_host(monkeypatch) -> None:
     options = MemoryOptions(kernels=act.RUNTIME_CPU)
     one = load_config(None, [])
-    stage = predict_memory(one, options).stages[0]
+    stage = predict_memory(one, options).per_rank[0]
     assert predicted_need(one, CPU) == (0.0, stage.total + stage.host)
     batch = ["--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
     dp2 = load_config(None, [*batch, "--parallel.dp_replicate", "2"])
-    per_rank = predict_memory(dp2, options).stages[0]
+    per_rank = predict_memory(dp2, options).per_rank[0]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert predicted_need(dp2, CPU)[1] == 2 * (per_rank.total + per_rank.host)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per host: two hosts share the job

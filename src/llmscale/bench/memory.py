@@ -94,7 +94,7 @@ def run(opts: BenchOptions) -> SuiteResult:
         )  # fmt: skip
         got = measure(cfg, warmup=0).last
         want = expected_runtime_metrics(cfg, options=options)
-        stage = predict_memory(cfg, options).stages[0]
+        stage = predict_memory(cfg, options).per_rank[0]
         label = f"{precision} mbs=4 offload=optimizer"
         res.rows.append(
             Row(

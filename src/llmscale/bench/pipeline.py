@@ -40,7 +40,7 @@ from llmscale.parallel.timeline import (
 )
 from llmscale.plan import activations as act
 from llmscale.plan.gantt import draw_gantts_png
-from llmscale.plan.memory import MemoryOptions, inflight_units, stage_activation_bytes
+from llmscale.plan.memory import MemoryOptions, inflight_units, rank_activation_bytes
 from llmscale.plan.predict import as_plan
 from llmscale.plan.schedule import SimResult, bubble_fraction, schedule_ops, simulate
 from llmscale.train.metrics import read_jsonl
@@ -295,7 +295,7 @@ def _activation_peak(opts: BenchOptions, c: PipeConfig) -> tuple[float, float, i
     rows = [r for r in read_jsonl(opts.work_dir / run / "metrics.jsonl") if r["kind"] == "train"]
     plan = as_plan(opts.job(*memory_args(c), run=run))
     options = MemoryOptions(kernels=act.RUNTIME_CPU)  # the suite's ranks run on the CPU
-    predicted = stage_activation_bytes(plan, 0, options)
+    predicted = rank_activation_bytes(plan, 0, options)
     inflight = inflight_units(c.schedule, c.pp, c.microbatches, c.chunks, 0)
     return float(rows[-1]["activation_peak_bytes"]), predicted, inflight
 

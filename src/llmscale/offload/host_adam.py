@@ -84,7 +84,7 @@ class HostAdamW:
     """AdamW over host slots: accumulation, norms, update, state, ledger."""
 
     working_dtype: torch.dtype
-    accum_steps: int
+    n_microbatches: int
     pin: bool
     fused: bool
     offload_params: bool
@@ -94,7 +94,7 @@ class HostAdamW:
         local = local_tensor(p).detach()
         master = host_empty(local, torch.float32, self.pin)
         master.copy_(local)
-        needs_staging = self.working_dtype != torch.float32 or self.accum_steps > 1
+        needs_staging = self.working_dtype != torch.float32 or self.n_microbatches > 1
         slot = HostSlot(
             index=index,
             name=name,
@@ -120,7 +120,7 @@ class HostAdamW:
         """Where this micro-step's gradient (in `dtype`) is copied down to.
 
         The first fp32 one lands in the fp32 gradient itself; others in `staging`, which is
-        (re)made in the gradient's dtype when needed: more micro-steps than `accum_steps` said,
+        (re)made in the gradient's dtype when needed: more micro-steps than `n_microbatches` said,
         or gradients in another dtype than the weights (FSDP2's reduce_dtype).
         """
         if first and dtype == torch.float32:

@@ -68,7 +68,7 @@ from llmscale.hardware.catalog import GPU, GiB
 from llmscale.model.config import BlockMode
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
-from llmscale.plan.params import StageParams, stage_params
+from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import inflight_units
 
@@ -76,8 +76,8 @@ __all__ = [
     "DEFAULT_OPTIONS",
     "MemoryEstimate",
     "MemoryOptions",
-    "StageMemory",
-    "StagePieces",
+    "RankMemory",
+    "RankPieces",
     "block_bytes",
     "cp_share",
     "embedding_inflight",
@@ -86,11 +86,11 @@ __all__ = [
     "inflight_units",
     "param_window",
     "plan_kernels",
-    "plan_stage_params",
+    "plan_rank_params",
     "rank_pieces",
     "rank_states",
     "slice_args",
-    "stage_activation_bytes",
+    "rank_activation_bytes",
     "worst_total",
     "zero_textbook_bytes",
 ]
@@ -110,10 +110,10 @@ DEFAULT_OPTIONS = MemoryOptions()
 
 
 @dataclass(frozen=True)
-class StageMemory:
-    """Bytes on one GPU of pipeline rank `stage` at the step's peak (plus host bytes)."""
+class RankMemory:
+    """Bytes on one GPU of pipeline rank `pp_rank` at the step's peak (plus host bytes)."""
 
-    stage: int
+    pp_rank: int
     params: float
     grads: float
     optimizer: float
@@ -155,12 +155,12 @@ class MemoryEstimate:
     """Per-stage memory; `worst` is the stage that decides whether the plan fits."""
 
     plan: Plan
-    stages: tuple[StageMemory, ...]
+    per_rank: tuple[RankMemory, ...]
     options: MemoryOptions = field(default=DEFAULT_OPTIONS)
 
     @property
-    def worst(self) -> StageMemory:
-        return max(self.stages, key=lambda s: s.total)
+    def worst(self) -> RankMemory:
+        return max(self.per_rank, key=lambda s: s.total)
 
     @property
     def total(self) -> float:
@@ -170,7 +170,7 @@ class MemoryEstimate:
         return self.total + self.options.device_reserve_GiB * GiB <= gpu.memory_bytes
 
 
-class StagePieces(NamedTuple):
+class RankPieces(NamedTuple):
     """Bytes of one pipeline rank by kind, before the allocator's overhead."""
 
     params: float
@@ -195,57 +195,55 @@ class StagePieces(NamedTuple):
 
 def head_inflight(plan: Plan) -> int:
     """Micro-batches whose logits the last stage holds: all under GPipe, else one."""
-    return plan.microbatches if plan.pp > 1 and plan.pp_schedule == "gpipe" else 1
+    return plan.n_microbatches if plan.pp > 1 and plan.pp_schedule == "gpipe" else 1
 
 
 def embedding_inflight(plan: Plan) -> int:
     """Micro-batches whose token ids the first stage holds (its first chunk's share)."""
-    units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, 0)
-    return min(math.ceil(units / plan.chunks), plan.microbatches)
+    units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, 0)
+    return min(math.ceil(units / plan.chunks), plan.n_microbatches)
 
 
 # ---- states -------------------------------------------------------------------------------
 
 
-def plan_stage_params(plan: Plan, rank: int, kernels: act.Kernels) -> StageParams:
+def plan_rank_params(plan: Plan, rank: int, kernels: act.Kernels) -> RankParams:
     """Parameters of pipeline `rank` as the runtime lays them out (its layer split, TP plan)."""
     vp = kernels.splits_vocab(plan.model, plan.tp)
-    return stage_params(
+    return rank_params(
         plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards, vp, plan.chunks, plan.pp_layers
     )
 
 
-def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> StagePieces:
+def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPieces:
     """Params, grads, optimizer, working params, FSDP's transient and host bytes (activations 0)."""
     pb = DTYPE_BYTES[plan.precision]
     low = plan.precision != "fp32"
-    counters = 4.0 * sp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
+    counters = 4.0 * rp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
     grads_held: float | None = None  # FSDP2 + PP: unsharded gradients until the step's end
     if plan.fsdp:
-        shard = float(sp.shard_numel)
-        blocks_live = min(opt.prefetch_blocks, sp.blocks) if plan.zero_stage == 3 else sp.blocks
+        shard = float(rp.shard_numel)
+        blocks_live = min(opt.prefetch_blocks, rp.blocks) if plan.zero_stage == 3 else rp.blocks
         if plan.fsdp_holds_grads_across_microbatches:
-            blocks_live = sp.blocks
-            grads_held = 4.0 * sp.numel
-        unsharded: float = pb * (blocks_live * sp.block.numel + sp.root_numel)
-        rs_transient: float = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
+            blocks_live = rp.blocks
+            grads_held = 4.0 * rp.numel
+        unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
+        rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
     else:
-        shard = float(sp.numel)
-        unsharded = 2.0 * sp.autocast_numel if low else 0.0  # autocast's cast weights
+        shard = float(rp.numel)
+        unsharded = 2.0 * rp.autocast_numel if low else 0.0  # autocast's cast weights
         rs_transient = 0.0
     if plan.offload == "none":
         grads = 4 * shard if grads_held is None else grads_held
-        return StagePieces(
-            4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0
-        )
+        return RankPieces(4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0)
     host = 12 * shard + counters
     if plan.offload == "optimizer":
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
         # gradient goes to the host as soon as backward produces it and its device copy is
         # freed: about one block's gradients are on the device at a time (a transient).
         working = unsharded if plan.fsdp else 0.0
-        grads_in_flight = pb * sp.block.numel
-        return StagePieces(
+        grads_in_flight = pb * rp.block.numel
+        return RankPieces(
             pb * shard,
             grads_held or 0.0,
             0.0,
@@ -261,17 +259,17 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
         # Under replicate every unit stays from its forward to its backward (as ZeRO-1/2), and
         # its gradients are all-reduced in fp32 on the device before they go down.
         if not plan.fsdp:
-            unsharded = pb * float(sp.numel)
-            rs_transient = (pb + 4) * sp.block.numel if low else 4 * sp.block.numel
-        return StagePieces(
+            unsharded = pb * float(rp.numel)
+            rs_transient = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
+        return RankPieces(
             0.0, grads_held or 0.0, 0.0, unsharded, 0.0, rs_transient, 16 * shard + counters
         )
     # optimizer+params: between uses the device holds no parameter; during forward and backward
     # `param_window` of them, plus one block's gradients in flight. The host also keeps a
     # working-dtype copy to upload (in fp32 the master itself is uploaded).
-    window = pb * param_window(plan, rank, sp, opt.prefetch_blocks)
-    grads_in_flight = pb * sp.block.numel
-    return StagePieces(
+    window = pb * param_window(plan, rank, rp, opt.prefetch_blocks)
+    grads_in_flight = pb * rp.block.numel
+    return RankPieces(
         params=0.0,
         grads=0.0,
         optimizer=0.0,
@@ -282,7 +280,7 @@ def _states(plan: Plan, rank: int, sp: StageParams, opt: MemoryOptions) -> Stage
     )
 
 
-def param_window(plan: Plan, rank: int, sp: StageParams, prefetch_blocks: int) -> float:
+def param_window(plan: Plan, rank: int, rp: RankParams, prefetch_blocks: int) -> float:
     """Most parameter elements on the device at once under optimizer+params (one process, TP, PP).
 
     The runtime's units are the embedding, each block and the head, in forward order, per model
@@ -291,15 +289,15 @@ def param_window(plan: Plan, rank: int, sp: StageParams, prefetch_blocks: int) -
     device holds `prefetch_blocks` consecutive units. A tied embedding (read by the head too)
     stays from its forward to its gradient, on top of every window.
     """
-    tied = plan.model.tie_embeddings and sp.embedding is not None and sp.head is not None
-    kept = sp.embedding.numel if tied and sp.embedding is not None else 0
+    tied = plan.model.tie_embeddings and rp.embedding is not None and rp.head is not None
+    kept = rp.embedding.numel if tied and rp.embedding is not None else 0
     best = 0
     for c, layers in enumerate(plan.rank_stages(rank)):
-        units: list[int] = [sp.block.numel] * len(layers)
-        if c == 0 and sp.embedding is not None:
-            units.insert(0, 0 if tied else sp.embedding.numel)
-        if c == plan.chunks - 1 and sp.head is not None:
-            units.append(sp.head.numel)
+        units: list[int] = [rp.block.numel] * len(layers)
+        if c == 0 and rp.embedding is not None:
+            units.insert(0, 0 if tied else rp.embedding.numel)
+        if c == plan.chunks - 1 and rp.head is not None:
+            units.append(rp.head.numel)
         width = max(1, min(prefetch_blocks, len(units)))
         for i in range(len(units) - width + 1):
             best = max(best, sum(units[i : i + width]))
@@ -339,21 +337,21 @@ def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
     return cp_share(plan) * act.block_bytes(*slice_args(plan, kernels), mode)
 
 
-_ACTIVATIONS: Memo[float] = Memo("memory.stage_activation_bytes")
+_ACTIVATIONS: Memo[float] = Memo("memory.rank_activation_bytes")
 
 
-def stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
+def rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
     """Saved activations on pipeline `rank` at its peak (all in-flight micro-batches)."""
     key = (*plan.activations_key(), id(opt), rank)
-    compute = lambda: _stage_activation_bytes(plan, rank, opt)  # noqa: E731
+    compute = lambda: _rank_activation_bytes(plan, rank, opt)  # noqa: E731
     return _ACTIVATIONS.get(key, compute, (plan.model, opt))
 
 
-def _stage_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     modes = plan.block_modes(plan.rank_layers(rank))
     per_micro = sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
     # With uneven chunks (interleaved), a chunk unit is taken as the rank's mean chunk.
-    units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
+    units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
     total = units * per_micro / plan.chunks
     if rank == 0:
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
@@ -387,10 +385,10 @@ def estimate_memory(
     stages = []
     for rank in ranks if ranks is not None else range(plan.pp):
         p = rank_pieces(plan, rank, options)
-        units = inflight_units(plan.pp_schedule, plan.pp, plan.microbatches, plan.chunks, rank)
+        units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
         stages.append(
-            StageMemory(
-                stage=rank,
+            RankMemory(
+                pp_rank=rank,
                 **p._asdict(),
                 allocator=options.allocator_overhead * p.allocated,
                 inflight=units / plan.chunks,
@@ -399,20 +397,20 @@ def estimate_memory(
     return MemoryEstimate(plan, tuple(stages), options)
 
 
-_STATES: Memo[StagePieces] = Memo("memory.rank_states")
+_STATES: Memo[RankPieces] = Memo("memory.rank_states")
 
 
-def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> StagePieces:
+def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> RankPieces:
     """The states of pipeline `rank` (params, grads, optimizer, working params, FSDP's
     transient, host; no activations), cached on the fields they read."""
 
-    def compute() -> StagePieces:
-        return _states(plan, rank, plan_stage_params(plan, rank, opt.kernels), opt)
+    def compute() -> RankPieces:
+        return _states(plan, rank, plan_rank_params(plan, rank, opt.kernels), opt)
 
     return _STATES.get((*plan.states_key(), id(opt), rank), compute, (plan.model, opt))
 
 
-def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> StagePieces:
+def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> RankPieces:
     """Every piece of pipeline `rank`'s memory, activations and transients included."""
     st = rank_states(plan, rank, opt)
     transient = st.transient
@@ -423,12 +421,12 @@ def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
         transient = max(transient, loss)
     if plan.recompute in ("full", "every_k"):
         transient = max(transient, block_bytes(plan, "none", opt.kernels))
-    acts = stage_activation_bytes(plan, rank, opt)
+    acts = rank_activation_bytes(plan, rank, opt)
     return st._replace(activations=acts, transient=transient)
 
 
 def worst_total(plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...]) -> float:
-    """The largest `StageMemory.total` over `ranks`, without building the records."""
+    """The largest `RankMemory.total` over `ranks`, without building the records."""
     return max((1 + opt.allocator_overhead) * rank_pieces(plan, r, opt).allocated for r in ranks)
 
 

@@ -68,7 +68,7 @@ class Group:
 
 
 @dataclass(frozen=True)
-class StageParams:
+class RankParams:
     """What one pipeline rank owns: `blocks` identical blocks, and embedding / head if any.
 
     Totals are filled in by `make` (they are read in the search's inner loop).
@@ -85,9 +85,9 @@ class StageParams:
     root_numel: int = 0
 
     @staticmethod
-    def make(blocks: int, block: Group, embedding: Group | None, head: Group | None) -> StageParams:
+    def make(blocks: int, block: Group, embedding: Group | None, head: Group | None) -> RankParams:
         root = [g for g in (embedding, head) if g is not None]
-        return StageParams(
+        return RankParams(
             blocks,
             block,
             embedding,
@@ -106,7 +106,7 @@ class StageParams:
 
 
 @memoize
-def stage_params(
+def rank_params(
     model: ModelConfig,
     tp: int,
     pp: int,
@@ -115,7 +115,7 @@ def stage_params(
     vocab_parallel: bool = False,
     chunks: int = 1,
     pp_layers: tuple[int, ...] = (),
-) -> StageParams:
+) -> RankParams:
     """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last),
     whose blocks are those of its `chunks` stages in the runtime's split (`pp_layers` per stage,
     or automatic); `dp_shard` is the FSDP shard count."""
@@ -137,4 +137,4 @@ def stage_params(
     block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
     split = split_layers(model.n_layers, pp * chunks, pp_layers)
     blocks = sum(len(split[s]) for s in stage_ids(rank, pp, chunks))
-    return StageParams.make(blocks, block, emb, head)
+    return RankParams.make(blocks, block, emb, head)

@@ -27,7 +27,7 @@ from llmscale.config import (
     PPSchedule,
     Precision,
     Recompute,
-    accum_steps,
+    n_microbatches,
     uses_fsdp_cpu_offload,
 )
 from llmscale.errors import ConfigError
@@ -72,9 +72,9 @@ class Plan(MeshDegrees):
 
     # ---- derived (dp, world_size, fsdp from MeshDegrees; the rest from the runtime's functions)
     @property
-    def microbatches(self) -> int:
+    def n_microbatches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
-        return accum_steps(self.global_batch_size, self.micro_batch_size, self.dp)
+        return n_microbatches(self.global_batch_size, self.micro_batch_size, self.dp)
 
     @property
     def tokens_per_step(self) -> int:
@@ -141,7 +141,7 @@ class Plan(MeshDegrees):
         return (
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
             self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
-            self.pp_schedule, self.chunks, self.microbatches, self.lowp_weights, self.pp_layers,
+            self.pp_schedule, self.chunks, self.n_microbatches, self.lowp_weights, self.pp_layers,
             self.cp,
         )  # fmt: skip
 

@@ -28,10 +28,10 @@ from llmscale.plan.memory import (
     block_bytes,
     estimate_memory,
     param_window,
-    plan_stage_params,
+    plan_rank_params,
+    rank_activation_bytes,
     rank_pieces,
     slice_args,
-    stage_activation_bytes,
 )
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams, estimate_step_time
@@ -74,14 +74,14 @@ def expected_runtime_metrics(
         saved += sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
     if rank == plan.pp - 1:
         saved += act.head_bytes(*slice_args(plan, k))
-    sp = plan_stage_params(plan, rank, k)
+    rp = plan_rank_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
     if plan.precision != "fp32" and not plan.fsdp and plan.offload == "none":
         live_blocks = modes.get("none", 0) + modes.get("selective", 0)
-        casts += 2.0 * live_blocks * sp.block.saved_cast_numel
-        casts += 2.0 * sum(g.saved_cast_numel for g in sp.root)
+        casts += 2.0 * live_blocks * rp.block.saved_cast_numel
+        casts += 2.0 * sum(g.saved_cast_numel for g in rp.root)
     saved += casts
-    peak = estimate_memory(plan, options).stages[rank].allocated
+    peak = estimate_memory(plan, options).per_rank[rank].allocated
     if plan.offload != "none":
         # The optimizer states live on the host; the metric counts them wherever they are.
         optim = _host_optimizer_bytes(plan, rank, options)
@@ -95,18 +95,18 @@ def expected_runtime_metrics(
     if plan.pp > 1:
         # The most held at once over the schedule (micro-batches in flight); the casts are
         # made once per step and shared by every micro-batch.
-        out["activation_peak_bytes"] = stage_activation_bytes(plan, rank, options) + casts
+        out["activation_peak_bytes"] = rank_activation_bytes(plan, rank, options) + casts
     if plan.offload == "optimizer+params" and not plan.fsdp_cpu_offload:
         # The offloaded optimizer's own count of the parameters it held on the device at once.
         pb = DTYPE_BYTES[plan.precision]
-        out["device_param_peak_bytes"] = pb * param_window(plan, rank, sp, options.prefetch_blocks)
+        out["device_param_peak_bytes"] = pb * param_window(plan, rank, rp, options.prefetch_blocks)
     return out
 
 
 def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> float:
-    sp = plan_stage_params(plan, rank, options.kernels)
-    shard = sp.shard_numel if plan.fsdp else sp.numel
-    return 8.0 * shard + 4.0 * sp.tensors
+    rp = plan_rank_params(plan, rank, options.kernels)
+    shard = rp.shard_numel if plan.fsdp else rp.numel
+    return 8.0 * shard + 4.0 * rp.tensors
 
 
 # ---- the runtime's own view: its kernels, and every byte key of its metrics rows ------------
@@ -156,14 +156,14 @@ def runtime_metric_bytes(
     out[f"{where}_optimizer_bytes"] = out["optimizer_bytes"]
     if plan.offload == "none":
         return out
-    sp = plan_stage_params(plan, rank, options.kernels)
-    shard = float(sp.shard_numel if plan.fsdp else sp.numel)
+    rp = plan_rank_params(plan, rank, options.kernels)
+    shard = float(rp.shard_numel if plan.fsdp else rp.numel)
     out["host_master_bytes"] = 4 * shard
     out["host_grad_bytes"] = 4 * shard
     if plan.fsdp_cpu_offload:
         return out
     pb = DTYPE_BYTES[plan.precision]
-    staging = plan.precision != "fp32" or plan.microbatches > 1
+    staging = plan.precision != "fp32" or plan.n_microbatches > 1
     out["host_staging_bytes"] = pb * shard if staging else 0.0
     if plan.offload == "optimizer+params":
         out["host_param_bytes"] = pb * shard if plan.precision != "fp32" else 0.0

@@ -210,7 +210,7 @@ def korthikanti_2022(path: str | Path = DATA) -> list[Row]:
         # Fig. 1 counts the transformer layers' states (18 B x 12 l h^2 / (t p)): a middle
         # stage, without the first stage's embedding; activations peak on the first stage.
         middle = full.pp // 2
-        mem = estimate_memory(full, opts, ranks=(middle,), validate=False).stages[0]
+        mem = estimate_memory(full, opts, ranks=(middle,), validate=False).per_rank[0]
         states = (mem.params + mem.grads + mem.optimizer + mem.working_params) / GiB
         out.append(Row(case, _layout(full), "GiB params + optimizer", float(row["states_GiB"]),
                        states, src))  # fmt: skip
@@ -219,7 +219,7 @@ def korthikanti_2022(path: str | Path = DATA) -> list[Row]:
             ("selective", True, "activations_sp_selective_GiB", "GiB activations, SP + selective"),
         ):
             plan = korthikanti_plan(row, recompute, sp)
-            acts = estimate_memory(plan, opts, ranks=(0,), validate=False).stages[0].activations
+            acts = estimate_memory(plan, opts, ranks=(0,), validate=False).per_rank[0].activations
             out.append(Row(case, _layout(plan), what, float(row[key]), acts / GiB, src))
     return out
 
@@ -242,7 +242,7 @@ def torchtitan_memory_bytes(plan: Plan, opts: MemoryOptions) -> float:
     parameters and transients for the plan, with the blocks' activations as op-SAC keeps them
     (`op_sac_block_bytes`) plus the head's and the embedding's."""
     none = replace(plan, recompute="none")
-    pieces = estimate_memory(none, opts, validate=False).stages[0]
+    pieces = estimate_memory(none, opts, validate=False).per_rank[0]
     m = plan.model
     block = op_sac_block_bytes(m, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp)
     per_block = pieces.activations - m.n_layers * _block_none(plan, opts)

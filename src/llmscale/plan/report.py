@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from llmscale.hardware.catalog import Catalog, GiB
-from llmscale.plan.memory import MemoryEstimate, StageMemory
+from llmscale.plan.memory import MemoryEstimate, RankMemory
 from llmscale.plan.plan import Plan
 from llmscale.plan.roofline import Roofline
 from llmscale.plan.search import Candidate, SearchResult
@@ -188,13 +188,13 @@ def search_table(result: SearchResult, wide: bool = False) -> Table:
     return t
 
 
-def _stage_dict(s: StageMemory) -> dict[str, Any]:
+def _stage_dict(s: RankMemory) -> dict[str, Any]:
     return {**s.breakdown(), "total": s.total, "allocated": s.allocated, "host": s.host,
-            "inflight_microbatches": s.inflight, "stage": s.stage}  # fmt: skip
+            "inflight_microbatches": s.inflight, "stage": s.pp_rank}  # fmt: skip
 
 
 def memory_json(est: MemoryEstimate) -> dict[str, Any]:
-    return {"worst_stage": _stage_dict(est.worst), "stages": [_stage_dict(s) for s in est.stages]}
+    return {"worst_stage": _stage_dict(est.worst), "stages": [_stage_dict(s) for s in est.per_rank]}
 
 
 def candidate_json(c: Candidate) -> dict[str, Any]:

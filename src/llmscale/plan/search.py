@@ -364,14 +364,14 @@ def fit_reason(
     reasons = []
     if w.total > usable:
         reasons.append(
-            f"needs {w.total / GiB:.1f} GiB on pipeline rank {w.stage}, "
+            f"needs {w.total / GiB:.1f} GiB on pipeline rank {w.pp_rank}, "
             f"{usable / GiB:.1f} GiB usable ({cluster.gpu.name} less "
             f"{opt.device_reserve_GiB:g} GiB reserve)"
         )
-    h = max(est.stages, key=lambda s: s.host)
+    h = max(est.per_rank, key=lambda s: s.host)
     if h.host > host:
         reasons.append(
-            f"needs {h.host / GiB:.1f} GiB of host memory per GPU on pipeline rank {h.stage}, "
+            f"needs {h.host / GiB:.1f} GiB of host memory per GPU on pipeline rank {h.pp_rank}, "
             f"{host / GiB:.1f} GiB available ({cluster.node.name})"
         )
     return "; ".join(reasons) or None

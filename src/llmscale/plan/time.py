@@ -59,7 +59,7 @@ from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
-from llmscale.plan.memory import plan_kernels, plan_stage_params
+from llmscale.plan.memory import plan_kernels, plan_rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import simulate as simulate_schedule
 
@@ -141,21 +141,21 @@ def _per_node(group: int, stride: int, gpus_per_node: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Stage:
+class _RankTimes:
     fwd: float
     bwd: float
     parts: dict[str, float]
     sync: float = 0.0  # FSDP gradient reduce-scatter exposed once per step
 
 
-_STAGES: Memo[_Stage] = Memo("time.stage_times")
+_RANK_TIMES: Memo[_RankTimes] = Memo("time.rank_times")
 
 
-def _stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
+def _rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _RankTimes:
     """Cached on the fields a stage's micro-batch time depends on (not offload or schedule)."""
     key = (*plan.stage_time_key(), id(cluster), id(tp_), rank)
-    compute = lambda: _compute_stage_times(plan, rank, cluster, tp_)  # noqa: E731
-    return _STAGES.get(key, compute, (plan.model, cluster, tp_))
+    compute = lambda: _compute_rank_times(plan, rank, cluster, tp_)  # noqa: E731
+    return _RANK_TIMES.get(key, compute, (plan.model, cluster, tp_))
 
 
 def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
@@ -205,7 +205,7 @@ def _gemm_seconds(
     return total
 
 
-def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Stage:
+def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _RankTimes:
     m, s, b = plan.model, plan.seq_len, plan.micro_batch_size
     tokens = b * s
     tp, kern = plan.tp, plan_kernels(plan, tp_.kernels)
@@ -301,7 +301,7 @@ def _compute_stage_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParam
         gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
         parts["fsdp_comm"] = gather
         bwd += gather
-    return _Stage(fwd, bwd, parts, sync)
+    return _RankTimes(fwd, bwd, parts, sync)
 
 
 def _overlapped(comm: float, compute: float, efficiency: float) -> float:
@@ -326,11 +326,11 @@ def _fsdp_exposed(
     all-gather of forward (and of backward under zero_stage 3) is exposed. Gradients are
     reduce-scattered per unit behind the next unit's backward, the last one exposed: on every
     micro-batch, or once per step (`grad_sync_once`). Returns (per micro-batch, per step)."""
-    sp = plan_stage_params(plan, rank, kern)
+    rp = plan_rank_params(plan, rank, kern)
     pb = DTYPE_BYTES[plan.precision]
     per_node = _per_node(plan.dp_shard, plan.tp, cluster.gpus_per_node)
     units = max(1, n_blocks)
-    unit_numel = sp.numel / units
+    unit_numel = rp.numel / units
 
     def cost(op: str, nbytes: float) -> float:
         return collective(op, nbytes, plan.dp_shard, per_node, cluster.fabric).seconds
@@ -382,34 +382,34 @@ def estimate_step_time(
             raise ConfigError("parallel.tp", plan.tp, f"<= GPUs per node = {cluster.gpus_per_node}")
     tparams = params
     todo = ranks if ranks is not None and not simulate else tuple(range(plan.pp))
-    computed = {r: _stage_times(plan, r, cluster, tparams) for r in todo}
+    computed = {r: _rank_times(plan, r, cluster, tparams) for r in todo}
     stages = [computed.get(r, computed[todo[0]]) for r in range(plan.pp)]
-    m_, p, v = plan.microbatches, plan.pp, plan.chunks
+    n_mb, p, v = plan.n_microbatches, plan.pp, plan.chunks
     t_p2p = _p2p_seconds(plan, cluster, tparams)
     slow = max(stages, key=lambda st: st.fwd + st.bwd)
     t = slow.fwd + slow.bwd
     if p == 1:
-        pipe, bubble, p2p_total = m_ * t, 0.0, 0.0
+        pipe, bubble, p2p_total = n_mb * t, 0.0, 0.0
     elif simulate:
         costs_f = [stages[g % p].fwd / v for g in range(p * v)]
         costs_b = [stages[g % p].bwd / v for g in range(p * v)]
-        res = simulate_schedule(plan.pp_schedule, p, m_, v, costs_f, costs_b, t_p2p)
-        busy = m_ * t
+        res = simulate_schedule(plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p)
+        busy = n_mb * t
         pipe, bubble, p2p_total = res.makespan, res.bubble_fraction, 0.0
         pipe = max(pipe, busy)
     else:
         extra = (p - 1) if plan.pp_schedule != "interleaved_1f1b" else (p - 1) / v
-        pipe = (m_ + extra) * t
-        bubble = extra / (m_ + extra)
+        pipe = (n_mb + extra) * t
+        bubble = extra / (n_mb + extra)
         p2p_total = 2 * (p * v - 1) * t_p2p
-    breakdown = {k: m_ * val for k, val in slow.parts.items()}
-    breakdown["bubble"] = pipe - m_ * t
+    breakdown = {k: n_mb * val for k, val in slow.parts.items()}
+    breakdown["bubble"] = pipe - n_mb * t
     breakdown["pp_p2p"] = p2p_total
     # Replicated data parallelism: one fp32 all-reduce of the (sharded) gradients per step.
     m = plan.model
     # The first and last ranks hold the embedding and the head on top of their blocks (and,
     # split unevenly, the first ranks the most blocks).
-    worst_params = max(plan_stage_params(plan, r, tparams.kernels).shard_numel for r in {0, p - 1})
+    worst_params = max(plan_rank_params(plan, r, tparams.kernels).shard_numel for r in {0, p - 1})
     dp_sync = 0.0
     if plan.dp_replicate > 1:
         stride = plan.tp * plan.dp_shard
@@ -418,7 +418,7 @@ def estimate_step_time(
         if tparams.grad_sync_once:  # once per step, behind the last micro-batch's backward
             dp_sync = _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
         else:  # after every micro-batch (Megatron 2021: after the pipeline flush, exposed)
-            dp_sync = m_ * _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
+            dp_sync = n_mb * _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
     dp_sync += slow.sync
     breakdown["dp_comm"] = dp_sync
     # Optimizer step.
@@ -440,7 +440,7 @@ def estimate_step_time(
             up_bytes = 4 if plan.fsdp_cpu_offload else pb
             regather = not plan.fsdp_cpu_offload or (plan.fsdp and plan.zero_stage == 3)
             gathers = 2 if regather else 1
-            upload = m_ * gathers * up_bytes * worst_params / link
+            upload = n_mb * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
     fixed = cal.step_overhead if tparams.step_overhead else 0.0

@@ -63,7 +63,7 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     this host.
     """
     plan = as_plan(cfg)
-    stages = estimate_memory(plan, runtime_options(plan, device.type)).stages
+    stages = estimate_memory(plan, runtime_options(plan, device.type)).per_rank
     world = plan.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ranks_per_stage = plan.dp * plan.tp

@@ -116,7 +116,7 @@ def build_offloaded(model: nn.Module, cfg: JobConfig) -> OffloadedAdamW:
         working_dtype=DTYPES[cfg.precision.mode],
         overlap=o.offload_overlap,
         update_in_backward=update_in_backward(cfg),
-        accum_steps=1 if reduced_once else cfg.accum_steps,
+        n_microbatches=1 if reduced_once else cfg.n_microbatches,
         kernel=o.offload_kernel,
         offload_params=params,
         keep_resident=("tok_embeddings.weight",) if tied else (),

@@ -142,7 +142,7 @@ def layout(plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: getattr(plan, f.name) for f in fields(plan)}
     out["model"] = plan.model.name
     out["world_size"] = plan.world_size
-    out["microbatches"] = plan.microbatches
+    out["microbatches"] = plan.n_microbatches
     return out
 
 
@@ -253,11 +253,11 @@ def memory_table(memory: MemoryEstimate, ranks_per_stage: int) -> list[str]:
     """Each pipeline rank's bytes at the step's peak by kind (plan/memory.py), GiB."""
     head = ["pp rank", "ranks"] + [short for _, short in BREAKDOWN] + ["total", "host"]
     rows = [head]
-    for s in memory.stages:
-        first = s.stage * ranks_per_stage
+    for s in memory.per_rank:
+        first = s.pp_rank * ranks_per_stage
         ranks = f"{first}" if ranks_per_stage == 1 else f"{first}-{first + ranks_per_stage - 1}"
         parts = [_gib(s.breakdown()[k]) for k, _ in BREAKDOWN]
-        rows.append([str(s.stage), ranks, *parts, _gib(s.total), _gib(s.host)])
+        rows.append([str(s.pp_rank), ranks, *parts, _gib(s.total), _gib(s.host)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     out = ["memory per rank at the step's peak, GiB:"]
     for r in rows:

@@ -113,7 +113,7 @@ class StepReporter:
             f"[bold]llmscale train[/] {c.job.name}: model {c.model.name} "
             f"({trainer.n_params:,} params) on {trainer.device}, {c.precision.mode}, "
             f"recompute={c.train.recompute}, global batch {c.train.global_batch_size} x "
-            f"{c.data.seq_len} tokens = {c.train.micro_batch_size} x {c.accum_steps} accum"
+            f"{c.data.seq_len} tokens = {c.train.micro_batch_size} x {c.n_microbatches} accum"
             + (f" x dp {trainer.dims.dp}" if trainer.dims.dp > 1 else "")
         )
         if trainer.dims.world_size > 1:

@@ -177,7 +177,7 @@ class Trainer:
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
-        self._pp_loss = _PipelineLoss(self.scaler, cfg.accum_steps)
+        self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches)
         self.pp_timeline: PipelineRecorder | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
@@ -194,7 +194,7 @@ class Trainer:
                 self.parallel.stage_ids,
                 self.parallel.n_stages,
                 cfg.parallel.pp_schedule,
-                cfg.accum_steps,
+                cfg.n_microbatches,
                 self._pp_loss,
                 self.device,
                 self.dims.pp_group(),
@@ -301,7 +301,7 @@ class Trainer:
         """One schedule step (or eval) over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        n = self.cfg.accum_steps
+        n = self.cfg.n_microbatches
         self._pp_loss.losses = []
         run = self.pp_schedule.step if train else self.pp_schedule.eval
         args = (inputs,) if self.parallel.has_first_stage else ()
@@ -379,7 +379,7 @@ class Trainer:
             step_time_s=dt,
             tokens_per_s=tps,
             flops_per_s=tps * self.model_flops_per_token,
-            accum_steps=cfg.accum_steps,
+            accum_steps=cfg.n_microbatches,  # the metrics key keeps its name
         )
         if self.dims.world_size > 1:
             row["world_size"] = self.dims.world_size
@@ -395,7 +395,7 @@ class Trainer:
 
         Every data-parallel rank evaluates the same batches (they are few), so the result equals
         the single-process one. Under pipelining the batches go through the schedule's forward
-        in groups of accum_steps micro-batches (the count is rounded up to a whole group).
+        in groups of n_microbatches micro-batches (the count is rounded up to a whole group).
         """
         cfg = self.cfg
         if len(self.val_tokens) <= cfg.data.seq_len or cfg.train.eval_batches == 0:
@@ -404,7 +404,7 @@ class Trainer:
         mb_size = min(cfg.train.micro_batch_size, stream.n_windows)
         n = min(cfg.train.eval_batches, max(1, stream.n_windows // cfg.train.micro_batch_size))
         if self.pp_schedule is not None:
-            group = cfg.accum_steps
+            group = cfg.n_microbatches
             calls = -(-n // group)
             losses = [
                 self._run_pipeline(stream.next_batch(mb_size * group), train=False).item()
@@ -436,7 +436,7 @@ class Trainer:
             "schedule": p.pp_schedule,
             "pp": p.pp,
             "chunks": p.pp_chunks,
-            "microbatches": self.cfg.accum_steps,
+            "microbatches": self.cfg.n_microbatches,
             "n_stages": self.parallel.n_stages,
             "micro_batch_size": self.cfg.train.micro_batch_size,
             "seq_len": self.cfg.data.seq_len,
