@@ -32,7 +32,10 @@ def _run(args, tmp_path):
             ["train", "--precision.mode", "fp8"],
             "precision.mode: got 'fp8'; allowed: fp32 | bf16 | fp16",
         ),
-        (["train", "--train.recompute", "some"], "none | full | selective | selective_op | every_k"),
+        (
+            ["train", "--train.recompute", "some"],
+            "none | full | selective | selective_op | every_k",
+        ),
         (["train", "--model.name", "gpt5"], "model.name"),
         (["train", "--data.path", "/no/such/folder"], "data.path"),
         (["train", "--nosuch.key", "1"], "nosuch"),
@@ -151,7 +154,10 @@ def test_train_help_lists_every_key_with_default_and_choices(capsys) -> None:
     for k in config_keys():
         assert f"--{k.key} " in out
     assert '--precision.mode fp32 | bf16 | fp16 | fp8  (default "fp32")' in out
-    assert '--train.recompute none | full | selective | selective_op | every_k  (default "none")' in out
+    assert (
+        '--train.recompute none | full | selective | selective_op | every_k  (default "none")'
+        in out
+    )
     assert '--optimizer.offload none | optimizer | optimizer+params  (default "none")' in out
     assert "--parallel.zero_stage 0 | 1 | 2 | 3  (default 3)" in out
     assert "--train.steps int  (default 50)" in out
