@@ -42,7 +42,7 @@ def run(opts: BenchOptions) -> SuiteResult:
         losses[mbs] = loss.item()
         trainer.optimizer.zero_grad(set_to_none=True)
         m = measure(cfg, opts.warmup, trainer=trainer)
-        want = expected_runtime_metrics(cfg, options=memory_options(opts.device))
+        want = expected_runtime_metrics(cfg, options=memory_options(opts))
         res.rows.append(
             Row(
                 "accum",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from llmscale.bench.report import Row, SuiteResult, predicted_vs_measured_bars
 from llmscale.bench.runner import BenchOptions, measure, png_path
+from llmscale.model.config import get_preset
 from llmscale.plan import activations as act
 from llmscale.plan.memory import MemoryOptions
 from llmscale.plan.predict import expected_runtime_metrics, predict_memory
@@ -21,11 +22,10 @@ MICRO_BATCHES = (1, 4)
 STATES = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def memory_options(device: str) -> MemoryOptions:
-    """The planner's kernel facts for where the benchmark runs."""
-    return MemoryOptions(
-        kernels=act.RUNTIME_CPU if resolve_device(device).type == "cpu" else act.RUNTIME
-    )
+def memory_options(opts: BenchOptions) -> MemoryOptions:
+    """The planner's kernel facts for the runtime where the benchmark runs (one process)."""
+    device = resolve_device(opts.device).type
+    return MemoryOptions(kernels=act.Kernels.for_runtime(get_preset(opts.model), 1, device))
 
 
 def run(opts: BenchOptions) -> SuiteResult:
@@ -33,7 +33,7 @@ def run(opts: BenchOptions) -> SuiteResult:
         "memory",
         f"Memory per device, model {opts.model}, seq {opts.seq_len}: predicted vs measured",
     )
-    options = memory_options(opts.device)
+    options = memory_options(opts)
     bars: list[tuple[str, float, float]] = []
     for precision in ("fp32", "bf16"):
         for mbs in MICRO_BATCHES:

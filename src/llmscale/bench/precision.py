@@ -37,7 +37,7 @@ def run(opts: BenchOptions) -> SuiteResult:
             "--train.global_batch_size", str(MICRO_BATCH), run=f"prec-{mode}",
         )  # fmt: skip
         m = measure(cfg, opts.warmup)
-        want = expected_runtime_metrics(cfg, options=memory_options(opts.device))
+        want = expected_runtime_metrics(cfg, options=memory_options(opts))
         pred = predict_step_time(cfg, cluster, params)
         fastest = cfg.train.global_batch_size * cfg.data.seq_len / m.min_step_time_s
         res.rows.append(Row("precision", mode, "tokens/s", "tok/s", fastest, pred.tokens_per_s))

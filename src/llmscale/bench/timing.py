@@ -1,10 +1,11 @@
 """Step time: the planner's time model on this device (calibrated by micro-benchmarks) vs the trainer.
 
-The device is measured first (`calibrate.measured_cluster`: the model's GEMMs alone, and
-element-wise bandwidth at activation size); the planner then predicts each configuration's step
-from FLOPs and bytes, with matmul efficiency 1.0 against the measured GEMM rate (it already is
-an achieved rate). Framework overhead (Python, op dispatch) is not in the model: where the
-prediction is low, that is the share it misses.
+The device is measured first (`calibrate.measured_cluster`: the model's GEMMs alone, element-wise
+bandwidth at activation size, causal attention and a one-token step for the fixed cost); the
+planner then predicts each configuration's step from FLOPs and bytes at those achieved rates
+(the measured device's calibration: efficiencies 1). Framework overhead beyond the fixed cost
+(Python, op dispatch per op) is not in the model: where the prediction is low, that is the share
+it misses.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def calibrated(
 ) -> tuple[Cluster, TimeParams, dict[str, float]]:
     """The measured device and the time parameters that go with it."""
     device = resolve_device(opts.device)
-    cluster, figures = measured_cluster(get_preset(opts.model), micro_batch * opts.seq_len, device)
-    kernels = act.RUNTIME_CPU if device.type == "cpu" else act.RUNTIME
+    model = get_preset(opts.model)
+    cluster, figures = measured_cluster(model, micro_batch * opts.seq_len, device)
+    kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
     return cluster, params, figures
 

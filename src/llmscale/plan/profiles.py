@@ -119,9 +119,3 @@ def op_sac_block_bytes(
 def time_params(name: str) -> TimeParams:
     """The time model's parameters for profile `name` (`estimate_step_time(..., params)`)."""
     return get_profile(name).time
-
-
-def memory_kernels(name: str) -> act.Kernels:
-    """The kernels for `MemoryOptions(kernels=...)` under profile `name` (llmscale: the runtime's,
-    resolved per plan by `plan.memory.plan_kernels`)."""
-    return get_profile(name).kernels
