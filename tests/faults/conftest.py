@@ -1,0 +1,48 @@
+"""The fault-injection suite's record: each test states the fault it tried and what it saw.
+
+A test takes the `fault_row` fixture and calls it once per case with the fault or input, the
+command that reproduces it, what the user should get, what the test observed and the data lost.
+With `LLMSCALE_RELIABILITY_JSON=FILE` in the environment, the rows of the tests that ran are
+written to FILE at the end of the session (`make reliability` renders docs/reliability.md from
+it); without it nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_ROWS: list[dict[str, Any]] = []
+
+
+@pytest.fixture
+def fault_row(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """record(fault, command, expected, observed, data_lost="none")."""
+
+    def record(
+        fault: str, command: str, expected: str, observed: str, data_lost: str = "none"
+    ) -> None:
+        _ROWS.append(
+            {
+                "test": request.node.nodeid,
+                "fault": fault,
+                "command": command,
+                "expected": expected,
+                "observed": observed,
+                "data_lost": data_lost,
+            }
+        )
+
+    return record
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    out = os.environ.get("LLMSCALE_RELIABILITY_JSON")
+    if out and _ROWS:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(_ROWS, indent=1) + "\n")
