@@ -16,11 +16,11 @@ from llmscale.config import (
     RECOMPUTE_MODES,
     ZERO_STAGES,
 )
-from llmscale.errors import ConfigError, UsageError
+from llmscale.errors import ConfigError, ExitCode, JobStopped, UsageError
 from llmscale.plan.profiles import PROFILE_NAMES
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
 
-EXIT_USAGE = 2
+EXIT_USAGE = int(ExitCode.BAD_INPUT)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -661,6 +661,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UsageError) as e:
         sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
         return EXIT_USAGE
+    except JobStopped as e:
+        sys.stderr.write(f"llmscale {args.command}: {e}\n")
+        return int(e.code)
     except KeyboardInterrupt:
         sys.stderr.write(f"llmscale {args.command}: interrupted\n")
         return 130
