@@ -17,11 +17,16 @@ def test_measured_cluster_has_a_calibration_and_the_model_uses_it() -> None:
     cal = cluster.gpu.calibration
     assert figures["attention_fp32_flops"] > 0 and figures["fixed_s"] > 0
     assert cal.attention_efficiency.source == SOURCE and cal.attention_efficiency.value > 0
-    assert cal.step_overhead_ms.value == 1000 * figures["fixed_s"]
+    assert cal.microbatch_overhead_ms.value == 1000 * figures["fixed_s"]
+    assert figures["optimizer_s"] > 0 and cal.optimizer_efficiency is not None
+    assert 0 < cal.optimizer_efficiency.value <= 1
     # The measured GEMM rate is the peak: every shape runs at it.
     assert cal.gemm_efficiency_at(7, 11, 13) == 1.0 and cal.hbm_efficiency.value == 1.0
     plan = Plan(model=model, seq_len=64, micro_batch_size=2, global_batch_size=2,
                 precision="fp32")  # fmt: skip
     t = estimate_step_time(plan, cluster)
     # Stored in ms and read back in s: equal up to the round trip's last bit.
-    assert t.breakdown["fixed"] == pytest.approx(figures["fixed_s"], rel=1e-12)
+    assert t.breakdown["dispatch"] == pytest.approx(figures["fixed_s"], rel=1e-12)
+    # The optimizer at its measured share of the measured element-wise bandwidth.
+    opt_bw = figures["bandwidth_bytes"] * cal.optimizer_efficiency.value
+    assert t.breakdown["optimizer"] == pytest.approx(28 * model.num_params() / opt_bw)

@@ -205,6 +205,9 @@ def test_every_gpu_has_a_sourced_calibration(name: str) -> None:
     cal = get_gpu(name).calibration
     for f in dataclasses.fields(cal):
         num = getattr(cal, f.name)
+        if num is None:  # an optional share left to its stated default (hbm_efficiency)
+            assert f.name == "optimizer_efficiency", (name, f.name)
+            continue
         assert isinstance(num, Sourced) and len(num.source) > 10, (name, f.name)
     assert 0.3 < cal.gemm_efficiency.value <= 0.9
     assert 0 < cal.attention_efficiency.value < 1 and 0 < cal.hbm_efficiency.value < 1

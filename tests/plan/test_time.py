@@ -13,7 +13,12 @@ from llmscale.model.config import get_preset
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
-from llmscale.plan.time import DEFAULT_TIME, estimate_step_time, recompute_fraction
+from llmscale.plan.time import (
+    DEFAULT_TIME,
+    estimate_step_time,
+    recompute_fraction,
+    runtime_eager_block_bytes,
+)
 
 L7, L70 = get_preset("llama2-7b"), get_preset("llama2-70b")
 H200 = Cluster.of("h200")
@@ -30,7 +35,9 @@ def test_one_gpu_step_by_hand() -> None:
     plan = Plan(
         model=L7, seq_len=2048, micro_batch_size=2, global_batch_size=8, precision="bf16"
     )  # 4 micro-batches, no parallelism
-    t = estimate_step_time(plan, H200)
+    # Element-wise traffic by the saved-bytes passes (fused kernels; the runtime's own eager
+    # count is checked by hand below).
+    t = estimate_step_time(plan, H200, replace(DEFAULT_TIME, elementwise="saved"))
     cal = H200.gpu.calibration
     tokens = 2 * 2048
     d, f = 4096, 11008
@@ -51,6 +58,27 @@ def test_one_gpu_step_by_hand() -> None:
     model_flops = L7.train_flops_per_token(2048) * 8 * 2048
     assert t.mfu == pytest.approx(model_flops / (t.seconds * 989.5e12))
     assert t.tokens_per_s == pytest.approx(8 * 2048 / t.seconds)
+
+
+def test_the_runtimes_eager_elementwise_traffic_by_hand() -> None:
+    # llama2-7b, bf16 under autocast over fp32 weights (fp32 residual stream), one H200.
+    plan = Plan(model=L7, seq_len=2048, micro_batch_size=2, global_batch_size=2, precision="bf16")
+    d, f, tokens = 4096, 11008, 2 * 2048
+    norms_and_adds = 2 * 3 * 4 * d + 2 * (2 * 4 + 2) * d
+    casts = 5 * (4 + 2) * d  # wq, wk, wv, w1, w3 each cast the fp32 norm output
+    rope = (36 + 2 * (4 + 2)) * (d + d)  # q and k (no GQA in llama2-7b)
+    copy = 2 * 2 * d
+    swiglu = (2 + 3) * 2 * f
+    per_token = norms_and_adds + casts + rope + copy + swiglu
+    weights = 2 * (4 + 2) * (4 * d * d + 3 * d * f) / 3
+    block = per_token * tokens + weights
+    assert runtime_eager_block_bytes(plan, act.RUNTIME) == pytest.approx(block)
+    t = estimate_step_time(plan, H200)
+    hbm = 4.8e12 * H200.gpu.calibration.hbm_efficiency.value
+    head = act.head_bytes(L7, 2, 2048, "bf16")
+    # Forward once, backward twice the blocks' bytes; the head by its saved-bytes passes.
+    want = (3 * 32 * block + (2 + 3) * head) / hbm
+    assert t.breakdown["elementwise"] == pytest.approx(want)
 
 
 def test_a_flat_efficiency_overrides_the_calibration() -> None:
@@ -93,7 +121,7 @@ def test_causal_flash_attention_costs_half_the_materialised_products() -> None:
 
 def test_memory_bound_kernels_at_the_achieved_bandwidth() -> None:
     plan = Plan(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=1)
-    t = estimate_step_time(plan, H200)
+    t = estimate_step_time(plan, H200, replace(DEFAULT_TIME, elementwise="saved"))
     saved = 32 * act.block_bytes(L7, 1, 2048, "bf16") + act.head_bytes(L7, 1, 2048, "bf16")
     hbm = 4.8e12 * H200.gpu.calibration.hbm_efficiency.value
     assert H200.gpu.calibration.hbm_efficiency.value < 1

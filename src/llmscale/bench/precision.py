@@ -30,8 +30,8 @@ def run(opts: BenchOptions) -> SuiteResult:
     res = SuiteResult(
         "precision", f"Precision, model {opts.model}, mbs {MICRO_BATCH} x seq {opts.seq_len}"
     )
-    cluster, params, _ = calibrated(opts, MICRO_BATCH)
     for mode in MODES:
+        cluster, params, _ = calibrated(opts, MICRO_BATCH, mode)
         cfg = opts.job(
             "--precision.mode", mode, "--train.micro_batch_size", str(MICRO_BATCH),
             "--train.global_batch_size", str(MICRO_BATCH), run=f"prec-{mode}",

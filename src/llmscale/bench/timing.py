@@ -27,12 +27,15 @@ CONFIGS = (("fp32", 4), ("fp32", 16), ("bf16", 4), ("bf16", 16))
 
 
 def calibrated(
-    opts: BenchOptions, micro_batch: int
+    opts: BenchOptions, micro_batch: int, precision: str = "fp32"
 ) -> tuple[Cluster, TimeParams, dict[str, float]]:
-    """The measured device and the time parameters that go with it."""
+    """The measured device and the time parameters that go with it (attention measured in
+    `precision`)."""
     device = resolve_device(opts.device)
     model = get_preset(opts.model)
-    cluster, figures = measured_cluster(model, micro_batch * opts.seq_len, device)
+    cluster, figures = measured_cluster(
+        model, micro_batch * opts.seq_len, device, precision=precision
+    )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
     return cluster, params, figures
@@ -49,7 +52,7 @@ def run(opts: BenchOptions) -> SuiteResult:
     )
     calib_rows = []
     for precision, mbs in CONFIGS:
-        cluster, params, figures = calibrated(opts, mbs)
+        cluster, params, figures = calibrated(opts, mbs, precision)
         cfg = opts.job(
             "--precision.mode", precision, "--train.micro_batch_size", str(mbs),
             "--train.global_batch_size", str(mbs), run=f"time-{precision}-{mbs}",

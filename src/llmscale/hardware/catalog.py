@@ -33,6 +33,13 @@ CALIBRATION_FIELDS = (
     "hbm_efficiency",
     "step_overhead_ms",
 )
+# Fields a GPU's table may leave out: their defaults are stated (and sourced) on `Calibration`.
+OPTIONAL_CALIBRATION_FIELDS = ("microbatch_overhead_ms", "optimizer_efficiency")
+
+_ASYNC = (
+    "assumption: a GPU's kernel launches are asynchronous, issued ahead of the kernels of a "
+    "training-sized micro-batch, so the host's per-op dispatch is hidden"
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,12 @@ class Calibration:
       executes (causal masking skips half the tiles; backward recomputes QK^T);
     - hbm_efficiency: achieved / datasheet HBM bandwidth of streaming kernels (norms,
       activations, casts, softmax/cross-entropy, the optimizer);
-    - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging).
+    - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging);
+    - microbatch_overhead_ms: fixed cost of one micro-batch's forward and backward on one
+      pipeline rank, whatever its size (per-op dispatch and autograd bookkeeping where the host
+      waits for each op, as on a CPU; hidden on a GPU by asynchronous launches);
+    - optimizer_efficiency: achieved / datasheet bandwidth of the optimizer step (None: the
+      streaming `hbm_efficiency`; a CPU's per-tensor foreach fallback gets much less).
     """
 
     gemm_efficiency: Sourced
@@ -55,6 +67,8 @@ class Calibration:
     attention_efficiency: Sourced
     hbm_efficiency: Sourced
     step_overhead_ms: Sourced
+    microbatch_overhead_ms: Sourced = Sourced(0.0, _ASYNC)
+    optimizer_efficiency: Sourced | None = None
 
     def gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
         """Achieved / peak for an (m x k) @ (k x n) GEMM."""
@@ -68,6 +82,17 @@ class Calibration:
         """Seconds."""
         return self.step_overhead_ms.value * 1e-3
 
+    @property
+    def microbatch_overhead(self) -> float:
+        """Seconds per micro-batch (forward and backward) per pipeline rank."""
+        return self.microbatch_overhead_ms.value * 1e-3
+
+    @property
+    def optimizer_share(self) -> float:
+        """Achieved / datasheet bandwidth of the optimizer step."""
+        eff = self.optimizer_efficiency or self.hbm_efficiency
+        return eff.value
+
 
 _PEAK = "a measured rate: the peaks themselves are what this device achieved"
 MEASURED = Calibration(
@@ -76,6 +101,7 @@ MEASURED = Calibration(
     attention_efficiency=Sourced(1.0, _PEAK),
     hbm_efficiency=Sourced(1.0, _PEAK),
     step_overhead_ms=Sourced(0.0, "not measured"),
+    microbatch_overhead_ms=Sourced(0.0, "not measured"),
 )
 
 
@@ -279,16 +305,18 @@ def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
 def _calibration(e: Entry, table_key: str) -> Calibration:
     """A GPU's `calibration` table: every field of `Calibration`, each sourced."""
     table = e.numbers(table_key)
+    known = CALIBRATION_FIELDS + OPTIONAL_CALIBRATION_FIELDS
     for key in table:
-        if key not in CALIBRATION_FIELDS:
-            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(CALIBRATION_FIELDS))
+        if key not in known:
+            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(known))
     for key in CALIBRATION_FIELDS:
         if key not in table:
             raise ConfigError(f"{e.where}.calibration.{key}", None, "a value (every GPU has one)")
-    for key in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency"):
-        if not 0 < table[key].value <= 1:
+    shares = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency", "optimizer_efficiency")
+    for key in shares:
+        if key in table and not 0 < table[key].value <= 1:
             raise ConfigError(f"{e.where}.calibration.{key}", table[key].value, "in (0, 1]")
-    return Calibration(**{k: table[k] for k in CALIBRATION_FIELDS})
+    return Calibration(**{k: table[k] for k in known if k in table})
 
 
 # How each field type of the catalog's dataclasses is read from its TOML entry (the

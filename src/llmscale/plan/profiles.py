@@ -59,6 +59,7 @@ PROFILES: dict[str, Profile] = {
             # gradient (read 4, write 4), its norm (read 4), Adam (read p g m v, write p m v:
             # 28), copy the fp32 master into the fp16 weight (read 4, write 2).
             optimizer_bytes_per_param=46.0,
+            elementwise="saved",  # fused kernels: bias-GeLU, masked softmax, bias-dropout-add
         ),
         "attention_core",
         18.0,
@@ -71,7 +72,7 @@ PROFILES: dict[str, Profile] = {
             kernels=act.Kernels(residual_fp32=False, vocab_parallel=True, loss_parallel=True),
             grad_sync_once=False,
             selective_policy="op",
-            eager_elementwise=True,
+            elementwise="torchtitan",
         ),
         "op",
         16.0,

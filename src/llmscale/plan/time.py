@@ -17,11 +17,16 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
 - recomputation adds forward work: full = the whole block again; selective = the attention core
   (llmscale, Megatron) or, with `selective_policy = "op"` (torchtitan's op-level SAC), the
   matmuls whose outputs were not saved (every other one) and every element-wise op.
-- memory-bound kernels at `hbm_efficiency` of the datasheet bandwidth: HBM passes x the bytes
-  the blocks save for backward (norm, RoPE, SiLU/GELU, softmax, dropout, cast outputs; in
-  forward each is written and read, `fwd_passes` = 2; in backward read, and a gradient of its
-  size written and read, `bwd_passes` = 3), the head's logits and loss included; or, with
-  `eager_elementwise` (one kernel per op, no fusion), the traffic of `eager_block_bytes`.
+- memory-bound kernels at `hbm_efficiency` of the datasheet bandwidth, by `elementwise`:
+  "llmscale" (this runtime, eager: one kernel per op) moves the bytes of its own element-wise
+  ops (`runtime_eager_block_bytes`: norms, autocast casts, RoPE in fp32, the attention output's
+  copy, SwiGLU, residual adds, the weights' casts); "torchtitan" those of torchtitan's eager
+  Llama (`eager_block_bytes`); "saved" (fused kernels, Megatron) HBM passes x the bytes the
+  blocks save for backward (in forward each is written and read, `fwd_passes` = 2; in backward
+  read, and a gradient of its size written and read, `bwd_passes` = 3). The head's logits and
+  loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
+  element-wise bytes. Plus the GPU's fixed cost per micro-batch (`microbatch_overhead_ms`,
+  per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks.
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
   (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`; with sequence
   parallelism an all-gather and a reduce-scatter in place of each); recomputed blocks repeat
@@ -39,7 +44,7 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   the NIC across) on the fill/drain path; or, with `simulate=True`, the discrete-event
   simulator of plan/schedule.py on per-stage costs.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
-  HBM bandwidth (device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
+  optimizer bandwidth (`Calibration.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
   `offload_overlap` hidden. Plus the GPU's fixed cost per step (`step_overhead_ms`).
 
 MFU counts model FLOPs (no recomputation, attention as Narayanan et al. count it) against the
@@ -64,6 +69,7 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import simulate as simulate_schedule
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
+ELEMENTWISE_MODELS = ("llmscale", "torchtitan", "saved")
 # The runtime's TP plan (model.config): each block has one tensor-parallel region per row-wise
 # linear (attention ending in wo, the MLP in w2). A region all-reduces its output in forward and
 # its input's gradient in backward (with SP: all-gathers its input, reduce-scatters its output).
@@ -98,10 +104,11 @@ class TimeParams:
     # What recompute = "selective" recomputes: the attention core (llmscale, Megatron) or, "op",
     # torchtitan's op-level SAC (every other matmul and the element-wise ops; plan/profiles.py).
     selective_policy: str = "attention_core"
-    # Element-wise ops run eagerly, one kernel each (torchtitan without torch.compile: composite
-    # RMSNorm, complex RoPE in fp32, silu and mul apart): HBM traffic from `eager_block_bytes`
-    # instead of the saved-bytes proxy.
-    eager_elementwise: bool = False
+    # How element-wise traffic is counted: "llmscale" (this runtime's eager ops,
+    # `runtime_eager_block_bytes`), "torchtitan" (its eager Llama without torch.compile:
+    # composite RMSNorm, complex RoPE in fp32, silu and mul apart; `eager_block_bytes`) or
+    # "saved" (fused kernels: HBM passes over the bytes saved for backward, Megatron).
+    elementwise: str = "llmscale"
 
 
 DEFAULT_TIME = TimeParams()
@@ -195,6 +202,54 @@ def eager_block_bytes(plan: Plan) -> float:
     return per_token * tokens
 
 
+def runtime_eager_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
+    """Bytes one block's element-wise ops move in forward on one rank, as this runtime runs
+    them (model/transformer.py, eagerly, one kernel per op), per element:
+
+    - each norm (fused RMSNorm or LayerNorm): reads its input twice (statistics, then scale)
+      and writes its output, in the residual stream's dtype r: 3r per element of d;
+    - autocast over fp32 weights casts the input of each linear that reads the fp32 norm
+      output (wq, wk, wv; w1 and w3): r + a per element of d; and each weight once per forward
+      (4 + a per parameter), its gradient back to fp32 in backward (a + 4);
+    - RoPE on q and k in fp32 (`apply_rope`): four products and a difference and a sum over
+      half-size views, then a stack: 36 bytes per element; in bf16/fp16 also the upcast and the
+      cast back, 2 (4 + a);
+    - the attention output's transpose-and-reshape copy: 2a per element of d;
+    - SwiGLU: silu (2a) and the product (3a) per element of the FFN width; GELU 2a;
+    - two residual adds: a fp32 stream plus a low-precision branch, 2r + a per element of d.
+    Tensor-parallel ranks hold 1/tp of the heads and of the FFN width; norms and residual adds
+    are split too under sequence parallelism.
+    """
+    activations, weights = runtime_eager_block_parts(plan, kernels)
+    return activations + weights
+
+
+def runtime_eager_block_parts(plan: Plan, kernels: act.Kernels) -> tuple[float, float]:
+    """`runtime_eager_block_bytes` in two parts: the activations' element-wise ops, and the
+    weights' autocast casts: 4 + a per parameter in forward and a + 4 for its gradient in
+    backward, counted as a third of that in the forward's bytes (backward moves twice them)."""
+    m, tp = plan.model, plan.tp
+    tokens = plan.micro_batch_size * plan.seq_len
+    a = DTYPE_BYTES[plan.precision]
+    r = act.residual_bytes(a, kernels)
+    d, kv, f = m.dim, m.kv_dim, m.ffn_dim
+    replicated = 2 * 3 * r * d + 2 * (2 * r + a) * d  # norms and residual adds
+    if plan.sequence_parallel:
+        replicated /= tp
+    split = 0.0
+    if act.norm_output_fp32(m, a, kernels) and a < 4:  # each linear casts a norm's output
+        split += (3 + (2 if m.gated else 1)) * (r + a) * d
+    if m.pos_emb == "rope":
+        split += (36 + (2 * (4 + a) if a < 4 else 0)) * (d + kv) / tp
+    split += 2 * a * d / tp  # attention output copy
+    split += (5 if m.gated else 2) * a * f / tp
+    weights = 0.0
+    if a < 4 and not kernels.lowp_weights:  # autocast's weight casts
+        block_params = sum(fan_in * fan_out for _, fan_in, fan_out in m.block_matmuls()) / tp
+        weights = 2 * (4 + a) * block_params / 3
+    return (replicated + split) * tokens, weights
+
+
 def _gemm_seconds(
     shapes: list[tuple[int, int, int]], peak: float, cal: Calibration, flat: float | None
 ) -> float:
@@ -265,8 +320,15 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     elem_f = tp_.fwd_passes * saved / hbm
     elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
-    if tp_.eager_elementwise:
-        block_f = eager_block_bytes(plan) / hbm
+    if tp_.elementwise not in ELEMENTWISE_MODELS:
+        raise ConfigError("elementwise", tp_.elementwise, " | ".join(ELEMENTWISE_MODELS))
+    if tp_.elementwise != "saved":
+        eager = (
+            runtime_eager_block_bytes(plan, kern)
+            if tp_.elementwise == "llmscale"
+            else eager_block_bytes(plan)
+        )
+        block_f = eager / hbm
         head = 0.0
         if rank == plan.pp - 1:
             head_saved = act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
@@ -289,12 +351,16 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         exposed = (1 - tp_.tp_overlap) * one
         tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
         tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
-    fwd = mat_f + elem_f + tp_f
-    bwd = mat_b + elem_b + tp_b
+    # Per-op dispatch where the host waits for each op (a CPU): the rank's share of the
+    # model's blocks, a third in forward and two thirds in backward.
+    dispatch = cal.microbatch_overhead * (n_blocks + n_full) / m.n_layers
+    fwd = mat_f + elem_f + tp_f + dispatch / 3
+    bwd = mat_b + elem_b + tp_b + 2 * dispatch / 3
     parts = {
         "matmul": mat_f + mat_b,
         "elementwise": elem_f + elem_b,
         "tp_comm": tp_f + tp_b,
+        "dispatch": dispatch,
     }
     sync = 0.0
     if plan.fsdp:
@@ -423,9 +489,9 @@ def estimate_step_time(
     breakdown["dp_comm"] = dp_sync
     # Optimizer step.
     cal = cluster.gpu.calibration
-    hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     if plan.offload == "none":
-        opt = tparams.optimizer_bytes_per_param * worst_params / hbm
+        opt_bw = cluster.gpu.hbm_bandwidth * cal.optimizer_share
+        opt = tparams.optimizer_bytes_per_param * worst_params / opt_bw
     else:
         pb = DTYPE_BYTES[plan.precision]
         link = cluster.host_link.bandwidth
