@@ -233,7 +233,7 @@ def runtime_eager_block_parts(plan: Plan, kernels: act.Kernels) -> tuple[float, 
     a = DTYPE_BYTES[plan.precision]
     r = act.residual_bytes(a, kernels)
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
-    replicated = 2 * 3 * r * d + 2 * (2 * r + a) * d  # norms and residual adds
+    replicated: float = 2 * 3 * r * d + 2 * (2 * r + a) * d  # norms and residual adds
     if plan.sequence_parallel:
         replicated /= tp
     split = 0.0
