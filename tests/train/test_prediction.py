@@ -14,6 +14,7 @@ from llmscale.config import load_config
 from llmscale.instrument import calibrate
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import predict_step_time, runtime_time_params
+from llmscale.train import calibration
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.prediction import (
     FILE_NAME,
@@ -24,56 +25,57 @@ from llmscale.train.progress import comparison_lines, measured_step_time
 from llmscale.train.trainer import run_training
 
 CPU = torch.device("cpu")
-# A calibration with round figures: predictions from it are exact to check.
-FAKE_RATES = {n: 1e9 * (i + 1) for i, n in enumerate(calibrate.GEMM_SIZES["cpu"])}
-FAKE_BANDWIDTH = 1e10
+# Figures with round numbers: predictions from them are exact to check.
+FAKE = {
+    "gemm_fp32_flops": 2e9,
+    "attention_flops": 1e9,
+    "bandwidth_bytes": 1e10,
+    "fixed_s": 1e-3,
+    "optimizer_s": 2e-3,
+}
+
+
+def _counting_measure(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Replace the micro-benchmarks by constants; the returned list grows by one per measure."""
+    calls: list[tuple] = []
+
+    def measure(model, micro_batch, seq_len, precision, device, dtypes=(), effort=None):
+        calls.append((model.name, micro_batch, seq_len, precision))
+        return {**FAKE, f"gemm_{precision}_flops": 2e9}
+
+    monkeypatch.setattr(calibration, "measure", measure)
+    return calls
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The calibration cache in a folder of the test's own, holding a fake fp32 calibration."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("LLMSCALE_CACHE_DIR", str(folder))
-    key = calibrate.machine_key(CPU)
-    fake = calibrate.Calibration(key, FAKE_BANDWIDTH, {"fp32": dict(FAKE_RATES)})
-    calibrate.write_cache(calibrate.cache_path(key), fake)
-    return folder
-
-
-def _counting_measure(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Replace the micro-benchmarks by constants; the returned list grows by one per GEMM."""
-    calls: list[str] = []
-
-    def gemm(n: int, dtype: torch.dtype, device: torch.device) -> float:
-        calls.append(f"{dtype}-{n}")
-        return 2e9
-
-    monkeypatch.setattr(calibrate, "square_gemm_flops_per_s", gemm)
-    monkeypatch.setattr(calibrate, "bandwidth_bytes_per_s", lambda *a, **k: 3e10)
-    return calls
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The calibration cache in a folder of the test's own, measured by fake micro-benchmarks."""
+    monkeypatch.setenv("LLMSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    return _counting_measure(monkeypatch)
 
 
 # ---- the calibration cache -----------------------------------------------------------------
 
+TINY = load_config(None, short_job()).model
 
-def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch) -> None:
+
+def test_figures_are_measured_once_per_shape_then_read(tmp_path, monkeypatch) -> None:
     folder = tmp_path / "c"
-    first = calibrate.cached_calibration(CPU, ("fp32",), folder)  # really measured
-    assert first.seconds > 0 and first.bandwidth_bytes > 0
-    assert set(first.gemm_flops["fp32"]) == set(calibrate.GEMM_SIZES["cpu"])
-    assert all(r > 0 for r in first.gemm_flops["fp32"].values())
+    first, measured = calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)  # for real
+    assert measured and set(first) == set(FAKE)
+    assert all(v > 0 for v in first.values())
     (path,) = folder.glob("calibration-*.json")
-    assert json.loads(path.read_text())["key"] == calibrate.machine_key(CPU)
+    stored = json.loads(path.read_text())
+    assert stored["key"] == calibration.cache_key(CPU, TINY, 2, 16, "fp32")
+    assert stored["key"]["host"] == calibrate.machine_key(CPU)["host"]
     calls = _counting_measure(monkeypatch)
-    again = calibrate.cached_calibration(CPU, ("fp32",), folder)
-    assert calls == [] and again.seconds == 0.0
-    assert again.gemm_flops == first.gemm_flops and again.bandwidth_bytes == first.bandwidth_bytes
-    # Another dtype is measured and added; the bandwidth and fp32 figures are kept.
-    both = calibrate.cached_calibration(CPU, ("bf16",), folder)
-    assert len(calls) == len(calibrate.GEMM_SIZES["cpu"]) and all("bfloat16" in c for c in calls)
-    assert both.gemm_flops["fp32"] == first.gemm_flops["fp32"]
-    assert both.bandwidth_bytes == first.bandwidth_bytes
-    assert set(json.loads(path.read_text())["gemm_flops_per_s"]) == {"fp32", "bf16"}
+    again, measured = calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)
+    assert calls == [] and not measured and again == first
+    # Another shape or precision is another file, measured once.
+    calibration.cached_figures(TINY, 4, 16, "fp32", CPU, folder)
+    calibration.cached_figures(TINY, 2, 16, "bf16", CPU, folder)
+    assert calls == [("tiny", 4, 16, "fp32"), ("tiny", 2, 16, "bf16")]
+    assert len(list(folder.glob("calibration-*.json"))) == 3
 
 
 @pytest.mark.parametrize(
@@ -81,41 +83,51 @@ def test_calibration_is_measured_once_then_read(tmp_path, monkeypatch) -> None:
     [
         "{not json",
         "",
-        '{"version": 1}',
-        '{"version": 99, "key": {}, "bandwidth_bytes_per_s": 1, "gemm_flops_per_s": {}}',
+        '{"version": 2}',
+        '{"key": {}, "figures": {"fixed_s": 1}}',
         "[1, 2]",
     ],
 )
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, text: str) -> None:
     folder = tmp_path / "c"
-    path = calibrate.cache_path(calibrate.machine_key(CPU), folder)
+    key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
+    path = calibrate.cache_path(key, folder)
     path.parent.mkdir(parents=True)
     path.write_text(text)
     calls = _counting_measure(monkeypatch)
-    got = calibrate.cached_calibration(CPU, ("fp32",), folder)
-    assert len(calls) == len(calibrate.GEMM_SIZES["cpu"]) and got.bandwidth_bytes == 3e10
-    assert calibrate.read_cache(path, calibrate.machine_key(CPU)) == got  # replaced, readable
+    got, measured = calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)
+    assert measured and len(calls) == 1 and got["bandwidth_bytes"] == FAKE["bandwidth_bytes"]
+    assert calibration.read_figures(path, key) == got  # replaced, readable
+
+
+def test_a_non_finite_figure_is_measured_again(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "c"
+    key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
+    path = calibrate.cache_path(key, folder)
+    calibrate.write_json(path, {"key": key, "figures": {**FAKE, "fixed_s": float("nan")}})
+    assert calibration.read_figures(path, key) is None
 
 
 def test_a_cache_of_another_machine_is_not_used(tmp_path, monkeypatch) -> None:
     folder = tmp_path / "c"
-    key = calibrate.machine_key(CPU)
-    other = calibrate.Calibration({**key, "threads": "999"}, 1.0, {"fp32": dict(FAKE_RATES)})
-    path = calibrate.cache_path(key, folder)
-    calibrate.write_cache(path, other)  # under this machine's name, but another's key
+    key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
+    other = {**key, "threads": "999"}
+    calibrate.write_json(calibrate.cache_path(key, folder), {"key": other, "figures": FAKE})
     calls = _counting_measure(monkeypatch)
-    assert calibrate.cached_calibration(CPU, ("fp32",), folder).key == key
-    assert len(calls) == len(calibrate.GEMM_SIZES["cpu"])
+    calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)
+    assert len(calls) == 1
 
 
-def test_gemm_rate_interpolates_between_sizes() -> None:
-    cal = calibrate.Calibration({}, 1.0, {"fp32": dict(FAKE_RATES)})
-    small, mid, large = calibrate.GEMM_SIZES["cpu"]
-    assert cal.gemm_rate("fp32", 1) == FAKE_RATES[small]
-    assert cal.gemm_rate("fp32", mid) == FAKE_RATES[mid]
-    assert cal.gemm_rate("fp32", 10 * large) == FAKE_RATES[large]
-    between = cal.gemm_rate("fp32", (small * mid) ** 0.5)  # halfway on a log scale
-    assert between == pytest.approx((FAKE_RATES[small] + FAKE_RATES[mid]) / 2)
+def test_the_run_predicts_from_the_figures(cache) -> None:
+    cfg = load_config(None, short_job())
+    hw = local_hardware(CPU, Plan.from_job(cfg))
+    cal = hw.cluster.gpu.calibration
+    assert hw.measured and hw.info["figures"]["fixed_s"] == FAKE["fixed_s"]
+    assert hw.cluster.gpu.peak_flops("fp32") == pytest.approx(2e9)
+    assert cal.attention_efficiency.value == pytest.approx(0.5)
+    assert cal.microbatch_overhead_ms.value == pytest.approx(1.0)
+    streamed = 28 * cfg.model.num_params()
+    assert cal.optimizer_efficiency.value == pytest.approx(min(1.0, streamed / 1e10 / 2e-3))
 
 
 # ---- llmscale train --dry-run ----------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmscale.bench.calibrate import measured_cluster
 from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, measure
 from llmscale.config import JobConfig
@@ -21,6 +20,7 @@ from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_step_time
 from llmscale.plan.time import DEFAULT_TIME, TimeParams
+from llmscale.train.calibration import measured_cluster
 from llmscale.train.trainer import resolve_device
 
 CONFIGS = (("fp32", 4), ("fp32", 16), ("bf16", 4), ("bf16", 16))

@@ -1,17 +1,12 @@
-"""This machine as the planner's hardware: GEMM FLOP/s and memory bandwidth, micro-benchmarked.
+"""Timing and caching for the micro-benchmarks that stand a machine in for a catalog GPU.
 
-The planner's time model needs a device: a dense matmul rate per dtype and a memory bandwidth.
-A catalog GPU has them from its data sheet; a CPU (or a GPU missing from the catalog) is measured
-here, by micro-benchmarks that are not the training step: square GEMMs of a few sizes (forward
-and the two backward products; `GEMM_SIZES`), and an element-wise add over tensors larger than
-the caches. Each figure is the fastest of a few timed runs, within about `MAX_SECONDS`.
-
-`cached_calibration(device, dtype)` measures once per machine and keeps the figures in
-`cache_dir()` (`$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
-`~/.cache/llmscale`), in a file named by what they depend on: host name, CPU model (or GPU name),
-torch version and threads. A later call reads the file; a missing dtype is measured and added; a
-file that cannot be read (corrupt, another version) is measured again and replaced. Writes are
-atomic (a temporary file, then a rename), so concurrent ranks or runs never read half a file.
+`time_call` times a callable robustly (the fastest of a few runs; CUDA synchronised);
+`machine_key` names what measured figures depend on (host, CPU model or GPU name, torch version,
+threads); `measured_cluster` makes a catalog-shaped one-device Cluster from measured rates; and
+the cache (`cache_dir`: `$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
+`~/.cache/llmscale`) keeps figures in files named by a digest of their key, written atomically (a
+temporary file, then a rename) so that concurrent ranks or runs never read half a file. What is
+measured, for which model, is train/calibration.py's.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +29,8 @@ import torch
 from llmscale.hardware.catalog import GPU
 from llmscale.hardware.spec import Sourced
 from llmscale.plan.cluster import Cluster
-from llmscale.tensors import DTYPES
 
 SOURCE = "measured by llmscale micro-benchmarks on this machine"
-VERSION = 1
-# Square GEMM sizes measured per device type (n x n by n x n); a model's rate is interpolated
-# between them.
-GEMM_SIZES = {"cpu": (64, 256, 768), "cuda": (512, 2048, 8192)}
-MAX_SECONDS = 0.3  # per figure: fewer timed runs where one call is slow (fp16 GEMMs on a CPU)
-BANDWIDTH_NUMEL = 1 << 22  # fp32 elements per operand: 16 MiB, past the caches
 
 
 def time_call(
@@ -74,18 +61,6 @@ def time_call(
                 break
         best = min(best, elapsed / n)
     return best
-
-
-def square_gemm_flops_per_s(n: int, dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of x @ w and both backward products (g @ w.T, x.T @ g) for n x n operands."""
-    x, w, g = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(3))
-
-    def run() -> None:
-        x @ w
-        g @ w.T
-        x.T @ g
-
-    return 3 * 2 * n**3 / time_call(run, device, max_seconds=MAX_SECONDS)
 
 
 def bandwidth_bytes_per_s(
@@ -125,74 +100,6 @@ def machine_key(device: torch.device) -> dict[str, str]:
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
     }
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Measured rates of one machine: GEMM FLOP/s per dtype and size, and memory bandwidth."""
-
-    key: dict[str, str]
-    bandwidth_bytes: float
-    gemm_flops: dict[str, dict[int, float]] = field(default_factory=dict)  # dtype -> n -> FLOP/s
-    seconds: float = field(default=0.0, compare=False)  # spent measuring (0: read from cache)
-
-    @property
-    def display(self) -> str:
-        k = self.key
-        threads = f"{k['threads']} thread" + ("" if k["threads"] == "1" else "s")
-        return f"{k['device_name']} ({threads}, measured)"
-
-    def gemm_rate(self, dtype: str, n: float) -> float:
-        """FLOP/s of GEMMs of size about `n`: log-linear between the measured sizes."""
-        table = sorted(self.gemm_flops[dtype].items())
-        if n <= table[0][0]:
-            return table[0][1]
-        for (n0, r0), (n1, r1) in zip(table, table[1:], strict=False):
-            if n <= n1:
-                t = math.log(n / n0) / math.log(n1 / n0)
-                return r0 + t * (r1 - r0)
-        return table[-1][1]
-
-    def cluster(self, gemm_size: float, dtypes: tuple[str, ...] | None = None) -> Cluster:
-        """A one-device Cluster whose GPU is this machine at GEMMs of size about `gemm_size`.
-
-        Links and node shape are the h100 node's: they stand in, not measured (a one-device
-        plan uses none of them).
-        """
-        rates = {dt: self.gemm_rate(dt, gemm_size) for dt in dtypes or tuple(self.gemm_flops)}
-        return measured_cluster(self.display, rates, self.bandwidth_bytes)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "version": VERSION,
-            "key": self.key,
-            "source": SOURCE,
-            "bandwidth_bytes_per_s": self.bandwidth_bytes,
-            "gemm_flops_per_s": {
-                dt: {str(n): r for n, r in sizes.items()} for dt, sizes in self.gemm_flops.items()
-            },
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Calibration:
-        """Raises (KeyError, TypeError, ValueError) on anything but a well-formed file."""
-        if data["version"] != VERSION:
-            raise ValueError(f"calibration version {data['version']!r}")
-        gemm = {
-            str(dt): {int(n): _positive(r) for n, r in sizes.items()}
-            for dt, sizes in data["gemm_flops_per_s"].items()
-        }
-        key = {str(k): str(v) for k, v in data["key"].items()}
-        if any(set(sizes) != set(GEMM_SIZES[key["device"]]) for sizes in gemm.values()):
-            raise ValueError("calibration GEMM sizes differ")
-        return cls(key, _positive(data["bandwidth_bytes_per_s"]), gemm)
-
-
-def _positive(x: Any) -> float:
-    v = float(x)
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"not a positive rate: {x!r}")
-    return v
 
 
 def measured_gpu(display: str, gemm_flops: Mapping[str, float], bandwidth_bytes: float) -> GPU:
@@ -235,54 +142,15 @@ def cache_path(key: Mapping[str, str], folder: Path | None = None) -> Path:
     return (folder or cache_dir()) / f"calibration-{digest}.json"
 
 
-def measure(
-    device: torch.device, dtypes: tuple[str, ...], base: Calibration | None = None
-) -> Calibration:
-    """Measure the GEMM rates of `dtypes` (and the bandwidth, unless `base` has it)."""
-    start = time.perf_counter()
-    gemm = dict(base.gemm_flops) if base is not None else {}
-    for dt in dtypes:
-        sizes = GEMM_SIZES[device.type]
-        gemm[dt] = {n: square_gemm_flops_per_s(n, DTYPES[dt], device) for n in sizes}
-    bandwidth = (
-        base.bandwidth_bytes if base is not None else bandwidth_bytes_per_s(BANDWIDTH_NUMEL, device)
-    )
-    return Calibration(machine_key(device), bandwidth, gemm, time.perf_counter() - start)
-
-
-def read_cache(path: Path, key: Mapping[str, str]) -> Calibration | None:
-    """The cached calibration for `key`, or None (no file, or one that cannot be used)."""
-    try:
-        found = Calibration.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: re-measure
-        return None
-    return found if found.key == dict(key) else None
-
-
-def write_cache(path: Path, calibration: Calibration) -> None:
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Atomically (temporary file, then rename); a cache that cannot be written is skipped."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(calibration.to_json(), f, indent=1)
+            json.dump(dict(data), f, indent=1)
         os.replace(tmp, path)
     except OSError:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-
-
-def cached_calibration(
-    device: torch.device, dtypes: tuple[str, ...], folder: Path | None = None
-) -> Calibration:
-    """This machine's calibration with `dtypes` measured: from the cache, measured if missing."""
-    key = machine_key(device)
-    path = cache_path(key, folder)
-    found = read_cache(path, key)
-    missing = tuple(dt for dt in dtypes if found is None or dt not in found.gemm_flops)
-    if found is not None and not missing:
-        return found
-    calibration = measure(device, missing, base=found)
-    write_cache(path, calibration)
-    return calibration

@@ -14,8 +14,9 @@ memory keys, and the median step time after the first step). `llmscale train --d
 the same prediction for every pipeline rank without training (`dry_run_lines`).
 
 The hardware is the device the run uses: a catalog GPU (its data sheet; `--gpu NAME` picks one
-for a dry run), or, on a CPU or a GPU the catalog lacks, this machine's micro-benchmarked rates
-(instrument/calibrate.py, measured once and cached per machine).
+for a dry run), or, on a CPU or a GPU the catalog lacks, this machine micro-benchmarked on the
+runtime's own kernels for the run's model and micro-batch (train/calibration.py, measured once
+per machine and shape, then cached): the same figures `llmscale bench` predicts its rows from.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch
 from llmscale.config import JobConfig
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB, gpu_for_device_name
-from llmscale.instrument.calibrate import cached_calibration
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import MemoryEstimate, estimate_memory
 from llmscale.plan.plan import Plan
@@ -42,6 +42,7 @@ from llmscale.plan.predict import (
     runtime_time_params,
 )
 from llmscale.plan.time import StepTime, estimate_step_time
+from llmscale.train.calibration import cached_cluster
 from llmscale.train.memcheck import check_memory
 
 FILE_NAME = "prediction.json"
@@ -71,30 +72,16 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
         known = gpu_for_device_name(torch.cuda.get_device_name(device))
         if known is not None:
             return catalog_hardware(known.name)
-    # The dtype whose dense rate the time model reads (plan/time.py: fp32 matmuls without TF32).
-    dtype = plan.precision if plan.precision in ("bf16", "fp16") else "fp32"
-    calibration = cached_calibration(device, (dtype,))
-    size = gemm_size(plan)
-    cluster = calibration.cluster(size, (dtype,))
+    cluster, figures = cached_cluster(plan, device)
     info = {
         "name": "measured",
-        "display": calibration.display,
-        "source": "micro-benchmarks of this machine (instrument/calibrate.py; cached per machine)",
-        "machine": calibration.key,
-        "gemm_size": round(size),
-        "gemm_flops_per_s": cluster.gpu.peak_flops(dtype),
-        "bandwidth_bytes_per_s": calibration.bandwidth_bytes,
+        "display": cluster.gpu.display,
+        "source": "micro-benchmarks of this machine (train/calibration.py; cached per machine "
+        "and shape)",
+        "figures": figures,
         "links": "not measured: the h100 node's stand in",
     }
     return Hardware(cluster, "cpu" if device.type == "cpu" else "cuda", measured=True, info=info)
-
-
-def gemm_size(plan: Plan) -> float:
-    """The side of a square GEMM as large as the model's typical one: the geometric mean of
-    a micro-batch's tokens, the model width and the MLP width (per tensor-parallel rank)."""
-    m = plan.model
-    tokens = plan.micro_batch_size * plan.seq_len
-    return float((tokens * m.dim * m.ffn_dim / plan.tp) ** (1 / 3))
 
 
 @dataclass(frozen=True)

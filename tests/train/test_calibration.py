@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmscale.bench.calibrate import SOURCE, measured_cluster
 from llmscale.model.config import get_preset
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import estimate_step_time
+from llmscale.train.calibration import SOURCE, measured_cluster
 
 
 def test_measured_cluster_has_a_calibration_and_the_model_uses_it() -> None:
     model = get_preset("tiny")
     cluster, figures = measured_cluster(model, 2 * 64, torch.device("cpu"), dtypes=("fp32",))
     cal = cluster.gpu.calibration
-    assert figures["attention_fp32_flops"] > 0 and figures["fixed_s"] > 0
+    assert figures["attention_flops"] > 0 and figures["fixed_s"] > 0
     assert cal.attention_efficiency.source == SOURCE and cal.attention_efficiency.value > 0
     assert cal.microbatch_overhead_ms.value == 1000 * figures["fixed_s"]
     assert figures["optimizer_s"] > 0 and cal.optimizer_efficiency is not None

@@ -1,0 +1,322 @@
+"""This machine as the planner's hardware: the runtime's own kernels, micro-benchmarked.
+
+The planner's time model needs a device. A catalog GPU has its numbers from its data sheet and
+its calibration; a CPU (or a GPU missing from the catalog) is measured here, by micro-benchmarks
+that are not the training step, each for the model and micro-batch at hand:
+
+- the model's own GEMM shapes run alone (forward and the two backward products of each linear):
+  the dense rate per dtype (the measured device's "peak");
+- causal SDPA forward and backward in the run's dtype: its achieved share of that dtype's GEMM
+  rate is the device's attention efficiency (a CPU's bf16 flash kernel is far slower than its
+  bf16 GEMMs);
+- the block's element-wise ops as this runtime runs them (the model's norm, `apply_rope`, the
+  attention output's copy, SwiGLU/GELU, residual adds, autocast casts; no matmuls): the bytes the
+  planner counts for them (`plan.time.runtime_eager_block_parts`) over their time is the
+  device's memory bandwidth;
+- the model's forward and backward on one token: the fixed cost of a micro-batch (per-op
+  dispatch, autograd bookkeeping), `microbatch_overhead_ms`;
+- the runtime's optimizer step (train/optim.py's foreach AdamW after the foreach gradient-norm
+  clip) over the model's parameters: its achieved share of that bandwidth,
+  `optimizer_efficiency`.
+
+`llmscale bench` measures with more trials (`BENCH`); a run's prediction (`cached_cluster`)
+measures once per machine and shape and keeps the figures in the calibration cache
+(instrument/calibrate.py: `$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
+`~/.cache/llmscale`), in a file named by everything they depend on: host, device, threads, torch
+version, the model's shape, micro-batch, sequence length and precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmscale.config import OptimizerSection
+from llmscale.hardware.spec import Sourced
+from llmscale.instrument import calibrate
+from llmscale.model.config import ModelConfig
+from llmscale.model.transformer import apply_rope, build_model, build_norm, rope_tables
+from llmscale.plan import activations as act
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.plan import Plan
+from llmscale.plan.time import DEFAULT_TIME, runtime_eager_block_parts
+from llmscale.tensors import DTYPES
+from llmscale.train.optim import build_optimizer
+
+SOURCE = "measured by llmscale micro-benchmarks on this machine"
+VERSION = 2
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How hard to time each figure: the fastest of `trials` runs of at least `min_seconds`."""
+
+    trials: int
+    min_seconds: float
+
+
+BENCH = Effort(7, 0.03)  # llmscale bench: steadier figures
+QUICK = Effort(3, 0.01)  # a run's prediction, once per machine and shape
+
+
+def linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of one block, plus the output projection."""
+    d, kv, f = model.dim, model.kv_dim, model.ffn_dim
+    block = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (f, d)] + ([(d, f)] if model.gated else [])
+    return block * model.n_layers + [(d, model.vocab_size)]
+
+
+def gemm_flops_per_s(
+    model: ModelConfig, tokens: int, dtype: torch.dtype, device: torch.device, effort: Effort
+) -> float:
+    """FLOP/s of the model's linears for `tokens` rows: x @ W, and both backward products."""
+    shapes = linear_shapes(model)
+    mats = []
+    for fan_in, fan_out in set(shapes):
+        x = torch.randn(tokens, fan_in, dtype=dtype, device=device)
+        w = torch.randn(fan_in, fan_out, dtype=dtype, device=device)
+        g = torch.randn(tokens, fan_out, dtype=dtype, device=device)
+        mats.append((x, w, g))
+
+    def run() -> None:
+        for x, w, g in mats:
+            x @ w  # forward
+            g @ w.T  # input gradient
+            x.T @ g  # weight gradient
+
+    seconds = calibrate.time_call(run, device, effort.trials, effort.min_seconds)
+    flops_once = sum(3 * 2 * x.shape[0] * x.shape[1] * w.shape[1] for x, w, _ in mats)
+    return flops_once / seconds
+
+
+def attention_flops_per_s(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    effort: Effort,
+) -> float:
+    """FLOP/s SDPA executes, causal, forward + backward: half of the s x s products of QK^T and
+    AV, the backward 2.5x the forward (as plan/time.py counts them)."""
+    shape = (micro_batch, model.n_heads, seq_len, model.head_dim)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in "qkv")
+    g = torch.randn(shape, dtype=dtype, device=device)
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(g)
+
+    seconds = calibrate.time_call(run, device, 3, effort.min_seconds)
+    fwd = 0.5 * 4 * micro_batch * seq_len * seq_len * model.dim
+    return 3.5 * fwd / seconds
+
+
+def elementwise_bandwidth_bytes_per_s(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+    effort: Effort,
+) -> float:
+    """Bytes/s this runtime's element-wise ops of one block achieve, forward and backward, at
+    one micro-batch's size, fed random tensors of the matmuls' output shapes. The bytes are the
+    planner's count for the same ops (`runtime_eager_block_parts`: forward, backward twice)."""
+    dt = DTYPES[precision]
+    b, s, d, f, hd = micro_batch, seq_len, model.dim, model.ffn_dim, model.head_dim
+    rope = rope_tables(hd, s, model.rope_theta, device) if model.pos_emb == "rope" else None
+    norms = [build_norm(model).to(device) for _ in range(2)]
+    x = torch.randn(b, s, d, device=device, requires_grad=True)  # the fp32 residual stream
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dt, requires_grad=True)
+
+    q, k = leaf(b, s, model.n_heads, hd), leaf(b, s, model.n_kv_heads, hd)
+    attn_out, branch = leaf(b, model.n_heads, s, hd), leaf(b, s, d)
+    up = [leaf(b, s, f) for _ in range(2 if model.gated else 1)]
+    # Autocast over fp32 weights: each linear reading a norm's fp32 output casts it.
+    casts = (3 + len(up)) if dt != torch.float32 else 0
+
+    def run() -> None:
+        outs = [norms[1](x)]
+        h = norms[0](x)
+        outs += [h.to(dt) for _ in range(casts)]
+        if rope is not None:
+            outs += [apply_rope(q, rope), apply_rope(k, rope)]
+        h1 = x + attn_out.transpose(1, 2).reshape(b, s, -1)
+        ff = F.silu(up[0]) * up[1] if model.gated else F.gelu(up[0], approximate="tanh")
+        outs += [ff, h1 + branch]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    seconds = calibrate.time_call(run, device, effort.trials, effort.min_seconds)
+    plan = Plan(model=model, seq_len=s, micro_batch_size=b, global_batch_size=b,
+                precision=precision)  # fmt: skip
+    activations, _ = runtime_eager_block_parts(plan, act.Kernels.for_runtime(model, 1, device.type))
+    return 3 * activations / seconds
+
+
+def optimizer_seconds(model: ModelConfig, device: torch.device, effort: Effort) -> float:
+    """Seconds of one optimizer step as the runtime takes it (train/optim.py's foreach AdamW,
+    after the foreach gradient-norm clip) over the model's parameters, gradients in place."""
+    net = build_model(model, device)
+    for p in net.parameters():
+        p.grad = torch.randn_like(p)
+    opt = build_optimizer(net, OptimizerSection())
+    params = list(net.parameters())
+
+    def run() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+
+    return calibrate.time_call(run, device, 3, effort.min_seconds)
+
+
+def fixed_seconds(model: ModelConfig, device: torch.device, effort: Effort) -> float:
+    """Seconds of a forward and backward of the whole model on one token: what a micro-batch
+    costs beyond its FLOPs and bytes (op dispatch, autograd bookkeeping, allocator)."""
+    net = build_model(model, device)
+    tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+    def run() -> None:
+        net(tokens).float().sum().backward()
+
+    return calibrate.time_call(run, device, 3, effort.min_seconds)
+
+
+def measure(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+    dtypes: tuple[str, ...] = (),
+    effort: Effort = BENCH,
+) -> dict[str, float]:
+    """Every figure for `model` at `micro_batch` x `seq_len` in `precision` (GEMM rates also
+    for `dtypes`): gemm_{dtype}_flops, attention_flops, bandwidth_bytes, fixed_s,
+    optimizer_s."""
+    tokens = micro_batch * seq_len
+    figures = {
+        f"gemm_{dt}_flops": gemm_flops_per_s(model, tokens, DTYPES[dt], device, effort)
+        for dt in dict.fromkeys((precision, *dtypes))
+    }
+    figures["attention_flops"] = attention_flops_per_s(
+        model, micro_batch, seq_len, DTYPES[precision], device, effort
+    )
+    figures["bandwidth_bytes"] = elementwise_bandwidth_bytes_per_s(
+        model, micro_batch, seq_len, precision, device, effort
+    )
+    figures["fixed_s"] = fixed_seconds(model, device, effort)
+    figures["optimizer_s"] = optimizer_seconds(model, device, effort)
+    return figures
+
+
+def cluster_from(
+    figures: dict[str, float], model: ModelConfig, precision: str, display: str
+) -> Cluster:
+    """A one-device Cluster whose GPU is the measured device: dense rates per dtype measured,
+    bandwidth measured, and the calibration the figures imply."""
+    rates = {k[5:-6]: v for k, v in figures.items() if k.startswith("gemm_")}
+    cluster = calibrate.measured_cluster(display, rates, figures["bandwidth_bytes"])
+    gpu = cluster.gpu
+    streamed = DEFAULT_TIME.optimizer_bytes_per_param * model.num_params()
+    optimizer_share = streamed / figures["bandwidth_bytes"] / figures["optimizer_s"]
+    achieved = dataclasses.replace(
+        gpu.calibration,
+        attention_efficiency=Sourced(
+            figures["attention_flops"] / figures[f"gemm_{precision}_flops"], SOURCE
+        ),
+        microbatch_overhead_ms=Sourced(1000 * figures["fixed_s"], SOURCE),
+        optimizer_efficiency=Sourced(min(1.0, optimizer_share), SOURCE),
+    )
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=achieved))
+
+
+def display_name(device: torch.device) -> str:
+    key = calibrate.machine_key(device)
+    threads = f"{key['threads']} thread" + ("" if key["threads"] == "1" else "s")
+    return f"{key['device_name']} ({threads}, measured)"
+
+
+def measured_cluster(
+    model: ModelConfig,
+    tokens: int,
+    device: torch.device,
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
+    precision: str = "fp32",
+) -> tuple[Cluster, dict[str, float]]:
+    """`llmscale bench`'s device: measured now (BENCH effort) for `tokens` a micro-batch; the
+    attention efficiency is `precision`'s. Also the raw figures."""
+    seq = min(model.max_seq_len, max(1, tokens))
+    micro = max(1, tokens // seq)
+    figures = measure(model, micro, seq, precision, device, dtypes, BENCH)
+    return cluster_from(figures, model, precision, display_name(device)), figures
+
+
+# ---- the per-machine cache of a run's figures -------------------------------------------------
+
+
+def cache_key(
+    device: torch.device, model: ModelConfig, micro_batch: int, seq_len: int, precision: str
+) -> dict[str, str]:
+    """What a run's figures depend on: the machine, and the shape of the work."""
+    shape = json.dumps(dataclasses.asdict(model), sort_keys=True)
+    return {
+        **calibrate.machine_key(device),
+        "version": str(VERSION),
+        "model": shape,
+        "micro_batch": str(micro_batch),
+        "seq_len": str(seq_len),
+        "precision": precision,
+    }
+
+
+def read_figures(path: Path, key: dict[str, str]) -> dict[str, float] | None:
+    """The cached figures for `key`, or None (no file, another key, or one that cannot be used)."""
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        figures = {str(k): float(v) for k, v in data["figures"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not figures or not all(math.isfinite(v) and v > 0 for v in figures.values()):
+        return None
+    return figures
+
+
+def cached_figures(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+    folder: Path | None = None,
+) -> tuple[dict[str, float], bool]:
+    """This machine's figures for the shape: from the cache, or measured (QUICK) and cached.
+    Also whether they were measured now."""
+    key = cache_key(device, model, micro_batch, seq_len, precision)
+    path = calibrate.cache_path(key, folder)
+    found = read_figures(path, key)
+    if found is not None:
+        return found, False
+    figures = measure(model, micro_batch, seq_len, precision, device, effort=QUICK)
+    payload: dict[str, Any] = {"version": VERSION, "key": key, "source": SOURCE, "figures": figures}
+    calibrate.write_json(path, payload)
+    return figures, True
+
+
+def cached_cluster(plan: Plan, device: torch.device) -> tuple[Cluster, dict[str, float]]:
+    """The measured device for a run of `plan` (one tensor-parallel rank's micro-batch)."""
+    figures, _ = cached_figures(
+        plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, device
+    )
+    return cluster_from(figures, plan.model, plan.precision, display_name(device)), figures
