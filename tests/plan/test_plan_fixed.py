@@ -99,13 +99,14 @@ def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> 
 
 
 def test_indivisible_gpus_exit_1_naming_divisibility() -> None:
-    r = _run("plan", "--gpus", "7")
+    # 83: prime and above n_layers 80 (7 GPUs run now: pp 7 splits the layers unevenly).
+    r = _run("plan", "--gpus", "83")
     assert r.returncode == 1
-    assert "try more GPUs" not in r.stderr and "no valid layout of 7 GPUs" in r.stderr
-    assert "global batch 1024 is not a multiple of dp 7" in r.stderr
-    assert "tp 7 does not divide n_heads 64" in r.stderr
-    out = json.loads(_run("plan", "--gpus", "7", "--json").stdout)
-    assert out["candidates"] == [] and "no valid layout of 7 GPUs" in out["why"]
+    assert "try more GPUs" not in r.stderr and "no valid layout of 83 GPUs" in r.stderr
+    assert "global batch 1024 is not a multiple of dp 83" in r.stderr
+    assert "tp 2 does not divide 83 GPUs" in r.stderr
+    out = json.loads(_run("plan", "--gpus", "83", "--json").stdout)
+    assert out["candidates"] == [] and "no valid layout of 83 GPUs" in out["why"]
 
 
 def test_nothing_fits_shows_the_closest_flagged_and_exits_1() -> None:

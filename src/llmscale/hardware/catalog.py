@@ -33,6 +33,8 @@ CALIBRATION_FIELDS = (
     "hbm_efficiency",
     "step_overhead_ms",
 )
+# Required of a GPU with a dense FP8 peak (and only allowed then).
+FP8_CALIBRATION_FIELD = "fp8_gemm_efficiency"
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class Calibration:
       executes (causal masking skips half the tiles; backward recomputes QK^T);
     - hbm_efficiency: achieved / datasheet HBM bandwidth of streaming kernels (norms,
       activations, casts, softmax/cross-entropy, the optimizer);
-    - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging).
+    - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging);
+    - fp8_gemm_efficiency: achieved / dense FP8 peak of a large FP8 GEMM (scaled e4m3 inputs,
+      bf16 output), on the same size curve; None for a GPU without FP8 tensor cores.
     """
 
     gemm_efficiency: Sourced
@@ -55,6 +59,7 @@ class Calibration:
     attention_efficiency: Sourced
     hbm_efficiency: Sourced
     step_overhead_ms: Sourced
+    fp8_gemm_efficiency: Sourced | None = None
 
     def gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
         """Achieved / peak for an (m x k) @ (k x n) GEMM."""
@@ -62,6 +67,13 @@ class Calibration:
             return self.gemm_efficiency.value
         d: float = math.cbrt(float(m) * float(n) * float(k))
         return self.gemm_efficiency.value * d / (d + self.gemm_half_dim.value)
+
+    def fp8_gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
+        """Achieved / FP8 peak for an FP8 (m x k) @ (k x n) GEMM (the bf16 curve, rescaled)."""
+        if self.fp8_gemm_efficiency is None:
+            raise ConfigError("calibration.fp8_gemm_efficiency", None, "a value (FP8 GPUs)")
+        scale = self.fp8_gemm_efficiency.value / self.gemm_efficiency.value
+        return scale * self.gemm_efficiency_at(m, n, k)
 
     @property
     def step_overhead(self) -> float:
@@ -279,16 +291,22 @@ def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
 def _calibration(e: Entry, table_key: str) -> Calibration:
     """A GPU's `calibration` table: every field of `Calibration`, each sourced."""
     table = e.numbers(table_key)
+    has_fp8 = "fp8" in (e.table.get("dense_TFLOPS") or {})
+    allowed = CALIBRATION_FIELDS + ((FP8_CALIBRATION_FIELD,) if has_fp8 else ())
     for key in table:
-        if key not in CALIBRATION_FIELDS:
-            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(CALIBRATION_FIELDS))
-    for key in CALIBRATION_FIELDS:
+        if key not in allowed:
+            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(allowed))
+    for key in allowed:
         if key not in table:
-            raise ConfigError(f"{e.where}.calibration.{key}", None, "a value (every GPU has one)")
-    for key in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency"):
+            why = "a value (a GPU with an FP8 peak has one)" if key == FP8_CALIBRATION_FIELD else ""
+            raise ConfigError(
+                f"{e.where}.calibration.{key}", None, why or "a value (every GPU has one)"
+            )
+    shares = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
+    for key in shares + allowed[len(CALIBRATION_FIELDS) :]:
         if not 0 < table[key].value <= 1:
             raise ConfigError(f"{e.where}.calibration.{key}", table[key].value, "in (0, 1]")
-    return Calibration(**{k: table[k] for k in CALIBRATION_FIELDS})
+    return Calibration(**{k: table[k] for k in allowed})
 
 
 # How each field type of the catalog's dataclasses is read from its TOML entry (the

@@ -202,7 +202,8 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
     fields = {k: getattr(p, k) for k in ("seq_len", "micro_batch_size", "global_batch_size",
               "recompute", "recompute_every_k", "precision", "offload", "dp_replicate",
               "dp_shard", "tp", "pp", "pp_schedule", "pp_chunks", "sequence_parallel",
-              "zero_stage")}  # fmt: skip
+              "zero_stage", "cp")}  # fmt: skip
+    fields["pp_layers"] = list(p.pp_layers)  # [] = the automatic split
     return {
         "plan": {"model": p.model.name, **fields},
         "overrides": " ".join(p.overrides()),
