@@ -147,7 +147,8 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
     cp = fixed.get("cp", 1)
     product = math.prod(degrees.values()) * cp
     if gpus % product or (len(degrees) == len(_DEGREES) and product != gpus):
-        parts = [f"{_flag(k)} {v}" for k, v in degrees.items()] + ([f"--cp {cp}"] if cp > 1 else [])
+        parts = [_degree_text(k, v, given, fixed) for k, v in degrees.items()]
+        parts += [f"--cp {cp}"] if cp > 1 else []
         verb = "do not divide" if gpus % product else "do not make"
         raise UsageError(f"{' x '.join(parts)} = {product} GPUs {verb} --gpus {gpus}")
     changes |= degrees
@@ -182,6 +183,13 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
     if "offload" in fixed:
         changes["offload"] = (fixed["offload"],)
     return replace(DEFAULT_SPACE, **changes), fixed
+
+
+def _degree_text(name: str, value: int, given: dict[str, Any], fixed: dict[str, Any]) -> str:
+    """How a fixed degree was asked for: `--pp 4`, or `--pp-layers 20,20,20 (pp 3)`."""
+    if name == "pp" and given.get("pp") is None and "pp_layers" in fixed:
+        return f"--pp-layers {fixed['pp_layers']} (pp {value})"
+    return f"{_flag(name)} {value}"
 
 
 def _pp_layers(text: Any) -> tuple[int, ...]:
