@@ -324,11 +324,17 @@ def search(
                         for sched, v in scheds:
                             settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
                     fit_any = False
+                    useful = _useful_recomputes(
+                        recs, replace(base, micro_batch_size=mbs, sequence_parallel=sp),
+                        memory_options,
+                    )  # fmt: skip
                     for sched, v in scheds if states_ok else ():
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
                         for ri, rec in enumerate(recs):
+                            if rec not in useful:
+                                continue
                             for zi, oi in states_ok:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
@@ -391,6 +397,28 @@ SIMULATE_MAX_OPS = 4096
 def simulated(plan: Plan) -> bool:
     """Is `plan`'s step re-timed with the pipeline simulator (pp > 1, not too many ops)?"""
     return plan.pp > 1 and plan.pp * plan.chunks * plan.n_microbatches <= SIMULATE_MAX_OPS
+
+
+# A recompute mode whose block keeps within this share of what a faster mode's keeps is not
+# costed (selective under flash attention: the attention core it recomputes was never saved).
+USELESS_RECOMPUTE_SAVING = 0.01
+
+
+def _useful_recomputes(recs: list[Recompute], plan: Plan, opt: mem.MemoryOptions) -> set[str]:
+    """The recompute modes of `recs` (fastest first) worth costing for `plan`'s micro-batch:
+    those whose block saves more than `USELESS_RECOMPUTE_SAVING` less than every faster mode's
+    (every_k, which mixes blocks, always)."""
+    out: set[str] = set()
+    least: float | None = None
+    for rec in recs:
+        if rec == "every_k":
+            out.add(rec)
+            continue
+        kept = mem.block_bytes(plan, rec, opt.kernels)  # reads the micro-batch, not the mode
+        if least is None or kept < (1 - USELESS_RECOMPUTE_SAVING) * least:
+            out.add(rec)
+            least = kept
+    return out
 
 
 def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:

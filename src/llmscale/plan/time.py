@@ -10,6 +10,12 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   the same shapes twice. The output projection runs on the last rank, its vocabulary divided
   by tp when the head is vocabulary-parallel. A flat `TimeParams.matmul_efficiency` (a device
   measured by `llmscale bench`) replaces the curve.
+- fp8 (torchao's float8 training): the blocks' linears at the GPU's FP8 dense peak and its own
+  `fp8_gemm_efficiency` (same size curve), plus the casts torchao adds, memory-bound
+  (`fp8_cast_bytes`: amax and cast of each linear's input and weight in forward, of its output
+  gradient in backward, and the transposed float8 copies the backward GEMMs take); attention,
+  the output projection and everything else in bf16, and MFU against the bf16 peak. A GPU
+  without an FP8 peak refuses the plan (`check_fp8`).
 - attention core (QK^T, AV): a flash kernel executes half of the s x s products under causal
   masking, and its backward 2.5x its forward (it recomputes QK^T), at the calibrated
   flash-attention efficiency; a materialised softmax (Megatron 2021/2022, the math kernel)
@@ -22,6 +28,16 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   forward each is written and read, `fwd_passes` = 2; in backward read, and a gradient of its
   size written and read, `bwd_passes` = 3), the head's logits and loss included; or, with
   `eager_elementwise` (one kernel per op, no fusion), the traffic of `eager_block_bytes`.
+- context parallelism (cp > 1), ring attention as torch's `context_parallel` runs it: each rank
+  holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
+  collectives and pipeline sends see b s / cp tokens and its attention 1/cp of the causal
+  FLOPs; per attention call, cp - 1 ring steps each pass a K and V chunk (backward: K, V and
+  their gradients) to the next cp rank beside 1/cp of the attention (`_ring_attention_seconds`).
+  FSDP shards over dp_shard x cp (`Plan.fsdp_shards`); without FSDP the cp ranks all-reduce
+  their gradients with the replicas.
+- the loss under tensor parallelism: vocabulary-parallel (torch's loss_parallel) it all-reduces
+  three values per token (max, sum of exponentials, target logit) and gathers no logits; a
+  vocabulary-parallel head without it all-gathers the logits (`_loss_comm_seconds`).
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
   (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`; with sequence
   parallelism an all-gather and a reduce-scatter in place of each); recomputed blocks repeat
