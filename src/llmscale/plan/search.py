@@ -17,8 +17,10 @@ checked before time; states alone prune a layout before any activation is counte
 micro-batches are tried only while smaller ones fit (memory grows with micro-batch size); only
 the first and last pipeline ranks are costed in the loop (they hold the embedding and the head,
 and rank 0 the most micro-batches in flight), plus, split unevenly, the first rank with the most
-layers (every rank for an explicit `pp_layers`); per-tensor counts, collectives and per-block
-activations are cached.
+layers (every rank for an explicit `pp_layers`); a recompute mode that keeps no less than a
+faster one is not costed (`_useful_recomputes`); shown plans with more than `SIMULATE_MAX_OPS`
+pipeline ops keep the closed form; per-tensor counts, collectives and per-block activations are
+cached.
 """
 
 from __future__ import annotations
