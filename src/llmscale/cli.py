@@ -357,7 +357,7 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
         ("--pp", "pipeline-parallel degree"),
         ("--dp-shard", "FSDP shards"),
         ("--dp-replicate", "data-parallel replicas"),
-        ("--cp", "context-parallel degree (only 1: not modelled yet)"),
+        ("--cp", "context-parallel degree (ring attention; gpus = pp x dp x cp x tp)"),
         ("--mbs", "micro-batch size"),
         ("--every-k", "recompute one block in k (implies --recompute every_k)"),
         ("--chunks", "model chunks per pipeline rank (> 1: interleaved_1f1b)"),
@@ -366,7 +366,9 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     fix.add_argument("--recompute", help=" | ".join(RECOMPUTE_MODES))
     fix.add_argument("--schedule", help=" | ".join(PP_SCHEDULES) + " (alias: interleaved)")
     fix.add_argument(
-        "--pp-layers", help="layers per pipeline rank (only empty: uneven stages not modelled yet)"
+        "--pp-layers",
+        help="layers per pipeline stage, e.g. 31,32,32,31 (sets --pp; summing to "
+        "the model's layers)",
     )
     fix.add_argument("--zero-stage", type=int, help=" | ".join(map(str, ZERO_STAGES)))
     fix.add_argument(

@@ -80,8 +80,13 @@ def test_partial_fixing_searches_the_rest() -> None:
         (["--tp", "3"], "--tp 3 = 3 GPUs do not divide --gpus 64"),
         (["--tp", "8", "--pp", "2", "--dp-shard", "2", "--dp-replicate", "1"],
          "--tp 8 x --pp 2 x --dp-shard 2 x --dp-replicate 1 = 32 GPUs do not make --gpus 64"),
-        (["--cp", "2"], "does not model context parallelism yet"),
-        (["--pp-layers", "40,40"], "does not model uneven pipeline stages yet"),
+        (["--cp", "3"], "--cp 3 = 3 GPUs do not divide --gpus 64"),
+        (["--tp", "8", "--pp", "4", "--dp-shard", "2", "--dp-replicate", "1", "--cp", "2"],
+         "--tp 8 x --pp 4 x --dp-shard 2 x --dp-replicate 1 x --cp 2 = 128 GPUs do not divide"),
+        (["--pp-layers", "20,20,20,10"], "summing to model.n_layers=80, got 70 (llama2-70b)"),
+        (["--pp-layers", "20,20,20"], "--pp-layers 20,20,20 (pp 3) = 3 GPUs do not divide"),
+        (["--pp", "2", "--pp-layers", "20,20,20"], "2 entries (pp 2 x chunks 1), got 3"),
+        (["--pp-layers", "40,0,40"], "pp_layers: got '40,0,40'; allowed: positive layer counts"),
         (["--recompute", "some"], "recompute: got 'some'; allowed: none | full"),
         (["--zero-stage", "4"], "zero_stage: got 4"),
         (["--offload", "disk"], "offload: got 'disk'"),
@@ -99,13 +104,14 @@ def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> 
 
 
 def test_indivisible_gpus_exit_1_naming_divisibility() -> None:
-    r = _run("plan", "--gpus", "7")
+    # 83: prime and above n_layers 80 (7 GPUs run now: pp 7 splits the layers unevenly).
+    r = _run("plan", "--gpus", "83")
     assert r.returncode == 1
-    assert "try more GPUs" not in r.stderr and "no valid layout of 7 GPUs" in r.stderr
-    assert "global batch 1024 is not a multiple of dp 7" in r.stderr
-    assert "tp 7 does not divide n_heads 64" in r.stderr
-    out = json.loads(_run("plan", "--gpus", "7", "--json").stdout)
-    assert out["candidates"] == [] and "no valid layout of 7 GPUs" in out["why"]
+    assert "try more GPUs" not in r.stderr and "no valid layout of 83 GPUs" in r.stderr
+    assert "global batch 1024 is not a multiple of dp 83" in r.stderr
+    assert "tp 2 does not divide 83 GPUs" in r.stderr
+    out = json.loads(_run("plan", "--gpus", "83", "--json").stdout)
+    assert out["candidates"] == [] and "no valid layout of 83 GPUs" in out["why"]
 
 
 def test_nothing_fits_shows_the_closest_flagged_and_exits_1() -> None:
@@ -169,3 +175,43 @@ def test_network_refuses_sizes_past_its_limit() -> None:
     assert r.returncode == 2 and "gpus: got 1000000000; allowed: <= 65536" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert "65,536" in _run("network", "--help").stdout
+
+
+_ALL_BUT_CP = ["--tp", "8", "--dp-shard", "1", "--dp-replicate", "1", "--mbs", "1",
+               "--recompute", "none", "--zero-stage", "3", "--sp", "--offload", "none"]  # fmt: skip
+
+
+def test_a_fixed_cp_layout_is_evaluated_alone() -> None:
+    """--cp 2 is a mesh degree: tp 8 x pp 4 x cp 2 = 64 GPUs, one plan, its ring traffic."""
+    r = _run("plan", "--gpus", "64", "--json", "--pp", "4", "--cp", "2", "--schedule", "1f1b",
+             "--chunks", "1", "--seq", "4096", *_ALL_BUT_CP)  # fmt: skip
+    assert r.returncode in (0, 1), r.stderr
+    out = json.loads(r.stdout)
+    assert out["search"]["evaluated"] == 1 and len(out["candidates"]) == 1
+    c = out["candidates"][0]
+    assert c["plan"]["cp"] == 2 and c["plan"]["tp"] * c["plan"]["pp"] * c["plan"]["cp"] == 64
+    assert isinstance(c["fits"], bool) and (c["why"] is None) == c["fits"]
+    assert c["step_time"]["breakdown_seconds"]["cp_comm"] > 0
+    assert c["memory_bytes"]["worst_stage"]["total"] > 0 and "--parallel.cp 2" in c["overrides"]
+    assert out["inputs"]["fixed"]["cp"] == 2
+
+
+def test_fixed_pp_layers_fix_pp_and_each_ranks_layers() -> None:
+    r = _run("plan", "--gpus", "64", "--json", "--pp-layers", "19,21,21,19", "--cp", "1",
+             "--schedule", "1f1b", *_ALL_BUT_CP, "--dp-shard", "2")  # fmt: skip
+    assert r.returncode in (0, 1), r.stderr
+    out = json.loads(r.stdout)
+    assert out["search"]["evaluated"] == 1 and len(out["candidates"]) == 1
+    c = out["candidates"][0]
+    assert c["plan"]["pp"] == 4 and c["plan"]["pp_layers"] == [19, 21, 21, 19]
+    assert "--parallel.pp_layers [19,21,21,19]" in c["overrides"]
+    assert (
+        out["inputs"]["fixed"]["pp"] == 4 and out["inputs"]["fixed"]["pp_layers"] == "19,21,21,19"
+    )
+    # The middle ranks hold 21 layers: their states are the largest.
+    stages = c["memory_bytes"]["stages"]
+    assert len(stages) == 4 and stages[1]["params"] > stages[0]["params"]
+    even = _run("plan", "--gpus", "64", "--json", "--pp", "4", "--cp", "1", "--schedule", "1f1b",
+                *_ALL_BUT_CP, "--dp-shard", "2")  # fmt: skip
+    e = json.loads(even.stdout)["candidates"][0]
+    assert e["plan"]["pp_layers"] == [] and e["step_time"]["seconds"] < c["step_time"]["seconds"]

@@ -116,8 +116,10 @@ def test_nothing_fits_keeps_the_closest_with_why() -> None:
 
 
 def test_indivisible_gpus_name_the_rule() -> None:
-    r = search(L70, 7, H200, 4096, 1024)
+    # 83 is prime and above n_layers: tp and pp can only be 1, and 1024 is no multiple of 83.
+    # (7 GPUs now run: pp 7 splits the 80 layers unevenly.)
+    r = search(L70, 83, H200, 4096, 1024)
     assert r.candidates == () and r.unfit == () and r.evaluated == 0
     why = r.why_none() or ""
-    assert "no valid layout of 7 GPUs" in why and "tp 7 does not divide n_heads 64" in why
-    assert "no pp > 1 divides both 7 GPUs and n_layers 80" in why
+    assert "no valid layout of 83 GPUs" in why and "tp 2 does not divide 83 GPUs" in why
+    assert "not a multiple of dp 83" in why and "pp 83 > n_layers 80" in r.rejected

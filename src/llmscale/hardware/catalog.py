@@ -35,6 +35,8 @@ CALIBRATION_FIELDS = (
 )
 # Fields a GPU's table may leave out: their defaults are stated (and sourced) on `Calibration`.
 OPTIONAL_CALIBRATION_FIELDS = ("microbatch_overhead_ms", "optimizer_efficiency")
+# Required of a GPU with a dense FP8 peak (and only allowed then).
+FP8_CALIBRATION_FIELD = "fp8_gemm_efficiency"
 
 _ASYNC = (
     "assumption: a GPU's kernel launches are asynchronous, issued ahead of the kernels of a "
@@ -55,6 +57,8 @@ class Calibration:
     - hbm_efficiency: achieved / datasheet HBM bandwidth of streaming kernels (norms,
       activations, casts, softmax/cross-entropy, the optimizer);
     - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging);
+    - fp8_gemm_efficiency: achieved / dense FP8 peak of a large FP8 GEMM (scaled e4m3 inputs,
+      bf16 output), on the same size curve; None for a GPU without FP8 tensor cores;
     - microbatch_overhead_ms: fixed cost of one micro-batch's forward and backward on one
       pipeline rank, whatever its size (per-op dispatch and autograd bookkeeping where the host
       waits for each op, as on a CPU; hidden on a GPU by asynchronous launches);
@@ -67,6 +71,7 @@ class Calibration:
     attention_efficiency: Sourced
     hbm_efficiency: Sourced
     step_overhead_ms: Sourced
+    fp8_gemm_efficiency: Sourced | None = None
     microbatch_overhead_ms: Sourced = Sourced(0.0, _ASYNC)
     optimizer_efficiency: Sourced | None = None
 
@@ -76,6 +81,13 @@ class Calibration:
             return self.gemm_efficiency.value
         d: float = math.cbrt(float(m) * float(n) * float(k))
         return self.gemm_efficiency.value * d / (d + self.gemm_half_dim.value)
+
+    def fp8_gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
+        """Achieved / FP8 peak for an FP8 (m x k) @ (k x n) GEMM (the bf16 curve, rescaled)."""
+        if self.fp8_gemm_efficiency is None:
+            raise ConfigError("calibration.fp8_gemm_efficiency", None, "a value (FP8 GPUs)")
+        scale = self.fp8_gemm_efficiency.value / self.gemm_efficiency.value
+        return scale * self.gemm_efficiency_at(m, n, k)
 
     @property
     def step_overhead(self) -> float:
@@ -305,18 +317,24 @@ def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
 def _calibration(e: Entry, table_key: str) -> Calibration:
     """A GPU's `calibration` table: every field of `Calibration`, each sourced."""
     table = e.numbers(table_key)
-    known = CALIBRATION_FIELDS + OPTIONAL_CALIBRATION_FIELDS
+    has_fp8 = "fp8" in (e.table.get("dense_TFLOPS") or {})
+    required = CALIBRATION_FIELDS + ((FP8_CALIBRATION_FIELD,) if has_fp8 else ())
+    allowed = required + OPTIONAL_CALIBRATION_FIELDS
     for key in table:
-        if key not in known:
-            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(known))
-    for key in CALIBRATION_FIELDS:
+        if key not in allowed:
+            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(allowed))
+    for key in required:
         if key not in table:
-            raise ConfigError(f"{e.where}.calibration.{key}", None, "a value (every GPU has one)")
-    shares = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency", "optimizer_efficiency")
+            why = "a value (a GPU with an FP8 peak has one)" if key == FP8_CALIBRATION_FIELD else ""
+            raise ConfigError(
+                f"{e.where}.calibration.{key}", None, why or "a value (every GPU has one)"
+            )
+    shares: tuple[str, ...] = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
+    shares += (FP8_CALIBRATION_FIELD, "optimizer_efficiency")
     for key in shares:
         if key in table and not 0 < table[key].value <= 1:
             raise ConfigError(f"{e.where}.calibration.{key}", table[key].value, "in (0, 1]")
-    return Calibration(**{k: table[k] for k in known if k in table})
+    return Calibration(**{k: table[k] for k in allowed if k in table})
 
 
 # How each field type of the catalog's dataclasses is read from its TOML entry (the

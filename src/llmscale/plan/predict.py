@@ -6,7 +6,9 @@
     want = expected_runtime_metrics(job, rank=0)    # the trainer's metric names -> bytes
 
 `expected_runtime_metrics` speaks the runtime's own vocabulary (train/metrics.py and the
-`SavedActivations` counter): `param_bytes`, `grad_bytes`, `optimizer_bytes` (Adam moments and
+`SavedActivations` counter): `param_bytes`, `grad_bytes` (as measured before the optimizer
+step: under FSDP2 + PP after the step's one reduce-scatter, so the shards, not the unsharded
+gradients the planner's memory peak holds), `optimizer_bytes` (Adam moments and
 `step` counters), `activation_bytes` (what autograd saves for the first micro-batch, which under
 autocast includes the bf16 weight casts the linears keep), under pipelining
 `activation_peak_bytes` (the most saved at once over the schedule), and `cuda_peak_bytes` (the predicted
@@ -87,7 +89,7 @@ def expected_runtime_metrics(
         optim = _host_optimizer_bytes(plan, rank, options)
     out = {
         "param_bytes": pieces.params,
-        "grad_bytes": pieces.grads,
+        "grad_bytes": measured_grad_bytes(plan, rank, pieces.grads, k),
         "optimizer_bytes": optim,
         "activation_bytes": saved,
         "cuda_peak_bytes": peak,
@@ -101,6 +103,21 @@ def expected_runtime_metrics(
         pb = DTYPE_BYTES[plan.precision]
         out["device_param_peak_bytes"] = pb * param_window(plan, rank, rp, options.prefetch_blocks)
     return out
+
+
+def measured_grad_bytes(plan: Plan, rank: int, held: float, kernels: act.Kernels) -> float:
+    """The gradient bytes the runtime's metrics row reports (`Optimizers.grad_memory`, read in
+    `optimizer_step`, after the step's reduction), from the planner's peak `held`.
+
+    Under FSDP2 + PP the planner's `grads` are the unsharded fp32 gradients a stage holds
+    across micro-batches until the one reduce-scatter at the step's end (its memory peak); the
+    runtime measures after that reduce-scatter: the fp32 shards (4 B per parameter of the
+    shard), or nothing on the device when the offloaded optimizer took them to the host."""
+    if not plan.fsdp_holds_grads_across_microbatches:
+        return held
+    if plan.offload != "none":
+        return 0.0
+    return 4.0 * plan_rank_params(plan, rank, kernels).shard_numel
 
 
 def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> float:

@@ -1,19 +1,26 @@
 """Search parallel layouts and training options for the fastest plan that fits.
 
 Enumerated: tp x pp x dp (dp as replicas x FSDP shards), micro-batch size, recompute mode,
-ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, offload. Kept only
-when: tp <= GPUs per node and tp divides n_heads, n_kv_heads and ffn_dim; pp x chunks divides
-n_layers; the global batch divides by micro-batch x dp (and gives >= pp micro-batches, a multiple
-of pp for interleaved); the fullest GPU fits (plan/memory.py, with its allocator overhead and
-device reserve), and offloaded states fit the node's host memory. Ranked by predicted step time (plan/time.py), closed-form bubble in the loop;
-the best `resimulate` are re-timed with the pipeline simulator before the final ranking.
+ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, offload; the
+context-parallel degree and an explicit layer split (`pp_layers`) are fixed by the space (cp
+GPUs per sequence: gpus = pp x dp x cp x tp). Kept only when: tp <= GPUs per node and tp divides
+n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers (a pp that does not divide n_layers
+splits them unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
+divides by micro-batch x dp (and gives >= pp micro-batches, a multiple of pp for interleaved);
+seq_len is a multiple of 2 cp; the fullest GPU fits (plan/memory.py, with its allocator overhead
+and device reserve), and offloaded states fit the node's host memory. Ranked by predicted step
+time (plan/time.py), closed-form bubble in the loop; the best `resimulate` are re-timed with the
+pipeline simulator before the final ranking.
 
 Speed (a 70B model over 4096 GPUs in well under a second, bench/plan_speed.py): memory is
 checked before time; states alone prune a layout before any activation is counted; larger
 micro-batches are tried only while smaller ones fit (memory grows with micro-batch size); only
 the first and last pipeline ranks are costed in the loop (they hold the embedding and the head,
-and rank 0 the most micro-batches in flight); per-tensor counts, collectives and per-block
-activations are cached.
+and rank 0 the most micro-batches in flight), plus, split unevenly, the first rank with the most
+layers (every rank for an explicit `pp_layers`); a recompute mode that keeps no less than a
+faster one is not costed (`_useful_recomputes`); shown plans with more than `SIMULATE_MAX_OPS`
+pipeline ops keep the closed form; per-tensor counts, collectives and per-block activations are
+cached.
 """
 
 from __future__ import annotations
@@ -26,18 +33,23 @@ from dataclasses import dataclass, field, replace
 from llmscale.config import OFFLOAD_MODES, PRECISIONS, Offload, PPSchedule, Precision, Recompute
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
-from llmscale.model.config import ModelConfig
+from llmscale.model.config import ModelConfig, stage_layer_counts
 from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
 
+# Least recompute time first (the search skips a mode once a faster one fits). selective_op
+# sits before every_k (k = 2): it recomputes half the matmuls and the element-wise ops where
+# every_k recomputes half the blocks whole, and keeps less (Llama 2 70B, t8 p4 on H100, mbs 2,
+# seq 4096: 27 GiB of activations and 5.63 s against 35 GiB and 5.92 s).
 RECOMPUTE_ORDER: tuple[Recompute, ...] = (
     "none",
     "selective",
+    "selective_op",
     "every_k",
     "full",
-)  # most memory first
+)
 
 
 @dataclass(frozen=True)
@@ -58,11 +70,16 @@ class SearchSpace:
     pp: int | None = None
     dp_shard: int | None = None
     dp_replicate: int | None = None
+    # Fixed, never searched: the context-parallel degree and an explicit layer split (pp x
+    # chunks entries; () = the automatic split).
+    cp: int = 1
+    pp_layers: tuple[int, ...] = ()
 
     def fixed_degrees(self) -> dict[str, int]:
         """The degrees this space fixes, by name."""
         names = ("tp", "pp", "dp_shard", "dp_replicate")
-        return {n: v for n in names if (v := getattr(self, n)) is not None}
+        out = {n: v for n in names if (v := getattr(self, n)) is not None}
+        return out | ({"cp": self.cp} if self.cp > 1 else {})
 
 
 DEFAULT_SPACE = SearchSpace()
@@ -131,7 +148,7 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
         out.append((1, dp))
     if "replicate" in space.data_parallel or dp == 1:
         out.append((dp, 1))
-    in_node = cluster.gpus_per_node // tp
+    in_node = cluster.gpus_per_node // (tp * space.cp)  # the mesh: dp_shard x cp x tp in-node
     if "hybrid" in space.data_parallel and 1 < in_node < dp and dp % in_node == 0:
         out.append((dp // in_node, in_node))
     return out
@@ -140,35 +157,37 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
 def _layouts(
     model: ModelConfig, gpus: int, cluster: Cluster, space: SearchSpace, rejected: dict[str, None]
 ) -> Iterator[tuple[int, int, int]]:
-    """(tp, pp, dp) layouts of `gpus`; why others were dropped goes into `rejected` (in order)."""
-    # Even layer splits only: the runtime runs uneven ones too (and the planner costs them), but
-    # a stage with an extra layer sets the pace and an even split of the same degree is faster.
-    gpn = cluster.gpus_per_node
-    tps = [space.tp] if space.tp is not None else _divisors(min(gpus, gpn))
+    """(tp, pp, dp) layouts of `gpus` (cp x tp x pp x dp = gpus); why others were dropped goes
+    into `rejected` (in order). A pp that does not divide n_layers splits them unevenly."""
+    gpn, cp = cluster.gpus_per_node, space.cp
+    if gpus % cp:
+        rejected[f"cp {cp} does not divide {gpus} GPUs"] = None
+        return
+    rest = gpus // cp  # the GPUs of one context-parallel rank's layouts
+    tps = [space.tp] if space.tp is not None else _divisors(min(rest, gpn))
     for tp in tps:
-        why = _tp_rule(model, gpus, gpn, tp)
+        why = _tp_rule(model, rest, gpn, tp)
         if why:
-            rejected[why] = None
+            rejected[why + (f" (after cp {cp})" if cp > 1 else "")] = None
             continue
         if space.pp is not None:
             pps = [space.pp]
-        else:  # degrees dividing both the GPUs left and the layers (fast for any GPU count)
-            pps = _divisors(math.gcd(gpus // tp, model.n_layers))
-            if pps == [1] and gpus // tp > 1:
-                rejected[
-                    f"no pp > 1 divides both {gpus // tp} GPUs and n_layers {model.n_layers}"
-                ] = None
+        else:  # any degree dividing the GPUs left, up to one layer per stage
+            pps = _divisors(rest // tp)  # those above n_layers are rejected below
         for pp in pps:
-            if (gpus // tp) % pp:
-                rejected[f"tp x pp = {tp} x {pp} does not divide {gpus} GPUs"] = None
-            elif model.n_layers % pp:
-                rejected[f"pp {pp} does not divide n_layers {model.n_layers}"] = None
+            if (rest // tp) % pp:
+                rejected[f"tp x pp = {tp} x {pp} does not divide {rest} GPUs"
+                         + (f" (after cp {cp})" if cp > 1 else "")] = None  # fmt: skip
+            elif pp > model.n_layers:
+                rejected[f"pp {pp} > n_layers {model.n_layers}"] = None
+            elif space.pp_layers and len(space.pp_layers) % pp:
+                rejected[f"pp {pp} does not divide the {len(space.pp_layers)} pp_layers"] = None
             elif pp > 1 and model.tie_embeddings:
                 rejected[f"pp {pp} > 1 with tied embeddings ({model.name})"] = None
             elif pp == 1 and space.schedules == ("interleaved_1f1b",):
                 rejected["interleaved_1f1b needs pp > 1"] = None
             else:
-                yield tp, pp, gpus // (tp * pp)
+                yield tp, pp, rest // (tp * pp)
 
 
 def _tp_rule(model: ModelConfig, gpus: int, gpus_per_node: int, tp: int) -> str | None:
@@ -198,10 +217,33 @@ def _schedules(
     for s in space.schedules:
         if s == "interleaved_1f1b":
             for v in space.chunks:
-                if model.n_layers % (pp * v) == 0 and microbatches % pp == 0:
+                if _stages_ok(model, pp * v, space, even=True) and microbatches % pp == 0:
                     yield s, v
-        else:
+        elif _stages_ok(model, pp, space):
             yield s, 1
+
+
+def _stages_ok(model: ModelConfig, stages: int, space: SearchSpace, even: bool = False) -> bool:
+    """Can the layers split into `stages` (an explicit split must have that many entries)?
+    `even`: only an even split (the search's interleaved schedules: its chunks multiply the
+    layouts to cost, and an uneven chunk paces every rank's pass)."""
+    if space.pp_layers:
+        return len(space.pp_layers) == stages
+    return model.n_layers % stages == 0 if even else stages <= model.n_layers
+
+
+def _costed_ranks(model: ModelConfig, pp: int, space: SearchSpace) -> tuple[int, ...]:
+    """The pipeline ranks the search costs: the first and last (embedding, head; rank 0 holds
+    the most micro-batches in flight) and, split unevenly, the first rank with the most layers
+    (the pace of the pipeline); every rank for an explicit split."""
+    if pp == 1:
+        return (0,)
+    if space.pp_layers:
+        return tuple(range(pp))
+    if model.n_layers % pp == 0:
+        return (0, pp - 1)  # even (the search's interleaved chunks are even too)
+    counts = stage_layer_counts(model.n_layers, pp)
+    return tuple(sorted({0, counts.index(max(counts)), pp - 1}))
 
 
 def search(
@@ -221,6 +263,7 @@ def search(
     `unfit` holds the `top` closest to fitting (each with why not), `rejected` why layouts were
     dropped before their memory was counted."""
     _check_inputs(model, gpus, seq_len, global_batch_size, precision, top)
+    tm.check_fp8(precision, cluster)
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
     over = 1.0 + memory_options.allocator_overhead
@@ -234,8 +277,12 @@ def search(
         recs.remove("every_k")
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
-    for tp, pp, dp in _layouts(model, gpus, cluster, space, rejected):
-        ends = (0, pp - 1) if pp > 1 else (0,)
+    layouts = _layouts(model, gpus, cluster, space, rejected)
+    if space.cp > 1 and seq_len % (2 * space.cp):  # load-balanced ring attention's rule
+        rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None
+        layouts = iter(())
+    for tp, pp, dp in layouts:
+        ends = _costed_ranks(model, pp, space)
         splits = _dp_splits(dp, tp, cluster, space)
         if not splits:
             fixed = ", ".join(f"{k} {v}" for k, v in space.fixed_degrees().items() if "dp" in k)
@@ -248,8 +295,8 @@ def search(
             base = Plan(
                 model=model, seq_len=seq_len, micro_batch_size=1,
                 global_batch_size=global_batch_size, precision=precision,
-                dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
-                recompute_every_k=space.recompute_every_k,
+                dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
+                pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
             )  # fmt: skip
             # Knob settings whose states alone fit, each as (zero index, offload index).
             states_ok = [
@@ -279,11 +326,17 @@ def search(
                         for sched, v in scheds:
                             settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
                     fit_any = False
+                    useful = _useful_recomputes(
+                        recs, replace(base, micro_batch_size=mbs, sequence_parallel=sp),
+                        memory_options,
+                    )  # fmt: skip
                     for sched, v in scheds if states_ok else ():
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
                         for ri, rec in enumerate(recs):
+                            if rec not in useful:
+                                continue
                             for zi, oi in states_ok:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
@@ -294,7 +347,7 @@ def search(
                                     precision=precision, offload=offloads[oi],
                                     dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
                                     pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
-                                    zero_stage=zeros[zi],
+                                    zero_stage=zeros[zi], cp=space.cp, pp_layers=space.pp_layers,
                                 )  # fmt: skip
                                 total = mem.worst_total(plan, memory_options, ends)
                                 evaluated += 1
@@ -316,7 +369,9 @@ def search(
     finals: list[Candidate] = []
     for _, _, plan in found[: max(top, resimulate)]:
         full_mem = mem.estimate_memory(plan, memory_options, validate=False)
-        t = tm.estimate_step_time(plan, cluster, time_params, simulate=plan.pp > 1, validate=False)
+        t = tm.estimate_step_time(
+            plan, cluster, time_params, simulate=simulated(plan), validate=False
+        )
         finals.append(Candidate(plan, full_mem, t))
     finals.sort(key=lambda c: (c.time.seconds, c.memory.total))
     unfit: tuple[Candidate, ...] = ()
@@ -333,6 +388,39 @@ def search(
         unfit=unfit,
         rejected=tuple(rejected),
     )
+
+
+# Pipeline ops (stages x micro-batches) up to which a shown plan's step is re-timed with the
+# simulator; above it the closed form (exact for equal stage costs) keeps a search of thousands
+# of GPUs under a second (pp 32 x 256 micro-batches x 2 chunks takes ~0.6 s to simulate).
+SIMULATE_MAX_OPS = 4096
+
+
+def simulated(plan: Plan) -> bool:
+    """Is `plan`'s step re-timed with the pipeline simulator (pp > 1, not too many ops)?"""
+    return plan.pp > 1 and plan.pp * plan.chunks * plan.n_microbatches <= SIMULATE_MAX_OPS
+
+
+# A recompute mode whose block keeps within this share of what a faster mode's keeps is not
+# costed (selective under flash attention: the attention core it recomputes was never saved).
+USELESS_RECOMPUTE_SAVING = 0.01
+
+
+def _useful_recomputes(recs: list[Recompute], plan: Plan, opt: mem.MemoryOptions) -> set[str]:
+    """The recompute modes of `recs` (fastest first) worth costing for `plan`'s micro-batch:
+    those whose block saves more than `USELESS_RECOMPUTE_SAVING` less than every faster mode's
+    (every_k, which mixes blocks, always)."""
+    out: set[str] = set()
+    least: float | None = None
+    for rec in recs:
+        if rec == "every_k":
+            out.add(rec)
+            continue
+        kept = mem.block_bytes(plan, rec, opt.kernels)  # reads the micro-batch, not the mode
+        if least is None or kept < (1 - USELESS_RECOMPUTE_SAVING) * least:
+            out.add(rec)
+            least = kept
+    return out
 
 
 def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:
@@ -406,7 +494,9 @@ def _closest(
     out: list[Candidate] = []
     for _, plan in scored[:top]:
         est = mem.estimate_memory(plan, opt, validate=False)
-        t = tm.estimate_step_time(plan, cluster, time_params, simulate=plan.pp > 1, validate=False)
+        t = tm.estimate_step_time(
+            plan, cluster, time_params, simulate=simulated(plan), validate=False
+        )
         why = fit_reason(est, cluster, opt)
         out.append(Candidate(plan, est, t, fits=why is None, why=why))
     return tuple(out)

@@ -15,7 +15,7 @@ from llmscale.config import (
     Precision,
 )
 from llmscale.errors import ConfigError, UsageError
-from llmscale.model.config import get_preset
+from llmscale.model.config import get_preset, pp_layers_problem
 from llmscale.plan import memory as mem
 from llmscale.plan import report
 from llmscale.plan.cluster import Cluster
@@ -87,6 +87,7 @@ def plan_report(
     fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`;
     `profile` the training stack whose kernels and memory behaviour are modelled."""
     cfg = get_preset(model)
+    pp_layers_check(model, fixed or {})
     cluster = Cluster.of(gpu, node=node, nic=nic)
     prof = get_profile(profile)
     # llmscale's own kernels depend on the layout (vocab-parallel under tp): the default
@@ -123,7 +124,8 @@ def _flag(name: str) -> str:
 def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str, Any]]:
     """The search space with each given flag's dimension fixed (None: not given), and the
     fixed values by name. Raises ConfigError for a bad value, UsageError for degrees whose
-    product cannot make `gpus` or for what the planner does not model yet."""
+    product (with cp) cannot make `gpus`. --pp-layers fixes --pp (its entries are pp x chunks);
+    its sum is checked against the model in `plan_report` (`pp_layers_check`)."""
     fixed = {k: given[k] for k in FIXABLE if given.get(k) is not None}
     for k in ("tp", "pp", "dp_shard", "dp_replicate", "cp", "mbs", "every_k", "chunks"):
         v = fixed.get(k)
@@ -133,24 +135,24 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
     _one("schedule", fixed, PP_SCHEDULES)
     _one("zero_stage", fixed, ZERO_STAGES)
     _one("offload", fixed, OFFLOAD_MODES)
-    if fixed.get("cp", 1) != 1:
-        raise UsageError(
-            f"--cp {fixed['cp']}: the planner does not model context parallelism yet (only --cp 1)"
-        )
-    if str(fixed.get("pp_layers", "")).strip():
-        raise UsageError(
-            f"--pp-layers {fixed['pp_layers']}: the planner does not model uneven pipeline stages "
-            "yet (leave it empty: the automatic split)"
-        )
-    fixed.pop("cp", None)
-    fixed.pop("pp_layers", None)
+    changes: dict[str, Any] = {}
+    if "pp_layers" in fixed:
+        layers = _pp_layers(fixed["pp_layers"])
+        fixed["pp_layers"] = ",".join(map(str, layers))
+        changes["pp_layers"] = layers
+        _pp_from_layers(len(layers), fixed)
+    if "cp" in fixed:
+        changes["cp"] = fixed["cp"]
     degrees = {k: fixed[k] for k in _DEGREES if k in fixed}
-    product = math.prod(degrees.values())
+    cp = fixed.get("cp", 1)
+    product = math.prod(degrees.values()) * cp
     if gpus % product or (len(degrees) == len(_DEGREES) and product != gpus):
-        names = " x ".join(f"{_flag(k)} {v}" for k, v in degrees.items())
+        parts = [_degree_text(k, v, given, fixed) for k, v in degrees.items()]
+        parts += [f"--cp {cp}"] if cp > 1 else []
         verb = "do not divide" if gpus % product else "do not make"
-        raise UsageError(f"{names} = {product} GPUs {verb} --gpus {gpus}")
-    changes: dict[str, Any] = dict(degrees)
+        raise UsageError(f"{' x '.join(parts)} = {product} GPUs {verb} --gpus {gpus}")
+    changes |= degrees
+    degrees = {k: fixed[k] for k in _DEGREES if k in fixed}
     if "mbs" in fixed:
         changes["micro_batch_sizes"] = (fixed["mbs"],)
     rec = fixed.get("recompute")
@@ -181,6 +183,55 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
     if "offload" in fixed:
         changes["offload"] = (fixed["offload"],)
     return replace(DEFAULT_SPACE, **changes), fixed
+
+
+def _degree_text(name: str, value: int, given: dict[str, Any], fixed: dict[str, Any]) -> str:
+    """How a fixed degree was asked for: `--pp 4`, or `--pp-layers 20,20,20 (pp 3)`."""
+    if name == "pp" and given.get("pp") is None and "pp_layers" in fixed:
+        return f"--pp-layers {fixed['pp_layers']} (pp {value})"
+    return f"{_flag(name)} {value}"
+
+
+def _pp_layers(text: Any) -> tuple[int, ...]:
+    """`--pp-layers 3,4,4,3` (or "[3, 4, 4, 3]") as layer counts, each a positive integer."""
+    parts = str(text).strip().strip("[]").replace(" ", "").split(",")
+    try:
+        layers = tuple(int(p) for p in parts)
+    except ValueError:
+        layers = ()
+    if not layers or any(n < 1 for n in layers):
+        raise ConfigError(
+            "pp_layers", text, "positive layer counts, one per pipeline stage: 3,4,4,3"
+        )
+    return layers
+
+
+def _pp_from_layers(stages: int, fixed: dict[str, Any]) -> None:
+    """Fix --pp (and --chunks) from the number of --pp-layers entries (pp x chunks of them)."""
+    pp, chunks = fixed.get("pp"), fixed.get("chunks")
+    if pp is None:
+        pp = stages // (chunks or 1)
+    if chunks is None and stages % pp == 0 and stages // pp > 1:
+        chunks = stages // pp  # several stages per rank: interleaved
+    if pp * (chunks or 1) != stages:
+        raise ConfigError(
+            "pp_layers", fixed["pp_layers"],
+            f"{pp * (chunks or 1)} entries (pp {pp} x chunks {chunks or 1}), got {stages}",
+        )  # fmt: skip
+    fixed["pp"] = pp
+    if chunks is not None and chunks > 1:
+        fixed["chunks"] = chunks
+
+
+def pp_layers_check(model_name: str, fixed: dict[str, Any]) -> None:
+    """Raise ConfigError when --pp-layers does not sum to the model's layers."""
+    if "pp_layers" not in fixed:
+        return
+    model = get_preset(model_name)
+    layers = _pp_layers(fixed["pp_layers"])
+    problem = pp_layers_problem(layers, model.n_layers, len(layers))
+    if problem:
+        raise ConfigError("pp_layers", fixed["pp_layers"], f"{problem} ({model_name})")
 
 
 def _one(name: str, fixed: dict[str, Any], allowed: tuple[Any, ...]) -> None:

@@ -10,6 +10,12 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   the same shapes twice. The output projection runs on the last rank, its vocabulary divided
   by tp when the head is vocabulary-parallel. A flat `TimeParams.matmul_efficiency` (a device
   measured by `llmscale bench`) replaces the curve.
+- fp8 (torchao's float8 training): the blocks' linears at the GPU's FP8 dense peak and its own
+  `fp8_gemm_efficiency` (same size curve), plus the casts torchao adds, memory-bound
+  (`fp8_cast_bytes`: amax and cast of each linear's input and weight in forward, of its output
+  gradient in backward, and the transposed float8 copies the backward GEMMs take); attention,
+  the output projection and everything else in bf16, and MFU against the bf16 peak. A GPU
+  without an FP8 peak refuses the plan (`check_fp8`).
 - attention core (QK^T, AV): a flash kernel executes half of the s x s products under causal
   masking, and its backward 2.5x its forward (it recomputes QK^T), at the calibrated
   flash-attention efficiency; a materialised softmax (Megatron 2021/2022, the math kernel)
@@ -27,6 +33,16 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
   element-wise bytes. Plus the GPU's fixed cost per micro-batch (`microbatch_overhead_ms`,
   per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks.
+- context parallelism (cp > 1), ring attention as torch's `context_parallel` runs it: each rank
+  holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
+  collectives and pipeline sends see b s / cp tokens and its attention 1/cp of the causal
+  FLOPs; per attention call, cp - 1 ring steps each pass a K and V chunk (backward: K, V and
+  their gradients) to the next cp rank beside 1/cp of the attention (`_ring_attention_seconds`).
+  FSDP shards over dp_shard x cp (`Plan.fsdp_shards`); without FSDP the cp ranks all-reduce
+  their gradients with the replicas.
+- the loss under tensor parallelism: vocabulary-parallel (torch's loss_parallel) it all-reduces
+  three values per token (max, sum of exponentials, target logit) and gathers no logits; a
+  vocabulary-parallel head without it all-gathers the logits (`_loss_comm_seconds`).
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
   (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`; with sequence
   parallelism an all-gather and a reduce-scatter in place of each); recomputed blocks repeat
@@ -58,7 +74,7 @@ from dataclasses import dataclass, field
 
 from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import Calibration
+from llmscale.hardware.catalog import GPU, Calibration
 from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
@@ -131,8 +147,24 @@ class StepTime:
 
 
 def peak_flops(cluster: Cluster, precision: str, params: TimeParams = DEFAULT_TIME) -> float:
-    dtype = PEAK_DTYPE.get(precision, params.fp32_matmul)
+    """The dense peak the plan's bf16/fp16/fp32 work runs at, and MFU's denominator. Under fp8
+    that is the bf16 peak (only the linears run in FP8; torchtitan reports MFU on it too)."""
+    dtype = "bf16" if precision == "fp8" else PEAK_DTYPE.get(precision, params.fp32_matmul)
     return cluster.gpu.peak_flops(dtype)
+
+
+def check_fp8(precision: str, cluster: Cluster) -> None:
+    """Refuse precision fp8 on a GPU without an FP8 peak (ConfigError naming what it has)."""
+    gpu = cluster.gpu
+    if precision == "fp8" and ("fp8" not in gpu.dense_TFLOPS or not _has_fp8_calibration(gpu)):
+        raise ConfigError(
+            "precision", "fp8", f"{' | '.join(d for d in gpu.dtypes if d != 'tf32')} on "
+            f"{gpu.name} (no FP8 tensor cores or FP8 calibration in the catalog)",
+        )  # fmt: skip
+
+
+def _has_fp8_calibration(gpu: GPU) -> bool:
+    return gpu.calibration.fp8_gemm_efficiency is not None
 
 
 def recompute_fraction(plan: Plan) -> float:
@@ -168,8 +200,9 @@ def _rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Ra
 def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
     """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (M = tokens), in the
     order the block runs them (`ModelConfig.block_matmuls`), split as the runtime's TP plan
-    splits each (`TP_STYLES`: column-parallel outputs, row-parallel inputs over tp)."""
-    tokens = plan.micro_batch_size * plan.seq_len
+    splits each (`TP_STYLES`: column-parallel outputs, row-parallel inputs over tp); under
+    context parallelism a rank's linears see its s / cp tokens."""
+    tokens = cp_tokens(plan)
     out = []
     for name, fan_in, fan_out in plan.model.block_matmuls():
         group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
@@ -178,6 +211,103 @@ def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
         else:
             out.append((tokens, fan_out, fan_in // plan.tp))
     return out
+
+
+def cp_tokens(plan: Plan) -> int:
+    """Tokens of one micro-batch on one context-parallel rank: b x s / cp (each rank holds s / cp
+    of every sequence; load-balanced for causal masking, two chunks of s / 2cp)."""
+    return plan.micro_batch_size * plan.seq_len // plan.cp
+
+
+def _linear_seconds(
+    plan: Plan,
+    shapes: list[tuple[int, int, int]],
+    cluster: Cluster,
+    peak: float,
+    flat: float | None,
+) -> float:
+    """The blocks' linears (M, N, K): at the bf16/fp16/fp32 `peak`, or under fp8 (torchao's
+    float8 linears) at the GPU's FP8 peak and its own calibrated efficiency."""
+    cal = cluster.gpu.calibration
+    if not plan.fp8_matmuls:
+        return _gemm_seconds(shapes, peak, cal, flat)
+    fp8_peak = cluster.gpu.peak_flops("fp8")
+    return sum(2.0 * m * n * k / (fp8_peak * cal.fp8_gemm_efficiency_at(m, n, k))
+               for m, n, k in shapes)  # fmt: skip
+
+
+def fp8_cast_bytes(plan: Plan) -> tuple[float, float]:
+    """HBM bytes of torchao's float8 casts around one block's linears (forward, backward), run
+    eagerly: each cast reads its bf16 tensor for the absolute maximum (2 B per element), then
+    reads it again and writes float8 (2 + 1) with the scale; forward casts each linear's input
+    and weight, backward its output gradient, and writes the transposed float8 copies of input,
+    weight and output gradient that the backward GEMMs take (read 1, write 1 per element)."""
+    if not plan.fp8_matmuls:
+        return 0.0, 0.0
+    fwd = bwd = 0.0
+    for m, n, k in block_gemms(plan):
+        x, w, go = m * k, n * k, m * n
+        fwd += 5.0 * (x + w)
+        bwd += 5.0 * go + 2.0 * (x + w + go)
+    return fwd, bwd
+
+
+def _fp8_cast_seconds(
+    plan: Plan, cluster: Cluster, n_blocks: int, n_redo: int
+) -> tuple[float, float]:
+    """Seconds of the float8 casts of a rank's blocks in one micro-batch (forward, backward);
+    recomputed blocks cast again in backward. The output projection stays bf16 (torchao's
+    converter skips `output` in torchtitan) and attention too."""
+    fwd, bwd = fp8_cast_bytes(plan)
+    hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
+    return n_blocks * fwd / hbm, (n_blocks * bwd + n_redo * fwd) / hbm
+
+
+def _ring_attention_seconds(
+    plan: Plan,
+    cluster: Cluster,
+    tp_: TimeParams,
+    attn_f: float,
+    attn_b: float,
+    n_fwd: int,
+    n_bwd: int,
+) -> tuple[float, float]:
+    """Exposed ring-attention traffic of one micro-batch (forward, backward) under cp > 1, as
+    torch's `context_parallel` runs it: cp - 1 ring steps per attention call, each passing this
+    rank's K and V chunk (b x s/cp x kv_dim/tp) to the next cp rank while attending to the chunk
+    it holds (attn / cp of the compute per step: the load-balanced split gives every step an
+    equal share); backward passes K, V and their gradients. Each step's transfer runs beside
+    that step's attention (`_overlapped`, dp_overlap's efficiency) on the link the ring spans
+    (inside a node when cp x tp <= GPUs per node). `n_fwd` forward calls (blocks, plus those
+    recomputed), `n_bwd` backward ones; attn_f / attn_b one block's attention core seconds."""
+    cp = plan.cp
+    if cp == 1:
+        return 0.0, 0.0
+    m = plan.model
+    kv = 2.0 * cp_tokens(plan) * (m.kv_dim // plan.tp) * DTYPE_BYTES[plan.precision]
+    per_node = 2 if cp * plan.tp <= cluster.gpus_per_node else 1
+    step = collective("p2p", kv, 2, per_node, cluster.fabric).seconds
+    step_b = collective("p2p", 2 * kv, 2, per_node, cluster.fabric).seconds
+    eta = tp_.dp_overlap
+    fwd = (cp - 1) * _overlapped(step, attn_f / cp, eta)
+    bwd = (cp - 1) * _overlapped(step_b, attn_b / cp, eta)
+    return n_fwd * fwd, n_bwd * bwd
+
+
+def _loss_comm_seconds(plan: Plan, rank: int, cluster: Cluster, kern: act.Kernels) -> float:
+    """The loss's tensor-parallel traffic on the last rank, one micro-batch: under the
+    vocabulary-parallel loss (torch's loss_parallel) three small all-reduces over tp (the row
+    maximum, the sum of exponentials and the target's logit: 4 B per token each) and no logits
+    gathered; a vocabulary-parallel head without it all-gathers the logits whole."""
+    m, tp = plan.model, plan.tp
+    if tp == 1 or rank != plan.pp - 1 or not kern.splits_vocab(m, tp):
+        return 0.0
+    tokens = cp_tokens(plan)
+    if kern.splits_logits(m, tp):
+        one = collective("all_reduce", 4.0 * tokens, tp, tp, cluster.fabric).seconds
+        return 3 * one
+    logits = tokens * m.vocab_size * DTYPE_BYTES[plan.precision]
+    return collective("all_gather", logits, tp, tp, cluster.fabric).seconds
 
 
 def eager_block_bytes(plan: Plan) -> float:
@@ -272,11 +402,11 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     n_blocks = len(layers)
     n_full = modes.get("full", 0)
     # GEMMs of one block (forward; backward is twice, the same shapes transposed).
-    gemm_block = _gemm_seconds(block_gemms(plan), peak, cal, flat)
+    gemm_block = _linear_seconds(plan, block_gemms(plan), cluster, peak, flat)
     # Attention core (QK^T, AV): a flash kernel skips the masked half under causal masking and
     # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
     # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
-    core_fwd_flops = m.attention_core_flops_per_token(s) / m.n_layers * tokens / tp
+    core_fwd_flops = m.attention_core_flops_per_token(s) / m.n_layers * tokens / (tp * plan.cp)
     if kern.attention_kernel(m, plan.precision) in ("materialized", "math"):
         head_dim = m.dim // m.n_heads
         eff = flat if flat is not None else cal.gemm_efficiency_at(s, s, head_dim)
@@ -295,12 +425,13 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
         shapes = block_gemms(plan)
         redo = [g for i, g in enumerate(shapes) if not op_sac_saves_matmul(i)]
-        mat_b += n_blocks * _gemm_seconds(redo, peak, cal, flat)
+        mat_b += n_blocks * _linear_seconds(plan, redo, cluster, peak, flat)
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
     if rank == plan.pp - 1:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
-        head = _gemm_seconds([(tokens, m.vocab_size // vocab_div, m.dim)], peak, cal, flat)
+        head_mnk = (cp_tokens(plan), m.vocab_size // vocab_div, m.dim)
+        head = _gemm_seconds([head_mnk], peak, cal, flat)
         mat_f += head
         mat_b += 2 * head
 
@@ -340,7 +471,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     tp_f = tp_b = 0.0
     if tp > 1:
         act_bytes = DTYPE_BYTES[plan.precision]
-        nbytes = tokens * m.dim * act_bytes
+        nbytes = cp_tokens(plan) * m.dim * act_bytes
         if plan.sequence_parallel:
             one = (
                 collective("all_gather", nbytes, tp, tp, cluster.fabric).seconds
@@ -351,17 +482,31 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         exposed = (1 - tp_.tp_overlap) * one
         tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
         tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
+    loss_f = _loss_comm_seconds(plan, rank, cluster, kern)
+    # Context parallelism: every element-wise kernel sees s / cp tokens; the ring's traffic.
+    elem_f, elem_b = elem_f / plan.cp, elem_b / plan.cp
+    redo_attn = n_full + (n_blocks if plan.recompute == "selective" and not op_sac else 0)
+    cp_f, cp_b = _ring_attention_seconds(
+        plan, cluster, tp_, attn_f, attn_b, n_blocks + redo_attn, n_blocks
+    )
+    cast_f, cast_b = _fp8_cast_seconds(plan, cluster, n_blocks, n_full)
     # Per-op dispatch where the host waits for each op (a CPU): the rank's share of the
     # model's blocks, a third in forward and two thirds in backward.
     dispatch = cal.microbatch_overhead * (n_blocks + n_full) / m.n_layers
-    fwd = mat_f + elem_f + tp_f + dispatch / 3
-    bwd = mat_b + elem_b + tp_b + 2 * dispatch / 3
+    fwd = mat_f + elem_f + tp_f + cp_f + cast_f + loss_f + dispatch / 3
+    bwd = mat_b + elem_b + tp_b + cp_b + cast_b + 2 * dispatch / 3
     parts = {
         "matmul": mat_f + mat_b,
         "elementwise": elem_f + elem_b,
         "tp_comm": tp_f + tp_b,
         "dispatch": dispatch,
     }
+    if loss_f:
+        parts["loss_comm"] = loss_f
+    if plan.cp > 1:
+        parts["cp_comm"] = cp_f + cp_b
+    if plan.fp8_matmuls:
+        parts["fp8_casts"] = cast_f + cast_b
     sync = 0.0
     if plan.fsdp:
         gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
@@ -394,12 +539,12 @@ def _fsdp_exposed(
     micro-batch, or once per step (`grad_sync_once`). Returns (per micro-batch, per step)."""
     rp = plan_rank_params(plan, rank, kern)
     pb = DTYPE_BYTES[plan.precision]
-    per_node = _per_node(plan.dp_shard, plan.tp, cluster.gpus_per_node)
+    per_node = _per_node(plan.fsdp_shards, plan.tp, cluster.gpus_per_node)  # dp_shard x cp
     units = max(1, n_blocks)
     unit_numel = rp.numel / units
 
     def cost(op: str, nbytes: float) -> float:
-        return collective(op, nbytes, plan.dp_shard, per_node, cluster.fabric).seconds
+        return collective(op, nbytes, plan.fsdp_shards, per_node, cluster.fabric).seconds
 
     ag = cost("all_gather", pb * unit_numel)
     rs = cost("reduce_scatter", 4 * unit_numel)
@@ -421,14 +566,20 @@ def _fsdp_exposed(
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
     if plan.pp == 1:
         return 0.0
-    nbytes: float = (
-        plan.micro_batch_size * plan.seq_len * plan.model.dim * DTYPE_BYTES[plan.precision]
-    )
+    nbytes: float = cp_tokens(plan) * plan.model.dim * DTYPE_BYTES[plan.precision]  # s / cp
     if plan.sequence_parallel or tp_.p2p_scatter_gather:
         nbytes /= plan.tp
-    stride = plan.tp * plan.dp  # pipeline stages are the outermost mesh dimension
+    stride = plan.tp * plan.cp * plan.dp  # pipeline stages are the outermost mesh dimension
     per_node = 2 if stride < cluster.gpus_per_node else 1
     return collective("p2p", nbytes, 2, per_node, cluster.fabric).seconds
+
+
+def _replicate_group(plan: Plan) -> tuple[int, int]:
+    """(ranks, rank stride) of the gradient all-reduce outside FSDP: the replicas, and without
+    FSDP the cp ranks too (each holds the gradients of its part of every sequence)."""
+    if plan.fsdp or plan.cp == 1:
+        return plan.dp_replicate, plan.tp * plan.cp * plan.dp_shard
+    return plan.dp_replicate * plan.cp, plan.tp
 
 
 def estimate_step_time(
@@ -442,6 +593,7 @@ def estimate_step_time(
     """Seconds per optimizer step of `plan` on `cluster` (validated first unless `validate` is
     False). `ranks` limits the stages computed, the others taken as the first one's (the
     search's first and last; ignored when simulating)."""
+    check_fp8(plan.precision, cluster)
     if validate:
         plan.validate()
         if plan.tp > cluster.gpus_per_node:
@@ -477,10 +629,10 @@ def estimate_step_time(
     # split unevenly, the first ranks the most blocks).
     worst_params = max(plan_rank_params(plan, r, tparams.kernels).shard_numel for r in {0, p - 1})
     dp_sync = 0.0
-    if plan.dp_replicate > 1:
-        stride = plan.tp * plan.dp_shard
-        per_node = _per_node(plan.dp_replicate, stride, cluster.gpus_per_node)
-        ar = collective("all_reduce", 4 * worst_params, plan.dp_replicate, per_node, cluster.fabric)
+    group, stride = _replicate_group(plan)
+    if group > 1:
+        per_node = _per_node(group, stride, cluster.gpus_per_node)
+        ar = collective("all_reduce", 4 * worst_params, group, per_node, cluster.fabric)
         if tparams.grad_sync_once:  # once per step, behind the last micro-batch's backward
             dp_sync = _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
         else:  # after every micro-batch (Megatron 2021: after the pipeline flush, exposed)
