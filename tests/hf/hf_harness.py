@@ -18,10 +18,9 @@ from llmscale.model.transformer import Transformer, build_model  # noqa: E402
 from llmscale.train.trainer import run_training  # noqa: E402
 from llmscale.train.weights import read_run_weights  # noqa: E402
 
-# Every run: the tiny preset (unless overridden), 16 stdlib files, sequences of 32, 3 steps of
+# Every run: the tiny preset (unless overridden), 40 stdlib files (2 of them validation), sequences of 32, 3 steps of
 # 4 sequences, a checkpoint at the end.
 BASE = short_job(
-    data__max_files=16,
     train__micro_batch_size=4,
     train__global_batch_size=4,
     train__eval_batches=2,
@@ -50,3 +49,31 @@ def hf_model(folder: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def save_random_llama(folder: Path, **overrides: object) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape: dict[str, object] = dict(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    shape.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    return folder

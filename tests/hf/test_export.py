@@ -18,6 +18,7 @@ from hf_harness import BASE, hf_model, run_config, run_model, train_run
 
 from llmscale.cli import main
 from llmscale.data.tokenizer import ByteTokenizer
+from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))  # parallel_harness
@@ -131,7 +132,9 @@ def test_byte_tokenizer_encodes_like_the_byte_tokenizer(trained_run: Path, tmp_p
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_by_two_tensor_parallel_ranks(tmp_path: Path) -> None:
+def test_checkpoint_saved_by_two_tensor_parallel_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The checkpoint holds DTensor shards of two TP ranks; the export's logits equal those of a
     single-process trainer that resumes the same checkpoint (DCP's own resharding)."""
     from parallel_harness import torchrun  # tests/parallel
@@ -148,3 +151,8 @@ def test_checkpoint_saved_by_two_tensor_parallel_ranks(tmp_path: Path) -> None:
             resumed = trainer.model(tokens)
             theirs = hf_model(out)(tokens).logits
     assert float((resumed - theirs).abs().max()) < TOL
+    # eval in one process: the validation loss the two ranks logged at the end
+    logged = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert main(["eval", str(run), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["val_loss"]
+    assert abs(got - logged[-1]["val_loss"]) < 1e-5 * logged[-1]["val_loss"]

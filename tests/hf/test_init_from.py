@@ -29,39 +29,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))  # parallel_harn
 TOL = 1e-5
 
 
-def save_random_llama(folder: Path, **overrides: object) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape: dict[str, object] = dict(
-        vocab_size=264,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
-    shape.update(overrides)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_random_llama(tmp_path_factory.mktemp("llama") / "hf")
-
-
 def tokens(n: int = 2, seq: int = 33) -> torch.Tensor:
     return torch.randint(0, 264, (n, seq), generator=torch.Generator().manual_seed(3))
 
