@@ -15,7 +15,7 @@ from llmscale.errors import ConfigError
 from llmscale.hf.convert import export_family, to_hf_state_dict
 from llmscale.hf.folder import write_folder
 from llmscale.inference.tokenizer import run_tokenizer
-from llmscale.train.weights import read_run_weights
+from llmscale.train.weights import read_run_config, read_run_weights
 
 Format = Literal["hf"]
 FORMATS: tuple[Format, ...] = get_args(Format)
@@ -34,8 +34,10 @@ def export_run(
     """Write the folder `out` from the run's newest checkpoint (or that of `step`)."""
     if fmt not in FORMATS:
         raise ConfigError("--format", fmt, " | ".join(FORMATS))
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError("--out", str(out), "a folder (new, or one to overwrite), not a file")
+    family = export_family(read_run_config(run_dir).model)  # refuse before reading weights
     run = read_run_weights(run_dir, step)
-    family = export_family(run.cfg.model)  # refuse before anything is written
     tokenizer = run_tokenizer(run.cfg)
     folder = write_folder(
         out, run.cfg.model, to_hf_state_dict(run.cfg.model, run.state_dict), tokenizer.files
