@@ -105,7 +105,6 @@ def write_folder(
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
         "do_sample": False,
-        "max_length": cfg.max_seq_len,
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out / TOKENIZER).write_text(tokenizer.json_text)

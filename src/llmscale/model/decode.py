@@ -10,11 +10,12 @@ row, or the learned position), so the cache holds at most `max_seq_len` tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-from llmscale.model.transformer import Transformer, apply_rope
+from llmscale.model.transformer import Transformer, TransformerBlock, apply_rope
 
 
 @dataclass
@@ -50,7 +51,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     # Query i (at position start + i) sees keys 0 .. start + i.
     pos = torch.arange(start + seq, device=tokens.device)
     mask = pos[None, :] <= pos[start:, None]
-    for name, layer in model.layers.items():
+    for name, block in model.layers.items():
+        layer = cast(TransformerBlock, block)
         attn = layer.attention
         x = layer.attention_norm(h)
         bs = x.shape[0]
@@ -68,7 +70,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     cache.length = start + seq
     h = model.norm(h)
     if model.output is not None:
-        return model.output(h)
+        return cast(torch.Tensor, model.output(h))
     return F.linear(h, model.tok_embeddings.weight)
 
 
