@@ -156,3 +156,48 @@ def test_checkpoint_saved_by_two_tensor_parallel_ranks(
     assert main(["eval", str(run), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["val_loss"]
     assert abs(got - logged[-1]["val_loss"]) < 1e-5 * logged[-1]["val_loss"]
+
+
+def test_a_prepared_datasets_tokenizer_goes_into_the_folder(tmp_path: Path) -> None:
+    """A run on a prepared folder (data.dataset: tokenizer.json + meta.json) exports that
+    tokenizer, and generation is limited to its real vocabulary (the model's may be padded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from llmscale.hf.convert import to_hf_state_dict
+    from llmscale.hf.folder import write_folder
+    from llmscale.inference.tokenizer import run_tokenizer
+    from llmscale.model.transformer import build_model
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(TEXTS[:2] * 50, trainer=trainer)
+    data = tmp_path / "prepared"
+    data.mkdir()
+    bpe.save(str(data / "tokenizer.json"))
+    real = bpe.get_vocab_size()
+    meta = {"vocab_size": real, "eos_id": 0, "pad_id": 1}
+    (data / "meta.json").write_text(json.dumps(meta))
+
+    cfg = run_config(tmp_path / "run", "--model.vocab_size", "320")  # padded above `real`
+    cfg.data.dataset = str(data)  # type: ignore[attr-defined]  # (data.dataset: issue 14)
+    tok = run_tokenizer(cfg)
+    assert (tok.vocab_limit, tok.eos_id, tok.byte_level) == (real, 0, False)
+    text = "def f(x):\n    return x + 1\n"
+    ids = tok.encode(text)
+    assert ids == bpe.encode(text).ids and tok.decode(ids) == text
+
+    model = build_model(cfg.model)
+    out = write_folder(
+        tmp_path / "hf", cfg.model, to_hf_state_dict(cfg.model, model.state_dict()), tok.files
+    )
+    assert (out / "tokenizer.json").read_text() == (data / "tokenizer.json").read_text()
+    auto = AutoTokenizer.from_pretrained(out)
+    assert auto(text)["input_ids"] == ids and auto.eos_token_id == 0 and auto.pad_token_id == 1
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
