@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_harness import BASE, hf_model, run_config, run_model
+from hf_harness import BASE, hf_model, run_config, run_model, save_random_llama
 
 from llmscale.hf.convert import from_hf_llama, to_hf_state_dict
 from llmscale.hf.folder import read_llama_folder
@@ -42,6 +42,21 @@ def test_llama_folder_gives_transformers_logits(llama_dir: Path) -> None:
     with torch.no_grad():
         gap = (model(x) - hf_model(llama_dir)(x).logits).abs().max()
     assert gap < TOL
+
+
+def test_rope_base_norm_eps_and_tied_head_come_from_the_folder(tmp_path: Path) -> None:
+    """transformers 5 writes the RoPE base inside rope_parameters; Llama 3's base of 500000."""
+    folder = save_random_llama(
+        tmp_path / "hf", rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=True
+    )
+    cfg, sd = read_llama_folder(folder)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (500000.0, 1e-6, True)
+    model = build_model(cfg)
+    model.load_state_dict(sd)
+    x = tokens(1, 60)
+    with torch.no_grad():
+        gap = (model(x) - hf_model(folder)(x).logits).abs().max()
+    assert gap < TOL  # measured 7e-6 on logits up to 5 (fp32 rounding of the angles)
 
 
 def test_conversion_round_trips_exactly(llama_dir: Path) -> None:
