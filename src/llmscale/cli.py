@@ -112,8 +112,10 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.dry_run:
         from llmscale.train.prediction import dry_run_lines
+        from llmscale.train.weights import with_source_model
         from llmscale.ui import console
 
+        cfg = with_source_model(cfg)  # checkpoint.init_from: predict for the source's shape
         out = console()
         device = None if args.gpu else resolve_device(cfg.job.device)
         for line in dry_run_lines(cfg, device, args.gpu):

@@ -129,3 +129,16 @@ def test_training_continues_under_fsdp_and_tp(
     assert abs(losses[0] - want[0]) < TOL  # the same start: the Llama weights, sharded
     assert abs(losses[1] - want[1]) < 1e-4 * want[1]
     assert read_run_weights(run).cfg.model.ffn_dim == 160  # config.toml: the source's shape
+
+
+def test_dry_run_predicts_for_the_sources_shape(
+    llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[model] says tiny (max_seq_len 128); the folder's max_position_embeddings is 64."""
+    from llmscale.cli import main
+
+    args = ["train", "--dry-run", "--checkpoint.init_from", f"hf:{llama_dir}"]
+    assert main(args) == 2  # seq_len 128 > the source's 64
+    assert "model.max_seq_len=64" in capsys.readouterr().err
+    assert main([*args, "--data.seq_len", "32"]) == 0
+    assert "model custom" in capsys.readouterr().out
