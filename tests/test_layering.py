@@ -25,7 +25,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("llmscale.data",),
     ("llmscale.parallel",),
     ("llmscale.offload",),
+    ("llmscale.hf",),
     ("llmscale.train",),
+    ("llmscale.inference",),
     ("llmscale.bench",),
     ("llmscale.cli", "llmscale.__main__", "llmscale"),
 ]

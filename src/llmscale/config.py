@@ -287,11 +287,25 @@ class CheckpointSection:
     """Continue from the latest checkpoint in folder (llmscale train --resume)."""
     stop_after: int = 0
     """Stop after this step as if interrupted (0 = never); used to test resumption."""
+    init_from: str = ""
+    """Start a new run from existing weights: hf:DIR (a Hugging Face Llama folder) or RUN_DIR
+    (another run's newest checkpoint; weights only). The model's shape is then the source's, not
+    [model]'s. Ignored when the run resumes its own checkpoint."""
 
     def validate(self) -> None:
         _nonneg("checkpoint.interval", self.interval)
         _positive("checkpoint.keep_last", self.keep_last)
         _nonneg("checkpoint.stop_after", self.stop_after)
+        self._validate_init_from()
+
+    def _validate_init_from(self) -> None:
+        if not self.init_from:
+            return
+        folder = self.init_from.removeprefix("hf:")
+        if not folder or not Path(folder).is_dir():
+            raise ConfigError(
+                "checkpoint.init_from", self.init_from, "hf:DIR or RUN_DIR, an existing folder"
+            )
 
 
 @dataclass
@@ -563,7 +577,9 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
 
 
 def _model_from_table(table: dict[str, Any]) -> ModelConfig:
-    base = get_preset(str(table.get("name", "tiny")))
+    name = str(table.get("name", "tiny"))
+    # "custom": a shape of no preset (e.g. from checkpoint.init_from), every key given.
+    base = ModelConfig() if name == "custom" else get_preset(name)
     hints = typing.get_type_hints(ModelConfig)
     overrides = {}
     for key, value in table.items():

@@ -52,6 +52,7 @@ from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.prediction import write_run_prediction
 from llmscale.train.progress import StepReporter
+from llmscale.train.weights import apply_init_from, with_source_model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -128,6 +129,7 @@ class Trainer:
     """One rank's view of a training run (the only rank, in a single process)."""
 
     def __init__(self, cfg: JobConfig) -> None:
+        cfg = with_source_model(cfg)  # checkpoint.init_from: the source's model shape
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
@@ -168,6 +170,7 @@ class Trainer:
         # FSDP2's CPU offload (optimizer+params under data parallelism) keeps shards on the host.
         host = torch.device("cpu") if cfg.fsdp_cpu_offload else None
         materialize(self.model_parts, self.device, cfg.job.seed, param_device=host)
+        self.initialized_from = apply_init_from(self.model_parts, cfg)  # unless resuming
         self.n_params = cfg.model.num_params()
         # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here), and
         # the LR schedulers: one per model part, used as one.

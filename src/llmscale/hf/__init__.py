@@ -1,0 +1,1 @@
+"""Hugging Face interchange: llmscale weights and shapes to and from `transformers` folders."""

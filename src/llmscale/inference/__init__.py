@@ -1,0 +1,1 @@
+"""What one does with a trained run: export it to Hugging Face, generate text, evaluate it."""

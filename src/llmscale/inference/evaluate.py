@@ -1,0 +1,47 @@
+"""`llmscale eval`: validation loss and perplexity of a run's newest checkpoint.
+
+The trainer's own evaluation, not a copy of it: a single-process Trainer is built from the run's
+config (any overrides applied, e.g. --data.dataset), started from the run's weights through
+checkpoint.init_from, and asked for `evaluate()`; so the same validation data and batches as
+during training, whatever layout the run trained under.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmscale.config import ParallelSection, load_config
+from llmscale.errors import UsageError
+from llmscale.train.trainer import Trainer
+from llmscale.train.weights import find_checkpoint, read_run_config
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step: int
+    val_loss: float
+    perplexity: float
+
+    def to_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Evaluation:
+    base = read_run_config(run_dir)
+    step, _ = find_checkpoint(run_dir, base)
+    cfg = load_config(Path(run_dir) / "config.toml", overrides or [])
+    cfg.job.run_dir = str(run_dir)
+    cfg.parallel = ParallelSection()  # one process, whatever the run trained under
+    cfg.optimizer = dataclasses.replace(cfg.optimizer, offload="none")
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, init_from=str(run_dir))
+    with Trainer(cfg) as trainer:
+        loss = trainer.evaluate()
+    if loss is None:
+        raise UsageError(
+            f"no validation data for {run_dir}: its validation split holds no sequence of "
+            f"data.seq_len + 1 = {cfg.data.seq_len + 1} tokens, or train.eval_batches is 0"
+        )
+    return Evaluation(step=step, val_loss=loss, perplexity=math.exp(min(loss, 700.0)))

@@ -1,0 +1,149 @@
+"""A run's weights outside training: read from its checkpoints, or start a run from others'.
+
+`checkpoint.init_from` starts a new run from existing weights (the usual way to fine-tune):
+- `hf:DIR`, a Hugging Face Llama folder (config.json + safetensors);
+- `RUN_DIR`, another llmscale run: the weights of its newest complete checkpoint.
+The rule for the model's shape: it is the source's (DIR/config.json, or RUN_DIR/config.toml's
+[model]), whatever [model] says; only the weights come over, never optimizer state or the step.
+A run that resumes from its own checkpoint ignores init_from.
+
+`read_run_weights` is the one reader of a run's checkpoint as a plain full state dict (export,
+generate, init_from RUN_DIR): DCP stores each shard with its global place, so a single process
+loads a checkpoint saved under any parallel layout into whole tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from llmscale.config import JobConfig, load_config
+from llmscale.errors import ConfigError
+from llmscale.hf.folder import read_llama_folder
+from llmscale.model.config import ModelConfig
+from llmscale.model.transformer import build_model
+from llmscale.train.checkpoint import Checkpointer
+
+HF_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class RunWeights:
+    """A run's config and the whole fp32 weights of one of its checkpoints."""
+
+    cfg: JobConfig
+    step: int
+    state_dict: dict[str, torch.Tensor]
+
+
+def read_run_config(run_dir: str | Path, field: str = "RUN_DIR") -> JobConfig:
+    """RUN_DIR/config.toml (what `train` wrote), or a one-line error naming `field`."""
+    path = Path(run_dir) / "config.toml"
+    if not Path(run_dir).is_dir():
+        raise ConfigError(field, str(run_dir), "an llmscale run folder (with config.toml)")
+    if not path.is_file():
+        raise ConfigError(field, str(run_dir), "an llmscale run folder (no config.toml in it)")
+    cfg = load_config(path)
+    cfg.job.run_dir = str(run_dir)
+    return cfg
+
+
+def find_checkpoint(
+    run_dir: str | Path, cfg: JobConfig, step: int | None = None, field: str = "RUN_DIR"
+) -> tuple[int, Path]:
+    """The newest complete checkpoint of the run (or the one of `step`)."""
+    found = Checkpointer(Path(run_dir) / cfg.checkpoint.folder).checkpoints()
+    if not found:
+        raise ConfigError(field, str(run_dir), "a run with a checkpoint (none found)")
+    if step is None:
+        return found[-1]
+    for s, path in found:
+        if s == step:
+            return s, path
+    raise ConfigError("--step", step, " | ".join(str(s) for s, _ in found))
+
+
+def read_run_weights(
+    run_dir: str | Path, step: int | None = None, field: str = "RUN_DIR"
+) -> RunWeights:
+    """The run's config and its checkpoint's full weights, on the CPU in fp32."""
+    cfg = read_run_config(run_dir, field)
+    step, path = find_checkpoint(run_dir, cfg, step, field)
+    template = {
+        name: torch.empty(p.shape, dtype=torch.float32)
+        for name, p in build_model(cfg.model, "meta").named_parameters()
+    }
+    # The trainer saves {"app": {"model": ..., "optim": ..., "trainer": ...}}; DCP loads only
+    # the keys asked for.
+    Checkpointer(path.parent).load(path, {"app": {"model": template}})
+    return RunWeights(cfg=cfg, step=step, state_dict=template)
+
+
+# ---- checkpoint.init_from ---------------------------------------------------------------------
+
+
+def source_model(init_from: str) -> ModelConfig:
+    """The model shape of an init_from source (see the module's rule)."""
+    if init_from.startswith(HF_PREFIX):
+        return read_llama_folder(init_from[len(HF_PREFIX) :])[0]
+    return read_run_config(init_from, "checkpoint.init_from").model
+
+
+def with_source_model(cfg: JobConfig) -> JobConfig:
+    """`cfg` with [model] replaced by the init_from source's (cfg itself without init_from)."""
+    if not cfg.checkpoint.init_from:
+        return cfg
+    return dataclasses.replace(cfg, model=source_model(cfg.checkpoint.init_from))
+
+
+def source_weights(init_from: str) -> dict[str, torch.Tensor]:
+    """The whole fp32 weights of an init_from source, in llmscale's names."""
+    if init_from.startswith(HF_PREFIX):
+        return read_llama_folder(init_from[len(HF_PREFIX) :])[1]
+    return read_run_weights(init_from, field="checkpoint.init_from").state_dict
+
+
+@torch.no_grad()
+def load_full_weights(parts: Sequence[nn.Module], state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy whole tensors into the (possibly sharded, split) materialized model parts.
+
+    Like `parallel.materialize`: each rank holds the full value and keeps its own slice
+    (`distribute_tensor(..., src_data_rank=None)`, no communication), so any layout works.
+    """
+    for part in parts:
+        for name, p in part.named_parameters():
+            if name not in state_dict:
+                raise ConfigError("checkpoint.init_from", name, "a source holding every weight")
+            full = state_dict[name]
+            if tuple(full.shape) != tuple(p.shape):
+                raise ConfigError(
+                    "checkpoint.init_from",
+                    f"{name} {tuple(full.shape)}",
+                    f"the model's shape {tuple(p.shape)}",
+                )
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh
+                mine = distribute_tensor(
+                    full.to(mesh.device_type), mesh, p.placements, src_data_rank=None
+                )
+                p.to_local().copy_(mine.to_local())
+            else:
+                p.copy_(full)
+
+
+def apply_init_from(parts: Sequence[nn.Module], cfg: JobConfig) -> bool:
+    """Load checkpoint.init_from's weights into `parts`, unless the run resumes its own
+    checkpoint (which then holds everything). True when weights were loaded."""
+    ck = cfg.checkpoint
+    if not ck.init_from:
+        return False
+    if ck.resume and Checkpointer(Path(cfg.job.run_dir) / ck.folder).latest() is not None:
+        return False
+    load_full_weights(parts, source_weights(ck.init_from))
+    return True
