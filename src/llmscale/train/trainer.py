@@ -47,6 +47,7 @@ from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -297,19 +298,15 @@ class Trainer:
         act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
 
-    def _run_pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
-        """One schedule step (or eval) over `batch`; the global mean micro-batch loss."""
+    def _run_pipeline(self, batch: torch.Tensor) -> torch.Tensor:
+        """One schedule step over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         n = self.cfg.n_microbatches
         self._pp_loss.losses = []
-        run = self.pp_schedule.step if train else self.pp_schedule.eval
         args = (inputs,) if self.parallel.has_first_stage else ()
         with self.loss_context(), autocast(self.autocast_mode, self.device.type):
-            if train:
-                run(*args, target=targets, return_outputs=False)
-            else:
-                run(*args, target=targets)
+            self.pp_schedule.step(*args, target=targets, return_outputs=False)
         # Metadata inference on the first step may have called the loss once more: keep the last n.
         mine = self._pp_loss.losses[-n:]
         local = torch.stack(mine).mean() if mine else torch.zeros((), device=self.device)
@@ -323,7 +320,7 @@ class Trainer:
             meter = ActivationMeter(self.model_parts, pipelined=True)
         timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
         with timed or contextlib.nullcontext(), meter or contextlib.nullcontext():
-            loss = self._run_pipeline(batch, train=True)
+            loss = self._run_pipeline(batch)
         self.activation_peak = meter.peak_bytes if meter is not None else None
         return loss, meter.saved_bytes if meter is not None else 0
 
@@ -391,34 +388,54 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches batches of the validation files.
+        """Mean loss over the tokens of the fixed evaluation set (`train.eval_sequences`).
 
-        Every data-parallel rank evaluates the same batches (they are few), so the result equals
-        the single-process one. Under pipelining the batches go through the schedule's forward
-        in groups of n_microbatches micro-batches (the count is rounded up to a whole group).
+        The first eval_sequences windows of the validation files, split over the data-parallel
+        replicas and padded to whole groups (`train.evaluation`): micro-batches of
+        micro_batch_size, or under pipelining the schedule's n_microbatches of them per call.
+        Token losses are summed in float64 over the job and divided once, so the result is the
+        single-process one whatever the micro-batch size or layout. None without validation data.
         """
         cfg = self.cfg
-        if len(self.val_tokens) <= cfg.data.seq_len or cfg.train.eval_batches == 0:
+        if len(self.val_tokens) <= cfg.data.seq_len or cfg.train.eval_sequences == 0:
             return None
         stream = PackedStream(self.val_tokens, cfg.data.seq_len, seed=0, shuffle=False)
-        mb_size = min(cfg.train.micro_batch_size, stream.n_windows)
-        n = min(cfg.train.eval_batches, max(1, stream.n_windows // cfg.train.micro_batch_size))
+        rows = stream.next_batch(min(cfg.train.eval_sequences, stream.n_windows))
+        group = cfg.train.micro_batch_size
         if self.pp_schedule is not None:
-            group = cfg.n_microbatches
-            calls = -(-n // group)
-            losses = [
-                self._run_pipeline(stream.next_batch(mb_size * group), train=False).item()
-                for _ in range(calls)
-            ]
-            return sum(losses) / calls
-        total = 0.0
-        for _ in range(n):
-            mb = stream.next_batch(mb_size).to(self.device)
-            with self.loss_context():
-                with autocast(self.autocast_mode, self.device.type):
-                    logits = self.model(mb[:, :-1])
-                total += lm_loss(logits, mb[:, 1:]).item()
-        return total / n
+            group *= cfg.n_microbatches
+        inputs, targets = local_eval_rows(rows, self.dims.dp_rank, self.dims.dp, group)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i in range(0, len(inputs), group):
+            x = inputs[i : i + group].to(self.device)
+            y = targets[i : i + group].to(self.device)
+            if self.pp_schedule is not None:
+                part = self._eval_pipeline(x, y)
+            else:
+                with self.loss_context():
+                    with autocast(self.autocast_mode, self.device.type):
+                        logits = self.model(x)
+                    part = token_loss_sum(logits, y)
+            if self.dims.holds_loss():  # one rank per replica: the last stage's first TP rank
+                total += part
+        self.dims.all_reduce_sum(total)
+        return float(total[0] / total[1])
+
+    def _eval_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One forward-only schedule call; this rank's [loss sum, tokens] (zeros off the last
+        stage)."""
+        self._pp_loss.eval_sums = []
+        args = (inputs,) if self.parallel.has_first_stage else ()
+        try:
+            with self.loss_context(), autocast(self.autocast_mode, self.device.type):
+                self.pp_schedule.eval(*args, target=targets)
+            # Metadata inference may have called the loss once more: keep the last n.
+            mine = self._pp_loss.eval_sums[-self.cfg.n_microbatches :]
+        finally:
+            self._pp_loss.eval_sums = None
+        if not mine:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        return torch.stack(mine).sum(0)
 
     def write_pipeline_timeline(self) -> Path | None:
         """Gather the recorded pipeline ops to rank 0, which writes run_dir/pipeline_timeline.json.
@@ -565,8 +582,14 @@ class _PipelineLoss:
         self.scaler = scaler
         self.n_microbatches = n_microbatches
         self.losses: list[torch.Tensor] = []  # this step's, detached
+        # While evaluating: each micro-batch's [token loss sum, tokens] (`token_loss_sum`).
+        self.eval_sums: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.eval_sums is not None:
+            sums = token_loss_sum(logits, targets)
+            self.eval_sums.append(sums)
+            return sums[0]
         loss = lm_loss(logits, targets)
         self.losses.append(loss.detach())
         return self.scaler.scale_loss(loss / self.n_microbatches)
