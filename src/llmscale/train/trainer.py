@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from llmscale.config import JobConfig, to_toml
 from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
-from llmscale.errors import ConfigError
+from llmscale.errors import ConfigError, ExitCode, JobStopped
 from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
@@ -47,6 +47,7 @@ from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.divergence import DivergenceGuard, all_finite
 from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
@@ -85,6 +86,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # losses of the steps run in this call
     val_loss: float | None = None
     interrupted: bool = False
+    stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped the run
 
 
 class _AppState(Stateful):
@@ -215,7 +217,8 @@ class Trainer:
         )
         # Per device: MFU compares one rank's share of the job's FLOP/s with one device's peak.
         self.peak_flops = M.peak_flops_for_device(self.device, cfg.metrics.peak_tflops)
-        self._stop_requested = False
+        self._stop_signal = 0  # the signal number the handlers saw last; 0 = none
+        self._good_checkpoint: int | None = None  # newest checkpoint step with finite weights
 
     @property
     def run_dir(self) -> Path:
@@ -480,6 +483,9 @@ class Trainer:
         reporter = StepReporter(cfg, enabled=self.rank == 0, prediction=prediction)
         reporter.start(self, resumed)
         result = TrainResult(steps_done=self.step)
+        guard = DivergenceGuard(cfg.train.max_bad_steps)
+        # The checkpoint resumed from, if any, holds finite weights.
+        self._good_checkpoint = self.step if self.step and cfg.checkpoint.enabled else None
         previous = self._install_signal_handlers()
         try:
             while self.step < cfg.train.steps:
@@ -492,21 +498,24 @@ class Trainer:
                         row["val_loss"] = val
                 writer.write(row)
                 reporter.step(row)
+                bad = guard.observe(row)  # loss and |g| are the job's: every rank agrees
+                if guard.diverged:
+                    msg = guard.message(self.step, self._good_checkpoint)
+                    raise JobStopped(msg, ExitCode.DIVERGED)
                 last = self.step == cfg.train.steps
                 # A signal may reach some ranks only: all stop at the same step, or none does.
-                stop = (
-                    self.dims.agree(self._stop_requested, self.device)
-                    or self.step == cfg.checkpoint.stop_after
-                )
+                result.stop_signal = self._agreed_stop_signal()
+                stop = result.stop_signal is not None or self.step == cfg.checkpoint.stop_after
                 if cfg.checkpoint.enabled and (
                     last
                     or stop
                     or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
                 ):
-                    self.save_checkpoint()
+                    self._save_checkpoint_if_finite(bad, reporter)
                 if stop and not last:
                     result.interrupted = True
                     break
+                result.stop_signal = None  # a signal during the last step: the run is done
             self.write_pipeline_timeline()
             if not result.interrupted:
                 result.val_loss = self.evaluate()
@@ -516,19 +525,55 @@ class Trainer:
         finally:
             self._restore_signal_handlers(previous)
             writer.close()
+            result.steps_done = self.step
             reporter.finish(result)
-        result.steps_done = self.step
+        if result.stop_signal is not None:
+            raise JobStopped(self._signal_message(result), _SIGNAL_EXIT[result.stop_signal])
         return result
 
     def _write_offload_timelines(self) -> None:
         """RUN_DIR/timeline-rank{r}.json (-chunk{i} per further model chunk): `plot --timeline`."""
         self.optimizers.write_timelines(self.run_dir, self.rank)  # waits for the last uploads
 
+    def _save_checkpoint_if_finite(self, bad_step: bool, reporter: StepReporter) -> None:
+        """Save a checkpoint of this step unless its loss or gradient norm was not finite or
+        any rank holds a non-finite weight: a diverged step never replaces good weights."""
+        weights = (t for part in self.model_parts for t in get_model_state_dict(part).values())
+        if bad_step or not all_finite(weights, self.dims, self.device):
+            reporter.note(
+                f"step {self.step}: checkpoint not written (non-finite loss, gradient norm or "
+                "weights); the earlier checkpoints stay"
+            )
+            return
+        self.save_checkpoint()
+        self._good_checkpoint = self.step
+
+    def _agreed_stop_signal(self) -> str | None:
+        """The stop signal any rank saw ("SIGINT", "SIGTERM"), the same on every rank; None
+        when none came. SIGINT wins when ranks saw different ones."""
+        seen = self.dims.all_reduce_max(
+            torch.tensor(float(_SIGNAL_RANK.get(self._stop_signal, 0)), device=self.device)
+        )
+        rank = int(seen.item())
+        return next((n for s, n in _SIGNAL_NAMES.items() if _SIGNAL_RANK[s] == rank), None)
+
+    def _signal_message(self, result: TrainResult) -> str:
+        """The one line a run stopped by a signal ends with: the signal, the step, the
+        checkpoint."""
+        head = f"stopped by {result.stop_signal} after step {result.steps_done}"
+        if not self.cfg.checkpoint.enabled:
+            return f"{head}; no checkpoint written (checkpoint.enabled = false)"
+        if self._good_checkpoint != result.steps_done:
+            return f"{head}; no checkpoint written (non-finite weights)"
+        path = self.checkpointer.path_for(result.steps_done)
+        return f"{head}; checkpoint written to {path}, resume with --resume"
+
     def _install_signal_handlers(self) -> dict[int, Any]:
-        """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop."""
+        """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop (exit 143 or
+        130: `fit` raises JobStopped)."""
 
         def handler(signum: int, frame: Any) -> None:
-            self._stop_requested = True
+            self._stop_signal = signum
 
         previous: dict[int, Any] = {}
         try:
@@ -567,6 +612,13 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The stop signals: their names, the exit code each ends the run with, and their precedence
+# when ranks saw different ones (the number agreed over the job with an all-reduce max).
+_SIGNAL_NAMES: dict[int, str] = {signal.SIGINT.value: "SIGINT", signal.SIGTERM.value: "SIGTERM"}
+_SIGNAL_EXIT = {"SIGINT": ExitCode.SIGINT, "SIGTERM": ExitCode.SIGTERM}
+_SIGNAL_RANK: dict[int, int] = {signal.SIGTERM.value: 1, signal.SIGINT.value: 2}
 
 
 class _PipelineLoss:
