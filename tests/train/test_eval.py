@@ -117,8 +117,9 @@ WORKER = Path(__file__).with_name("eval_worker.py")
 
 @pytest.mark.slow
 def test_two_ranks_pipeline_and_data_parallel_equal_one_process(cfg_factory, tmp_path) -> None:
-    """pp=2 (two micro-batches of 2 per schedule call, 7 sequences: a padded last call) and
-    dp_shard=2 (FSDP; 4 + 3 sequences) under torchrun give the in-process value to 1e-6."""
+    """pp=2 (two micro-batches of 2 per schedule call, 7 sequences: a padded last call),
+    dp_shard=2 (FSDP; 4 + 3 sequences) and tp=2 with sequence parallelism (vocabulary-parallel
+    token losses) under torchrun give the in-process value to 1e-6."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
     from parallel_harness import torchrun
 
@@ -130,6 +131,7 @@ def test_two_ranks_pipeline_and_data_parallel_equal_one_process(cfg_factory, tmp
     layouts = {
         "pp2": ["--parallel.pp", "2"],
         "fsdp2": ["--parallel.dp_shard", "2"],
+        "tp2_sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     }
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out": str(tmp_path), "base": common, "layouts": layouts}))
