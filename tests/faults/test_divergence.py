@@ -231,3 +231,31 @@ def test_stop_after_a_resume_names_the_real_step(capsys, fault_row, tmp_path):
         "stopped after step 2 (checkpoint.stop_after)",
         "stopped after step 4 (checkpoint.stop_after)",
     ]
+
+
+def test_second_ctrl_c_stops_at_once(cfg_factory, fault_row, capfd):
+    """The first SIGINT asks for a stop after the step (with a checkpoint); a second one, for
+    a step or a save that takes too long, raises KeyboardInterrupt at once (exit 130)."""
+    from llmscale.train.trainer import Trainer
+
+    t = Trainer(cfg_factory(run="ctrl-c"))
+    previous = t._install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in the main thread, between bytecodes
+        first = t._stop_signal
+        with pytest.raises(KeyboardInterrupt) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    finally:
+        t._restore_signal_handlers(previous)
+    notice = capfd.readouterr().err.strip()
+    fault_row(
+        fault="Ctrl-C twice during training",
+        command="llmscale train ..., then Ctrl-C, Ctrl-C",
+        expected="the first asks for a stop with a checkpoint (a notice says so), the second "
+        "stops at once (exit 130)",
+        observed=f"first: stop requested ({signal.Signals(first).name}), notice {notice!r}; "
+        f"second: {type(e.value).__name__}",
+    )
+    assert first == signal.SIGINT and "Ctrl-C again" in notice

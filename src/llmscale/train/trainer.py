@@ -570,10 +570,20 @@ class Trainer:
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop (exit 143 or
-        130: `fit` raises JobStopped)."""
+        130: `fit` raises JobStopped). A second SIGINT (Ctrl-C again) stops at once, without
+        the checkpoint (KeyboardInterrupt: exit 130)."""
 
         def handler(signum: int, frame: Any) -> None:
+            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt
             self._stop_signal = signum
+            if signum == signal.SIGINT and self.rank == 0:
+                # os.write: safe inside a signal handler, unlike the console's print.
+                os.write(
+                    2,
+                    b"\nSIGINT: stopping after this step with a checkpoint "
+                    b"(Ctrl-C again to stop at once, without one)\n",
+                )
 
         previous: dict[int, Any] = {}
         try:
