@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import tomllib
 import types
 import typing
@@ -156,8 +157,14 @@ class TrainSection:
     """Clip the global gradient norm to this; 0 disables clipping."""
     eval_every: int = 0
     """Steps between evaluations; 0 = only at the end."""
-    eval_batches: int = 4
-    """Validation batches per evaluation."""
+    eval_sequences: int = 32
+    """Validation sequences scored per evaluation: the first this many windows of the validation
+    files (all of them when there are fewer); 0 = no evaluation. The validation loss is the mean
+    over their tokens, the same whatever the micro-batch size or parallel layout."""
+    max_bad_steps: int = 5
+    """Stop the run (exit 3) when the loss or the gradient norm is NaN or inf for this many
+    optimizer steps in a row (fp16 steps skipped on a gradient overflow, with a finite loss, do
+    not count); 0 = never stop."""
 
     def validate(self) -> None:
         _positive("train.steps", self.steps)
@@ -167,7 +174,8 @@ class TrainSection:
         _positive("train.recompute_every_k", self.recompute_every_k)
         _nonneg("train.max_grad_norm", self.max_grad_norm)
         _nonneg("train.eval_every", self.eval_every)
-        _nonneg("train.eval_batches", self.eval_batches)
+        _nonneg("train.eval_sequences", self.eval_sequences)
+        _nonneg("train.max_bad_steps", self.max_bad_steps)
 
 
 @dataclass
@@ -195,9 +203,9 @@ class PrecisionSection:
     def validate(self) -> None:
         _choice("precision", self, "mode")
         for name in ("initial_scale", "min_scale", "max_scale"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:
                 raise ConfigError(f"precision.{name}", getattr(self, name), "a positive number")
-        if self.growth_factor <= 1.0:
+        if not self.growth_factor > 1.0:
             raise ConfigError("precision.growth_factor", self.growth_factor, "a number > 1")
         if not 0.0 < self.backoff_factor < 1.0:
             raise ConfigError("precision.backoff_factor", self.backoff_factor, "a number in (0, 1)")
@@ -241,12 +249,12 @@ class OptimizerSection:
 
     def validate(self) -> None:
         _choice("optimizer", self, "name")
-        if self.lr <= 0:
-            raise ConfigError("optimizer.lr", self.lr, "a positive number")
+        if not self.lr > 0:
+            raise ConfigError("optimizer.lr", self.lr, "a positive finite number")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optimizer.{name}", getattr(self, name), "a number in [0, 1)")
-        if self.eps <= 0:
+        if not self.eps > 0:
             raise ConfigError("optimizer.eps", self.eps, "a positive number")
         _nonneg("optimizer.weight_decay", self.weight_decay)
         _choice("optimizer", self, "offload")
@@ -418,6 +426,7 @@ class JobConfig:
     def validate(self, world_size: int | None = None) -> None:
         """Check every section, then the facts that tie sections together."""
         for f in fields(self):
+            _finite_floats(f.name, getattr(self, f.name))
             getattr(self, f.name).validate()
         t, p, m = self.train, self.parallel, self.model
         per_step = t.micro_batch_size * p.dp
@@ -591,10 +600,19 @@ def _model_from_table(table: dict[str, Any]) -> ModelConfig:
     return base.with_overrides(**overrides) if overrides else base
 
 
+# Keys that were renamed or replaced: a config still using one gets the new name in its error.
+REPLACED_KEYS: dict[str, str] = {
+    "train.eval_batches": "no longer a key: replaced by train.eval_sequences (validation "
+    "sequences scored per evaluation; the old eval_batches x micro_batch_size)",
+}
+
+
 def _section_from_table(name: str, default: Any, table: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(type(default))
     values = {}
     for key, value in table.items():
+        if f"{name}.{key}" in REPLACED_KEYS:
+            raise ConfigError(f"{name}.{key}", value, REPLACED_KEYS[f"{name}.{key}"])
         if key not in hints:
             raise ConfigError(f"{name}.{key}", value, f"a key of [{name}]: " + ", ".join(hints))
         values[key] = _coerce(f"{name}.{key}", value, hints[key])
@@ -634,6 +652,8 @@ def _coerce(field_name: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(field_name, value, "a number")
+        if not math.isfinite(value):  # TOML's nan and inf pass every `<= 0` style range check
+            raise ConfigError(field_name, value, "a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -673,14 +693,26 @@ def _allowed_text(allowed: tuple[Any, ...]) -> str:
     return " | ".join(str(a) for a in allowed)
 
 
+# The range checks are written `not value > 0`, not `value <= 0`: NaN fails every comparison.
 def _positive(name: str, value: int | float) -> None:
-    if value <= 0:
+    if not value > 0:
         raise ConfigError(name, value, "a positive integer" if isinstance(value, int) else "> 0")
 
 
 def _nonneg(name: str, value: int | float) -> None:
-    if value < 0:
+    if not value >= 0:
         raise ConfigError(name, value, ">= 0")
+
+
+def _finite_floats(section: str, obj: Any) -> None:
+    """Every float field of a section (and every float in a list field) is finite: NaN and inf
+    are refused before any range check, whether they came from a file, the command line or
+    code that built the config."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        for v in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section}.{f.name}", value, "a finite number")
 
 
 # ---- writing ------------------------------------------------------------------------------

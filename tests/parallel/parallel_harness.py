@@ -23,7 +23,7 @@ BASE = short_job(
     train__steps=5,
     train__micro_batch_size=2,
     train__global_batch_size=8,
-    train__eval_batches=4,
+    train__eval_sequences=8,
 )
 
 

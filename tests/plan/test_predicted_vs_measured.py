@@ -46,7 +46,7 @@ SMALL = [
     "--data.seq_len", "64",
     "--train.steps", "1",
     "--train.micro_batch_size", "2",
-    "--train.eval_batches", "1",
+    "--train.eval_sequences", "2",
 ]  # fmt: skip
 
 

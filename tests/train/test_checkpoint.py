@@ -97,9 +97,9 @@ def test_sigterm_finishes_the_step_and_writes_a_checkpoint(tmp_path) -> None:
     ):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143  # ExitCode.SIGTERM
     latest = Checkpointer(tmp_path / "r" / "checkpoints").latest()
     assert latest is not None
     assert latest[0] == max(r["step"] for r in read_jsonl(metrics))
-    assert "resume with --resume" in out
+    assert f"after step {latest[0]};" in err and "resume with --resume" in err

@@ -203,7 +203,7 @@ def job_args(c: PipeConfig) -> list[str]:
         "--parallel.pp_chunks", str(c.chunks),
         "--train.micro_batch_size", str(MICRO_BATCH),
         "--train.global_batch_size", str(MICRO_BATCH * c.microbatches),
-        "--train.eval_batches", "0",
+        "--train.eval_sequences", "0",
         # The counter hooks the first micro-batch's forward: it would lengthen that op.
         "--metrics.activation_memory", "false",
         "--metrics.pipeline_timeline", "true",

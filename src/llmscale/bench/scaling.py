@@ -37,7 +37,7 @@ def run_point(n: int, args: argparse.Namespace, root: Path) -> dict[str, float]:
         train__steps=args.steps + args.warmup,
         train__micro_batch_size=args.batch,
         train__global_batch_size=args.batch * n,
-        train__eval_batches=0,
+        train__eval_sequences=0,
         **{degree: n},
     )
     cmd = [

@@ -17,6 +17,7 @@ This module must not import torch: the planner counts parameters and FLOPs from 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -108,8 +109,11 @@ class ModelConfig:
             )
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ConfigError("model.dim", self.dim, "dim / n_heads even (RoPE rotates pairs)")
-        if self.norm_eps <= 0:
-            raise ConfigError("model.norm_eps", self.norm_eps, "a positive number")
+        # `not x > 0` rather than `x <= 0`: NaN fails every comparison; inf is no size either.
+        for f in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, f)
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"model.{f}", v, "a positive finite number")
 
     # ---- shapes -----------------------------------------------------------------------------
     @property

@@ -159,14 +159,24 @@ class StepReporter:
                 self.task, completed=row["step"], description=f"loss {row['loss']:.3f}"
             )
 
+    def note(self, text: str) -> None:
+        """A warning line (rank 0), above the progress bar."""
+        if self.enabled:
+            self.console.print(f"[yellow]{text}[/]", highlight=False)
+
     def finish(self, result: TrainResult) -> None:
         if self.progress is not None:
             self.progress.stop()
         if not self.enabled:
             return
-        if result.interrupted:
+        # A signal's stop is the one line the CLI prints (JobStopped); checkpoint.stop_after's
+        # is printed here.
+        if result.interrupted and result.stop_signal is None:
+            saved = "checkpoint written, resume with --resume"
+            if not self.cfg.checkpoint.enabled:
+                saved = "no checkpoint written (checkpoint.enabled = false)"
             self.console.print(
-                f"stopped after step {result.steps_done}; checkpoint written, resume with --resume"
+                f"stopped after step {result.steps_done} (checkpoint.stop_after); {saved}"
             )
         elif result.val_loss is not None:
             self.console.print(f"validation loss {result.val_loss:.4f}")

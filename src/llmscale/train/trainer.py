@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from llmscale.config import JobConfig, to_toml
 from llmscale.data.corpus import load_corpus
 from llmscale.data.stream import PackedStream, StreamState
-from llmscale.errors import ConfigError
+from llmscale.errors import ConfigError, ExitCode, JobStopped
 from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
@@ -47,6 +47,8 @@ from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.divergence import DivergenceGuard, all_finite
+from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -85,6 +87,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # losses of the steps run in this call
     val_loss: float | None = None
     interrupted: bool = False
+    stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped the run
 
 
 class _AppState(Stateful):
@@ -217,7 +220,8 @@ class Trainer:
         )
         # Per device: MFU compares one rank's share of the job's FLOP/s with one device's peak.
         self.peak_flops = M.peak_flops_for_device(self.device, cfg.metrics.peak_tflops)
-        self._stop_requested = False
+        self._stop_signal = 0  # the signal number the handlers saw last; 0 = none
+        self._good_checkpoint: int | None = None  # newest checkpoint step with finite weights
 
     @property
     def run_dir(self) -> Path:
@@ -300,19 +304,15 @@ class Trainer:
         act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
 
-    def _run_pipeline(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
-        """One schedule step (or eval) over `batch`; the global mean micro-batch loss."""
+    def _run_pipeline(self, batch: torch.Tensor) -> torch.Tensor:
+        """One schedule step over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         n = self.cfg.n_microbatches
         self._pp_loss.losses = []
-        run = self.pp_schedule.step if train else self.pp_schedule.eval
         args = (inputs,) if self.parallel.has_first_stage else ()
         with self.loss_context(), autocast(self.autocast_mode, self.device.type):
-            if train:
-                run(*args, target=targets, return_outputs=False)
-            else:
-                run(*args, target=targets)
+            self.pp_schedule.step(*args, target=targets, return_outputs=False)
         # Metadata inference on the first step may have called the loss once more: keep the last n.
         mine = self._pp_loss.losses[-n:]
         local = torch.stack(mine).mean() if mine else torch.zeros((), device=self.device)
@@ -326,7 +326,7 @@ class Trainer:
             meter = ActivationMeter(self.model_parts, pipelined=True)
         timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
         with timed or contextlib.nullcontext(), meter or contextlib.nullcontext():
-            loss = self._run_pipeline(batch, train=True)
+            loss = self._run_pipeline(batch)
         self.activation_peak = meter.peak_bytes if meter is not None else None
         return loss, meter.saved_bytes if meter is not None else 0
 
@@ -394,34 +394,54 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches batches of the validation files.
+        """Mean loss over the tokens of the fixed evaluation set (`train.eval_sequences`).
 
-        Every data-parallel rank evaluates the same batches (they are few), so the result equals
-        the single-process one. Under pipelining the batches go through the schedule's forward
-        in groups of n_microbatches micro-batches (the count is rounded up to a whole group).
+        The first eval_sequences windows of the validation files, split over the data-parallel
+        replicas and padded to whole groups (`train.evaluation`): micro-batches of
+        micro_batch_size, or under pipelining the schedule's n_microbatches of them per call.
+        Token losses are summed in float64 over the job and divided once, so the result is the
+        single-process one whatever the micro-batch size or layout. None without validation data.
         """
         cfg = self.cfg
-        if len(self.val_tokens) <= cfg.data.seq_len or cfg.train.eval_batches == 0:
+        if len(self.val_tokens) <= cfg.data.seq_len or cfg.train.eval_sequences == 0:
             return None
         stream = PackedStream(self.val_tokens, cfg.data.seq_len, seed=0, shuffle=False)
-        mb_size = min(cfg.train.micro_batch_size, stream.n_windows)
-        n = min(cfg.train.eval_batches, max(1, stream.n_windows // cfg.train.micro_batch_size))
+        rows = stream.next_batch(min(cfg.train.eval_sequences, stream.n_windows))
+        group = cfg.train.micro_batch_size
         if self.pp_schedule is not None:
-            group = cfg.n_microbatches
-            calls = -(-n // group)
-            losses = [
-                self._run_pipeline(stream.next_batch(mb_size * group), train=False).item()
-                for _ in range(calls)
-            ]
-            return sum(losses) / calls
-        total = 0.0
-        for _ in range(n):
-            mb = stream.next_batch(mb_size).to(self.device)
-            with self.loss_context():
-                with autocast(self.autocast_mode, self.device.type):
-                    logits = self.model(mb[:, :-1])
-                total += lm_loss(logits, mb[:, 1:]).item()
-        return total / n
+            group *= cfg.n_microbatches
+        inputs, targets = local_eval_rows(rows, self.dims.dp_rank, self.dims.dp, group)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i in range(0, len(inputs), group):
+            x = inputs[i : i + group].to(self.device)
+            y = targets[i : i + group].to(self.device)
+            if self.pp_schedule is not None:
+                part = self._eval_pipeline(x, y)
+            else:
+                with self.loss_context():
+                    with autocast(self.autocast_mode, self.device.type):
+                        logits = self.model(x)
+                    part = token_loss_sum(logits, y)
+            if self.dims.holds_loss():  # one rank per replica: the last stage's first TP rank
+                total += part
+        self.dims.all_reduce_sum(total)
+        return float(total[0] / total[1])
+
+    def _eval_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One forward-only schedule call; this rank's [loss sum, tokens] (zeros off the last
+        stage)."""
+        self._pp_loss.eval_sums = []
+        args = (inputs,) if self.parallel.has_first_stage else ()
+        try:
+            with self.loss_context(), autocast(self.autocast_mode, self.device.type):
+                self.pp_schedule.eval(*args, target=targets)
+            # Metadata inference may have called the loss once more: keep the last n.
+            mine = self._pp_loss.eval_sums[-self.cfg.n_microbatches :]
+        finally:
+            self._pp_loss.eval_sums = None
+        if not mine:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        return torch.stack(mine).sum(0)
 
     def write_pipeline_timeline(self) -> Path | None:
         """Gather the recorded pipeline ops to rank 0, which writes run_dir/pipeline_timeline.json.
@@ -466,6 +486,9 @@ class Trainer:
         reporter = StepReporter(cfg, enabled=self.rank == 0, prediction=prediction)
         reporter.start(self, resumed)
         result = TrainResult(steps_done=self.step)
+        guard = DivergenceGuard(cfg.train.max_bad_steps)
+        # The checkpoint resumed from, if any, holds finite weights.
+        self._good_checkpoint = self.step if self.step and cfg.checkpoint.enabled else None
         previous = self._install_signal_handlers()
         try:
             while self.step < cfg.train.steps:
@@ -478,21 +501,24 @@ class Trainer:
                         row["val_loss"] = val
                 writer.write(row)
                 reporter.step(row)
+                bad = guard.observe(row)  # loss and |g| are the job's: every rank agrees
+                if guard.diverged:
+                    msg = guard.message(self.step, self._good_checkpoint)
+                    raise JobStopped(msg, ExitCode.DIVERGED)
                 last = self.step == cfg.train.steps
                 # A signal may reach some ranks only: all stop at the same step, or none does.
-                stop = (
-                    self.dims.agree(self._stop_requested, self.device)
-                    or self.step == cfg.checkpoint.stop_after
-                )
+                result.stop_signal = self._agreed_stop_signal()
+                stop = result.stop_signal is not None or self.step == cfg.checkpoint.stop_after
                 if cfg.checkpoint.enabled and (
                     last
                     or stop
                     or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
                 ):
-                    self.save_checkpoint()
+                    self._save_checkpoint_if_finite(bad, reporter)
                 if stop and not last:
                     result.interrupted = True
                     break
+                result.stop_signal = None  # a signal during the last step: the run is done
             self.write_pipeline_timeline()
             if not result.interrupted:
                 result.val_loss = self.evaluate()
@@ -502,19 +528,65 @@ class Trainer:
         finally:
             self._restore_signal_handlers(previous)
             writer.close()
+            result.steps_done = self.step
             reporter.finish(result)
-        result.steps_done = self.step
+        if result.stop_signal is not None:
+            raise JobStopped(self._signal_message(result), _SIGNAL_EXIT[result.stop_signal])
         return result
 
     def _write_offload_timelines(self) -> None:
         """RUN_DIR/timeline-rank{r}.json (-chunk{i} per further model chunk): `plot --timeline`."""
         self.optimizers.write_timelines(self.run_dir, self.rank)  # waits for the last uploads
 
+    def _save_checkpoint_if_finite(self, bad_step: bool, reporter: StepReporter) -> None:
+        """Save a checkpoint of this step unless its loss or gradient norm was not finite or
+        any rank holds a non-finite weight: a diverged step never replaces good weights."""
+        weights = (t for part in self.model_parts for t in get_model_state_dict(part).values())
+        if bad_step or not all_finite(weights, self.dims, self.device):
+            reporter.note(
+                f"step {self.step}: checkpoint not written (non-finite loss, gradient norm or "
+                "weights); the earlier checkpoints stay"
+            )
+            return
+        self.save_checkpoint()
+        self._good_checkpoint = self.step
+
+    def _agreed_stop_signal(self) -> str | None:
+        """The stop signal any rank saw ("SIGINT", "SIGTERM"), the same on every rank; None
+        when none came. SIGINT wins when ranks saw different ones."""
+        seen = self.dims.all_reduce_max(
+            torch.tensor(float(_SIGNAL_RANK.get(self._stop_signal, 0)), device=self.device)
+        )
+        rank = int(seen.item())
+        return next((n for s, n in _SIGNAL_NAMES.items() if _SIGNAL_RANK[s] == rank), None)
+
+    def _signal_message(self, result: TrainResult) -> str:
+        """The one line a run stopped by a signal ends with: the signal, the step, the
+        checkpoint."""
+        head = f"stopped by {result.stop_signal} after step {result.steps_done}"
+        if not self.cfg.checkpoint.enabled:
+            return f"{head}; no checkpoint written (checkpoint.enabled = false)"
+        if self._good_checkpoint != result.steps_done:
+            return f"{head}; no checkpoint written (non-finite weights)"
+        path = self.checkpointer.path_for(result.steps_done)
+        return f"{head}; checkpoint written to {path}, resume with --resume"
+
     def _install_signal_handlers(self) -> dict[int, Any]:
-        """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop."""
+        """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop (exit 143 or
+        130: `fit` raises JobStopped). A second SIGINT (Ctrl-C again) stops at once, without
+        the checkpoint (KeyboardInterrupt: exit 130)."""
 
         def handler(signum: int, frame: Any) -> None:
-            self._stop_requested = True
+            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+            if signum == signal.SIGINT and self.rank == 0:
+                # os.write: safe inside a signal handler, unlike the console's print.
+                os.write(
+                    2,
+                    b"\nSIGINT: stopping after this step with a checkpoint "
+                    b"(Ctrl-C again to stop at once, without one)\n",
+                )
 
         previous: dict[int, Any] = {}
         try:
@@ -555,6 +627,13 @@ class Trainer:
         self.close()
 
 
+# The stop signals: their names, the exit code each ends the run with, and their precedence
+# when ranks saw different ones (the number agreed over the job with an all-reduce max).
+_SIGNAL_NAMES: dict[int, str] = {signal.SIGINT.value: "SIGINT", signal.SIGTERM.value: "SIGTERM"}
+_SIGNAL_EXIT = {"SIGINT": ExitCode.SIGINT, "SIGTERM": ExitCode.SIGTERM}
+_SIGNAL_RANK: dict[int, int] = {signal.SIGTERM.value: 1, signal.SIGINT.value: 2}
+
+
 class _PipelineLoss:
     """The pipeline schedule's loss_fn (last stage): mean loss / micro-batches, loss-scaled.
 
@@ -568,8 +647,14 @@ class _PipelineLoss:
         self.scaler = scaler
         self.n_microbatches = n_microbatches
         self.losses: list[torch.Tensor] = []  # this step's, detached
+        # While evaluating: each micro-batch's [token loss sum, tokens] (`token_loss_sum`).
+        self.eval_sums: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.eval_sums is not None:
+            sums = token_loss_sum(logits, targets)
+            self.eval_sums.append(sums)
+            return sums[0]
         loss = lm_loss(logits, targets)
         self.losses.append(loss.detach())
         return self.scaler.scale_loss(loss / self.n_microbatches)
