@@ -23,7 +23,7 @@ from llmscale.train.weights import read_run_weights  # noqa: E402
 BASE = short_job(
     train__micro_batch_size=4,
     train__global_batch_size=4,
-    train__eval_batches=2,
+    train__eval_sequences=8,
     checkpoint__enabled=True,
 )
 

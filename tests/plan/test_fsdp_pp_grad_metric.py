@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ARGS = [
     "--model.name", "small", "--data.seq_len", "64", "--train.steps", "1",
     "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
-    "--train.eval_batches", "1", "--parallel.pp", "2", "--parallel.dp_shard", "2",
+    "--train.eval_sequences", "4", "--parallel.pp", "2", "--parallel.dp_shard", "2",
     "--precision.mode", "fp32",
 ]  # fmt: skip
 

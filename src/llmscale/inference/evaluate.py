@@ -42,6 +42,6 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Eva
     if loss is None:
         raise UsageError(
             f"no validation data for {run_dir}: its validation split holds no sequence of "
-            f"data.seq_len + 1 = {cfg.data.seq_len + 1} tokens, or train.eval_batches is 0"
+            f"data.seq_len + 1 = {cfg.data.seq_len + 1} tokens, or train.eval_sequences is 0"
         )
     return Evaluation(step=step, val_loss=loss, perplexity=math.exp(min(loss, 700.0)))
