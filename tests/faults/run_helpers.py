@@ -11,7 +11,7 @@ from llmscale.bench.jobs import short_job
 from llmscale.cli import main
 
 
-def train_args(run_dir: Path, *extra: str, steps: int = 4, interval: int = 2) -> list[str]:
+def train_args(run_dir: Path, *extra: str, steps: int = 2, interval: int = 1) -> list[str]:
     """`llmscale train` of the tiny model, 32-token sequences, checkpoints every `interval`."""
     base = short_job(
         job__run_dir=run_dir,

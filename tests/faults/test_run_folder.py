@@ -17,12 +17,12 @@ from llmscale.plan.checkpoint_size import checkpoint_bytes
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.metrics import read_jsonl
 
-CMD = "llmscale train --job.run_dir R --checkpoint.interval 2 --train.steps 4"
+CMD = "llmscale train --job.run_dir R --checkpoint.interval 1 --train.steps 2"
 
 
 @pytest.fixture(scope="module")
 def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished run: metrics of 4 steps, checkpoints at steps 2 and 4."""
+    """A finished run: metrics of 2 steps, checkpoints at steps 1 and 2."""
     from llmscale.cli import main
 
     run = tmp_path_factory.mktemp("earlier") / "run"
@@ -63,11 +63,11 @@ def test_rerun_into_an_old_folder_is_refused_and_touches_nothing(
 def test_overwrite_starts_fresh_and_keeps_other_files(earlier, tmp_path, capsys, fault_row):
     run = _copy(earlier, tmp_path)
     (run / "notes.txt").write_text("mine")
-    rc, out, err = run_cli(capsys, train_args(run, "--overwrite", steps=2, interval=0))
+    rc, out, err = run_cli(capsys, train_args(run, "--overwrite", steps=1, interval=0))
     assert rc == 0, err
-    assert [s for s, _ in Checkpointer(run / "checkpoints").checkpoints()] == [2]
+    assert [s for s, _ in Checkpointer(run / "checkpoints").checkpoints()] == [1]
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     assert (run / "notes.txt").read_text() == "mine"
     assert "--overwrite: removed" in err
     fault_row(
@@ -95,11 +95,11 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys, fault_row) 
 
 def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, capsys, fault_row) -> None:
     run = tmp_path / "r"
-    rc, out, err = run_cli(capsys, train_args(run, "--resume", steps=2, interval=0))
+    rc, out, err = run_cli(capsys, train_args(run, "--resume", steps=1, interval=0))
     assert rc == 0, err
     assert "no checkpoint" in err and "step 0" in err
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     notice = next(x for x in err.splitlines() if "no checkpoint" in x)
     fault_row(
         fault="--resume with no checkpoint (e.g. a first start under automatic restarts)",
@@ -145,7 +145,7 @@ def test_a_stale_lock_is_taken_over(tmp_path, capsys, fault_row) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid names no process now
     _write_lock(run, socket.gethostname(), gone.pid)
-    rc, out, err = run_cli(capsys, train_args(run, steps=2, interval=0))
+    rc, out, err = run_cli(capsys, train_args(run, steps=1, interval=0))
     assert rc == 0, err
     notice = next(x for x in err.splitlines() if "took over" in x)
     assert f"pid {gone.pid}" in notice
@@ -200,7 +200,7 @@ def test_low_disk_space_is_refused_naming_the_bytes(
 ) -> None:
     monkeypatch.setattr(run_dir_mod, "free_bytes", lambda path: 1_000_000)
     run = tmp_path / "r"
-    rc, out, err = run_cli(capsys, train_args(run, steps=6))
+    rc, out, err = run_cli(capsys, train_args(run, steps=6, interval=2))
     line = one_line(err)
     assert rc == 2
     from llmscale.bench.jobs import short_job

@@ -7,7 +7,8 @@ What `train/checkpoint.py` saves (DCP, `torch.distributed.checkpoint`), per para
   (2 B under bf16/fp16) and the fp32 master is an optimizer entry of its own;
 - AdamW's exp_avg and exp_avg_sq (fp32, 8 B per element) and its 0-d fp32 `step`;
 - the param group's hyper-parameters, one small pickled entry per key per tensor (DCP flattens
-  the optimizer state by parameter name): `PARAM_GROUP_KEYS` of them;
+  the optimizer state by parameter name): `PARAM_GROUP_KEYS` of them for torch's AdamW,
+  `OFFLOAD_PARAM_GROUP_KEYS` for the offloaded one (`offload/adamw.py`);
 
 and once per job the trainer's entries (step, data position, loss scaler, LR scheduler).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from llmscale.config import JobConfig
 
 PARAM_GROUP_KEYS = 12  # torch AdamW: lr, betas, eps, weight_decay, amsgrad, ... initial_lr
+OFFLOAD_PARAM_GROUP_KEYS = 5  # OffloadedAdamW: lr, betas, eps, weight_decay, initial_lr
 TRAINER_ENTRIES = 13  # step, data (2), loss scaler (3), LR scheduler (7)
 TENSOR_ENTRY_BYTES = 1577
 BYTES_ENTRY_BYTES = 1261
@@ -54,7 +56,8 @@ def checkpoint_bytes(cfg: JobConfig) -> int:
         p.dp_shard * p.cp * p.tp
     )  # records per sharded tensor (an upper bound: some stay whole)
     tensor_entries = n_tensors * (1 + optim_tensors)
-    bytes_entries = n_tensors * PARAM_GROUP_KEYS + TRAINER_ENTRIES
+    group_keys = OFFLOAD_PARAM_GROUP_KEYS if offload_master else PARAM_GROUP_KEYS
+    bytes_entries = n_tensors * group_keys + TRAINER_ENTRIES
     overhead = (
         tensor_entries * chunks * TENSOR_ENTRY_BYTES
         + bytes_entries * BYTES_ENTRY_BYTES

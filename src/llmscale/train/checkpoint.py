@@ -200,7 +200,7 @@ class Checkpointer:
 
     def select(self) -> Selection:
         """Verify from the newest down; stop at the first intact one."""
-        damaged = []
+        damaged: list[Damaged] = []
         for found in reversed(self.checkpoints()):
             problem = verify_checkpoint(found.path)
             if problem is None:

@@ -24,6 +24,7 @@ import os
 import shutil
 import socket
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ class RunLock:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "token": uuid.uuid4().hex,  # this lock, not just this process (several trainers)
         }
         self.held = False
 
@@ -133,10 +135,7 @@ class RunLock:
             return
         self.held = False
         holder = self.holder()
-        if holder is not None and (holder.get("host"), holder.get("pid")) == (
-            self.info["host"],
-            self.info["pid"],
-        ):
+        if holder is not None and holder.get("token") == self.info["token"]:
             self.path.unlink(missing_ok=True)
 
 
