@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -36,7 +37,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from llmscale import __version__
 from llmscale.errors import ExitCode, JobStopped
 
 MANIFEST = "manifest.json"
@@ -78,6 +78,14 @@ def _hash_file(path: Path, sync: bool = False) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def _version() -> str:
+    """The installed llmscale's version (the package root is above this layer)."""
+    try:
+        return importlib.metadata.version("llmscale")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def fsync_dir(path: Path) -> None:
     """Make a folder's entries (new files, renames) durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -98,7 +106,7 @@ def write_manifest(folder: Path, step: int, layout: dict[str, int] | None) -> di
         "format": 1,
         "step": step,
         "layout": layout or {},
-        "llmscale_version": __version__,
+        "llmscale_version": _version(),
         "files": files,
     }
     with (folder / MANIFEST).open("w") as f:
