@@ -216,3 +216,18 @@ def test_low_disk_space_is_refused_naming_the_bytes(
         expected="exit 2 before any work, naming the bytes needed and free",
         observed=f"exit {rc}: {line}",
     )
+
+
+def test_metrics_file_that_is_a_folder_is_refused(tmp_path, capsys, fault_row) -> None:
+    run = tmp_path / "r"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    rc, out, err = run_cli(capsys, train_args(run, "--overwrite", steps=1))
+    line = one_line(err)
+    assert rc == 2 and "metrics.jsonl is a folder" in line
+    assert (run / "metrics.jsonl").is_dir()  # not removed, even under --overwrite
+    fault_row(
+        fault="RUN_DIR/metrics.jsonl is a folder",
+        command=f"mkdir -p R/metrics.jsonl; {CMD} --overwrite",
+        expected="exit 2 before any work, one line; the folder left alone",
+        observed=f"exit {rc}: {line}",
+    )
