@@ -84,7 +84,18 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.lazy_epilog = _config_keys_help
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in job.run_dir from its newest intact checkpoint (from step 0 "
+        "when it has none)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh in a job.run_dir that holds an earlier run (deletes its metrics and "
+        "checkpoints); without --resume or --overwrite such a folder is refused",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -103,8 +114,12 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.config import load_config
 
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other: choose one")
     if args.resume:
         overrides = [*overrides, "--checkpoint.resume", "true"]
+    if args.overwrite:
+        overrides = [*overrides, "--job.overwrite", "true"]
     if args.gpu is not None and not args.dry_run:
         raise UsageError("--gpu only applies with --dry-run")
     cfg = load_config(args.config, overrides)
@@ -695,6 +710,35 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         sys.stdout.write(
             f"step {res.step}: val_loss {res.val_loss:.4f}  perplexity {res.perplexity:.3f}\n"
         )
+
+
+# ---- ckpt ---------------------------------------------------------------------------------
+
+
+def _add_ckpt(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "ckpt",
+        help="list or verify a run's checkpoints",
+        description="`list`: each checkpoint under RUN_DIR/checkpoints with its step, the "
+        "parallel layout it was saved under, its size and whether its files match its "
+        "manifest. `verify`: the same, exit 1 if any is damaged.",
+    )
+    p.add_argument("action", choices=("list", "verify"), help="list | verify")
+    p.add_argument("run_dir", help="folder a `llmscale train` run wrote")
+    p.add_argument("--folder", default="checkpoints", help="checkpoint folder under RUN_DIR")
+    p.set_defaults(func=_cmd_ckpt)
+
+
+def _cmd_ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.train.ckpt_report import checkpoint_rows, print_rows
+
+    rows = checkpoint_rows(args.run_dir, args.folder)
+    print_rows(rows, f"checkpoints in {args.run_dir}")
+    if args.action == "verify":
+        damaged = [r for r in rows if r.damaged]
+        intact = sum(r.ok for r in rows)
+        print(f"{intact} intact, {len(damaged)} damaged")
+        return 1 if damaged else 0
     return 0
 
 
@@ -713,6 +757,7 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
     _add_export,
     _add_generate,
     _add_eval,
+    _add_ckpt,
 ]
 
 

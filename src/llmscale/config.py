@@ -98,6 +98,10 @@ class JobSection:
     """Name of the run, shown in logs."""
     run_dir: str = "runs/demo"
     """Folder the run writes: config.toml, metrics.jsonl, checkpoints."""
+    overwrite: bool = False
+    """Start fresh in a run_dir that holds an earlier run: delete its metrics, checkpoints,
+    prediction and timelines first (llmscale train --overwrite; without it, or --resume, such
+    a folder is refused)."""
     seed: int = 0
     """Seed for the model's initialisation and the data order."""
     device: Device = "auto"
@@ -288,11 +292,12 @@ class CheckpointSection:
     interval: int = 0
     """Steps between checkpoints; 0 = only at the end."""
     keep_last: int = 2
-    """Checkpoints kept on disk; older ones are deleted."""
+    """Checkpoints kept on disk; older ones are deleted (never the run's newest)."""
     folder: str = "checkpoints"
     """Folder under job.run_dir that holds the checkpoints."""
     resume: bool = False
-    """Continue from the latest checkpoint in folder (llmscale train --resume)."""
+    """Continue from the newest intact checkpoint in folder, or from step 0 when there is none
+    (llmscale train --resume)."""
     stop_after: int = 0
     """Stop after this step as if interrupted (0 = never); used to test resumption."""
     init_from: str = ""

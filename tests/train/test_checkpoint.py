@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from llmscale.train.checkpoint import Checkpointer
@@ -103,3 +104,98 @@ def test_sigterm_finishes_the_step_and_writes_a_checkpoint(tmp_path) -> None:
     assert latest is not None
     assert latest[0] == max(r["step"] for r in read_jsonl(metrics))
     assert f"after step {latest[0]};" in err and "resume with --resume" in err
+
+
+# ---- manifest ------------------------------------------------------------------------------
+
+
+def _save(folder: Path, step: int, keep_last: int = 5, **layout: int) -> Path:
+    ck = Checkpointer(folder, keep_last, layout=layout or None)
+    return ck.save(step, {"w": torch.arange(1000, dtype=torch.float32) * step, "step": step})
+
+
+def test_manifest_lists_every_file_with_its_size_and_checksum(tmp_path) -> None:
+    import hashlib
+
+    from llmscale import __version__
+    from llmscale.train.checkpoint import MANIFEST, read_manifest, verify_checkpoint
+
+    path = _save(tmp_path, 7, dp_shard=2, world_size=2)
+    assert path.name == "step-000007" and not list(tmp_path.glob("*.tmp"))
+    m = read_manifest(path)
+    assert m["step"] == 7 and m["llmscale_version"] == __version__
+    assert m["layout"] == {"dp_shard": 2, "world_size": 2}
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+    assert sorted(m["files"]) == on_disk and ".metadata" in on_disk
+    for name, entry in m["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert verify_checkpoint(path) is None
+
+
+def test_verify_names_what_is_wrong(tmp_path) -> None:
+    from llmscale.train.checkpoint import MANIFEST, verify_checkpoint
+
+    path = _save(tmp_path, 1)
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert verify_checkpoint(path) == f"{shard.name} corrupt: checksum mismatch"
+    shard.write_bytes(data[:100])
+    assert verify_checkpoint(path) == f"{shard.name} truncated: 100 of {len(data)} B"
+    shard.unlink()
+    assert verify_checkpoint(path) == f"{shard.name} missing"
+    (path / MANIFEST).write_text("{not json")
+    assert verify_checkpoint(path).startswith(f"{MANIFEST} unreadable")
+    (path / MANIFEST).unlink()
+    assert verify_checkpoint(path) == f"no {MANIFEST}"
+
+
+def test_latest_is_the_newest_intact_and_select_names_the_damaged(tmp_path) -> None:
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    (tmp_path / "step-000003" / "manifest.json").unlink()
+    ck = Checkpointer(tmp_path)
+    sel = ck.select()
+    assert sel.chosen.step == 2
+    assert [(d.step, d.problem) for d in sel.damaged] == [(3, "no manifest.json")]
+
+
+def test_prune_keeps_the_current_step_before_higher_ones_of_another_history(tmp_path) -> None:
+    for step in (2, 4, 50):
+        _save(tmp_path, step)
+    ck = Checkpointer(tmp_path, keep_last=2)
+    ck.save(6, {"w": torch.zeros(3)})
+    # 50 belongs to another history: it goes first; the run's own 6 and 4 stay.
+    assert [s for s, _ in ck.checkpoints()] == [4, 6]
+    ck1 = Checkpointer(tmp_path, keep_last=1)
+    ck1.save(5, {"w": torch.zeros(3)})  # lower than the others: still kept
+    assert [s for s, _ in ck1.checkpoints()] == [5]
+
+
+def test_resaving_a_step_replaces_it_whole(tmp_path) -> None:
+    from llmscale.train.checkpoint import verify_checkpoint
+
+    _save(tmp_path, 3)
+    path = _save(tmp_path, 3)
+    assert verify_checkpoint(path) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--optimizer.offload", "optimizer", "--precision.mode", "bf16")],
+    ids=["fp32", "offload-bf16"],
+)
+def test_predicted_checkpoint_bytes_match_a_real_checkpoint(cfg_factory, extra) -> None:
+    """plan/checkpoint_size.py against the files a tiny run writes: within 3%. The two jobs
+    hold different states (offload: bf16 model entries, an fp32 master, fewer group keys)."""
+    from llmscale.plan.checkpoint_size import checkpoint_bytes
+
+    cfg = cfg_factory(*extra, "--checkpoint.enabled", "true", "--train.steps", "1")
+    t = Trainer(cfg)
+    t.fit()
+    (path,) = [p for _, p in t.checkpointer.checkpoints()]
+    measured = sum(p.stat().st_size for p in path.iterdir())
+    predicted = checkpoint_bytes(cfg)
+    assert abs(predicted / measured - 1) < 0.03, (predicted, measured)

@@ -1,25 +1,47 @@
-"""Distributed checkpoints with `torch.distributed.checkpoint` (DCP), written atomically.
+"""Distributed checkpoints with `torch.distributed.checkpoint` (DCP), written atomically and
+verified before use.
 
-Layout: RUN_DIR/checkpoints/step-000010/ (DCP files + .metadata). Every rank writes into
-step-000010.tmp/; once all have finished, rank 0 renames it, so a checkpoint folder without the
-suffix is always complete. An interrupted save leaves only a .tmp folder, which is ignored and
-removed by the next save. Only the newest `keep_last` checkpoints are kept. DCP stores each
-rank's shards with their global layout, so a checkpoint saved under one parallel layout loads
-under another. The folder must be on a file system every rank sees.
+Layout: RUN_DIR/checkpoints/step-000010/ (DCP files, .metadata and manifest.json). Every rank
+writes into step-000010.tmp/; once all have finished, rank 0 writes manifest.json (the size and
+sha256 of every file, the step, the parallel layout it was saved under, the llmscale version),
+fsyncs the files and the folder, renames it to step-000010 and fsyncs the parent. A folder
+without the suffix is therefore complete, and its manifest says what complete means: loading
+verifies it, so a checkpoint with flipped bytes, a truncated or missing file, or no manifest is
+skipped (with a warning naming it) for the newest intact one. An interrupted save leaves only a
+.tmp folder, which is ignored and removed by the next save; a failed save (full disk,
+permissions) removes its .tmp, keeps the earlier checkpoints and stops the run with one line
+naming the last good step.
+
+Only the newest `keep_last` checkpoints are kept, and never at the cost of the one just written:
+checkpoints with a higher step than the current one (an abandoned history, e.g. damaged ones
+skipped at resume) count as the oldest. DCP stores each rank's shards with their global layout,
+so a checkpoint saved under one parallel layout loads under another. The folder must be on a
+file system every rank sees.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import importlib.metadata
+import json
+import os
 import re
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from llmscale.errors import ExitCode, JobStopped
+
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHUNK = 1 << 20
 
 
 def _barrier() -> None:
@@ -31,55 +53,292 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class Checkpointer:
-    """Saves and finds checkpoints under one folder."""
+def share_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (itself in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
-    def __init__(self, folder: str | Path, keep_last: int = 2) -> None:
+
+# ---- manifest -------------------------------------------------------------------------------
+
+
+def _hash_file(path: Path, sync: bool = False) -> tuple[int, str]:
+    """(size, sha256) of a file; with `sync`, its data is flushed to disk too."""
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return size, h.hexdigest()
+
+
+def _version() -> str:
+    """The installed llmscale's version (the package root is above this layer)."""
+    try:
+        return importlib.metadata.version("llmscale")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path, step: int, layout: dict[str, int] | None) -> dict[str, Any]:
+    """Hash (and fsync) every file of a written checkpoint folder, then write manifest.json."""
+    files: dict[str, dict[str, Any]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != MANIFEST:
+            size, digest = _hash_file(p, sync=True)
+            files[p.name] = {"size": size, "sha256": digest}
+    manifest = {
+        "format": 1,
+        "step": step,
+        "layout": layout or {},
+        "llmscale_version": _version(),
+        "files": files,
+    }
+    with (folder / MANIFEST).open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(folder)
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder; OSError or ValueError when missing or unreadable."""
+    data = json.loads((folder / MANIFEST).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise ValueError("not a manifest")
+    return data
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """None when every file the manifest lists is there, with its size and checksum; else why
+    not, in a few words (e.g. 'no manifest.json', '__0_0.distcp truncated: 1000 of 3624265 B')."""
+    if not (folder / MANIFEST).is_file():
+        return f"no {MANIFEST}"
+    try:
+        manifest = read_manifest(folder)
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    for name, entry in sorted(manifest["files"].items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} missing"
+        want = int(entry["size"])
+        have = path.stat().st_size
+        if have != want:
+            what = "truncated" if have < want else "too long"
+            return f"{name} {what}: {have} of {want} B"
+        try:
+            _, digest = _hash_file(path)
+        except OSError as e:
+            return f"{name} unreadable ({e.strerror or type(e).__name__})"
+        if digest != entry["sha256"]:
+            return f"{name} corrupt: checksum mismatch"
+    return None
+
+
+# ---- finding checkpoints --------------------------------------------------------------------
+
+
+class Found(NamedTuple):
+    step: int
+    path: Path
+
+
+@dataclass
+class Damaged:
+    step: int
+    path: Path
+    problem: str
+
+    def describe(self) -> str:
+        return f"{self.path.name} ({self.problem})"
+
+
+@dataclass
+class Selection:
+    """The newest intact checkpoint (None if none) and the damaged ones newer than it."""
+
+    chosen: Found | None
+    damaged: list[Damaged] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Saves, finds and verifies checkpoints under one folder.
+
+    `layout` (the parallel degrees and world size) is recorded in each manifest.
+    """
+
+    def __init__(
+        self, folder: str | Path, keep_last: int = 2, layout: dict[str, int] | None = None
+    ) -> None:
         self.folder = Path(folder)
         self.keep_last = keep_last
+        self.layout = layout
 
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{step:06d}"
 
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        """Complete checkpoints, oldest first."""
+    def checkpoints(self) -> list[Found]:
+        """Finished (renamed) checkpoint folders, oldest first, intact or not."""
         if not self.folder.is_dir():
             return []
         found = []
         for p in self.folder.iterdir():
             m = _STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / ".metadata").is_file():
-                found.append((int(m.group(1)), p))
+            if m and p.is_dir():
+                found.append(Found(int(m.group(1)), p))
         return sorted(found)
 
-    def latest(self) -> tuple[int, Path] | None:
-        found = self.checkpoints()
-        return found[-1] if found else None
+    def select(self) -> Selection:
+        """Verify from the newest down; stop at the first intact one."""
+        damaged: list[Damaged] = []
+        for found in reversed(self.checkpoints()):
+            problem = verify_checkpoint(found.path)
+            if problem is None:
+                return Selection(found, damaged)
+            damaged.append(Damaged(found.step, found.path, problem))
+        return Selection(None, damaged)
 
+    def latest(self) -> Found | None:
+        """The newest intact checkpoint."""
+        return self.select().chosen
+
+    # ---- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write `state` (tensors, DTensors, Stateful objects, plain values) for `step`."""
+        """Write `state` (tensors, DTensors, Stateful objects, plain values) for `step`.
+
+        A failed write stops the run (JobStopped, exit 1) with the last good step named; the
+        earlier checkpoints are left as they were.
+        """
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
+        problem = None
         if _rank() == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            for stale in self.folder.glob("*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
-        _barrier()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(tmp))
-        _barrier()
-        if _rank() == 0:
-            tmp.rename(final)
-            for _, old in self.checkpoints()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                for stale in self.folder.glob("*.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            except OSError as e:
+                problem = _describe_failure(e)
+        problem = share_from_rank0(problem)
+        if problem is None:
+            _barrier()
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.save(state, checkpoint_id=str(tmp))
+            except (OSError, RuntimeError, CheckpointException) as e:
+                problem = _describe_failure(e)
+                if problem is None:
+                    raise
+            # DCP gathers every rank's write result: all ranks see the same failure.
+        if problem is None and _rank() == 0:
+            try:
+                self._finish(step, tmp, final)
+            except OSError as e:
+                problem = _describe_failure(e)
+        problem = share_from_rank0(problem)
+        if problem is not None:
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _barrier()
+            raise JobStopped(self._failure_message(step, problem), ExitCode.FAILURE)
         _barrier()
         return final
+
+    def _finish(self, step: int, tmp: Path, final: Path) -> None:
+        """Rank 0, after every rank wrote: manifest, fsync, rename, prune."""
+        write_manifest(tmp, step, self.layout)
+        old = None
+        if final.exists():  # re-saving a step (after a resume): swap, then drop the old one
+            old = final.with_name(final.name + ".replaced.tmp")
+            final.rename(old)
+        tmp.rename(final)
+        fsync_dir(self.folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self.prune(step)
+
+    def prune(self, current: int) -> list[Path]:
+        """Delete all but the newest keep_last, always keeping `current`'s; checkpoints past
+        `current` (another history) count as the oldest. Returns the deleted folders."""
+        others = [f for f in self.checkpoints() if f.step != current]
+        others.sort(key=lambda f: (f.step <= current, f.step))
+        doomed = others[: max(0, len(others) - (self.keep_last - 1))]
+        for f in doomed:
+            shutil.rmtree(f.path, ignore_errors=True)
+        return [f.path for f in doomed]
+
+    def _failure_message(self, step: int, problem: str) -> str:
+        last = self.latest()
+        kept = (
+            f"the last good checkpoint is step {last.step} ({last.path})"
+            if last is not None
+            else "there is no earlier checkpoint"
+        )
+        return f"checkpoint of step {step} failed: {problem}; its .tmp was removed; {kept}"
 
     def load(self, path: str | Path, state: dict[str, Any]) -> None:
         """Fill `state` in place from a checkpoint (resharding to the current layout)."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path))
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind an exception: itself, its cause/context, or a DCP rank's failure."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            for failure in e.failures.values():
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def _describe_failure(exc: BaseException) -> str | None:
+    """A few words for a failed write (None when it is not a write failure: a bug)."""
+    os_error = _os_error_in(exc)
+    if os_error is not None:
+        if os_error.errno == errno.ENOSPC:
+            return "no space left on device"
+        reason = os_error.strerror or str(os_error)
+        where = f" ({os_error.filename})" if os_error.filename else ""
+        return f"{reason}{where}"
+    text = str(exc)
+    # torch's file writer reports a short write (a full disk) without the OSError.
+    if any(s in text for s in ("PytorchStreamWriter", "inline_container", "unexpected pos")):
+        return "write failed (" + text.splitlines()[0][:120] + "); is the disk full?"
+    return None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

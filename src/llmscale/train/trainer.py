@@ -54,6 +54,7 @@ from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
 from llmscale.train.prediction import write_run_prediction
 from llmscale.train.progress import StepReporter
+from llmscale.train.run_dir import open_run_folder
 from llmscale.train.weights import apply_init_from, with_source_model
 
 
@@ -145,6 +146,9 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.dims.build_mesh(self.device)
         self.rank = self.dims.rank
+        # The run folder: checked (paths, free space), claimed (RUN_DIR/.lock), cleared
+        # (--overwrite) or its newest intact checkpoint chosen (--resume), before any work.
+        self.run_folder = open_run_folder(cfg, self.rank)
         # The loss (and its backward) on vocabulary shards of the logits under TP.
         self.loss_context = functools.partial(loss_context, cfg.model, self.dims.tp)
         torch.manual_seed(cfg.job.seed)
@@ -208,7 +212,12 @@ class Trainer:
             )
         self.step = 0
         self.checkpointer = Checkpointer(
-            self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.keep_last
+            self.run_dir / cfg.checkpoint.folder,
+            cfg.checkpoint.keep_last,
+            layout={
+                n: getattr(self.dims, n)
+                for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "world_size")
+            },
         )
 
         seq = cfg.data.seq_len
@@ -258,11 +267,12 @@ class Trainer:
         return self.checkpointer.save(self.step, self.app_state())
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint, if any; True when one was loaded."""
-        found = self.checkpointer.latest()
-        if found is None:
+        """Load the checkpoint the run folder chose (the newest intact one), if any; True when
+        one was loaded."""
+        path = self.run_folder.resume_from
+        if path is None:
             return False
-        self.checkpointer.load(found[1], self.app_state())
+        self.checkpointer.load(path, self.app_state())
         return True
 
     # ---- one optimizer step ---------------------------------------------------------------
@@ -530,6 +540,7 @@ class Trainer:
             writer.close()
             result.steps_done = self.step
             reporter.finish(result)
+            self.run_folder.release()
         if result.stop_signal is not None:
             raise JobStopped(self._signal_message(result), _SIGNAL_EXIT[result.stop_signal])
         return result
@@ -616,6 +627,7 @@ class Trainer:
         where gloo can abort the rank ("terminate called without an active exception").
         """
         self.pp_schedule = None
+        self.run_folder.release()
         self.optimizers.close()
         self.model_parts.clear()  # the same list as self.parallel.parts
         self.dims.mesh = None

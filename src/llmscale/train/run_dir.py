@@ -1,0 +1,362 @@
+"""A run folder belongs to one run: checked, claimed, cleared or resumed before any work.
+
+`open_run_folder` runs before the model is built. Rank 0 decides, and every rank gets its
+decision (so all ranks refuse alike):
+
+- paths: the run folder is a folder (or can be made), not a file; the checkpoint folder and
+  metrics.jsonl are not in the way; there is free space for the checkpoints the run will keep
+  (keep_last + 1 while the newest is written; `plan/checkpoint_size.py` predicts their bytes);
+- an earlier run's metrics.jsonl or checkpoints refuse a new run unless it says what to do:
+  `--resume` (continue the newest intact checkpoint; none: start from step 0, with a notice, so
+  the same command works under automatic restarts) or `--overwrite` (delete llmscale's own
+  files of the earlier run first: metrics, checkpoints, prediction, timelines, plots);
+- RUN_DIR/.lock (JSON: host, pid, start time) claims the folder; a second live run is refused
+  with the holder named, and a lock whose holder is dead (same host, no such pid) is taken
+  over with a notice. It is released at the end of the run, also on error.
+
+Refusals are one line, exit 2, and touch nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmscale.config import JobConfig
+from llmscale.errors import ConfigError, UsageError
+from llmscale.instrument.pipeline import FILE_NAME as PIPELINE_TIMELINE
+from llmscale.plan.checkpoint_size import checkpoint_bytes
+from llmscale.train.checkpoint import Checkpointer, human_bytes, share_from_rank0
+from llmscale.train.prediction import FILE_NAME as PREDICTION
+
+LOCK_NAME = ".lock"
+METRICS = "metrics.jsonl"
+# What a run (and `llmscale plot`) writes into its folder; --overwrite removes these only.
+OWN_FILES = (METRICS, PREDICTION, PIPELINE_TIMELINE, "config.toml", "loss.png", "timeline.png")
+OWN_GLOBS = ("timeline-rank*.json",)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` (an existing folder); tests replace this."""
+    return shutil.disk_usage(path).free
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+# ---- the lock -------------------------------------------------------------------------------
+
+
+class RunLock:
+    """RUN_DIR/.lock: created atomically (a hard link of a complete file), removed by release."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LOCK_NAME
+        self.info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "token": uuid.uuid4().hex,  # this lock, not just this process (several trainers)
+        }
+        self.held = False
+
+    def holder(self) -> dict[str, Any] | None:
+        """The lock file's content; None when unreadable (damaged: taken over)."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+            return None
+        return data
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a notice when a stale lock was taken over."""
+        notice = None
+        tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.info) + "\n")
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)
+                    self.held = True
+                    return notice
+                except FileExistsError:
+                    pass
+                holder = self.holder()
+                host = self.info["host"]
+                if holder is None:
+                    notice = f"took over {self.path}: it was unreadable"
+                elif holder.get("host") == host and (
+                    holder["pid"] == os.getpid() or not _pid_alive(holder["pid"])
+                ):
+                    if holder["pid"] != os.getpid():
+                        notice = (
+                            f"took over {self.path}: its holder (pid {holder['pid']} on "
+                            f"{host}, started {holder.get('started', '?')}) is no longer running"
+                        )
+                else:
+                    raise UsageError(
+                        f"run folder {self.path.parent} is in use by another run: pid "
+                        f"{holder.get('pid')} on host {holder.get('host')} (started "
+                        f"{holder.get('started', '?')}); wait for it to end, or delete "
+                        f"{self.path} if that run is gone"
+                    )
+                self.path.unlink(missing_ok=True)
+            raise UsageError(f"could not take {self.path}: other runs keep claiming it")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours (not taken over by another run)."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self.holder()
+        if holder is not None and holder.get("token") == self.info["token"]:
+            self.path.unlink(missing_ok=True)
+
+
+# ---- the decision ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunFolder:
+    """What `open_run_folder` decided: where to resume from (None: step 0), the notices
+    printed, and (rank 0) the lock, released by `release` (also when this object goes)."""
+
+    path: Path
+    resume_from: Path | None = None
+    resume_step: int = 0
+    notices: list[str] = field(default_factory=list)
+    lock: RunLock | None = None
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def earlier_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
+    """What an earlier run left in `run_dir` that a new run would clobber ([] if nothing)."""
+    found = []
+    if (run_dir / METRICS).exists():
+        found.append(METRICS)
+    if ckpt_dir.is_dir():
+        n = sum(1 for p in ckpt_dir.iterdir() if p.name.startswith("step-"))
+        if n:
+            found.append(f"{n} checkpoint{'s' if n > 1 else ''}")
+    return found
+
+
+def own_files(run_dir: Path, ckpt_dir: Path) -> list[Path]:
+    """llmscale's own files and folders of a run (what --overwrite deletes)."""
+    paths = [run_dir / n for n in OWN_FILES if (run_dir / n).exists()]
+    for pattern in OWN_GLOBS:
+        paths += sorted(run_dir.glob(pattern))
+    if ckpt_dir.is_dir():
+        paths += sorted(p for p in ckpt_dir.iterdir() if p.name.startswith("step-"))
+    return paths
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _remove_empty(folder: Path, keep: Path) -> None:
+    """Remove `folder` and its parents up to (not including) `keep`, while they are empty."""
+    p = folder.absolute()
+    while p != keep and p != p.parent:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        p = p.parent
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """The run folder, the checkpoint folder and metrics.jsonl can be what they must be."""
+    run_dir = Path(cfg.job.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError("job.run_dir", str(run_dir), "a folder (this path is a file)")
+    base = _existing_ancestor(run_dir)
+    if not base.is_dir():
+        raise ConfigError("job.run_dir", str(run_dir), f"a folder path ({base} is a file)")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(
+            "job.run_dir", str(run_dir), f"a folder you can write ({base} is not writable)"
+        )
+    ckpt = run_dir / cfg.checkpoint.folder
+    if ckpt.exists() and not ckpt.is_dir():
+        raise ConfigError(
+            "checkpoint.folder", cfg.checkpoint.folder, f"a folder ({ckpt} is a file)"
+        )
+    if (run_dir / METRICS).is_dir():
+        raise ConfigError("job.run_dir", str(run_dir), f"a run folder ({METRICS} is a folder)")
+
+
+def saves_in_run(cfg: JobConfig, start: int) -> int:
+    """Checkpoints a run from step `start` writes (interval steps, and the last one)."""
+    c, steps = cfg.checkpoint, cfg.train.steps
+    if not c.enabled or start >= steps:
+        return 0
+    last = min(steps, c.stop_after) if c.stop_after > start else steps
+    at = {last}
+    if c.interval:
+        at |= {s for s in range(start + 1, last + 1) if s % c.interval == 0}
+    return len(at)
+
+
+def check_space(cfg: JobConfig, ckpt_dir: Path, start: int, kept: int, freed: int) -> int:
+    """Refuse when the checkpoints this run writes will not fit; returns the bytes needed.
+
+    `kept` earlier checkpoints stay (a resume), `freed` bytes go first (--overwrite). At most
+    keep_last + 1 are on disk at once (the newest is written before the oldest goes).
+    """
+    n_new = min(saves_in_run(cfg, start), max(1, cfg.checkpoint.keep_last + 1 - kept))
+    if n_new == 0:
+        return 0
+    each = checkpoint_bytes(cfg)
+    needed = n_new * each
+    where = _existing_ancestor(ckpt_dir)
+    free = free_bytes(where) + freed
+    if free < needed:
+        raise UsageError(
+            f"not enough free space for checkpoints in {where}: {n_new} x {human_bytes(each)} "
+            f"= {needed} B needed, {free} B free; free some space, lower "
+            "checkpoint.keep_last, or choose another job.run_dir"
+        )
+    return needed
+
+
+def _decide(cfg: JobConfig, say: Any) -> RunFolder:
+    """Rank 0's checks and decision; the lock is held when it returns."""
+    run_dir = Path(cfg.job.run_dir)
+    resume, overwrite = cfg.checkpoint.resume, cfg.job.overwrite
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite exclude each other: choose one")
+    check_paths(cfg)
+    ckpt_dir = run_dir / cfg.checkpoint.folder
+    earlier = earlier_run(run_dir, ckpt_dir)
+    if earlier and not (resume or overwrite):
+        raise UsageError(
+            f"run folder {run_dir} holds an earlier run ({', '.join(earlier)}): continue it "
+            "with --resume, start again with --overwrite (deletes it), or choose another "
+            "--job.run_dir"
+        )
+    created = _existing_ancestor(run_dir)  # what to remove again if refused below
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            "job.run_dir", str(run_dir), f"a folder that can be created ({e.strerror})"
+        ) from None
+    out = RunFolder(run_dir, lock=RunLock(run_dir))
+    assert out.lock is not None
+    try:
+        try:
+            notice = out.lock.acquire()
+        except PermissionError as e:
+            raise ConfigError(
+                "job.run_dir", str(run_dir), f"a folder you can write ({e.strerror})"
+            ) from None
+        if notice:
+            say(out, notice)
+        checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last)
+        kept, freed, chosen = 0, 0, None
+        doomed: list[Path] = []
+        if resume:
+            sel = checkpointer.select()
+            for d in sel.damaged:
+                say(out, f"skipping damaged checkpoint {d.path} ({d.problem})")
+            chosen = sel.chosen
+            if chosen is None and sel.damaged:
+                raise UsageError(
+                    f"no intact checkpoint in {ckpt_dir} to resume from: "
+                    + "; ".join(d.describe() for d in sel.damaged)
+                    + " (`llmscale ckpt verify` lists them; --overwrite starts again)"
+                )
+            if chosen is None:
+                say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0")
+            kept = min(len(checkpointer.checkpoints()), cfg.checkpoint.keep_last)
+        elif overwrite:
+            doomed = own_files(run_dir, ckpt_dir)
+            freed = sum(_size(p) for p in doomed)
+        start = chosen.step if chosen is not None else 0
+        check_space(cfg, ckpt_dir, start, kept, freed)
+        if overwrite:
+            for p in doomed:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            if doomed:
+                say(out, f"--overwrite: removed the earlier run's files from {run_dir}")
+        if chosen is not None:
+            out.resume_from, out.resume_step = chosen.path, chosen.step
+    except BaseException:
+        out.release()
+        _remove_empty(run_dir, created)
+        raise
+    return out
+
+
+def open_run_folder(cfg: JobConfig, rank: int = 0) -> RunFolder:
+    """Check, claim and prepare the run folder (rank 0); every rank returns or raises alike.
+
+    Call it after the process group is up (the decision is broadcast) and before any work.
+    """
+    from llmscale.ui import console
+
+    printer = console(stderr=True)
+
+    def say(folder: RunFolder, text: str) -> None:
+        folder.notices.append(text)
+        printer.print(f"[yellow]{text}[/]", highlight=False)
+
+    decided: RunFolder | None = None
+    failure: ConfigError | UsageError | None = None
+    if rank == 0:
+        try:
+            decided = _decide(cfg, say)
+        except (ConfigError, UsageError) as e:
+            failure = e
+    mine = (
+        (str(failure), None, 0)
+        if decided is None
+        else (None, str(decided.resume_from) if decided.resume_from else None, decided.resume_step)
+    )
+    error, path, step = share_from_rank0(mine)
+    if error is not None:
+        if failure is not None:
+            raise failure
+        raise UsageError(error)
+    if decided is None:  # another rank: rank 0's decision
+        return RunFolder(Path(cfg.job.run_dir), Path(path) if path else None, step)
+    if decided.lock is not None:
+        # Released at the end of the run; this is the backstop (an error before the loop).
+        weakref.finalize(decided, decided.lock.release)
+    return decided
