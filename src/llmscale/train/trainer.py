@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from llmscale.config import JobConfig, to_toml
-from llmscale.data.corpus import load_corpus
+from llmscale.data.prepared import apply_dataset
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError
 from llmscale.instrument.activations import ActivationMeter
@@ -47,6 +47,7 @@ from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.data import build_data, check_checkpoint_tokenizer, mask_padded_vocab
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -65,14 +66,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, n_valid_vocab: int | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32.
 
     Logits split over the vocabulary (a DTensor, under tensor parallelism) need torch's
     `loss_parallel` around this call and its backward (`loss_context`); the mean, the same on
-    every tp rank, comes back as a plain tensor.
+    every tp rank, comes back as a plain tensor. Ids from `n_valid_vocab` up (a prepared
+    dataset's padded vocabulary) are masked out.
     """
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    logits = mask_padded_vocab(logits.float(), n_valid_vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
@@ -109,6 +114,7 @@ class _AppState(Stateful):
                 "data": self.t.train_stream.state.to_dict(),
                 "scaler": self.t.scaler.state_dict(),
                 "scheduler": self.t.optimizers.scheduler_state_dict(),
+                "tokenizer_sha256": self.t.data.tokenizer_sha256,
             },
         }
 
@@ -128,6 +134,8 @@ class Trainer:
     """One rank's view of a training run (the only rank, in a single process)."""
 
     def __init__(self, cfg: JobConfig) -> None:
+        # data.dataset: the model's vocabulary follows its tokenizer (padded for tp).
+        dataset_meta = apply_dataset(cfg)
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
@@ -144,21 +152,11 @@ class Trainer:
         self.loss_context = functools.partial(loss_context, cfg.model, self.dims.tp)
         torch.manual_seed(cfg.job.seed)
 
-        corpus = load_corpus(
-            cfg.data.path, cfg.data.glob, cfg.data.val_fraction, cfg.data.max_files
-        )
-        self.corpus_summary = (
-            f"{corpus.root} ({corpus.n_train_files} train / {corpus.n_val_files} val files, "
-            f"{len(corpus.train):,} train tokens)"
-        )
-        self.train_stream = PackedStream(
-            corpus.train,
-            cfg.data.seq_len,
-            cfg.job.seed,
-            dp_rank=self.dims.dp_rank,
-            dp_size=self.dims.dp,
-        )
-        self.val_tokens = corpus.val
+        # Raw bytes of data.path, or a prepared dataset's memory-mapped shards (train/data.py).
+        self.data = build_data(cfg, self.dims.dp_rank, self.dims.dp, dataset_meta)
+        self.corpus_summary = self.data.summary
+        self.train_stream = self.data.train_stream
+        self.val_tokens = self.data.val_tokens
 
         # The model is built, split and sharded on the meta device; then each rank allocates
         # and initialises only its own pieces, from values that depend on (seed, parameter name)
@@ -177,7 +175,7 @@ class Trainer:
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
-        self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches)
+        self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches, self.data.n_valid_vocab)
         self.pp_timeline: PipelineRecorder | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
@@ -255,6 +253,7 @@ class Trainer:
         found = self.checkpointer.latest()
         if found is None:
             return False
+        check_checkpoint_tokenizer(found[1], self.data.tokenizer_sha256, self.cfg.data.dataset)
         self.checkpointer.load(found[1], self.app_state())
         return True
 
@@ -291,7 +290,7 @@ class Trainer:
                     counting or contextlib.nullcontext(),
                     autocast(self.autocast_mode, self.device.type),
                 ):
-                    loss = lm_loss(self.model(inputs), targets)
+                    loss = lm_loss(self.model(inputs), targets, self.data.n_valid_vocab)
                 self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach()
         act_bytes = meter.saved_bytes if meter is not None else 0
@@ -417,7 +416,7 @@ class Trainer:
             with self.loss_context():
                 with autocast(self.autocast_mode, self.device.type):
                     logits = self.model(mb[:, :-1])
-                total += lm_loss(logits, mb[:, 1:]).item()
+                total += lm_loss(logits, mb[:, 1:], self.data.n_valid_vocab).item()
         return total / n
 
     def write_pipeline_timeline(self) -> Path | None:
@@ -459,7 +458,8 @@ class Trainer:
         prediction = (
             write_run_prediction(cfg, self.device, self.run_dir) if self.rank == 0 else None
         )
-        writer = M.JsonlWriter(metrics_path, enabled=self.rank == 0)
+        tb_dir = self.run_dir / "tensorboard" if cfg.metrics.tensorboard else None
+        writer = M.RunWriter(metrics_path, tb_dir, self.rank == 0, self.step if resumed else 0)
         reporter = StepReporter(cfg, enabled=self.rank == 0, prediction=prediction)
         reporter.start(self, resumed)
         result = TrainResult(steps_done=self.step)
@@ -561,13 +561,16 @@ class _PipelineLoss:
     past `destroy_process_group`, where gloo's threads can abort the process).
     """
 
-    def __init__(self, scaler: DynamicLossScaler, n_microbatches: int) -> None:
+    def __init__(
+        self, scaler: DynamicLossScaler, n_microbatches: int, n_valid_vocab: int | None = None
+    ) -> None:
         self.scaler = scaler
         self.n_microbatches = n_microbatches
+        self.n_valid_vocab = n_valid_vocab
         self.losses: list[torch.Tensor] = []  # this step's, detached
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(logits, targets)
+        loss = lm_loss(logits, targets, self.n_valid_vocab)
         self.losses.append(loss.detach())
         return self.scaler.scale_loss(loss / self.n_microbatches)
 
