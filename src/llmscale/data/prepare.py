@@ -474,7 +474,7 @@ def _encode_all(
             writers[split].write(ids)
             stats.tokens += len(ids)
         batch, owners, size = [], [], 0
-        if bar is not None:
+        if bar is not None and task is not None:
             rate = stats.tokens / max(time.perf_counter() - t0, 1e-9)
             bar.update(task, completed=stats.bytes_read, tokens=stats.tokens,
                        rate=f"{rate:,.0f} tok/s")  # fmt: skip

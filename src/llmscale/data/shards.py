@@ -14,6 +14,7 @@ the same global order and takes its slice of each global batch.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,10 @@ class ShardStream:
         self.shards = [
             np.memmap(p, dtype=np_dtype, mode="r") for p in shards if p.stat().st_size > 0
         ]
+        for m in self.shards:  # windows are read at random: no read-ahead around each one
+            mm = getattr(m, "_mmap", None)
+            if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+                mm.madvise(mmap.MADV_RANDOM)
         counts = [(len(s) - 1) // seq_len for s in self.shards]
         # first window index of each shard (and the total at the end)
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -145,7 +150,17 @@ class ShardStream:
         offsets = (windows - self.starts[shard]) * self.seq_len
         for i, (s, o) in enumerate(zip(shard.tolist(), offsets.tolist(), strict=True)):
             out[i] = self.shards[s][o : o + self.seq_len + 1]
+        self._unmap(set(shard.tolist()))
         return out
+
+    def _unmap(self, shards: set[int]) -> None:
+        """Drop the pages just read from this process's mappings (they stay in the page cache):
+        otherwise every page ever touched counts in the resident set, which then grows with the
+        steps and the corpus instead of staying flat."""
+        for s in shards:
+            mm = getattr(self.shards[s], "_mmap", None)
+            if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED)
 
     def next_batch(self, global_batch: int) -> torch.Tensor:
         """This DP rank's share of the next global batch: (global_batch / dp, seq_len + 1) int64."""
