@@ -6,7 +6,37 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ["the", "model", "reads", "tokens", "and", "learns", "which", "token", "follows", "which;", "shards", "are", "memory", "mapped,", "batches", "are", "drawn", "per", "seed,", "ranks", "take", "their", "slice,", "héllo", "ünïcode", "日本語", "and", "digits", "0123"]
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "tokens",
+    "and",
+    "learns",
+    "which",
+    "token",
+    "follows",
+    "which;",
+    "shards",
+    "are",
+    "memory",
+    "mapped,",
+    "batches",
+    "are",
+    "drawn",
+    "per",
+    "seed,",
+    "ranks",
+    "take",
+    "their",
+    "slice,",
+    "héllo",
+    "ünïcode",
+    "日本語",
+    "and",
+    "digits",
+    "0123",
+]
 
 
 def sentence(rng: random.Random, n: int) -> str:
