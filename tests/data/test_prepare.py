@@ -145,7 +145,11 @@ def test_glob_and_jsonl_field(tmp_path) -> None:
 def test_a_huge_document_is_read_in_pieces(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(P, "PIECE_BYTES", 64)
     monkeypatch.setattr(P, "BATCH_BYTES", 200)
-    text = "".join(f"line {i} héllo 日本\n" for i in range(200)) + "no newline at the end é"
+    text = (
+        "".join(f"line {i} héllo 日本\n" for i in range(200))
+        + "日本語é" * 50
+        + " no newline: pieces cut inside characters"
+    )
     (tmp_path / "big.txt").write_text(text)
     r = P.prepare([str(tmp_path / "big.txt")], tmp_path / "o", "bytes", val_fraction=0.0,
                   progress=False)  # fmt: skip

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -158,15 +158,23 @@ def _pieces(r: _HashingReader) -> Iterator[str]:
             break
         data = rest + block
         cut = data.rfind(b"\n") + 1 or len(data)
-        piece, rest = data[:cut], data[cut:]
-        # A cut inside a UTF-8 character (no newline in the block) carries the tail over.
-        text = piece.decode("utf-8", errors="ignore")
-        tail = piece[len(text.encode("utf-8")) :]
-        rest = tail + rest
+        text, tail = _decode(data[:cut])
+        rest = tail + data[cut:]
         if text:
             yield text
     if rest:
         yield rest.decode("utf-8", errors="replace")
+
+
+def _decode(piece: bytes) -> tuple[str, bytes]:
+    """The text of a piece, and the bytes of a UTF-8 character cut at its end (carried over to
+    the next piece); other bad bytes become U+FFFD."""
+    try:
+        return piece.decode("utf-8"), b""
+    except UnicodeDecodeError as e:
+        if e.reason == "unexpected end of data":
+            return piece[: e.start].decode("utf-8", errors="replace"), piece[e.start :]
+        return piece.decode("utf-8", errors="replace"), b""
 
 
 def iter_documents(
@@ -243,9 +251,7 @@ def load_tokenizer_file(path: str | Path) -> Any:
         ) from None
 
 
-def train_bpe(
-    texts: Iterator[str], vocab_size: int, on_text: Callable[[], None] | None = None
-) -> Any:
+def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False) -> Any:
     """A byte-level BPE tokenizer (GPT-2's pre-tokenization) with EOS and PAD special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -259,7 +265,7 @@ def train_bpe(
         vocab_size=vocab_size,
         special_tokens=list(BPE_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,  # the library's own bar, on a terminal
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
@@ -366,7 +372,7 @@ def prepare(
             for _, pieces in iter_documents(sources, jsonl_field, train_stats):
                 yield from pieces
 
-        tok = train_bpe(texts(), vocab_size or 8192)
+        tok = train_bpe(texts(), vocab_size or 8192, progress and stderr.is_terminal)
     else:
         if vocab_size is not None:
             raise UsageError("--vocab-size applies to --tokenizer bpe or bytes, not a file")
