@@ -28,10 +28,12 @@ from llmscale.data.prepared import PreparedMeta, byte_tokenizer
 from llmscale.data.shards import ShardStream
 from llmscale.data.stream import PackedStream
 from llmscale.errors import ConfigError
+from llmscale.train.checkpoint import Checkpointer
 
 # Where the checkpoint keeps the tokenizer's sha256 (in _AppState's "trainer" entry).
 TOKENIZER_KEY = "tokenizer_sha256"
 _FQN = f"app.trainer.{TOKENIZER_KEY}"
+_EMBEDDING_FQN = "app.model.tok_embeddings.weight"
 
 
 @functools.cache
@@ -115,6 +117,34 @@ def check_checkpoint_tokenizer(
             f"data from the tokenizer that checkpoint {Path(path).name} was trained with (sha256 "
             f"{stored[:12]}...; this data's tokenizer is {sha256[:12]}...)",
         )
+
+
+def adopt_checkpoint_vocab(cfg: JobConfig, meta: PreparedMeta | None) -> None:
+    """Resuming on a prepared dataset: keep the vocabulary the checkpoint was trained with.
+
+    The padding depends on tp (a multiple of 64 x tp), so a run resumed under another tp could
+    ask for another size than its checkpoint holds; the checkpoint's size is kept whenever it
+    covers the tokenizer and splits over this tp, and otherwise the resume stops with one line.
+    """
+    if meta is None or not cfg.checkpoint.resume:
+        return
+    found = Checkpointer(Path(cfg.job.run_dir) / cfg.checkpoint.folder).latest()
+    if found is None:
+        return
+    entry = (
+        dcp.FileSystemReader(str(found[1])).read_metadata().state_dict_metadata.get(_EMBEDDING_FQN)
+    )
+    size = getattr(entry, "size", None)
+    if not size or int(size[0]) == cfg.model.vocab_size:
+        return
+    vocab, tp = int(size[0]), cfg.parallel.tp
+    if vocab < meta.vocab_size:
+        return  # another tokenizer: the sha256 check at resume names it
+    if vocab % tp:
+        raise ConfigError(
+            "parallel.tp", tp, f"a divisor of the vocabulary {vocab} of checkpoint {found[1].name}"
+        )
+    cfg.model = cfg.model.with_overrides(vocab_size=vocab)
 
 
 def mask_padded_vocab(logits: torch.Tensor, n_valid: int | None) -> torch.Tensor:

@@ -47,7 +47,12 @@ from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
-from llmscale.train.data import build_data, check_checkpoint_tokenizer, mask_padded_vocab
+from llmscale.train.data import (
+    adopt_checkpoint_vocab,
+    build_data,
+    check_checkpoint_tokenizer,
+    mask_padded_vocab,
+)
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -136,6 +141,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         # data.dataset: the model's vocabulary follows its tokenizer (padded for tp).
         dataset_meta = apply_dataset(cfg)
+        adopt_checkpoint_vocab(cfg, dataset_meta)  # a resume keeps its checkpoint's padding
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
