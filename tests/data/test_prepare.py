@@ -105,6 +105,7 @@ def test_prepare_bpe_round_trips_and_fits_the_vocabulary(tmp_path) -> None:
                           val_fraction=0.0)  # fmt: skip
     m2 = load_meta(again)
     assert m2.tokenizer_sha256 == meta.tokenizer_sha256
+    assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
     assert (again / "train-00000.bin").read_bytes() != b""
 
 
@@ -115,6 +116,15 @@ def test_file_tokenizer_gives_the_same_shards(tmp_path) -> None:
                   progress=False)  # fmt: skip
     for name in ("train-00000.bin", "val-00000.bin"):
         assert (a.out / name).read_bytes() == (b.out / name).read_bytes()
+    # A file is kept byte for byte: its sha256 is the user's file's (here a compact rewrite).
+    from tokenizers import Tokenizer
+
+    compact = tmp_path / "compact.json"
+    compact.write_text(Tokenizer.from_file(str(a.out / "tokenizer.json")).to_str())
+    c = P.prepare([str(corpus)], tmp_path / "c", str(compact), val_fraction=0.2, progress=False)
+    assert c.meta["tokenizer_sha256"] == hashlib.sha256(compact.read_bytes()).hexdigest()
+    assert c.meta["tokenizer_sha256"] != a.meta["tokenizer_sha256"]
+    assert (c.out / "train-00000.bin").read_bytes() == (a.out / "train-00000.bin").read_bytes()
 
 
 def test_shards_are_capped_and_concatenate_to_the_same_tokens(tmp_path) -> None:

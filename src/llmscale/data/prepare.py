@@ -380,7 +380,8 @@ def prepare(
     specials = _find_specials(tok, tokenizer)
     # Documents are data: a special token's name written in the text is encoded as text.
     tok.encode_special_tokens = True
-    real_vocab = tok.get_vocab_size(with_added_tokens=True)
+    # Ids run from 0 to the largest one (a file's vocabulary may have holes).
+    real_vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     dtype = token_dtype(real_vocab)
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -388,7 +389,10 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        tok.save(str(tmp / TOKENIZER_FILE))
+        if tokenizer in ("bytes", "bpe"):
+            tok.save(str(tmp / TOKENIZER_FILE))
+        else:  # the file as it is: its sha256 is the one a user (or an HF folder) has
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
         stats = _Stats()
         _encode_all(tok, sources, jsonl_field, val_fraction, specials.eos_id, writers, stats,
