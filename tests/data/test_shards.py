@@ -122,3 +122,18 @@ def test_training_on_a_prepared_dataset_resumes_bit_exactly(cfg_factory, prepare
     _, rest = _run(cfg_factory, prepared, "cut", "--checkpoint.resume", "true")
     assert first.losses + rest.losses == full.losses  # bit-exact
     assert rest.val_loss == full.val_loss is not None
+
+
+def test_a_checkpoint_without_a_tokenizer_sha_still_resumes(cfg_factory) -> None:
+    from llmscale.train.data import byte_tokenizer_sha256, checkpoint_tokenizer_sha256
+
+    common = ("--checkpoint.enabled", "true", "--train.eval_batches", "0")
+    with Trainer(cfg_factory(*common, "--train.steps", "2", run="old")) as t:
+        t.sha_kept = False  # as checkpoints were written before the sha256 was kept
+        t.fit()
+        folder = t.checkpointer.folder
+    assert checkpoint_tokenizer_sha256(folder / "step-000002") is None
+    cfg = cfg_factory(*common, "--train.steps", "3", "--checkpoint.resume", "true", run="old")
+    with Trainer(cfg) as t:
+        assert t.fit().steps_done == 3
+    assert checkpoint_tokenizer_sha256(folder / "step-000003") == byte_tokenizer_sha256()

@@ -106,9 +106,10 @@ def checkpoint_tokenizer_sha256(path: str | Path) -> str | None:
 
 def check_checkpoint_tokenizer(
     path: str | Path, sha256: str, data: str, field: str = "data.dataset"
-) -> None:
+) -> bool:
     """A ConfigError (one line, exit 2) when the checkpoint at `path` was trained on data from
-    another tokenizer than the one of `data` (its sha256 given)."""
+    another tokenizer than the one of `data` (its sha256 given). False when the checkpoint keeps
+    no tokenizer (written before it did): nothing to compare."""
     stored = checkpoint_tokenizer_sha256(path)
     if stored is not None and stored != sha256:
         raise ConfigError(
@@ -117,6 +118,7 @@ def check_checkpoint_tokenizer(
             f"data from the tokenizer that checkpoint {Path(path).name} was trained with (sha256 "
             f"{stored[:12]}...; this data's tokenizer is {sha256[:12]}...)",
         )
+    return stored is not None
 
 
 def adopt_checkpoint_vocab(cfg: JobConfig, meta: PreparedMeta | None) -> None:

@@ -119,7 +119,8 @@ class _AppState(Stateful):
                 "data": self.t.train_stream.state.to_dict(),
                 "scaler": self.t.scaler.state_dict(),
                 "scheduler": self.t.optimizers.scheduler_state_dict(),
-                "tokenizer_sha256": self.t.data.tokenizer_sha256,
+                # (left out only to load a checkpoint written before it was kept)
+                **({"tokenizer_sha256": self.t.data.tokenizer_sha256} if self.t.sha_kept else {}),
             },
         }
 
@@ -163,6 +164,7 @@ class Trainer:
         self.corpus_summary = self.data.summary
         self.train_stream = self.data.train_stream
         self.val_tokens = self.data.val_tokens
+        self.sha_kept = True  # checkpoints hold the tokenizer's sha256
 
         # The model is built, split and sharded on the meta device; then each rank allocates
         # and initialises only its own pieces, from values that depend on (seed, parameter name)
@@ -259,8 +261,11 @@ class Trainer:
         found = self.checkpointer.latest()
         if found is None:
             return False
-        check_checkpoint_tokenizer(found[1], self.data.tokenizer_sha256, self.cfg.data.dataset)
+        self.sha_kept = check_checkpoint_tokenizer(
+            found[1], self.data.tokenizer_sha256, self.cfg.data.dataset
+        )
         self.checkpointer.load(found[1], self.app_state())
+        self.sha_kept = True
         return True
 
     # ---- one optimizer step ---------------------------------------------------------------
