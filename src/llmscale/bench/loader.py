@@ -7,8 +7,9 @@
 For each size, synthetic uint16 token shards of that many bytes (shards of at most 200 MB, as
 `data prepare` writes them) are written to a temporary folder, read through `ShardStream` for
 `--batches` global batches of shuffled windows, then deleted. Reported per size: tokens/s
-delivered, and the process's resident memory (VmRSS), split into anonymous memory (RssAnon:
-what the loader allocates) and mapped file pages (RssFile: pages of the shards the batches
+delivered, and the process's resident memory (VmRSS), split into anonymous memory (RssAnon;
+"anon +" is its growth from before the stream was built to after the batches: what the loader
+itself kept) and mapped file pages (RssFile: pages of the shards the batches
 touched, which the kernel may drop at will), plus the peak (VmHWM, reset per size where the
 kernel allows). Flat anonymous memory from 100 MB to 4 GB is the claim: no per-corpus index is
 built. Next to it, one training step's demand: the tokens/s a short real training of `--model`
@@ -44,6 +45,7 @@ class LoaderFigure:
     tokens_per_s: float
     rss_bytes: int
     anon_bytes: int
+    anon_growth_bytes: int  # RssAnon after the batches minus before the stream was built
     file_bytes: int
     peak_bytes: int | None  # VmHWM over this size's run (None where it cannot be reset)
     write_s: float
@@ -101,6 +103,7 @@ def measure_size(
         write_s = time.perf_counter() - t0
         gc.collect()
         can_reset = _reset_peak()
+        anon_before = memory_status().get("RssAnon", 0)
         stream = ShardStream(paths, "uint16", seq, seed=0)
         stream.next_batch(batch)  # the first batch pays for imports and first mappings
         t0 = time.perf_counter()
@@ -115,6 +118,7 @@ def measure_size(
             tokens_per_s=batches * batch * seq / dt,
             rss_bytes=mem.get("VmRSS", 0),
             anon_bytes=mem.get("RssAnon", 0),
+            anon_growth_bytes=mem.get("RssAnon", 0) - anon_before,
             file_bytes=mem.get("RssFile", 0),
             peak_bytes=mem.get("VmHWM") if can_reset else None,
             write_s=write_s,
@@ -165,8 +169,8 @@ def figure_lines(figs: list[LoaderFigure], demand: float | None, model: str) -> 
     from llmscale.train.progress import human_bytes
 
     lines = [
-        f"{'corpus':>10} {'shards':>6} {'tokens/s':>14} {'RSS':>10} {'anon':>10} {'file':>10} "
-        f"{'peak':>10} {'x demand':>9}"
+        f"{'corpus':>10} {'shards':>6} {'tokens/s':>14} {'RSS':>10} {'anon':>10} "
+        f"{'anon +':>8} {'file':>10} {'peak':>10} {'x demand':>9}"
     ]
     for f in figs:
         ratio = f"{f.tokens_per_s / demand:9.0f}" if demand else f"{'-':>9}"
@@ -174,13 +178,16 @@ def figure_lines(figs: list[LoaderFigure], demand: float | None, model: str) -> 
         lines.append(
             f"{human_bytes(f.size_bytes):>10} {f.shards:>6} {f.tokens_per_s:>14,.0f} "
             f"{human_bytes(f.rss_bytes):>10} {human_bytes(f.anon_bytes):>10} "
-            f"{human_bytes(f.file_bytes):>10} {peak:>10} {ratio}"
+            f"{human_bytes(f.anon_growth_bytes):>8} {human_bytes(f.file_bytes):>10} {peak:>10} "
+            f"{ratio}"
         )
     if len(figs) > 1:
         grow = figs[-1].anon_bytes - figs[0].anon_bytes
         lines.append(
             f"anonymous memory from {human_bytes(figs[0].size_bytes)} to "
-            f"{human_bytes(figs[-1].size_bytes)} of tokens: {grow / 2**20:+.1f} MiB"
+            f"{human_bytes(figs[-1].size_bytes)} of tokens: {grow / 2**20:+.1f} MiB; grown while "
+            f"the loader ran (anon +): at most {max(f.anon_growth_bytes for f in figs) / 2**20:.1f}"
+            " MiB"
         )
     if demand:
         lines.append(
