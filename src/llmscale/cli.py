@@ -615,7 +615,9 @@ def _add_data(sub: argparse._SubParsersAction[_Parser]) -> None:
         description="Tokenize your own text into a folder that `llmscale train --data.dataset "
         "DIR` trains on.",
     )
-    what = p.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    what = p.add_subparsers(
+        dest="data_command", metavar="prepare", required=True, parser_class=_Parser
+    )
     prep = what.add_parser(
         "prepare",
         help="text files, folders and JSONL in; DIR/tokenizer.json, token shards, meta.json out",
@@ -631,7 +633,9 @@ def _add_data(sub: argparse._SubParsersAction[_Parser]) -> None:
         epilog="Example: llmscale data prepare --input docs/ --glob '**/*.md' --tokenizer bpe "
         "--vocab-size 4096 --out data/docs",
     )
-    prep.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, folders")
+    prep.add_argument(
+        "--input", nargs="+", required=True, metavar="PATH", help="text and .jsonl files, folders"
+    )
     prep.add_argument(
         "--glob",
         default="",
