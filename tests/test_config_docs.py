@@ -77,7 +77,7 @@ def test_choices_come_from_the_field_types() -> None:
     assert by_key["model.mlp"].choices == ("swiglu", "gelu")
     assert by_key["parallel.zero_stage"].choices == (0, 1, 2, 3)
     # A string-valued field that is not a free-form name or path is a Literal.
-    free = {"name", "run_dir", "path", "glob", "folder", "published_source", "init_from"}
+    free = {"name", "run_dir", "path", "glob", "folder", "published_source", "init_from", "dataset"}
     for k in config_keys():
         if k.type == "str" and not k.choices and k.name not in free:
             raise AssertionError(f"{k.key} is a plain str: give it a Literal type")

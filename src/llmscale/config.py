@@ -132,9 +132,17 @@ class DataSection:
     """Share of the tokens held out for evaluation, in [0, 1)."""
     max_files: int = 0
     """Read at most this many files; 0 = every file that matches."""
+    dataset: str = ""
+    """A folder written by `llmscale data prepare` (its meta.json, tokenizer and token shards),
+    read through memory maps; the model's vocab_size follows its tokenizer, padded to a multiple
+    of 64 x tp. Empty = the raw bytes of path."""
 
     def validate(self) -> None:
         _positive("data.seq_len", self.seq_len)
+        if self.dataset and not (Path(self.dataset) / "meta.json").is_file():
+            raise ConfigError(
+                "data.dataset", self.dataset, "a folder written by `llmscale data prepare`"
+            )
         _nonneg("data.max_files", self.max_files)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError("data.val_fraction", self.val_fraction, "a number in [0, 1)")
@@ -337,6 +345,10 @@ class MetricsSection:
     pipeline_timeline: bool = False
     """With pp > 1: record when every forward/backward chunk ran on each rank and write
     run_dir/pipeline_timeline.json at the end (about 1 us per op)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under run_dir/tensorboard/ (loss, val loss, lr, grad
+    norm, loss scale, tokens/s, MFU, each memory component), from rank 0: tensorboard --logdir
+    runs/."""
 
     def validate(self) -> None:
         _positive("metrics.log_every", self.log_every)

@@ -25,6 +25,7 @@ class BenchOptions:
     data_files: int = 60
     seeds: int = 3  # independent runs (seeds 0 .. seeds-1) for figures that vary from run to run
     png_dir: Path | None = None
+    loader_sizes_mb: tuple[int, ...] = (100, 1000, 4000)  # the loader suite's corpus sizes
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llmscale-bench-")))
 
     def job(self, *overrides: str, run: str = "run") -> JobConfig:

@@ -18,6 +18,7 @@ SUITES: dict[str, str] = {
     "precision": "llmscale.bench.precision",
     "pipeline": "llmscale.bench.pipeline",
     "published": "llmscale.bench.published",
+    "loader": "llmscale.bench.loader",
 }
 
 

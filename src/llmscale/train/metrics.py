@@ -69,6 +69,73 @@ class JsonlWriter:
             self._fh = None
 
 
+class TensorBoardWriter:
+    """The metrics rows as TensorBoard scalars under one folder (`tensorboard --logdir runs/`).
+
+    Tags: train/loss, train/lr, train/grad_norm, train/loss_scale, train/tokens_per_s, train/mfu
+    (when a peak is known), val/loss, and memory/<key> for every *_bytes figure of the row. A run
+    resumed at step s drops the events after s that the interrupted run had written (`purge_step`),
+    as metrics.jsonl drops its rows.
+    """
+
+    SCALARS = {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "loss_scale": "train/loss_scale",
+        "tokens_per_s": "train/tokens_per_s",
+        "mfu": "train/mfu",
+        "val_loss": "val/loss",
+    }
+
+    def __init__(self, folder: str | Path, resumed_step: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = Path(folder)
+        self._w: Any = SummaryWriter(
+            str(self.folder), purge_step=resumed_step + 1 if resumed_step else None
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0))
+        for key, value in row.items():
+            tag = self.SCALARS.get(key) or (f"memory/{key}" if key.endswith("_bytes") else None)
+            if tag and isinstance(value, int | float) and not isinstance(value, bool):
+                self._w.add_scalar(tag, float(value), step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class RunWriter:
+    """Where rank 0 writes each metrics row: metrics.jsonl, and TensorBoard when asked."""
+
+    def __init__(
+        self,
+        jsonl_path: str | Path,
+        tensorboard_dir: str | Path | None = None,
+        enabled: bool = True,
+        resumed_step: int = 0,
+    ) -> None:
+        self.jsonl = JsonlWriter(jsonl_path, enabled=enabled)
+        self.tensorboard = (
+            TensorBoardWriter(tensorboard_dir, resumed_step)
+            if enabled and tensorboard_dir is not None
+            else None
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.jsonl.write(row)
+        if self.tensorboard is not None:
+            self.tensorboard.write(row)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
 def truncate_after(path: str | Path, step: int) -> None:
     """Drop rows of steps after `step` (resuming from it redoes them)."""
     p = Path(path)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from llmscale.config import JobConfig, to_toml
-from llmscale.data.corpus import load_corpus
+from llmscale.data.prepared import apply_dataset
 from llmscale.data.stream import PackedStream, StreamState
 from llmscale.errors import ConfigError, ExitCode, JobStopped
 from llmscale.instrument.activations import ActivationMeter
@@ -49,6 +49,12 @@ from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.divergence import DivergenceGuard, all_finite
 from llmscale.train.evaluation import local_eval_rows, token_loss_sum
+from llmscale.train.data import (
+    adopt_checkpoint_vocab,
+    build_data,
+    check_checkpoint_tokenizer,
+    mask_padded_vocab,
+)
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -69,14 +75,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, n_valid_vocab: int | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32.
 
     Logits split over the vocabulary (a DTensor, under tensor parallelism) need torch's
     `loss_parallel` around this call and its backward (`loss_context`); the mean, the same on
-    every tp rank, comes back as a plain tensor.
+    every tp rank, comes back as a plain tensor. Ids from `n_valid_vocab` up (a prepared
+    dataset's padded vocabulary) are masked out.
     """
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    logits = mask_padded_vocab(logits.float(), n_valid_vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
@@ -114,6 +124,8 @@ class _AppState(Stateful):
                 "data": self.t.train_stream.state.to_dict(),
                 "scaler": self.t.scaler.state_dict(),
                 "scheduler": self.t.optimizers.scheduler_state_dict(),
+                # (left out only to load a checkpoint written before it was kept)
+                **({"tokenizer_sha256": self.t.data.tokenizer_sha256} if self.t.sha_kept else {}),
             },
         }
 
@@ -133,7 +145,10 @@ class Trainer:
     """One rank's view of a training run (the only rank, in a single process)."""
 
     def __init__(self, cfg: JobConfig) -> None:
-        cfg = with_source_model(cfg)  # checkpoint.init_from: the source's model shape
+        # data.dataset: the model's vocabulary follows its tokenizer (padded for tp).
+        dataset_meta = apply_dataset(cfg)
+        adopt_checkpoint_vocab(cfg, dataset_meta)  # a resume keeps its checkpoint's padding
+        cfg = with_source_model(cfg)  # checkpoint.init_from: the source's model shape wins
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
@@ -153,21 +168,12 @@ class Trainer:
         self.loss_context = functools.partial(loss_context, cfg.model, self.dims.tp)
         torch.manual_seed(cfg.job.seed)
 
-        corpus = load_corpus(
-            cfg.data.path, cfg.data.glob, cfg.data.val_fraction, cfg.data.max_files
-        )
-        self.corpus_summary = (
-            f"{corpus.root} ({corpus.n_train_files} train / {corpus.n_val_files} val files, "
-            f"{len(corpus.train):,} train tokens)"
-        )
-        self.train_stream = PackedStream(
-            corpus.train,
-            cfg.data.seq_len,
-            cfg.job.seed,
-            dp_rank=self.dims.dp_rank,
-            dp_size=self.dims.dp,
-        )
-        self.val_tokens = corpus.val
+        # Raw bytes of data.path, or a prepared dataset's memory-mapped shards (train/data.py).
+        self.data = build_data(cfg, self.dims.dp_rank, self.dims.dp, dataset_meta)
+        self.corpus_summary = self.data.summary
+        self.train_stream = self.data.train_stream
+        self.val_tokens = self.data.val_tokens
+        self.sha_kept = True  # checkpoints hold the tokenizer's sha256
 
         # The model is built, split and sharded on the meta device; then each rank allocates
         # and initialises only its own pieces, from values that depend on (seed, parameter name)
@@ -187,7 +193,7 @@ class Trainer:
         self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
-        self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches)
+        self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches, self.data.n_valid_vocab)
         self.pp_timeline: PipelineRecorder | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
@@ -272,7 +278,11 @@ class Trainer:
         path = self.run_folder.resume_from
         if path is None:
             return False
+        self.sha_kept = check_checkpoint_tokenizer(
+            path, self.data.tokenizer_sha256, self.cfg.data.dataset
+        )
         self.checkpointer.load(path, self.app_state())
+        self.sha_kept = True
         return True
 
     # ---- one optimizer step ---------------------------------------------------------------
@@ -308,7 +318,7 @@ class Trainer:
                     counting or contextlib.nullcontext(),
                     autocast(self.autocast_mode, self.device.type),
                 ):
-                    loss = lm_loss(self.model(inputs), targets)
+                    loss = lm_loss(self.model(inputs), targets, self.data.n_valid_vocab)
                 self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach()
         act_bytes = meter.saved_bytes if meter is not None else 0
@@ -431,7 +441,7 @@ class Trainer:
                 with self.loss_context():
                     with autocast(self.autocast_mode, self.device.type):
                         logits = self.model(x)
-                    part = token_loss_sum(logits, y)
+                    part = token_loss_sum(mask_padded_vocab(logits.float(), self.data.n_valid_vocab), y)
             if self.dims.holds_loss():  # one rank per replica: the last stage's first TP rank
                 total += part
         self.dims.all_reduce_sum(total)
@@ -492,7 +502,8 @@ class Trainer:
         prediction = (
             write_run_prediction(cfg, self.device, self.run_dir) if self.rank == 0 else None
         )
-        writer = M.JsonlWriter(metrics_path, enabled=self.rank == 0)
+        tb_dir = self.run_dir / "tensorboard" if cfg.metrics.tensorboard else None
+        writer = M.RunWriter(metrics_path, tb_dir, self.rank == 0, self.step if resumed else 0)
         reporter = StepReporter(cfg, enabled=self.rank == 0, prediction=prediction)
         reporter.start(self, resumed)
         result = TrainResult(steps_done=self.step)
@@ -655,19 +666,22 @@ class _PipelineLoss:
     past `destroy_process_group`, where gloo's threads can abort the process).
     """
 
-    def __init__(self, scaler: DynamicLossScaler, n_microbatches: int) -> None:
+    def __init__(
+        self, scaler: DynamicLossScaler, n_microbatches: int, n_valid_vocab: int | None = None
+    ) -> None:
         self.scaler = scaler
         self.n_microbatches = n_microbatches
+        self.n_valid_vocab = n_valid_vocab
         self.losses: list[torch.Tensor] = []  # this step's, detached
         # While evaluating: each micro-batch's [token loss sum, tokens] (`token_loss_sum`).
         self.eval_sums: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.eval_sums is not None:
-            sums = token_loss_sum(logits, targets)
+            sums = token_loss_sum(mask_padded_vocab(logits.float(), self.n_valid_vocab), targets)
             self.eval_sums.append(sums)
             return sums[0]
-        loss = lm_loss(logits, targets)
+        loss = lm_loss(logits, targets, self.n_valid_vocab)
         self.losses.append(loss.detach())
         return self.scaler.scale_loss(loss / self.n_microbatches)
 
