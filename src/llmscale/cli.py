@@ -649,6 +649,105 @@ def _cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     done = export_run(args.run_dir, args.out, args.step, args.format)
     sys.stderr.write(
         f"exported step {done.step} of {args.run_dir} as {done.architecture} to {done.out}\n"
+    )
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt with a run's newest checkpoint",
+        description="Print the prompt followed by its continuation on stdout (nothing else "
+        "there; notices go to stderr). Decoding keeps a key/value cache.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add at most")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0 = all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.config import DEVICES
+    from llmscale.inference.generate import generate_text
+
+    _one_of("--device", args.device, DEVICES)
+    out = generate_text(
+        args.run_dir,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        step=args.step,
+        device=args.device,
+    )
+    sys.stderr.write(f"step {out.step}: {len(out.new_ids)} new tokens\n")
+    sys.stdout.write(out.text + "\n")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="validation loss and perplexity of a run's newest checkpoint",
+        description="Evaluate RUN_DIR's newest checkpoint on its validation data (as the "
+        "trainer does), in one process. Config keys can be overridden, e.g. --data.dataset DIR.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_eval, accepts_overrides=True)
+
+
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from llmscale.inference.evaluate import evaluate_run
+
+    res = evaluate_run(args.run_dir, overrides)
+    if args.json:
+        sys.stdout.write(json.dumps({"run_dir": args.run_dir, **res.to_dict()}) + "\n")
+    else:
+        sys.stdout.write(
+            f"step {res.step}: val_loss {res.val_loss:.4f}  perplexity {res.perplexity:.3f}\n"
+        )
+    return 0
+
+
+# ---- ckpt ---------------------------------------------------------------------------------
+
+
+def _add_ckpt(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "ckpt",
+        help="list or verify a run's checkpoints",
+        description="`list`: each checkpoint under RUN_DIR/checkpoints with its step, the "
+        "parallel layout it was saved under, its size and whether its files match its "
+        "manifest. `verify`: the same, exit 1 if any is damaged.",
+    )
+    p.add_argument("action", choices=("list", "verify"), help="list | verify")
+    p.add_argument("run_dir", help="folder a `llmscale train` run wrote")
+    p.add_argument("--folder", default="checkpoints", help="checkpoint folder under RUN_DIR")
+    p.set_defaults(func=_cmd_ckpt)
+
+
+def _cmd_ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.train.ckpt_report import checkpoint_rows, print_rows
+
+    rows = checkpoint_rows(args.run_dir, args.folder)
+    print_rows(rows, f"checkpoints in {args.run_dir}")
+    if args.action == "verify":
+        damaged = [r for r in rows if r.damaged]
+        intact = sum(r.ok for r in rows)
+        print(f"{intact} intact, {len(damaged)} damaged")
+        return 1 if damaged else 0
+    return 0
+
+
 # ---- data ---------------------------------------------------------------------------------
 
 
@@ -724,100 +823,6 @@ def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
         + (f", {res.skipped_binary} binary skipped" if res.skipped_binary else "")
         + f"; {res.tokens_per_s:,.0f} tokens/s"
     )
-    return 0
-
-
-def _add_generate(sub: argparse._SubParsersAction[_Parser]) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="continue a prompt with a run's newest checkpoint",
-        description="Print the prompt followed by its continuation on stdout (nothing else "
-        "there; notices go to stderr). Decoding keeps a key/value cache.",
-    )
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add at most")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.set_defaults(func=_cmd_generate)
-
-
-def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from llmscale.config import DEVICES
-    from llmscale.inference.generate import generate_text
-
-    _one_of("--device", args.device, DEVICES)
-    out = generate_text(
-        args.run_dir,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        step=args.step,
-        device=args.device,
-    )
-    sys.stderr.write(f"step {out.step}: {len(out.new_ids)} new tokens\n")
-    sys.stdout.write(out.text + "\n")
-    return 0
-
-
-def _add_eval(sub: argparse._SubParsersAction[_Parser]) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="validation loss and perplexity of a run's newest checkpoint",
-        description="Evaluate RUN_DIR's newest checkpoint on its validation data (as the "
-        "trainer does), in one process. Config keys can be overridden, e.g. --data.dataset DIR.",
-    )
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=_cmd_eval, accepts_overrides=True)
-
-
-def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    import json
-
-    from llmscale.inference.evaluate import evaluate_run
-
-    res = evaluate_run(args.run_dir, overrides)
-    if args.json:
-        sys.stdout.write(json.dumps({"run_dir": args.run_dir, **res.to_dict()}) + "\n")
-    else:
-        sys.stdout.write(
-            f"step {res.step}: val_loss {res.val_loss:.4f}  perplexity {res.perplexity:.3f}\n"
-        )
-
-
-# ---- ckpt ---------------------------------------------------------------------------------
-
-
-def _add_ckpt(sub: argparse._SubParsersAction[_Parser]) -> None:
-    p = sub.add_parser(
-        "ckpt",
-        help="list or verify a run's checkpoints",
-        description="`list`: each checkpoint under RUN_DIR/checkpoints with its step, the "
-        "parallel layout it was saved under, its size and whether its files match its "
-        "manifest. `verify`: the same, exit 1 if any is damaged.",
-    )
-    p.add_argument("action", choices=("list", "verify"), help="list | verify")
-    p.add_argument("run_dir", help="folder a `llmscale train` run wrote")
-    p.add_argument("--folder", default="checkpoints", help="checkpoint folder under RUN_DIR")
-    p.set_defaults(func=_cmd_ckpt)
-
-
-def _cmd_ckpt(args: argparse.Namespace, overrides: list[str]) -> int:
-    from llmscale.train.ckpt_report import checkpoint_rows, print_rows
-
-    rows = checkpoint_rows(args.run_dir, args.folder)
-    print_rows(rows, f"checkpoints in {args.run_dir}")
-    if args.action == "verify":
-        damaged = [r for r in rows if r.damaged]
-        intact = sum(r.ok for r in rows)
-        print(f"{intact} intact, {len(damaged)} damaged")
-        return 1 if damaged else 0
     return 0
 
 

@@ -127,7 +127,7 @@ def test_training_on_a_prepared_dataset_resumes_bit_exactly(cfg_factory, prepare
 def test_a_checkpoint_without_a_tokenizer_sha_still_resumes(cfg_factory) -> None:
     from llmscale.train.data import byte_tokenizer_sha256, checkpoint_tokenizer_sha256
 
-    common = ("--checkpoint.enabled", "true", "--train.eval_batches", "0")
+    common = ("--checkpoint.enabled", "true", "--train.eval_sequences", "0")
     with Trainer(cfg_factory(*common, "--train.steps", "2", run="old")) as t:
         t.sha_kept = False  # as checkpoints were written before the sha256 was kept
         t.fit()

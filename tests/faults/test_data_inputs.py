@@ -115,7 +115,7 @@ def test_resuming_on_data_from_another_tokenizer(tmp_path, capsys, fault_row) ->
     run = tmp_path / "run"
     common = ["--job.run_dir", str(run), "--data.seq_len", "16", "--train.micro_batch_size", "2",
               "--train.global_batch_size", "2", "--metrics.progress", "false",
-              "--train.eval_batches", "1"]  # fmt: skip
+              "--train.eval_sequences", "4"]  # fmt: skip
     assert main(["train", "--data.dataset", str(a), "--train.steps", "2", *common]) == 0
     capsys.readouterr()
     before = sorted(p.name for p in (run / "checkpoints").iterdir())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +34,17 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Eva
     base = read_run_config(run_dir)
     step, _ = find_checkpoint(run_dir, base)
     cfg = load_config(Path(run_dir) / "config.toml", overrides or [])
-    cfg.job.run_dir = str(run_dir)
     cfg.parallel = ParallelSection()  # one process, whatever the run trained under
     cfg.optimizer = dataclasses.replace(cfg.optimizer, offload="none")
-    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, init_from=str(run_dir))
-    with Trainer(cfg) as trainer:
-        loss = trainer.evaluate()
+    cfg.checkpoint = dataclasses.replace(
+        cfg.checkpoint, enabled=False, resume=False, init_from=str(run_dir)
+    )
+    # The evaluating trainer is not a run: a folder of its own (the run's holds its lock and
+    # files, which a new trainer there would refuse), removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="llmscale-eval-") as scratch:
+        cfg.job.run_dir = scratch
+        with Trainer(cfg) as trainer:
+            loss = trainer.evaluate()
     if loss is None:
         raise UsageError(
             f"no validation data for {run_dir}: its validation split holds no sequence of "

@@ -47,14 +47,14 @@ from llmscale.parallel.pipeline import build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
-from llmscale.train.divergence import DivergenceGuard, all_finite
-from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.data import (
     adopt_checkpoint_vocab,
     build_data,
     check_checkpoint_tokenizer,
     mask_padded_vocab,
 )
+from llmscale.train.divergence import DivergenceGuard, all_finite
+from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -441,7 +441,9 @@ class Trainer:
                 with self.loss_context():
                     with autocast(self.autocast_mode, self.device.type):
                         logits = self.model(x)
-                    part = token_loss_sum(mask_padded_vocab(logits.float(), self.data.n_valid_vocab), y)
+                    part = token_loss_sum(
+                        mask_padded_vocab(logits.float(), self.data.n_valid_vocab), y
+                    )
             if self.dims.holds_loss():  # one rank per replica: the last stage's first TP rank
                 total += part
         self.dims.all_reduce_sum(total)
