@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,7 +98,43 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="with --dry-run: predict for this catalog GPU (llmscale hw) instead of this "
         "machine's device",
     )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N local worker processes (torchrun's launcher, standalone) after checking "
+        "the config once here; exits with the workers' code",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc-per-node: restart the workers up to K times after a failure "
+        "(add --resume to continue from the newest checkpoint)",
+    )
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
+
+
+def _launch_workers(args: argparse.Namespace, cfg: Any) -> int:
+    """--nproc-per-node N: validate the job for N ranks here (one line, exit 2, before any worker
+    starts), then run N workers and return their exit code."""
+    from llmscale.parallel.parallelize import check_runtime_support
+    from llmscale.train.launch import launch_local, worker_argv
+    from llmscale.train.memcheck import check_memory
+    from llmscale.train.trainer import resolve_device
+
+    n = args.nproc_per_node
+    if n < 1:
+        raise ConfigError("--nproc-per-node", n, "a positive integer")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", args.max_restarts, ">= 0")
+    cfg.validate(world_size=n)
+    device = resolve_device(cfg.job.device)
+    check_runtime_support(cfg, device)
+    check_memory(cfg, device)  # raises when it cannot fit; the workers print the warnings
+    argv = worker_argv(args.argv, ("--nproc-per-node", "--max-restarts"))
+    return launch_local(n, ["train", *argv], args.max_restarts)
 
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -119,6 +156,8 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         for line in dry_run_lines(cfg, device, args.gpu):
             out.print(line, markup=False)
         return 0
+    if args.nproc_per_node is not None:
+        return _launch_workers(args, cfg)
     run_training(cfg)
     return 0
 
@@ -648,6 +687,12 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return plain, overrides
 
 
+def _speaks(reporter_rank: int = 0) -> bool:
+    """Under torchrun every rank meets the same bad input or stop: one of them (rank 0, or the
+    rank a lost-peer error names) prints it, the others only exit with its code."""
+    return int(os.environ.get("RANK", "0")) == reporter_rank
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     plain, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
@@ -656,13 +701,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown += overrides
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])  # the command's own arguments
     try:
         return int(args.func(args, overrides))
     except (ConfigError, UsageError) as e:
-        sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
+        if _speaks():
+            sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
         return EXIT_USAGE
     except JobStopped as e:
-        sys.stderr.write(f"llmscale {args.command}: {e}\n")
+        if _speaks(getattr(e, "reporter_rank", 0)):
+            sys.stderr.write(f"llmscale {args.command}: {e}\n")
         return int(e.code)
     except KeyboardInterrupt:
         sys.stderr.write(f"llmscale {args.command}: interrupted\n")
