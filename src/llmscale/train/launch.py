@@ -18,6 +18,7 @@ import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from llmscale.errors import ExitCode
 
@@ -42,17 +43,42 @@ def worker_argv(argv: Sequence[str], launcher_flags: Sequence[str]) -> list[str]
     return out
 
 
-def job_exit_code(codes: dict[int, int]) -> int:
-    """The job's exit code from each failed worker's (rank -> code; negative: killed by signal).
+class WorkerExit(NamedTuple):
+    """How one worker ended: its exit code (negative: killed by that signal) and when (s)."""
 
-    The lowest rank with a meaningful code (2, 3, 4, 130, 143) decides: a worker killed by a
-    peer's failure, or by the agent tearing the job down, says nothing about why it stopped.
-    Otherwise 1 (a crash, a traceback).
+    code: int
+    time: float
+
+
+def job_outcome(exits: dict[int, WorkerExit]) -> tuple[int, str | None]:
+    """The job's exit code from its failed workers (by global rank), and a message to print
+    when no worker printed one.
+
+    The lowest rank that exited with a meaningful code (2, 3, 4, 130, 143) decides; that
+    worker printed why. Otherwise, when the first worker to fail was killed by a signal (the
+    agent then stops the others before they can say which peer they lost), the job lost a
+    peer: code 4, naming it. Otherwise 1: a crash, whose traceback the worker printed.
     """
-    for rank in sorted(codes):
-        if codes[rank] in _MEANINGFUL:
-            return codes[rank]
-    return int(ExitCode.FAILURE) if any(codes.values()) else int(ExitCode.OK)
+    for rank in sorted(exits):
+        if exits[rank].code in _MEANINGFUL:
+            return exits[rank].code, None
+    failed = {r: e for r, e in exits.items() if e.code != 0}
+    if not failed:
+        return int(ExitCode.OK), None
+    # The agent stops the survivors with SIGTERM: of two failures in the same second (the
+    # agent's timestamps are whole seconds), theirs is not the cause.
+    first = min(failed, key=lambda r: (failed[r].time, failed[r].code == -signal.SIGTERM, r))
+    code = failed[first].code
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return int(ExitCode.PEER_LOST), (
+            f"rank {first} of the job died ({name}); the job stopped. Restart it with "
+            "--resume to continue from the last checkpoint"
+        )
+    return int(ExitCode.FAILURE), None
 
 
 @contextmanager
@@ -89,7 +115,11 @@ def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
         with _quiet_agent():
             elastic_launch(config, sys.executable)("-m", "llmscale", *argv)
     except ChildFailedError as e:
-        return job_exit_code({rank: f.exitcode for rank, f in e.failures.items()})
+        exits = {r: WorkerExit(f.exitcode, f.timestamp) for r, f in e.failures.items()}
+        code, message = job_outcome(exits)
+        if message:
+            sys.stderr.write(f"llmscale train: {message}\n")
+        return code
     except SignalException as e:
         # The agent passed the signal on to the workers and waited for them (they save a
         # checkpoint and stop): exit as a signalled process does.
