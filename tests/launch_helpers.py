@@ -8,6 +8,7 @@ compares with it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -140,7 +141,5 @@ def wait_for(predicate, timeout: float, every: float = 0.05) -> float | None:  #
 
 
 def kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -76,7 +76,7 @@ def test_stalled_rank_stops_the_job_naming_it(tmp_path, fault_row) -> None:
         fault="a rank stalls (SIGSTOP) mid-run",
         command="LLMSCALE_FAULT=stop:1:2 llmscale train --nproc-per-node 2 "
         f"--comm.timeout_seconds {TIMEOUT:g} ...",
-        expected=f"exit 4 within timeout + grace, naming rank 1",
+        expected="exit 4 within timeout + grace, naming rank 1",
         observed=f"exit {proc.returncode} after {waited:.1f} s: {lines[0] if lines else err[-200:]}",
     )
     assert proc.returncode == ExitCode.PEER_LOST, err[-3000:]
