@@ -119,17 +119,17 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
 def _launch_workers(args: argparse.Namespace, cfg: Any) -> int:
     """--nproc-per-node N: validate the job for N ranks here (one line, exit 2, before any worker
     starts), then run N workers and return their exit code."""
-    from llmscale.parallel.parallelize import check_runtime_support
-    from llmscale.train.launch import launch_local, worker_argv
-    from llmscale.train.memcheck import check_memory
-    from llmscale.train.trainer import resolve_device
-
     n = args.nproc_per_node
     if n < 1:
         raise ConfigError("--nproc-per-node", n, "a positive integer")
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts", args.max_restarts, ">= 0")
     cfg.validate(world_size=n)
+    from llmscale.parallel.parallelize import check_runtime_support
+    from llmscale.train.launch import launch_local, worker_argv
+    from llmscale.train.memcheck import check_memory
+    from llmscale.train.trainer import resolve_device
+
     device = resolve_device(cfg.job.device)
     check_runtime_support(cfg, device)
     check_memory(cfg, device)  # raises when it cannot fit; the workers print the warnings
@@ -145,6 +145,8 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.gpu is not None and not args.dry_run:
         raise UsageError("--gpu only applies with --dry-run")
     cfg = load_config(args.config, overrides)
+    if args.nproc_per_node is not None and not args.dry_run:
+        return _launch_workers(args, cfg)
     from llmscale.train.trainer import resolve_device, run_training
 
     if args.dry_run:
@@ -156,8 +158,6 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         for line in dry_run_lines(cfg, device, args.gpu):
             out.print(line, markup=False)
         return 0
-    if args.nproc_per_node is not None:
-        return _launch_workers(args, cfg)
     run_training(cfg)
     return 0
 
