@@ -79,7 +79,7 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
         description=(
             "Train a decoder LLM from a TOML config. Any config key can be overridden as "
             "--section.key value (e.g. --train.steps 20 --precision.mode bf16). "
-            "Run under `torchrun --nproc-per-node N` for N processes."
+            "Run N processes with --nproc-per-node N (or under torchrun)."
         ),
         formatter_class=_EpilogAsWritten,
     )
