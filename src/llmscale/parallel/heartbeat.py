@@ -26,6 +26,7 @@ rank leaving early is never taken for a lost one. Counters are created with the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -198,6 +199,9 @@ def start(store: Any, rank: int, world_size: int, timeout_seconds: float) -> Hea
     global _current
     stop(finished=False)
     _current = Heartbeat(store, rank, world_size, timeout_seconds).start()
+    # A daemon thread inside a store call when the interpreter finalises is unwound through
+    # C++ frames, which can abort the process: end it first (a no-op once stopped).
+    atexit.register(stop, False)
     return _current
 
 

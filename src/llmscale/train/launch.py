@@ -83,14 +83,25 @@ def job_outcome(exits: dict[int, WorkerExit]) -> tuple[int, str | None]:
 
 @contextmanager
 def _quiet_agent() -> Iterator[None]:
-    """The agent's own log lines (its SIGTERMs, its failure summary) are not the user's news."""
-    log = logging.getLogger("torch.distributed.elastic")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    """The agent's own log lines (its SIGTERMs, its failure summary) are not the user's news.
+
+    Each of torch's elastic modules sets its logger's level itself (from $LOGLEVEL), so every
+    such logger is raised to CRITICAL for the launch, not only their parent.
+    """
+    names = [
+        n
+        for n in logging.root.manager.loggerDict
+        if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
 
 
 def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
