@@ -46,7 +46,7 @@ def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> No
     """
     if env_world_size() == 1 or dist.is_initialized():
         return
-    timeout = timedelta(seconds=timeout_seconds)
+    pg_seconds, monitor_after = timeout_seconds, None
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # gloo alongside NCCL so that a stray CPU-tensor collective still has a backend.
@@ -54,8 +54,13 @@ def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> No
         # Async error handling (torch's default, 3: tear the process down) is what makes NCCL
         # honour the timeout at all; set it unless the user chose otherwise.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # The heartbeat, which can name the lost rank, acts at the timeout; NCCL's watchdog
+        # (SIGABRT, no name) three heartbeats later (parallel/heartbeat.py).
+        monitor_after = timeout_seconds
+        pg_seconds += 3 * heartbeat.interval_for(timeout_seconds)
     else:
-        backend = "gloo"
+        backend = "gloo"  # raises at the timeout; the heartbeat then names the lost ranks
+    timeout = timedelta(seconds=pg_seconds)
     # The mesh's subgroups are made by new_group without a timeout (torch 2.13's DeviceMesh
     # passes one only from pg_options), which means torch's module default: make it ours.
     c10d.default_pg_timeout = timeout
@@ -67,7 +72,7 @@ def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> No
     )
     # The heartbeat thread talks over a connection of its own: a store client serialises its
     # requests, and the main thread may be blocked in a long `wait` on it.
-    heartbeat.start(store.clone(), rank, world_size, timeout_seconds)
+    heartbeat.start(store.clone(), rank, world_size, timeout_seconds, monitor_after)
 
 
 def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> Any:

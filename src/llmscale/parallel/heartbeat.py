@@ -12,11 +12,13 @@ Two readers use the counters:
 
 - `peer_lost(exc)`, when a collective raised: it watches the counters for a few intervals and
   names the ranks whose counter did not move: `JobStopped(..., ExitCode.PEER_LOST)`.
-- the same thread, every interval: a rank whose counter has not moved for
-  `timeout + 2 * interval` seconds is lost even if no collective noticed (a process group whose
-  own timeout is longer, NCCL's watchdog not yet fired): this rank then prints the message (the
-  lowest rank still alive does) and leaves with exit code 4 at once (`os._exit`: the main thread
-  is blocked inside a collective and cannot be interrupted).
+- the same thread, every interval: a rank whose counter has not moved for `monitor_after`
+  seconds is lost even if no collective noticed: this rank then prints the message (the lowest
+  rank still alive does) and leaves with exit code 4 at once (`os._exit`: the main thread is
+  blocked inside a collective and cannot be interrupted). On gloo that is the timeout plus two
+  intervals, a fallback behind gloo's own timeout error; under NCCL it is the timeout itself and
+  the process group waits three intervals longer, so that the heartbeat, which can name the lost
+  rank, acts before NCCL's watchdog tears the process down (SIGABRT, no name).
 
 Staleness is measured on the reader's own clock (when it last saw a counter change), so the
 hosts' clocks need not agree. A rank that finishes its run adds `DONE` to its counter, so that a
@@ -68,12 +70,17 @@ class Heartbeat:
         world_size: int,
         timeout_seconds: float,
         on_lost: Callable[[PeerLost], None] | None = None,
+        monitor_after: float | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout_seconds
         self.interval = interval_for(timeout_seconds)
+        # Silence after which the thread itself ends the job (see `start`).
+        self.monitor_after = (
+            timeout_seconds + 2 * self.interval if monitor_after is None else monitor_after
+        )
         self.on_lost = on_lost if on_lost is not None else _exit_lost
         self.keys = [KEY.format(rank=r) for r in range(world_size)]
         self._stop = threading.Event()
@@ -111,7 +118,7 @@ class Heartbeat:
                 with self._lock:
                     if not self._monitoring:
                         continue
-                lost = self._stale(self.timeout + 2 * self.interval)
+                lost = self._stale(self.monitor_after)
             except Exception:
                 continue  # a store hiccup; the collectives' own timeouts still apply
             if lost:
@@ -194,11 +201,15 @@ def _exit_lost(e: PeerLost) -> None:
 _current: Heartbeat | None = None
 
 
-def start(store: Any, rank: int, world_size: int, timeout_seconds: float) -> Heartbeat:
-    """Start this process's heartbeat (one per process group)."""
+def start(
+    store: Any, rank: int, world_size: int, timeout_seconds: float, monitor_after: float | None
+) -> Heartbeat:
+    """Start this process's heartbeat (one per process group); `monitor_after`: see Heartbeat."""
     global _current
     stop(finished=False)
-    _current = Heartbeat(store, rank, world_size, timeout_seconds).start()
+    _current = Heartbeat(
+        store, rank, world_size, timeout_seconds, monitor_after=monitor_after
+    ).start()
     # A daemon thread inside a store call when the interpreter finalises is unwound through
     # C++ frames, which can abort the process: end it first (a no-op once stopped).
     atexit.register(stop, False)
