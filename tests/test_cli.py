@@ -187,3 +187,71 @@ def test_bench_json_out_writes_rows(tmp_path, monkeypatch, capsys) -> None:
         main(["bench", "--json", str(out)])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("llmscale bench: error: ")
+
+
+# ---- train --nproc-per-node: the launcher; bare torchrun: one rank speaks --------------------
+
+
+def test_nproc_per_node_zero(tmp_path) -> None:
+    r = _run(["train", "--nproc-per-node", "0", *FAST], tmp_path)
+    assert r.returncode == 2 and "--nproc-per-node: got 0" in r.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_only_rank_0_prints_bad_input(rank, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--train.steps", "-4"]) == 2
+    err = capsys.readouterr().err
+    if rank == "0":
+        assert len(err.strip().splitlines()) == 1 and "train.steps: got -4" in err
+    else:
+        assert err == ""
+
+
+@pytest.mark.parametrize("rank", ["0", "1", "2"])
+def test_a_lost_peer_is_reported_by_the_rank_it_names(rank, monkeypatch, capsys) -> None:
+    """Rank 0 lost: the lowest rank still alive (1) prints; every rank exits 4."""
+    from llmscale.parallel.heartbeat import PeerLost
+    from llmscale.train import trainer
+
+    def lost(cfg):
+        raise PeerLost("rank 0 of 3 stopped answering", [0], reporter_rank=1)
+
+    monkeypatch.setattr(trainer, "run_training", lost)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", *FAST]) == 4
+    err = capsys.readouterr().err
+    assert ("stopped answering" in err) == (rank == "1")
+
+
+def test_worker_argv_drops_the_launcher_flags() -> None:
+    from llmscale.train.launch import worker_argv
+
+    argv = ["--nproc-per-node", "2", "--resume", "--max-restarts=1", "--train.steps", "3"]
+    flags = ("--nproc-per-node", "--max-restarts")
+    assert worker_argv(argv, flags) == ["--resume", "--train.steps", "3"]
+
+
+def test_job_outcome_prefers_the_workers_own_codes() -> None:
+    from llmscale.train.launch import WorkerExit, job_outcome
+
+    # Rank 1 killed; rank 0 noticed and exited 4 (it printed the message).
+    assert job_outcome({0: WorkerExit(4, 10), 1: WorkerExit(-9, 9)}) == (4, None)
+    # Rank 1 killed; the agent stopped rank 0 (SIGTERM) before it could say so.
+    code, msg = job_outcome({0: WorkerExit(-15, 9), 1: WorkerExit(-9, 9)})
+    assert code == 4 and msg is not None and "rank 1" in msg and "SIGKILL" in msg
+    # A crash (a traceback, exit 1) stays 1; a diverged run 3.
+    assert job_outcome({0: WorkerExit(1, 5), 1: WorkerExit(-15, 5)}) == (1, None)
+    assert job_outcome({0: WorkerExit(3, 5), 1: WorkerExit(3, 5)}) == (3, None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_nproc_per_node_runs_the_workers() -> None:
+    from launch_helpers import STEPS, reference
+
+    r, got = reference()  # `llmscale train --nproc-per-node 2 ...`
+    assert r.returncode == 0
+    assert len(got.train) == STEPS and got.val is not None
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+    assert r.stdout.count("run folder:") == 1  # rank 0 only

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,7 +79,7 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
         description=(
             "Train a decoder LLM from a TOML config. Any config key can be overridden as "
             "--section.key value (e.g. --train.steps 20 --precision.mode bf16). "
-            "Run under `torchrun --nproc-per-node N` for N processes."
+            "Run N processes with --nproc-per-node N (or under torchrun)."
         ),
         formatter_class=_EpilogAsWritten,
     )
@@ -108,7 +109,43 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="with --dry-run: predict for this catalog GPU (llmscale hw) instead of this "
         "machine's device",
     )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N local worker processes (torchrun's launcher, standalone) after checking "
+        "the config once here; exits with the workers' code",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc-per-node: restart the workers up to K times after a failure "
+        "(add --resume to continue from the newest checkpoint)",
+    )
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
+
+
+def _launch_workers(args: argparse.Namespace, cfg: Any) -> int:
+    """--nproc-per-node N: validate the job for N ranks here (one line, exit 2, before any worker
+    starts), then run N workers and return their exit code."""
+    n = args.nproc_per_node
+    if n < 1:
+        raise ConfigError("--nproc-per-node", n, "a positive integer")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", args.max_restarts, ">= 0")
+    cfg.validate(world_size=n)
+    from llmscale.parallel.parallelize import check_runtime_support
+    from llmscale.train.launch import launch_local, worker_argv
+    from llmscale.train.memcheck import check_memory
+    from llmscale.train.trainer import resolve_device
+
+    device = resolve_device(cfg.job.device)
+    check_runtime_support(cfg, device)
+    check_memory(cfg, device)  # raises when it cannot fit; the workers print the warnings
+    argv = worker_argv(args.argv, ("--nproc-per-node", "--max-restarts"))
+    return launch_local(n, ["train", *argv], args.max_restarts)
 
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -124,9 +161,11 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError("--gpu only applies with --dry-run")
     cfg = load_config(args.config, overrides)
     from llmscale.data.prepared import apply_dataset
-    from llmscale.train.trainer import resolve_device, run_training
 
     apply_dataset(cfg)  # data.dataset: the vocabulary follows its tokenizer (dry run too)
+    if args.nproc_per_node is not None and not args.dry_run:
+        return _launch_workers(args, cfg)
+    from llmscale.train.trainer import resolve_device, run_training
 
     if args.dry_run:
         from llmscale.train.prediction import dry_run_lines
@@ -879,6 +918,12 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return plain, overrides
 
 
+def _speaks(reporter_rank: int = 0) -> bool:
+    """Under torchrun every rank meets the same bad input or stop: one of them (rank 0, or the
+    rank a lost-peer error names) prints it, the others only exit with its code."""
+    return int(os.environ.get("RANK", "0")) == reporter_rank
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     plain, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
@@ -887,13 +932,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown += overrides
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])  # the command's own arguments
     try:
         return int(args.func(args, overrides))
     except (ConfigError, UsageError) as e:
-        sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
+        if _speaks():
+            sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
         return EXIT_USAGE
     except JobStopped as e:
-        sys.stderr.write(f"llmscale {args.command}: {e}\n")
+        if _speaks(getattr(e, "reporter_rank", 0)):
+            sys.stderr.write(f"llmscale {args.command}: {e}\n")
         return int(e.code)
     except KeyboardInterrupt:
         sys.stderr.write(f"llmscale {args.command}: interrupted\n")

@@ -407,6 +407,21 @@ class ParallelSection(MeshDegrees):
 
 
 @dataclass
+class CommSection:
+    """[comm]: how long a rank waits for its peers before the job stops (exit code 4)."""
+
+    timeout_seconds: float = 600.0
+    """Seconds any wait on another rank may last (the rendezvous, each collective); a peer that
+    stops answering for longer (dead, or stalled) stops the job with exit code 4 and a message
+    naming it, found by a heartbeat every rank keeps in the rendezvous store."""
+
+    def validate(self) -> None:
+        v = self.timeout_seconds
+        if not (v > 0 and math.isfinite(v)):
+            raise ConfigError("comm.timeout_seconds", v, "a finite number of seconds > 0")
+
+
+@dataclass
 class JobConfig:
     """A whole training job: every section, plus the model shape."""
 
@@ -420,6 +435,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    comm: CommSection = field(default_factory=CommSection)
 
     @property
     def fsdp_cpu_offload(self) -> bool:

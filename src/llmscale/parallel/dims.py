@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from llmscale.config import MeshDegrees, ParallelSection
+from llmscale.parallel import heartbeat
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -30,21 +33,69 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> None:
     """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); no-op alone.
 
     Call only after the config has been validated against the world size: a bad layout must
     fail with its one-line message, not hang waiting for peers.
+
+    `timeout_seconds` (comm.timeout_seconds) bounds every wait on a peer: the rendezvous store,
+    each collective of the world group and of the mesh's subgroups (gloo raises; NCCL's
+    watchdog, with TORCH_NCCL_ASYNC_ERROR_HANDLING, tears the rank down), and the heartbeat
+    (`parallel.heartbeat`) names the ranks that stopped answering.
     """
     if env_world_size() == 1 or dist.is_initialized():
         return
+    pg_seconds, monitor_after = timeout_seconds, None
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # gloo alongside NCCL so that a stray CPU-tensor collective still has a backend.
         backend = "cpu:gloo,cuda:nccl"
+        # Async error handling (torch's default, 3: tear the process down) is what makes NCCL
+        # honour the timeout at all; set it unless the user chose otherwise.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # The heartbeat, which can name the lost rank, acts at the timeout; NCCL's watchdog
+        # (SIGABRT, no name) three heartbeats later (parallel/heartbeat.py).
+        monitor_after = timeout_seconds
+        pg_seconds += 3 * heartbeat.interval_for(timeout_seconds)
     else:
-        backend = "gloo"
-    dist.init_process_group(backend=backend)
+        backend = "gloo"  # raises at the timeout; the heartbeat then names the lost ranks
+    timeout = timedelta(seconds=pg_seconds)
+    # The mesh's subgroups are made by new_group without a timeout (torch 2.13's DeviceMesh
+    # passes one only from pg_options), which means torch's module default: make it ours.
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rendezvous_store(rank, world_size, timeout)
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
+    # The heartbeat thread talks over a connection of its own: a store client serialises its
+    # requests, and the main thread may be blocked in a long `wait` on it.
+    heartbeat.start(store.clone(), rank, world_size, timeout_seconds, monitor_after)
+
+
+def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The job's c10d store (MASTER_ADDR:MASTER_PORT), keyed by torchrun's restart attempt.
+
+    torchrun's agent hosts one TCPStore for the whole job and keeps it across restarts
+    (`--max-restarts`); `init_process_group`'s own env:// rendezvous uses it unprefixed, so a
+    restarted worker can read the address a dead worker of the previous attempt published and
+    fail with gloo's "Connection refused". A prefix per attempt (TORCHELASTIC_RESTART_COUNT)
+    gives each attempt keys of its own. Without torchrun's agent, rank 0 hosts the store.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0 and not agent,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"llmscale/attempt-{attempt}", store)
 
 
 @dataclass

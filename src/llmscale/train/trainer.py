@@ -39,6 +39,7 @@ from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
 from llmscale.model.transformer import build_model
+from llmscale.parallel import heartbeat
 from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.materialize import materialize
@@ -55,6 +56,7 @@ from llmscale.train.data import (
 )
 from llmscale.train.divergence import DivergenceGuard, all_finite
 from llmscale.train.evaluation import local_eval_rows, token_loss_sum
+from llmscale.train.fault_injection import maybe_inject
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -157,7 +159,7 @@ class Trainer:
         check_runtime_support(cfg, self.device)  # fp8 and context parallelism: not here yet
         # Will it fit? The planner's prediction against this device, before anything is built.
         self.memory_warnings = check_memory(cfg, self.device)
-        init_distributed(self.device)
+        init_distributed(self.device, cfg.comm.timeout_seconds)
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.dims.build_mesh(self.device)
         self.rank = self.dims.rank
@@ -538,6 +540,7 @@ class Trainer:
                     or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
                 ):
                     self._save_checkpoint_if_finite(bad, reporter)
+                maybe_inject(self.rank, self.step)  # LLMSCALE_FAULT: the fault tests only
                 if stop and not last:
                     result.interrupted = True
                     break
@@ -698,11 +701,17 @@ def run_training(cfg: JobConfig) -> TrainResult:
     try:
         with Trainer(cfg) as trainer:
             result = trainer.fit()
-    except BaseException:
+    except BaseException as e:
+        # A collective that timed out or lost a peer: name the ranks that stopped answering.
+        lost = heartbeat.peer_lost(e) if started_here else None
         if started_here and dist.is_initialized():
+            heartbeat.stop(finished=False)
             dist.destroy_process_group()  # no barrier: the other ranks may be gone
+        if lost is not None:
+            raise lost from None
         raise
     if started_here and dist.is_initialized():
         dist.barrier()
+        heartbeat.stop()
         dist.destroy_process_group()
     return result

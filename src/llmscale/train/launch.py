@@ -1,0 +1,140 @@
+"""`llmscale train --nproc-per-node N`: N local workers, started by torch's elastic agent.
+
+The same agent torchrun runs (`torch.distributed.launcher.elastic_launch`, standalone: a c10d
+rendezvous on a free local port), run inside this process rather than as the `torchrun` script,
+so that what the user sees is llmscale's: the config and the memory check are validated once,
+here, before any worker starts (bad input: one line, exit code 2); the workers print as under a
+bare torchrun (only rank 0 says why a run stopped); and the command exits with the workers'
+code (`errors.ExitCode`: 3 diverged, 4 a peer stopped answering, ...) instead of torchrun's 1
+and its `ChildFailedError` traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from llmscale.errors import ExitCode
+
+# Exit codes that say more than "a worker failed": the first worker to exit with one of them
+# decides the job's code.
+_MEANINGFUL = {int(c) for c in ExitCode} - {int(ExitCode.OK), int(ExitCode.FAILURE)}
+
+
+def worker_argv(argv: Sequence[str], launcher_flags: Sequence[str]) -> list[str]:
+    """`argv` (the `train` command's arguments) without the launcher's own flags and values."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in launcher_flags:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+class WorkerExit(NamedTuple):
+    """How one worker ended: its exit code (negative: killed by that signal) and when (s)."""
+
+    code: int
+    time: float
+
+
+def job_outcome(exits: dict[int, WorkerExit]) -> tuple[int, str | None]:
+    """The job's exit code from its failed workers (by global rank), and a message to print
+    when no worker printed one.
+
+    The lowest rank that exited with a meaningful code (2, 3, 4, 130, 143) decides; that
+    worker printed why. Otherwise, when the first worker to fail was killed by a signal (the
+    agent then stops the others before they can say which peer they lost), the job lost a
+    peer: code 4, naming it. Otherwise 1: a crash, whose traceback the worker printed.
+    """
+    for rank in sorted(exits):
+        if exits[rank].code in _MEANINGFUL:
+            return exits[rank].code, None
+    failed = {r: e for r, e in exits.items() if e.code != 0}
+    if not failed:
+        return int(ExitCode.OK), None
+    # The agent stops the survivors with SIGTERM: of two failures in the same second (the
+    # agent's timestamps are whole seconds), theirs is not the cause.
+    first = min(failed, key=lambda r: (failed[r].time, failed[r].code == -signal.SIGTERM, r))
+    code = failed[first].code
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return int(ExitCode.PEER_LOST), (
+            f"rank {first} of the job died ({name}); the job stopped. Restart it with "
+            "--resume to continue from the last checkpoint"
+        )
+    return int(ExitCode.FAILURE), None
+
+
+@contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The agent's own log lines (its SIGTERMs, its failure summary) are not the user's news.
+
+    Each of torch's elastic modules sets its logger's level itself (from $LOGLEVEL), so every
+    such logger is raised to CRITICAL for the launch, not only their parent.
+    """
+    names = [
+        n
+        for n in logging.root.manager.loggerDict
+        if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+
+
+def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
+    """Run `python -m llmscale <argv>` as `nproc` workers of one standalone job; its exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # As torchrun does: one thread per worker unless the user said otherwise.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+    )
+    try:
+        with _quiet_agent():
+            elastic_launch(config, sys.executable)("-m", "llmscale", *argv)
+    except ChildFailedError as e:
+        exits = {r: WorkerExit(f.exitcode, f.timestamp) for r, f in e.failures.items()}
+        code, message = job_outcome(exits)
+        if message:
+            sys.stderr.write(f"llmscale train: {message}\n")
+        return code
+    except SignalException as e:
+        # The agent passed the signal on to the workers and waited for them (they save a
+        # checkpoint and stop): exit as a signalled process does.
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        return 128 + int(signal.SIGINT)
+    return int(ExitCode.OK)
