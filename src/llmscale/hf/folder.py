@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
+from llmscale.data.prepared import byte_tokenizer
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
 from llmscale.hf.convert import from_hf_llama, hf_config, model_config_from_hf
@@ -25,10 +26,6 @@ from llmscale.model.transformer import build_model
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
-
-# Names of the byte-level tokenizer's special tokens at ids 256, 257, 258; the ids above are
-# reserved, named <|reserved_i|>.
-_BYTE_SPECIALS = ("<|bos|>", "<|endoftext|>", "<|pad|>")
 
 
 @dataclass(frozen=True)
@@ -41,46 +38,11 @@ class TokenizerFiles:
     pad_id: int
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (what the ByteLevel pre-tokenizer emits)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-def _byte_tokenizer(vocab_size: int) -> Tokenizer:
-    """A `tokenizers` tokenizer that encodes exactly like data/tokenizer.py's ByteTokenizer.
-
-    Ids 0-255 are the UTF-8 bytes (a BPE over the ByteLevel alphabet with no merges), then BOS,
-    EOS and PAD, and reserved special tokens up to vocab_size. Special-token text inside the
-    input is encoded as its bytes (`encode_special_tokens`; tokenizer_config.json says
-    `split_special_tokens` for transformers, as the flag itself is not saved in tokenizer.json).
-    """
-    chars = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    names = [*_BYTE_SPECIALS, *(f"<|reserved_{i}|>" for i in range(3, vocab_size - 256))]
-    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
-    tok.encode_special_tokens = True
-    return tok
-
-
 def byte_tokenizer_files(vocab_size: int) -> TokenizerFiles:
     """The byte-level tokenizer's files, for runs trained on raw bytes (data.path)."""
     t = ByteTokenizer()
     return TokenizerFiles(
-        _byte_tokenizer(vocab_size).to_str(), bos_id=t.bos_id, eos_id=t.eos_id, pad_id=t.pad_id
+        byte_tokenizer(vocab_size).to_str(), bos_id=t.bos_id, eos_id=t.eos_id, pad_id=t.pad_id
     )
 
 
