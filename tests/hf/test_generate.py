@@ -110,3 +110,31 @@ def test_eval_gives_the_runs_validation_loss(
     assert main(["eval", str(trained_run)]) == 0
     line = capsys.readouterr().out
     assert line.startswith("step 3: val_loss ") and "perplexity" in line
+
+
+def test_four_commands_from_a_folder_of_text_to_a_generating_hf_model(tmp_path: Path) -> None:
+    """README's "Your own data": data prepare (BPE) -> train on the prepared folder -> export ->
+    generate; transformers' greedy continuation of the exported folder equals llmscale's."""
+    from transformers import AutoTokenizer
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    src = Path(json.__file__).parent  # the standard library's json package: a few documents
+    for f in sorted(src.glob("*.py")):
+        (texts / f.name).write_text(f.read_text())
+    data, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf"
+    prep = ["data", "prepare", "--input", str(texts), "--tokenizer", "bpe"]
+    assert main([*prep, "--vocab-size", "300", "--val-fraction", "0.2", "--out", str(data)]) == 0
+    train = ["train", "--data.dataset", str(data), "--job.run_dir", str(run)]
+    steps = ["--train.steps", "3", "--data.seq_len", "32", "--metrics.progress", "false"]
+    assert main([*train, *steps, "--checkpoint.enabled", "true"]) == 0
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    ours = generate_text(run, "def load(", max_new_tokens=12, temperature=0.0)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 300  # the tokenizer's own ids; the model's vocabulary is padded to 320
+    ids = tok("def load(", return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == ours.prompt_ids
+    with torch.no_grad():
+        theirs = hf_model(out).generate(ids, max_new_tokens=12, do_sample=False)
+    assert theirs[0, ids.shape[1] :].tolist() == ours.new_ids
+    assert max(ours.new_ids) < 300  # the padded ids (300..319) never come out
