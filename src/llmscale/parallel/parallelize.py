@@ -1,6 +1,6 @@
 """Apply the job's parallel layout to a model, in torchtitan's order.
 
-pipeline split -> tensor (and sequence) parallelism -> activation checkpointing -> FSDP2.
+(fp8: the float8 linears swapped in) -> pipeline split -> tensor (and sequence) parallelism -> activation checkpointing -> FSDP2.
 
 Each step only rewrites modules in place (or, for the split, copies and prunes them), so
 parameter names never change: checkpoints load across layouts and the model file knows nothing
@@ -9,7 +9,6 @@ of any of it.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.parallel.data_parallel import apply_fsdp
 from llmscale.parallel.dims import ParallelDims
+from llmscale.parallel.float8 import convert_to_fp8, fp8_problem
 from llmscale.parallel.pipeline import pipeline_split
 from llmscale.parallel.tensor_parallel import apply_tp
 
@@ -41,6 +41,8 @@ class ParallelModel:
 def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> ParallelModel:
     """Split, shard and wrap `model` for this rank; in a single process only recompute applies."""
     p = cfg.parallel
+    if cfg.precision.mode == "fp8":  # before any split or sharding, as torchtitan converts
+        convert_to_fp8(model)
     if dims.pp > 1:
         parts, ids = pipeline_split(model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers)
         n_stages = dims.pp * p.pp_chunks
@@ -66,19 +68,15 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     """Refuse, with one line, config values the planner costs but this runtime cannot run here.
 
     `parallel.cp > 1`: the runtime has no context parallelism yet. `precision.mode = "fp8"`:
-    torchao's float8 training, which needs torchao installed and a CUDA GPU with FP8 matmuls
-    (compute capability 8.9 or later: Ada, Hopper, Blackwell); this runtime does not wire it in
-    yet either, so it is refused everywhere, naming what it would need.
+    torchao's float8 training (parallel/float8.py), which needs torchao, a CUDA GPU with FP8
+    matmuls (compute capability 8.9 or later) and tp = 1; the message names what is missing.
     """
     if cfg.parallel.cp > 1:
         raise ConfigError(
             "parallel.cp", cfg.parallel.cp, "1 (the runtime has no context parallelism yet)"
         )
     if cfg.precision.mode == "fp8":
-        fp8_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-        has_torchao = importlib.util.find_spec("torchao") is not None
-        need = [] if fp8_gpu else [f"a CUDA GPU with FP8 matmuls (this device: {device.type})"]
-        need += [] if has_torchao else ["torchao installed"]
-        why = "needs " + " and ".join(need) if need else "not wired into this runtime yet"
-        others = " | ".join(m for m in PRECISIONS if m != "fp8")
-        raise ConfigError("precision.mode", "fp8", f"{others} (fp8 training {why})")
+        why = fp8_problem(cfg, device)
+        if why is not None:
+            others = " | ".join(m for m in PRECISIONS if m != "fp8")
+            raise ConfigError("precision.mode", "fp8", f"{others} (fp8 training {why})")
