@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmscale.errors import ConfigError
-from llmscale.model.config import get_preset
+from llmscale.model.config import get_preset, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
@@ -15,7 +15,6 @@ from llmscale.plan.profiles import (
     get_profile,
     kernels_for,
     op_sac_block_bytes,
-    op_sac_gemms_saved,
     time_params,
 )
 from llmscale.plan.time import DEFAULT_TIME, eager_block_bytes, estimate_step_time
@@ -40,7 +39,8 @@ def test_llmscale_profile_is_the_runtime() -> None:
 
 def test_op_sac_saves_every_other_matmul() -> None:
     # wq, wk, wv, wo, w1, w3, w2: torchtitan saves the 1st, 3rd, 5th and 7th mm outputs.
-    assert op_sac_gemms_saved(L8) == (True, False, True, False, True, False, True)
+    saved = tuple(op_sac_saves_matmul(i) for i in range(len(L8.block_matmuls())))
+    assert saved == (True, False, True, False, True, False, True)
     d, kv, f = 4096, 1024, 14336
     per_token = 2 * d + 2 * (d + kv + f + d) + 2 * d + 4 * 32
     assert op_sac_block_bytes(L8, 2, 8192, "bf16") == per_token * 2 * 8192

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmscale.config import DTYPE_BYTES, Precision
+from llmscale.config import Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig, op_sac_saves_matmul
+from llmscale.model.config import ModelConfig
 from llmscale.plan import activations as act
 from llmscale.plan.time import DEFAULT_TIME, TimeParams
 
@@ -95,26 +95,17 @@ def kernels_for(name: str, model: ModelConfig, tp: int, device: str = "cuda") ->
     return get_profile(name).kernels
 
 
-def op_sac_gemms_saved(model: ModelConfig) -> tuple[bool, ...]:
-    """For each forward matmul of a block, in call order (wq, wk, wv, wo, w1, [w3,] w2): is its
-    output saved under torchtitan's op-level SAC? It counts aten.mm calls and saves the odd
-    ones (the 1st, 3rd, ...), recomputing the others."""
-    return tuple(op_sac_saves_matmul(i) for i in range(len(model.block_matmuls())))
-
-
 def op_sac_block_bytes(
     model: ModelConfig, micro_batch_size: int, seq_len: int, precision: Precision, tp: int = 1
 ) -> float:
-    """Bytes one block keeps under op-level SAC: its input (the checkpoint's), the saved matmul
-    outputs and SDPA's output and log-sum-exp (flash); everything else is recomputed."""
-    tokens = micro_batch_size * seq_len
-    a = DTYPE_BYTES[precision]
-    d, kv, f = model.dim, model.kv_dim, model.ffn_dim
-    widths = [d, kv, kv, d, f] + ([f] if model.gated else []) + [d]
-    saved = sum(w for w, keep in zip(widths, op_sac_gemms_saved(model), strict=True) if keep)
-    per_token: float = a * d  # block input (bf16 residual under FSDP2's param_dtype)
-    per_token += a * saved / tp + a * d / tp + 4 * model.n_heads / tp  # mm outs, SDPA out, lse
-    return per_token * tokens
+    """Bytes one block keeps under torchtitan's op-level SAC: its input (the checkpoint's), the
+    saved matmul outputs and SDPA's output and log-sum-exp (flash); everything else is
+    recomputed. `act.block_bytes` in mode selective_op with torchtitan's kernels (bf16 residual
+    under FSDP2's param_dtype), no sequence parallelism."""
+    kernels = PROFILES["torchtitan"].kernels
+    return act.block_bytes(
+        model, micro_batch_size, seq_len, precision, tp, False, kernels, "selective_op"
+    )
 
 
 def time_params(name: str) -> TimeParams:
