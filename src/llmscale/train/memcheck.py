@@ -75,6 +75,11 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     return max(s.total for s in stages), host
 
 
+# The end of the "cannot fit" message: how `llmscale train` runs it anyway (bench, which has no
+# such key, replaces it).
+OVERRIDE_HINT = "--job.memory_check warn or off runs it anyway"
+
+
 def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
     """Raise UsageError when the run cannot fit (mode "error"); the warnings to print otherwise."""
     mode = cfg.job.memory_check
@@ -103,8 +108,7 @@ def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
         if need > cap.total:
             msg = (
                 f"memory: {say}: it cannot fit. A smaller micro-batch, recomputation, more ranks, "
-                "FSDP or offload would help (llmscale plan); --job.memory_check warn or off runs "
-                "it anyway"
+                f"FSDP or offload would help (llmscale plan); {OVERRIDE_HINT}"
             )
             if mode == "error":
                 raise UsageError(msg)

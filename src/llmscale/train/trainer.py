@@ -151,6 +151,7 @@ class Trainer:
             f"{corpus.root} ({corpus.n_train_files} train / {corpus.n_val_files} val files, "
             f"{len(corpus.train):,} train tokens)"
         )
+        self.memory_warnings += corpus.warnings  # printed with them, before the first step
         self.train_stream = PackedStream(
             corpus.train,
             cfg.data.seq_len,
