@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # prog is "llmscale" or "llmscale <command>": the program name once.
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.stderr.write(one_line(f"{self.prog}: error: {message}") + "\n")
         raise SystemExit(EXIT_USAGE)
 
     def format_help(self) -> str:
@@ -57,6 +57,15 @@ class _EpilogAsWritten(argparse.HelpFormatter):
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
+
+
+# What str.splitlines() breaks a line at: echoed from an argument, it would split the message.
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def one_line(message: str) -> str:
+    """An error message as one line: the line breaks a user's argument brought in, escaped."""
+    return message.translate(_LINE_BREAKS)
 
 
 def _one_of(field: str, value: str, allowed: Sequence[str]) -> None:
@@ -726,10 +735,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args, overrides))
     except (ConfigError, UsageError) as e:
-        sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
+        sys.stderr.write(one_line(f"llmscale {args.command}: error: {e}") + "\n")
         return EXIT_USAGE
     except JobStopped as e:
-        sys.stderr.write(f"llmscale {args.command}: {e}\n")
+        sys.stderr.write(one_line(f"llmscale {args.command}: {e}") + "\n")
         return int(e.code)
     except KeyboardInterrupt:
         sys.stderr.write(f"llmscale {args.command}: interrupted\n")

@@ -179,6 +179,12 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
         _plain("train", "--model.vocab_size", "100"),
         "model.vocab_size",
     ),
+    (
+        "C30",
+        "model.dim reshaped past this host's memory",
+        _plain("train", "--model.dim", "65536"),
+        "tiny with dim=65536",
+    ),
     ("R01", "job.run_dir is a file", _run_dir_file, "job.run_dir"),
     ("R01b", "job.run_dir under a file", _run_dir_under_file, "job.run_dir"),
     ("D02", "corpus folder with no files", _empty_corpus, "data.glob"),
