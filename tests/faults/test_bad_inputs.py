@@ -190,6 +190,8 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("D02", "corpus folder with no files", _empty_corpus, "data.glob"),
     ("D11", "data.glob matches nothing", _glob_nothing, "data.glob"),
     ("D13", "corpus of empty files", _empty_files, "data.path"),
+    ("Q01", "plot of a missing folder", lambda tmp: ["plot", str(tmp / "nope")], "run_dir"),
+    ("Q02", "plot of a folder without metrics.jsonl", lambda tmp: ["plot", str(tmp)], "run_dir"),
     ("Q03", "metrics.jsonl with a bad line", _plot_bad_line, "metrics.jsonl line 2"),
     ("Q04", "empty metrics.jsonl", _plot_empty, "run_dir"),
     ("Q10", "plot --out where nothing can be written", _plot_out_proc, "--out"),
