@@ -10,6 +10,7 @@ without CAP_DAC_OVERRIDE (as root: setpriv drops it), so they run as a subproces
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -137,6 +138,31 @@ def _plot_out_suffix(tmp: Path) -> list[str]:
     return ["plot", str(_metrics_run(tmp, METRICS)), "--out", str(tmp / "loss.v1")]
 
 
+def _timeline_run(tmp: Path, text: str) -> Path:
+    run = tmp / "run"
+    run.mkdir(exist_ok=True)
+    (run / "timeline-rank0.json").write_text(text)
+    return run
+
+
+def _timeline_damaged(tmp: Path) -> list[str]:
+    return [
+        "plot",
+        str(_timeline_run(tmp, '{"device": "cpu", "intervals": [{"step": ')),
+        "--timeline",
+    ]
+
+
+def _timeline_step(tmp: Path) -> list[str]:
+    ivs = [
+        {"step": s, "unit": "u0", "phase": ph, "lane": lane, "start": s + a, "end": s + a + 0.1}
+        for s in (2, 3, 4)
+        for ph, lane, a in (("forward", "compute", 0.0), ("update", "cpu", 0.5))
+    ]
+    run = _timeline_run(tmp, json.dumps({"device": "cpu", "intervals": ivs}))
+    return ["plot", str(run), "--timeline", "--step", "99"]
+
+
 def _schedule_png_folder(tmp: Path) -> list[str]:
     return ["schedule", "--png", str(tmp)]
 
@@ -194,6 +220,9 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("Q02", "plot of a folder without metrics.jsonl", lambda tmp: ["plot", str(tmp)], "run_dir"),
     ("Q03", "metrics.jsonl with a bad line", _plot_bad_line, "metrics.jsonl line 2"),
     ("Q04", "empty metrics.jsonl", _plot_empty, "run_dir"),
+    ("Q08b", "plot --timeline of a damaged timeline file", _timeline_damaged, "not a timeline"),
+    # 1-based on the command line, 1-based in the message: steps 3, 4, 5 are kept.
+    ("Q11", "plot --timeline --step beyond the kept steps", _timeline_step, "[99] not in"),
     ("Q10", "plot --out where nothing can be written", _plot_out_proc, "--out"),
     ("Q10b", "plot --out is a folder", _plot_out_folder, "--out"),
     ("Q10c", "plot --out with no image suffix matplotlib knows", _plot_out_suffix, "--out"),

@@ -124,7 +124,13 @@ def plot_timeline(
             f"run_dir: no {path.name} in {str(run_dir)!r} (written by runs with "
             "optimizer.offload = 'optimizer' or 'optimizer+params')"
         )
-    meta, ivs = read_timeline(path)
+    try:
+        meta, ivs = read_timeline(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is one
+        raise UsageError(
+            f"run_dir: {path} is not a timeline as `llmscale train` writes it "
+            f"({type(e).__name__}: {e})"
+        ) from None
     updated = sorted({iv.step for iv in ivs if iv.phase == "update"})
     if not updated:
         raise UsageError(f"run_dir: {path} has no optimizer update yet")
