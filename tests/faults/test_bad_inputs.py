@@ -473,3 +473,29 @@ def test_corpus_warnings_are_printed(
         expected="exit 0 (bytes are tokens), with a warning for each",
         observed=f"exit {rc}; " + " | ".join(w.replace(str(tmp_path), "DIR") for w in warned),
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["network", "--gpus", "64", "--global-batch", "1000000"],
+        ["plan", "--gpus", "64", "--global-batch", "1000000", "--top", "1"],
+    ],
+    ids=["network", "plan"],
+)
+def test_a_huge_global_batch_is_answered_quickly(
+    args: list[str], capsys: pytest.CaptureFixture[str], fault_row: Callable[..., None]
+) -> None:
+    """Found by tests/faults/test_fuzz_cli.py: a global batch of 10^6 sequences made the planner
+    simulate every micro-batch of a pipeline step (minutes, then 24 GB and the OOM killer)."""
+    t0 = time.perf_counter()
+    rc, out, err = run_cli(capsys, args)
+    seconds = time.perf_counter() - t0
+    assert rc == 0, err
+    assert seconds < 30, seconds
+    fault_row(
+        fault=f"{args[0]} with a global batch of 10^6 sequences",
+        command="llmscale " + " ".join(args),
+        expected="exit 0 within seconds (the pipeline's closed form, not a simulation)",
+        observed=f"exit {rc} in {seconds:.1f} s",
+    )
