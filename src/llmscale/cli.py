@@ -705,7 +705,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _override_hint(unknown: list[str]) -> str:
-    """`train --steps 3`: the config keys the flag may have meant (`; did you mean --train.steps`)."""
+    """`train --steps 3`: the keys a flag may have meant, " (did you mean --train.steps?)"."""
     from llmscale.config import JobConfig
 
     cfg = JobConfig()
