@@ -245,7 +245,9 @@ def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--t-fwd", default="1", help="forward time, or per-stage list (default 1)")
     p.add_argument("--t-bwd", default="2", help="backward time, or per-stage list (default 2)")
     p.add_argument("--t-p2p", default="0", help="latency of each cross-rank send (default 0)")
-    p.add_argument("--width", type=int, default=160, help="most characters of text Gantt")
+    p.add_argument(
+        "--width", type=int, default=160, help="most characters of text Gantt (10 to 1000)"
+    )
     p.add_argument("--png", help="also draw the Gantt chart to this PNG")
     p.set_defaults(func=_cmd_schedule)
 

@@ -233,6 +233,12 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
         "--chunks",
     ),
     ("S13", "schedule --png is a folder", _schedule_png_folder, "--png"),
+    (
+        "S-width",
+        "schedule --width 10^12 (found by the fuzz test: a MemoryError)",
+        _plain("schedule", "--width", "1000000000000", "--t-fwd", "1e-9"),
+        "width",
+    ),
     ("H08", "roofline --seq 0", _plain("roofline", "--seq", "0"), "seq"),
     ("N06", "network --a2a-mb -5", _plain("network", "--gpus", "64", "--a2a-mb", "-5"), "a2a_mb"),
     ("N09", "network --a2a-mb nan", _plain("network", "--gpus", "64", "--a2a-mb", "nan"), "a2a_mb"),
