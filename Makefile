@@ -5,7 +5,7 @@ LLMSCALE := $(VENV)/bin/llmscale
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test lint results clean
+.PHONY: demo test lint results reliability clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test: $(STAMP)
 results: $(STAMP)
 	$(LLMSCALE) bench --what all --png docs/results --json-out docs/results/results.json \
 		--markdown docs/results.md
+
+# The fault-injection suite's rows (tests/faults, fault_row) as docs/reliability.md; the page is
+# written even when a case fails (it shows which), and make then fails.
+reliability: $(STAMP)
+	rm -f build/reliability.json; status=0; \
+	LLMSCALE_RELIABILITY_JSON=build/reliability.json $(PY) -m pytest tests/faults -q || status=$$?; \
+	$(PY) -m llmscale.bench.reliability build/reliability.json docs/reliability.md && exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

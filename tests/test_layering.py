@@ -17,7 +17,13 @@ PACKAGE = SRC / "llmscale"
 
 # Lowest first. A module matches the longest prefix listed.
 LAYERS: list[tuple[str, ...]] = [
-    ("llmscale.errors", "llmscale.ui", "llmscale.config", "llmscale.model.config"),
+    (
+        "llmscale.errors",
+        "llmscale.ui",
+        "llmscale.paths",
+        "llmscale.config",
+        "llmscale.model.config",
+    ),
     ("llmscale.hardware",),
     ("llmscale.plan",),
     ("llmscale.tensors", "llmscale.torch_internals", "llmscale.instrument"),
@@ -34,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
 TORCH_FREE = (
     "llmscale.errors",
     "llmscale.ui",
+    "llmscale.paths",
     "llmscale.config",
     "llmscale.model.config",
     "llmscale.hardware",

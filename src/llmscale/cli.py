@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from llmscale import __version__
@@ -18,6 +20,7 @@ from llmscale.config import (
     ZERO_STAGES,
 )
 from llmscale.errors import ConfigError, ExitCode, JobStopped, UsageError
+from llmscale.paths import check_image_file, check_output_file, check_output_folder
 from llmscale.plan.profiles import PROFILE_NAMES
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
 
@@ -39,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # prog is "llmscale" or "llmscale <command>": the program name once.
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.stderr.write(one_line(f"{self.prog}: error: {message}") + "\n")
         raise SystemExit(EXIT_USAGE)
 
     def format_help(self) -> str:
@@ -55,6 +58,15 @@ class _EpilogAsWritten(argparse.HelpFormatter):
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
+
+
+# What str.splitlines() breaks a line at: echoed from an argument, it would split the message.
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def one_line(message: str) -> str:
+    """An error message as one line: the line breaks a user's argument brought in, escaped."""
+    return message.translate(_LINE_BREAKS)
 
 
 def _one_of(field: str, value: str, allowed: Sequence[str]) -> None:
@@ -286,11 +298,15 @@ def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
         default="1f1b",
         help=" | ".join(PP_SCHEDULES) + " (alias: interleaved); default 1f1b",
     )
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument(
+        "--chunks", type=int, help="model chunks per rank (interleaved: >= 2, required; else 1)"
+    )
     p.add_argument("--t-fwd", default="1", help="forward time, or per-stage list (default 1)")
     p.add_argument("--t-bwd", default="2", help="backward time, or per-stage list (default 2)")
     p.add_argument("--t-p2p", default="0", help="latency of each cross-rank send (default 0)")
-    p.add_argument("--width", type=int, default=160, help="most characters of text Gantt")
+    p.add_argument(
+        "--width", type=int, default=160, help="most characters of text Gantt (10 to 1000)"
+    )
     p.add_argument("--png", help="also draw the Gantt chart to this PNG")
     p.set_defaults(func=_cmd_schedule)
 
@@ -314,13 +330,26 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     t_fwd = _parse_costs("t_fwd", args.t_fwd)
     t_bwd = _parse_costs("t_bwd", args.t_bwd)
     schedule = _SCHEDULE_ALIASES.get(args.schedule, args.schedule)
-    check_size(args.pp, args.microbatches, args.chunks)
-    res = simulate(schedule, args.pp, args.microbatches, args.chunks, t_fwd, t_bwd, t_p2p)
+    chunks = _schedule_chunks(schedule, args.chunks)
+    png = check_image_file("--png", args.png) if args.png else None
+    check_size(args.pp, args.microbatches, chunks)
+    res = simulate(schedule, args.pp, args.microbatches, chunks, t_fwd, t_bwd, t_p2p)
     rep = schedule_report(res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width)
     print("\n".join(rep.lines))
-    if args.png:
-        print(f"wrote {draw_gantt_png(rep.result, args.png)}")
+    if png:
+        print(f"wrote {draw_gantt_png(rep.result, png)}")
     return 0
+
+
+def _schedule_chunks(schedule: str, chunks: int | None) -> int:
+    """--chunks, which interleaved_1f1b needs (>= 2: one chunk per rank is plain 1F1B)."""
+    if schedule == "interleaved_1f1b" and (chunks is None or chunks < 2):
+        raise ConfigError(
+            "--chunks",
+            "(not given)" if chunks is None else chunks,
+            ">= 2 with --schedule interleaved_1f1b",
+        )
+    return 1 if chunks is None else chunks
 
 
 # ---- hw -----------------------------------------------------------------------------------
@@ -451,6 +480,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.ui import console
 
     _one_of("precision", args.precision, PRECISIONS)
+    png = check_image_file("--png", args.png) if args.png else None
     given = {k: getattr(args, k) for k in FIXABLE}
     if given["schedule"] is not None:
         given["schedule"] = _SCHEDULE_ALIASES.get(given["schedule"], given["schedule"])
@@ -460,8 +490,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         node=args.node, nic=args.nic, space=space, fixed=fixed, profile=args.profile,
     )  # fmt: skip
     why = rep.result.why_none()
-    if args.png and rep.result.shown:
-        report.memory_png(rep.result, args.png)
+    if png and rep.result.shown:
+        report.memory_png(rep.result, png)
     if args.json:
         print(json.dumps(rep.json(), indent=2))
     else:
@@ -475,8 +505,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             out.print(MEMORY_LEGEND if args.wide else NARROW_LEGEND)
         for line in rep.unfit_lines():
             out.print(line)
-        if args.png and rep.result.shown:
-            out.print(f"wrote {args.png}")
+        if png and rep.result.shown:
+            out.print(f"wrote {png}")
     if why:
         sys.stderr.write(f"llmscale plan: {why}\n")
         return 1
@@ -516,7 +546,9 @@ def _cmd_roofline(args: argparse.Namespace, overrides: list[str]) -> int:
 
     model, gpu = get_preset(args.model), get_gpu(args.gpu)
     _one_of("precision", args.precision, PRECISIONS)
-    rep = roofline_report(model, gpu, args.batch, args.seq or model.max_seq_len, args.precision)
+    rep = roofline_report(
+        model, gpu, args.batch, model.max_seq_len if args.seq is None else args.seq, args.precision
+    )
     out = console()
     out.print(rep.title)
     out.print(rep.table)
@@ -619,12 +651,11 @@ def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pathlib import Path
+    import tempfile
 
-    from llmscale.bench.report import print_suite, write_json
+    from llmscale.bench.report import write_json
     from llmscale.bench.results_page import write_results_page
-    from llmscale.bench.runner import BenchOptions
-    from llmscale.bench.suites import SUITES, get_suite
+    from llmscale.bench.suites import SUITES
     from llmscale.model.config import get_preset
 
     names = list(SUITES) if args.what == "all" else [w.strip() for w in args.what.split(",")]
@@ -638,20 +669,15 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.warmup < 0:
         raise ConfigError("--warmup", args.warmup, ">= 0")
     _one_of("--device", args.device, DEVICES)
-    opts = BenchOptions(
-        model=args.model,
-        seq_len=args.seq,
-        steps=args.steps,
-        warmup=args.warmup,
-        device=args.device,
-        seeds=args.seeds,
-        png_dir=Path(args.png) if args.png else None,
-    )
-    results = []
-    for n in names:
-        res = get_suite(n)(opts)
-        print_suite(res)
-        results.append(res)
+    # Where the results go, checked before minutes of measuring.
+    if args.json_out:
+        check_output_file("--json-out", args.json_out)
+    if args.markdown:
+        check_output_file("--markdown", args.markdown)
+    if args.png:
+        check_output_folder("--png", args.png)
+    with tempfile.TemporaryDirectory(prefix="llmscale-bench-") as work:
+        results = _run_suites(names, args, Path(work))
     if args.json_out:
         write_json(results, Path(args.json_out))
     if args.markdown:
@@ -661,6 +687,38 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         write_results_page(results, Path(args.markdown), command)
     return 0
+
+
+def _run_suites(names: list[str], args: argparse.Namespace, work: Path) -> list[Any]:
+    """Each suite in turn, its jobs' folders under `work` (removed afterwards, errors included)."""
+    from llmscale.bench.report import print_suite
+    from llmscale.bench.runner import BenchOptions
+    from llmscale.bench.suites import get_suite
+    from llmscale.train.memcheck import OVERRIDE_HINT
+
+    opts = BenchOptions(
+        model=args.model,
+        seq_len=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device,
+        seeds=args.seeds,
+        png_dir=Path(args.png) if args.png else None,
+        work_dir=work,
+    )
+    results = []
+    try:
+        for n in names:
+            res = get_suite(n)(opts)
+            print_suite(res)
+            results.append(res)
+    except UsageError as e:  # the memory check's advice names a key bench does not take
+        if OVERRIDE_HINT not in str(e):
+            raise
+        raise UsageError(
+            str(e).replace(OVERRIDE_HINT, "a smaller --model or --seq fits this machine")
+        ) from None
+    return results
 
 
 # ---- export, generate, eval: a trained run -------------------------------------------------
@@ -924,6 +982,25 @@ def _speaks(reporter_rank: int = 0) -> bool:
     return int(os.environ.get("RANK", "0")) == reporter_rank
 
 
+def _override_hint(unknown: list[str]) -> str:
+    """`train --steps 3`: the keys a flag may have meant, " (did you mean --train.steps?)"."""
+    from llmscale.config import JobConfig
+
+    cfg = JobConfig()
+    sections = {
+        f.name: {k.name for k in dataclasses.fields(getattr(cfg, f.name))}
+        for f in dataclasses.fields(cfg)
+    }
+    meant = [
+        f"--{section}.{a[2:].split('=', 1)[0].replace('-', '_')}"
+        for a in unknown
+        if a.startswith("--")
+        for section, keys in sections.items()
+        if a[2:].split("=", 1)[0].replace("-", "_") in keys
+    ]
+    return f" (did you mean {' or '.join(meant)}?)" if meant else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     plain, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
@@ -931,17 +1008,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "accepts_overrides", False):
         unknown += overrides
     if unknown:
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        hint = _override_hint(unknown) if getattr(args, "accepts_overrides", False) else ""
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     args.argv = list(sys.argv[2:] if argv is None else argv[1:])  # the command's own arguments
     try:
         return int(args.func(args, overrides))
     except (ConfigError, UsageError) as e:
         if _speaks():
-            sys.stderr.write(f"llmscale {args.command}: error: {e}\n")
+            sys.stderr.write(one_line(f"llmscale {args.command}: error: {e}") + "\n")
         return EXIT_USAGE
     except JobStopped as e:
         if _speaks(getattr(e, "reporter_rank", 0)):
-            sys.stderr.write(f"llmscale {args.command}: {e}\n")
+            sys.stderr.write(one_line(f"llmscale {args.command}: {e}") + "\n")
         return int(e.code)
     except KeyboardInterrupt:
         sys.stderr.write(f"llmscale {args.command}: interrupted\n")

@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 
 from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import ModelConfig, get_preset, pp_layers_problem
+from llmscale.paths import folder_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -48,6 +49,11 @@ ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 # FP8_MATMUL_BYTES is the matmul operands' width.
 DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 FP8_MATMUL_BYTES = 1
+
+# Token ids the byte-level data holds: the 256 bytes, then BOS, EOS and PAD (data/tokenizer.py).
+BYTE_TOKEN_IDS = 256 + 3
+# TOML's integers are 64-bit; a larger one is a typo, not a plan.
+INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
 # ---- degrees, derived once (JobConfig, ParallelDims and the planner's Plan read these) ----
@@ -116,6 +122,11 @@ class JobSection:
         _nonneg("job.seed", self.seed)
         if not self.run_dir:
             raise ConfigError("job.run_dir", self.run_dir, "a non-empty folder path")
+        problem = folder_problem(self.run_dir)
+        if problem:  # found now, not when the first write comes after the model is built
+            raise ConfigError(
+                "job.run_dir", self.run_dir, f"a folder that can be created and written ({problem})"
+            )
 
 
 @dataclass
@@ -462,6 +473,14 @@ class JobConfig:
             _finite_floats(f.name, getattr(self, f.name))
             getattr(self, f.name).validate()
         t, p, m = self.train, self.parallel, self.model
+        # Byte-level data (no data.dataset, whose tokenizer sets the vocabulary): else an
+        # embedding lookup fails after the model is built.
+        if not self.data.dataset and m.vocab_size < BYTE_TOKEN_IDS:
+            raise ConfigError(
+                "model.vocab_size",
+                m.vocab_size,
+                f">= {BYTE_TOKEN_IDS} (the byte-level data's 256 bytes + BOS, EOS, PAD)",
+            )
         per_step = t.micro_batch_size * p.dp
         if t.global_batch_size % per_step:
             raise ConfigError(
@@ -554,12 +573,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise UsageError(f"--config: no such file {str(p)!r}")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise UsageError(f"--config: {p} is not valid TOML: {e}") from None
+        raw = _read_toml(p)
     for key, value in parse_overrides(overrides or []):
         section, _, name = key.partition(".")
         if not name:
@@ -571,6 +585,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = from_dict(raw)
     cfg.validate()
     return cfg
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """The --config file's tables, or a UsageError saying why it cannot be read."""
+    if p.is_dir():
+        raise UsageError(f"--config: {str(p)!r} is a folder; allowed: a TOML file")
+    if not p.is_file():
+        raise UsageError(f"--config: no such file {str(p)!r}")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UsageError(f"--config: cannot read {str(p)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--config: {str(p)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start}); allowed: a TOML file, which is UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config: {p} is not valid TOML: {e}") from None
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -681,6 +716,8 @@ def _coerce(field_name: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(field_name, value, "an integer")
+        if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+            raise ConfigError(field_name, value, "an integer in the 64-bit range (TOML's)")
         return value
     if tp is float:
         if not isinstance(value, int | float) or isinstance(value, bool):

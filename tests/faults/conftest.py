@@ -4,7 +4,7 @@ A test takes the `fault_row` fixture and calls it once per case with the fault o
 command that reproduces it, what the user should get, what the test observed and the data lost.
 With `LLMSCALE_RELIABILITY_JSON=FILE` in the environment, the rows of the tests that ran are
 written to FILE at the end of the session (`make reliability` renders docs/reliability.md from
-it); without it nothing is written.
+it); without it nothing is written. Each row also gets its test's outcome (passed, failed).
 """
 
 from __future__ import annotations
@@ -39,6 +39,17 @@ def fault_row(request: pytest.FixtureRequest) -> Callable[..., None]:
         )
 
     return record
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Mark the test's rows with its outcome: the call's, or failed if any phase failed."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" or report.failed:
+        for row in _ROWS:
+            if row["test"] == item.nodeid and row.get("outcome") != "failed":
+                row["outcome"] = report.outcome
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

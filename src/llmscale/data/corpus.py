@@ -28,6 +28,7 @@ class Corpus:
     val: np.ndarray
     n_train_files: int
     n_val_files: int
+    warnings: tuple[str, ...] = ()  # what a user should know before training on it
 
 
 def list_files(root: Path, glob: str, max_files: int = 0) -> list[Path]:
@@ -62,8 +63,12 @@ def load_corpus(path: str, glob: str, val_fraction: float, max_files: int = 0) -
     eos = np.array([tok.eos_id], np.uint16)
     train: list[np.ndarray] = []
     val: list[np.ndarray] = []
+    binary: list[Path] = []
     for f in files:
-        ids = np.frombuffer(f.read_bytes(), dtype=np.uint8).astype(np.uint16)
+        data = _read(f)
+        if b"\0" in data[:8192]:  # git's test for a binary file
+            binary.append(f)
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
         (val if is_val_file(str(f.relative_to(root)), val_fraction) else train).extend((ids, eos))
     if not train:
         raise ConfigError(
@@ -73,10 +78,32 @@ def load_corpus(path: str, glob: str, val_fraction: float, max_files: int = 0) -
     val_tokens = np.concatenate(val) if val else np.zeros(0, np.uint16)
     for arr in (train_tokens, val_tokens):
         arr.setflags(write=False)
+    warnings = []
+    if binary:
+        warnings.append(
+            f"data: {len(binary)} of {len(files)} files look binary (NUL bytes), e.g. "
+            f"{binary[0]}: they are trained on as bytes; data.glob selects the files"
+        )
+    if val_fraction > 0 and not val:
+        warnings.append(
+            f"data: no file of the {len(files)} fell into the validation split (data.val_fraction "
+            f"= {val_fraction}, decided per file): no validation loss will be reported"
+        )
     return Corpus(
         root=root,
         train=train_tokens,
         val=val_tokens,
         n_train_files=len(train) // 2,
         n_val_files=len(val) // 2,
+        warnings=tuple(warnings),
     )
+
+
+def _read(f: Path) -> bytes:
+    """A corpus file's bytes; one that cannot be read is a one-line error, not a traceback."""
+    try:
+        return f.read_bytes()
+    except OSError as e:
+        raise ConfigError(
+            "data.path", str(f), f"readable files ({e.strerror or e}; data.glob selects the files)"
+        ) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, Catalog, Link, Node, default_catalog
 from llmscale.plan.collectives import Fabric
 
@@ -33,5 +34,8 @@ class Cluster:
         cat = catalog or default_catalog()
         g = cat.gpu(gpu)
         n = cat.node(node) if node else cat.node_for_gpu(gpu)
+        if n.gpu != gpu:  # a node shape holds one GPU model: another's would be costed silently
+            shapes = [m.name for m in cat.nodes.values() if m.gpu == gpu]
+            raise ConfigError("node", node, f"a node shape of {gpu}: " + " | ".join(shapes))
         fabric = Fabric.of(n, cat.link(n.scale_up), cat.link(nic or n.nic))
         return cls(g, n, fabric, cat.link(g.host_link))

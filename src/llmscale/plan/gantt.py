@@ -25,7 +25,9 @@ def text_gantt(result: SimResult, max_width: int = 160) -> tuple[float, list[str
     """
     shortest = min(t.end - t.start for t in result.timeline)
     quantum = shortest / (1 + len(str(result.microbatches - 1)))
-    if result.makespan / quantum > max_width:
+    # quantum is 0 when a short op vanishes in the rounding of a time far larger (t_bwd 1e15 x
+    # t_fwd): then the chart is scaled to its width.
+    if quantum <= 0 or result.makespan > quantum * max_width:
         quantum = result.makespan / max_width
     width = max(1, round(result.makespan / quantum))
     rows = [[IDLE] * width for _ in range(result.pp)]

@@ -8,6 +8,7 @@ traffic between rails, such as a mixture-of-experts all-to-all, pays for the NVL
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from rich.table import Table
@@ -42,7 +43,11 @@ def network_report(
     """Size every network for `gpus` x `gpu` and cost the best plan for `model` on each."""
     base = Cluster.of(gpu)
     network.check_gpus(gpus, gpu)
-    gbs = global_batch or gpus
+    if global_batch is not None and global_batch <= 0:
+        raise ConfigError("global_batch", global_batch, "a positive number of sequences")
+    if not (math.isfinite(a2a_mb) and a2a_mb > 0):
+        raise ConfigError("a2a_mb", a2a_mb, "a finite number of MB > 0")
+    gbs = gpus if global_batch is None else global_batch
     found = search(model, gpus, base, seq, gbs, top=1)
     if not found.candidates:
         raise ConfigError("gpus", gpus, f"enough GPUs for a {model.name} plan to fit")

@@ -72,7 +72,7 @@ def training(
     precision: Precision = "bf16",
     params: TimeParams = DEFAULT_TIME,
 ) -> Roofline:
-    seq = seq or model.max_seq_len
+    seq = model.max_seq_len if seq is None else seq
     _check(batch, seq, model)
     tokens = batch * seq
     flops = model.train_flops_per_token(seq) * tokens
@@ -91,7 +91,7 @@ def training(
 def decode(
     model: ModelConfig, gpu: GPU, batch: int = 1, seq: int | None = None, precision: str = "bf16"
 ) -> Roofline:
-    seq = seq or model.max_seq_len
+    seq = model.max_seq_len if seq is None else seq
     _check(batch, seq, model)
     matmul_weights = model.n_layers * (model.attention_weights() + model.mlp_weights())
     matmul_weights += model.vocab_size * model.dim

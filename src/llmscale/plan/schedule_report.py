@@ -32,8 +32,8 @@ def schedule_report(
     """Report the step `res` simulated with costs `t_fwd`, `t_bwd` and `t_p2p`: makespan, bubble
     and peak in-flight against the closed forms (which hold for equal stages and free p2p), then
     a Gantt chart at most `width` wide."""
-    if width < 10:
-        raise ConfigError("width", width, "an integer >= 10")
+    if not 10 <= width <= 1000:  # the chart is a list of width characters per rank
+        raise ConfigError("width", width, "an integer in [10, 1000]")
     job = (res.schedule, res.pp, res.microbatches, res.chunks)
     closed = bubble_fraction(*job)
     closed_peak = peak_inflight_closed_form(*job)

@@ -82,6 +82,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.memory import plan_kernels, plan_rank_params
 from llmscale.plan.plan import Plan
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
 from llmscale.plan.schedule import simulate as simulate_schedule
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
@@ -608,7 +609,9 @@ def estimate_step_time(
     t = slow.fwd + slow.bwd
     if p == 1:
         pipe, bubble, p2p_total = n_mb * t, 0.0, 0.0
-    elif simulate:
+    elif simulate and p * v * n_mb <= MAX_STAGE_MICROBATCHES:
+        # (Larger: the closed form below. Simulating a global batch of 10^6 sequences took
+        # minutes and tens of GB; with that many micro-batches the bubble is the closed form's.)
         costs_f = [stages[g % p].fwd / v for g in range(p * v)]
         costs_b = [stages[g % p].bwd / v for g in range(p * v)]
         res = simulate_schedule(plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class TrainData:
     summary: str  # the `data:` line a run prints
     tokenizer_sha256: str
     n_valid_vocab: int | None  # ids at and above it are padding, masked out of the loss
+    warnings: list[str] = field(default_factory=list)  # about the corpus, printed before step 1
 
 
 def build_data(cfg: JobConfig, dp_rank: int, dp_size: int, meta: PreparedMeta | None) -> TrainData:
@@ -70,6 +71,7 @@ def build_data(cfg: JobConfig, dp_rank: int, dp_size: int, meta: PreparedMeta | 
             ),
             tokenizer_sha256=byte_tokenizer_sha256(),
             n_valid_vocab=None,
+            warnings=list(corpus.warnings),
         )
     stream = ShardStream.from_meta(meta, "train", seq, seed, dp_rank=dp_rank, dp_size=dp_size)
     val_paths = [p for p in meta.shard_paths("val") if p.stat().st_size > 0]

@@ -16,6 +16,7 @@ not checked (said once). The figures exclude the data (the token corpus) and the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 
 from llmscale.config import JobConfig
 from llmscale.errors import ConfigError, UsageError
+from llmscale.model.config import ModelConfig, get_preset
 from llmscale.plan.memory import estimate_memory
 from llmscale.plan.predict import as_plan, runtime_options
 
@@ -75,6 +77,25 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     return max(s.total for s in stages), host
 
 
+def model_label(model: ModelConfig) -> str:
+    """The preset's name, with the keys that reshape it (`tiny with dim=65536`)."""
+    try:
+        base = get_preset(model.name)
+    except ConfigError:
+        return model.name
+    changed = [
+        f"{f.name}={getattr(model, f.name)}"
+        for f in dataclasses.fields(model)
+        if getattr(model, f.name) != getattr(base, f.name)
+    ]
+    return f"{model.name} with {', '.join(changed)}" if changed else model.name
+
+
+# The end of the "cannot fit" message: how `llmscale train` runs it anyway (bench, which has no
+# such key, replaces it).
+OVERRIDE_HINT = "--job.memory_check warn or off runs it anyway"
+
+
 def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
     """Raise UsageError when the run cannot fit (mode "error"); the warnings to print otherwise."""
     mode = cfg.job.memory_check
@@ -97,14 +118,13 @@ def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
         if need <= 0:
             continue
         say = (
-            f"the planner predicts {need / GIB:.1f} GiB for {cfg.model.name} in this layout "
+            f"the planner predicts {need / GIB:.1f} GiB for {model_label(cfg.model)} in this layout "
             f"({label}); {cap.what} has {cap.total / GIB:.1f} GiB"
         )
         if need > cap.total:
             msg = (
                 f"memory: {say}: it cannot fit. A smaller micro-batch, recomputation, more ranks, "
-                "FSDP or offload would help (llmscale plan); --job.memory_check warn or off runs "
-                "it anyway"
+                f"FSDP or offload would help (llmscale plan); {OVERRIDE_HINT}"
             )
             if mode == "error":
                 raise UsageError(msg)

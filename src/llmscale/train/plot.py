@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from llmscale.errors import UsageError
-from llmscale.train.metrics import read_jsonl
+from llmscale.paths import check_image_file
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -16,12 +18,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise UsageError(
             f"run_dir: no metrics.jsonl in {str(run)!r} (is it a `llmscale train` folder?)"
         )
-    rows = read_jsonl(path)
+    target = check_image_file("--out", out if out else run / "loss.png")
+    rows = read_metrics(path)
     train = {r["step"]: r for r in rows if r.get("kind") == "train"}  # last row per step wins
     if not train:
         raise UsageError(f"run_dir: {path} has no training steps yet")
     steps = sorted(train)
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    val = [(r["step"], _number(r["val_loss"])) for r in rows if "val_loss" in r]
 
     import matplotlib
 
@@ -29,22 +32,55 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot(steps, [train[s]["loss"] for s in steps], label="train")
+    ax_loss.plot(steps, [_number(train[s]["loss"]) for s in steps], label="train")
     if val:
         ax_loss.plot(*zip(*val, strict=True), "o-", label="validation")
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
-    ax_tps.plot(steps, [train[s]["tokens_per_s"] for s in steps], color="tab:green")
+    ax_tps.plot(steps, [_number(train[s]["tokens_per_s"]) for s in steps], color="tab:green")
     ax_tps.set(xlabel="step", ylabel="tokens / s", title="throughput")
     ax_tps.grid(alpha=0.3)
     fig.suptitle(run.name)
     fig.tight_layout()
-    target = Path(out) if out else run / "loss.png"
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=120)
     plt.close(fig)
     return target
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows, each with an integer step; a damaged line is a one-line error naming
+    it (a last line cut short by a killed run is skipped: the rows before it are intact)."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):
+                continue
+            raise UsageError(
+                f"run_dir: {path} line {n} is not a JSON object ({e.msg}); allowed: "
+                "metrics.jsonl as `llmscale train` writes it, one JSON object per line"
+            ) from None
+        if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+            raise UsageError(
+                f"run_dir: {path} line {n} is not a metrics row (a JSON object with an integer "
+                "step)"
+            )
+        rows.append(row)
+    return rows
+
+
+def _number(value: Any) -> float:
+    """A metric as a float: metrics.jsonl writes inf and nan as strings (JSON has neither)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 # ---- the offload pipeline's timeline ------------------------------------------------------
@@ -88,14 +124,24 @@ def plot_timeline(
             f"run_dir: no {path.name} in {str(run_dir)!r} (written by runs with "
             "optimizer.offload = 'optimizer' or 'optimizer+params')"
         )
-    meta, ivs = read_timeline(path)
+    try:
+        meta, ivs = read_timeline(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is one
+        raise UsageError(
+            f"run_dir: {path} is not a timeline as `llmscale train` writes it "
+            f"({type(e).__name__}: {e})"
+        ) from None
     updated = sorted({iv.step for iv in ivs if iv.phase == "update"})
     if not updated:
         raise UsageError(f"run_dir: {path} has no optimizer update yet")
+    target = check_image_file("--out", out if out else Path(run_dir) / "timeline.png")
     chosen = steps or updated[-2:]
     missing = [s for s in chosen if s not in {iv.step for iv in ivs}]
-    if missing:
-        raise UsageError(f"--step: {missing} not in {path} (it keeps steps {sorted(updated)})")
+    if missing:  # steps are 0-based here, 1-based on the command line and in the chart
+        raise UsageError(
+            f"--step: {[s + 1 for s in missing]} not in {path} (it keeps steps "
+            f"{[s + 1 for s in updated]})"
+        )
     mine = [iv for iv in ivs if iv.step in chosen]
     t0 = min(iv.start for iv in mine)
     t1 = max(iv.end for iv in mine)
@@ -147,7 +193,6 @@ def plot_timeline(
         fontsize=10,
     )
     fig.tight_layout()
-    target = Path(out) if out else Path(run_dir) / "timeline.png"
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=120)
     plt.close(fig)

@@ -176,6 +176,7 @@ class Trainer:
         self.train_stream = self.data.train_stream
         self.val_tokens = self.data.val_tokens
         self.sha_kept = True  # checkpoints hold the tokenizer's sha256
+        self.memory_warnings += self.data.warnings  # printed with them, before the first step
 
         # The model is built, split and sharded on the meta device; then each rank allocates
         # and initialises only its own pieces, from values that depend on (seed, parameter name)

@@ -1,0 +1,86 @@
+"""Where a command will write, checked before the work: one-line errors instead of a traceback
+after it (a PNG, a JSON or Markdown file, a run folder). Torch-free.
+
+Each check creates nothing that stays: it writes (and removes) a probe where the output will go,
+since only a real write tells a read-only mount, /proc or a missing permission apart.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from llmscale.errors import ConfigError
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or the closest ancestor of it that exists (what creating `path` would write in)."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _cannot_write_in(folder: Path) -> str | None:
+    """Why no file can be created in the existing `folder`, or None when one can."""
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".llmscale-probe-", dir=folder)
+    except OSError as e:
+        return f"cannot write in {folder}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be used as (or created as) a writable folder; None when it can."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file"
+    return _cannot_write_in(_nearest_existing(p))
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why a file cannot be written at `path` (its missing folders created); None when it can."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{p} is a folder"
+    if p.exists():
+        return None if os.access(p, os.W_OK) else f"{p} is not writable"
+    return _cannot_write_in(_nearest_existing(p.parent))
+
+
+def check_output_file(flag: str, path: str | Path) -> Path:
+    """`path` as a Path, or a ConfigError naming `flag` when no file can be written there."""
+    problem = file_problem(path)
+    if problem:
+        raise ConfigError(flag, str(path), f"a file path that can be written ({problem})")
+    return Path(path)
+
+
+def check_output_folder(flag: str, path: str | Path) -> Path:
+    """`path` as a Path, or a ConfigError naming `flag` when it cannot be a writable folder."""
+    problem = folder_problem(path)
+    if problem:
+        raise ConfigError(flag, str(path), f"a folder that can be created and written ({problem})")
+    return Path(path)
+
+
+# What matplotlib's Agg canvas writes (canvas.get_supported_filetypes()); another suffix is a
+# ValueError from savefig after the drawing is done.
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff",
+                  ".webp", ".gif", ".avif", ".pgf", ".raw", ".rgba")  # fmt: skip
+
+
+def check_image_file(flag: str, path: str | Path) -> Path:
+    """Where a chart goes: `path`, with `.png` added when it has no suffix (matplotlib would add
+    it anyway, and the message must name the file written); an unknown suffix is an error."""
+    p = Path(path)
+    if not p.suffix and not p.is_dir():
+        p = p.with_name(p.name + ".png")
+    elif p.suffix.lower() not in IMAGE_SUFFIXES and not p.is_dir():
+        raise ConfigError(flag, str(path), "an image file: " + " | ".join(IMAGE_SUFFIXES))
+    return check_output_file(flag, p)
