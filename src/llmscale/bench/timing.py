@@ -1,11 +1,10 @@
 """Step time: the planner's time model on this device (calibrated by micro-benchmarks) vs the trainer.
 
-The device is measured first (`calibrate.measured_cluster`: the model's GEMMs alone, element-wise
-bandwidth at activation size, causal attention and a one-token step for the fixed cost); the
-planner then predicts each configuration's step from FLOPs and bytes at those achieved rates
-(the measured device's calibration: efficiencies 1). Framework overhead beyond the fixed cost
-(Python, op dispatch per op) is not in the model: where the prediction is low, that is the share
-it misses.
+The device is measured first (`train.calibration.measured_cluster`: the model's GEMMs on cold
+operands, the attention core in the run's dtype, the block's element-wise ops, a one-token step
+for the per-micro-batch dispatch, and the optimizer step); the planner then predicts each
+configuration's step from FLOPs and bytes at those achieved rates (the measured device's
+calibration).
 """
 
 from __future__ import annotations
@@ -79,12 +78,13 @@ def run(opts: BenchOptions) -> SuiteResult:
             ]
         )
     res.notes.append(
-        "On a CPU the analytical model predicts less than the measured step (pred/meas < 1): it "
-        "counts GEMM time at the micro-benchmarked GEMM rate and element-wise traffic at the "
-        "measured bandwidth, but eager PyTorch on a CPU spends more than that around the GEMMs "
-        "(op dispatch, autocast and bf16 conversions, cache misses at step scale). The same "
-        "model is validated against published GPU results in bench/published.py, and on an "
-        "H100/H200 by bench/gpu.sh."
+        "The device is micro-benchmarked on the runtime's own kernels (train/calibration.py): "
+        "the model's GEMMs on cold operands, the attention core in the run's dtype, the block's "
+        "element-wise ops, the one-token forward and backward (dispatch) and the optimizer "
+        "step. The planner then prices each configuration's GEMMs, attention, element-wise "
+        "bytes, dispatch and optimizer at those rates. Step times on this shared 2-core machine "
+        "vary by 10-30% from run to run; the same model is validated against published GPU "
+        "results in bench/published.py, and on an H100/H200 by bench/gpu.sh."
     )
     res.tables["measured device (micro-benchmarks)"] = (
         ["configuration", "GEMM GFLOP/s", "elementwise GB/s"],
