@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 # The demo trains on 4 CPU processes: FSDP over 2 ranks x tensor parallelism over 2 (docs/parallel.md).
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m llmscale train --config configs/default.toml \
-		--parallel.dp_shard 2 --parallel.tp 2
+		--parallel.dp_shard 2 --parallel.tp 2 --overwrite
 	$(LLMSCALE) plot runs/demo
 	$(LLMSCALE) plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 --global-batch 1024 --top 5 \
 		--png runs/demo/plan-llama2-70b-h200.png
