@@ -30,7 +30,7 @@ JOB = short_job(
     train__micro_batch_size=2,
     train__global_batch_size=8,
     train__steps=STEPS,
-    train__eval_batches=2,
+    train__eval_sequences=8,
     checkpoint__enabled=True,
     checkpoint__interval=2,
 )

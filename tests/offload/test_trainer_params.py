@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmscale.bench.jobs import short_job
 from llmscale.cli import main
 from llmscale.config import load_config
 from llmscale.offload import OffloadedAdamW, read_timeline
@@ -19,6 +20,13 @@ EXACT = ("--optimizer.offload_kernel", "exact")
 STEPS = ("--train.steps", "5", "--train.micro_batch_size", "2", "--train.global_batch_size", "4")
 
 
+def _config(run_dir, *overrides: str):
+    """The default job, shrunk for tests (tests/conftest.py's make_config; a test module cannot
+    import a conftest by name: several folders have one)."""
+    base = short_job(job__run_dir=run_dir, train__micro_batch_size=4, train__global_batch_size=4)
+    return load_config(None, [*base, *overrides])
+
+
 def _rows(t: Trainer) -> list[dict]:
     return [r for r in read_jsonl(t.run_dir / "metrics.jsonl") if r["kind"] == "train"]
 
@@ -31,12 +39,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def references(tmp_path_factory):
     """On-device AdamW runs, by the overrides that change the reference (made once each)."""
     cache: dict[tuple[str, ...], tuple[list[float], dict[str, torch.Tensor]]] = {}
-    from conftest import make_config
-
     def get(*extra: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         if extra not in cache:
             run = tmp_path_factory.mktemp("ref")
-            t = Trainer(make_config(run, *STEPS, *extra))
+            t = Trainer(_config(run, *STEPS, *extra))
             losses = t.fit().losses
             cache[extra] = (losses, {k: v.clone() for k, v in t.model.state_dict().items()})
         return cache[extra]
