@@ -39,6 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def references(tmp_path_factory):
     """On-device AdamW runs, by the overrides that change the reference (made once each)."""
     cache: dict[tuple[str, ...], tuple[list[float], dict[str, torch.Tensor]]] = {}
+
     def get(*extra: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         if extra not in cache:
             run = tmp_path_factory.mktemp("ref")
