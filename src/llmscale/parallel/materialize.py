@@ -39,12 +39,17 @@ def materialize(
         part.to_empty(device=where)
         for name, p in part.named_parameters():
             full = part.initial_value(name, tuple(p.shape), seed)  # type: ignore[operator]
-            if isinstance(p, DTensor):
-                mesh = p.device_mesh
-                mine = distribute_tensor(
-                    full.to(mesh.device_type), mesh, p.placements, src_data_rank=None
-                )
-                p.to_local().copy_(mine.to_local())
-            else:
-                p.copy_(full)
+            copy_full_into(p, full)
         part.init_buffers(device)  # type: ignore[operator]
+
+
+@torch.no_grad()
+def copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole tensor `full` into parameter `p`: its own shard when `p` is a DTensor
+    (every rank holds `full` and keeps its piece; nothing is sent)."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        mine = distribute_tensor(full.to(mesh.device_type), mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(mine.to_local())
+    else:
+        p.copy_(full)

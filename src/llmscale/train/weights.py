@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from llmscale.config import JobConfig, load_config
 from llmscale.errors import ConfigError
 from llmscale.hf.folder import read_llama_folder
 from llmscale.model.config import ModelConfig
 from llmscale.model.transformer import build_model
+from llmscale.parallel.materialize import copy_full_into
 from llmscale.train.checkpoint import Checkpointer
 
 HF_PREFIX = "hf:"
@@ -127,14 +127,7 @@ def load_full_weights(parts: Sequence[nn.Module], state_dict: dict[str, torch.Te
                     f"{name} {tuple(full.shape)}",
                     f"the model's shape {tuple(p.shape)}",
                 )
-            if isinstance(p, DTensor):
-                mesh = p.device_mesh
-                mine = distribute_tensor(
-                    full.to(mesh.device_type), mesh, p.placements, src_data_rank=None
-                )
-                p.to_local().copy_(mine.to_local())
-            else:
-                p.copy_(full)
+            copy_full_into(p, full)
 
 
 def apply_init_from(parts: Sequence[nn.Module], cfg: JobConfig) -> bool:
