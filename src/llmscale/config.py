@@ -24,7 +24,7 @@ from llmscale.paths import folder_problem
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
-PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 LRDecay = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
@@ -42,6 +42,21 @@ OFFLOAD_MODES: tuple[Offload, ...] = get_args(Offload)
 MEMORY_CHECKS: tuple[MemoryCheck, ...] = get_args(MemoryCheck)
 OFFLOAD_KERNELS: tuple[OffloadKernel, ...] = get_args(OffloadKernel)
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
+# Pipeline schedules with pp_chunks >= 2 model chunks per rank, placed loop-style (rank r holds
+# stages r, r + pp, ...), and those with exactly two chunks placed in a V (rank r holds stages r
+# and 2 pp - 1 - r). zero_bubble, zbv and dualpipev split each backward into B and W.
+LOOP_MULTI_CHUNK_SCHEDULES: tuple[PPSchedule, ...] = ("interleaved_1f1b", "zero_bubble")
+V_SCHEDULES: tuple[PPSchedule, ...] = ("zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES: tuple[PPSchedule, ...] = ("zero_bubble", "zbv", "dualpipev")
+
+
+def pipeline_chunks(schedule: str, pp_chunks: int) -> int:
+    """Model chunks per pipeline rank that `schedule` runs: 2 for the V schedules (whatever
+    `pp_chunks` says), `pp_chunks` for the loop-style multi-chunk ones, 1 otherwise."""
+    if schedule in V_SCHEDULES:
+        return 2
+    return pp_chunks if schedule in LOOP_MULTI_CHUNK_SCHEDULES else 1
+
 
 # Bytes of one element in each precision: the planner's and the runtime's one table. fp8 is
 # torchao's float8 training: bf16 autocast whose linears run their matmuls in float8 (inputs and
@@ -381,7 +396,8 @@ class ParallelSection(MeshDegrees):
     pp_schedule: PPSchedule = "1f1b"
     """Order of the pipeline's forward and backward micro-batches."""
     pp_chunks: int = 1
-    """Model chunks per pipeline rank (interleaved_1f1b; 1 otherwise)."""
+    """Model chunks per pipeline rank (interleaved_1f1b and zero_bubble: >= 2; zbv and
+    dualpipev always run 2, placed in a V: leave unset or set 2; 1 otherwise)."""
     pp_layers: list[int] = field(default_factory=list)
     """Layers of each pipeline stage (pp x pp_chunks entries, summing to model.n_layers); empty
     = automatic: floor or ceil of n_layers / stages each, the first and last stages the lighter."""
@@ -399,13 +415,27 @@ class ParallelSection(MeshDegrees):
             _positive(f"parallel.{name}", getattr(self, name))
         _choice("parallel", self, "pp_schedule")
         _choice("parallel", self, "zero_stage")
-        if self.pp_schedule != "interleaved_1f1b" and self.pp_chunks != 1:
+        multi = " | ".join(LOOP_MULTI_CHUNK_SCHEDULES)
+        if self.pp_schedule in V_SCHEDULES:
+            if self.pp_chunks not in (1, 2):
+                raise ConfigError(
+                    "parallel.pp_chunks",
+                    self.pp_chunks,
+                    f"unset or 2 with pp_schedule = '{self.pp_schedule}' (two chunks in a V)",
+                )
+        elif self.pp_schedule not in LOOP_MULTI_CHUNK_SCHEDULES and self.pp_chunks != 1:
             raise ConfigError(
-                "parallel.pp_chunks", self.pp_chunks, "1 unless pp_schedule = 'interleaved_1f1b'"
+                "parallel.pp_chunks", self.pp_chunks, f"1 unless pp_schedule is {multi}"
             )
-        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.pp_chunks < 2:
+        if self.pp_schedule in LOOP_MULTI_CHUNK_SCHEDULES and self.pp > 1 and self.pp_chunks < 2:
             raise ConfigError(
-                "parallel.pp_chunks", self.pp_chunks, ">= 2 with pp_schedule = 'interleaved_1f1b'"
+                "parallel.pp_chunks",
+                self.pp_chunks,
+                f">= 2 with pp_schedule = '{self.pp_schedule}'",
+            )
+        if self.pp == 1 and self.pp_schedule in V_SCHEDULES:
+            raise ConfigError(
+                "parallel.pp_schedule", self.pp_schedule, "a V schedule needs parallel.pp > 1"
             )
         if self.pp == 1 and self.pp_chunks != 1:
             raise ConfigError("parallel.pp_chunks", self.pp_chunks, "1 when parallel.pp = 1")
@@ -521,7 +551,7 @@ class JobConfig:
             raise ConfigError(
                 "data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}"
             )
-        stages = p.pp * p.pp_chunks
+        stages = p.pp * pipeline_chunks(p.pp_schedule, p.pp_chunks)
         if stages > m.n_layers:
             raise ConfigError(
                 "parallel.pp",

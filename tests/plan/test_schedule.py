@@ -360,7 +360,7 @@ def test_cli_per_stage_costs(capsys):
 @pytest.mark.parametrize(
     "extra,field",
     [
-        (["--schedule", "zero_bubble"], "schedule"),
+        (["--schedule", "zero-bubble-v9"], "schedule"),
         (["--pp", "0"], "pp"),
         (["--schedule", "interleaved", "--microbatches", "6", "--chunks", "2"], "microbatches"),
         (["--chunks", "2"], "chunks"),

@@ -415,8 +415,13 @@ def split_layers(
     return out
 
 
-def stage_ids(pp_rank: int, pp: int, chunks: int) -> list[int]:
-    """Stages held by pipeline rank `pp_rank`, loop style: r, r + pp, r + 2 pp, ..."""
+def stage_ids(pp_rank: int, pp: int, chunks: int, v_shape: bool = False) -> list[int]:
+    """Stages held by pipeline rank `pp_rank`: loop style r, r + pp, r + 2 pp, ...; with
+    `v_shape` (zbv, dualpipev: exactly two chunks) r and 2 pp - 1 - r."""
+    if v_shape:
+        if chunks != 2:
+            raise ValueError(f"a V placement holds exactly 2 chunks per rank, not {chunks}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(chunks)]
 
 
