@@ -453,7 +453,8 @@ def zero_offload(cat: Catalog, res: Results) -> list[Claim]:
     cut = Claim(
         "ZeRO-Offload gives a 4x reduction in per-device memory",
         "Ren et al. 2021, 'ZeRO-Offload' (arXiv:2101.06840)",
-        "llmscale plan --model llama2-7b --gpu h100 --gpus 1 (offload none vs optimizer)",
+        "llmscale plan --model llama2-7b --gpu h100 --gpus 1 --seq 4096 --offload optimizer "
+        "(vs --offload none)",
         f"llama2-7b, one GPU, seq 4096: states {none.states / psi:.0f} -> {off.states / psi:.0f} "
         f"B/param (x{states:.0f}); device total {none.total / GiB:.1f} -> {off.total / GiB:.1f} "
         f"GiB (x{total:.1f})",
