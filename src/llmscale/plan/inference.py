@@ -187,7 +187,7 @@ def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
 
 def kv_bytes_per_token(model: ModelConfig, precision: str, tp: int = 1) -> int:
     """KV-cache bytes of one token on one of `tp` GPUs: K and V, every layer, its KV heads."""
-    heads = model.n_kv_heads if tp == 1 else kv_heads_per_gpu(model, tp)
+    heads = kv_heads_per_gpu(model, tp)
     return 2 * model.n_layers * heads * model.head_dim * VALUE_BYTES[precision]
 
 
