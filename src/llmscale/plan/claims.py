@@ -486,7 +486,7 @@ def interleaved(cat: Catalog, res: Results) -> Claim:
     meas_1f1b, meas_intl = rows.get("pp=4 1f1b m=8"), rows.get("pp=4 interleaved v=2 m=8")
     if meas_1f1b and meas_intl:
         meas = (
-            f"; measured on 2 CPU cores: {meas_1f1b['measured']:.1f}% vs "
+            f"; measured on 2 CPU cores: 1F1B {meas_1f1b['measured']:.1f}%, interleaved "
             f"{meas_intl['measured']:.1f}% ({res.when('pipeline')})"
         )
     else:
