@@ -227,8 +227,8 @@ def infinity_fabric(cat: Catalog, res: Results) -> Claim:
         "llmscale hw --compare infinity-fabric nvlink4",
         f"{per_link:g} GB/s per link x {links:g} links = {agg:g} GB/s per GPU (both directions)",
         "holds" if (per_link, agg) == (128, 896) else "does not hold here",
-        "catalog figures; in the 8-GPU full mesh one GPU reaches one peer at 64 GB/s each way, "
-        "so a ring all-reduce inside the node is bound by the per-link, not the aggregate, rate",
+        "catalog figures; 896 GB/s is one GPU's 7 links busy at once, to its 7 peers: one GPU "
+        "reaches one peer at 64 GB/s each way (the catalog's pair_GBps)",
     )
 
 
@@ -471,8 +471,9 @@ def zero_offload(cat: Catalog, res: Results) -> list[Claim]:
         f"{NOT_MEASURED}: docs/results/results.json has no offload suite (the transfer timeline "
         "is drawn by llmscale plot --timeline)",
         "holds with a caveat",
-        "the runtime implements the four-lane overlap (offload/engine.py, offload/timeline.py) "
-        "and the planner costs it; its measured overlap is not among make results' suites",
+        "the runtime overlaps four lanes (compute, device-to-host copy, CPU Adam, host-to-device "
+        "copy: offload/engine.py, docs/offload.md) and the planner hides offload_overlap of the "
+        "transfers; the measured overlap (bench/offload.py) is not among make results' suites",
     )
     return [cut, overlap]
 
