@@ -602,6 +602,132 @@ def _cmd_network(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---- infer --------------------------------------------------------------------------------
+
+
+def _add_infer(sub: argparse._SubParsersAction[_Parser]) -> None:
+    from llmscale.plan.inference import ASSUMPTIONS, DEFAULT_RESERVE, INFER_PRECISIONS
+
+    p = sub.add_parser(
+        "infer",
+        help="serving throughput: prefill, decode, KV-cache batch bound, tensor parallelism",
+        description=(
+            "Predict offline serving throughput of a model on catalog GPUs (torch-free, "
+            "plan/inference.py): prefill of the prompt tokens (compute: FLOPs at the GPU's "
+            "calibrated GEMM efficiency), decode of one token per step (memory: the weight "
+            "shard and the KV caches read at the calibrated HBM bandwidth), the batch bounded "
+            "by the HBM left for KV caches after the weights and a reserve (grouped-query "
+            "attention counted through n_kv_heads), tensor parallelism inside one node with "
+            "two all-reduces per block over its scale-up link, and each phase's roofline "
+            "regime against the GPU's ridge point. Assumptions: " + "; ".join(ASSUMPTIONS) + "."
+        ),
+        epilog=(
+            "Example: llmscale infer --model llama2-70b --gpu h200 --gpus 1 --input-len 2048 "
+            "--output-len 128 --precision fp8   (NVIDIA's 1.9x H200/H100 case; docs/inference.md)"
+        ),
+    )
+    p.add_argument("--model", required=True, help="model preset (llmscale models)")
+    p.add_argument("--gpu", required=True, help="GPU name (llmscale hw)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs serving (replicas x tp)")
+    p.add_argument("--input-len", type=int, required=True, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=int, required=True, help="generated tokens per sequence")
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        help=" | ".join(INFER_PRECISIONS) + " (weights and KV cache; default bf16)",
+    )
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default: the fastest)")
+    p.add_argument("--batch", type=int, help="sequences per batch (default: the most that fit)")
+    p.add_argument(
+        "--reserve",
+        type=float,
+        default=DEFAULT_RESERVE,
+        help=f"fraction of HBM held back (default {DEFAULT_RESERVE}: vLLM's 0.9 utilisation)",
+    )
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    p.set_defaults(func=_cmd_infer)
+
+
+def _cmd_infer(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from llmscale.model.config import get_preset
+    from llmscale.plan.inference import INFER_PRECISIONS, predict
+    from llmscale.plan.inference_report import inference_report
+    from llmscale.ui import console
+
+    _one_of("precision", args.precision, INFER_PRECISIONS)
+    pred = predict(
+        get_preset(args.model), args.gpu, args.gpus, args.input_len, args.output_len,
+        args.precision, tp=args.tp, batch=args.batch, reserve=args.reserve, model_name=args.model,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(pred.to_dict(), indent=2))
+        return 0
+    rep = inference_report(pred)
+    out = console()
+    out.print(rep.title)
+    out.print(rep.table)
+    for line in rep.lines:
+        out.print(line)
+    return 0
+
+
+# ---- claims -------------------------------------------------------------------------------
+
+
+def _add_claims(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "claims",
+        help="the article's claims, each with llmscale's figure and a verdict",
+        description=(
+            "Check every claim of the article 'Distributed Solutions: Practical Approaches to "
+            "Scale LLM Compute, Part 2' against llmscale (plan/claims.py): catalog, planner, "
+            "schedule simulator and serving model figures computed on the spot, measured ones "
+            "read from --results (written by make results, with when). Verdicts: holds | holds "
+            "with a caveat | does not hold here. Trains nothing; about a second."
+        ),
+        epilog="Example: llmscale claims --markdown docs/claims.md   (make claims)",
+    )
+    p.add_argument("--json", action="store_true", help='print {"claims": [...]} as JSON')
+    p.add_argument("--markdown", metavar="FILE", help="write the table as Markdown to FILE")
+    p.add_argument(
+        "--results",
+        default="docs/results/results.json",
+        help="measured results (default docs/results/results.json; missing: not measured yet)",
+    )
+    p.set_defaults(func=_cmd_claims)
+
+
+def _cmd_claims(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from rich.table import Table
+
+    from llmscale.plan.claims import check_claims, to_json, to_markdown
+    from llmscale.ui import console
+
+    results = Path(args.results)
+    if args.markdown:
+        check_output_file("markdown", args.markdown)
+    rows = check_claims(results)
+    if args.markdown:
+        Path(args.markdown).write_text(to_markdown(rows, results))
+    if args.json:
+        print(json.dumps(to_json(rows), indent=2))
+        return 0
+    t = Table(title="The article's claims, checked (docs/claims.md)", show_lines=True)
+    for col in ("claim", "llmscale's figure", "verdict", "why"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.claim, r.figure, r.verdict, r.why)
+    out = console()
+    out.print(t)
+    if args.markdown:
+        out.print(f"wrote {args.markdown}")
+    return 0
+
+
 # ---- bench --------------------------------------------------------------------------------
 
 
@@ -934,6 +1060,8 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
     _add_plan,
     _add_roofline,
     _add_network,
+    _add_infer,
+    _add_claims,
     _add_bench,
     _add_export,
     _add_generate,

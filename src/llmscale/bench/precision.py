@@ -92,7 +92,8 @@ def run(opts: BenchOptions) -> SuiteResult:
         f"Without scaling, {100 * statistics.median(cast[0]):.1f}% of the non-zero gradient values "
         f"vanish when cast to fp16 (runs: {_span(cast[0])}) and "
         f"{100 * statistics.median(e2e[0]):.1f}% when the backward itself runs in fp16 "
-        f"({_span(e2e[0])}); the seed's workload: ~31%. At 2^15: "
+        f'({_span(e2e[0])}); arXiv:2209.04881 (cited by the article "Distributed Solutions: '
+        'Practical Approaches to Scale LLM Compute, Part 2") reports ~31%. At 2^15: '
         f"{100 * max(cast[-1]):.2f}% / {100 * max(e2e[-1]):.2f}% at most."
     )
     path = png_path(opts, "fp16_underflow.png")

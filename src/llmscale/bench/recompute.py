@@ -1,7 +1,9 @@
 """Recomputation's time overhead: measured step times vs the planner's prediction.
 
-The seed quotes ~33% extra compute for full recomputation: one more forward of the blocks on
-top of forward + backward (3 forward-equivalents become 4). Measured here as the fastest step of
+Full recomputation costs ~33% extra compute (Chen et al. 2016, "Training Deep Nets with Sublinear
+Memory Cost", arXiv:1604.06174; quoted by the article "Distributed Solutions: Practical Approaches
+to Scale LLM Compute, Part 2"): one more forward of the blocks on top of forward + backward
+(3 forward-equivalents become 4). Measured here as the fastest step of
 each mode over the fastest step without recomputation, on the same batches. selective_op (op-level
 checkpointing) recomputes the unsaved matmuls and element-wise ops; its policy runs as a Python
 dispatch mode over every op of the block, forward and recompute, a per-op cost that small models

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -130,8 +131,12 @@ def markdown(results: list[SuiteResult], header: str = "", base: Path | None = N
 
 
 def write_json(results: list[SuiteResult], path: Path) -> None:
+    """Each suite's rows, tables, notes and figures, with `measured_at` (UTC, ISO 8601): when
+    this file was written, which `llmscale claims` quotes next to every measured figure."""
+    measured_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     data = {
         r.name: {
+            "measured_at": measured_at,
             "title": r.title,
             "rows": [row.to_dict() for row in r.rows],
             "tables": {k: {"header": h, "rows": rows} for k, (h, rows) in r.tables.items()},

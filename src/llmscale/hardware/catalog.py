@@ -21,7 +21,7 @@ from llmscale.hardware.spec import Entry, Sourced, entries, read_sources
 _T = TypeVar("_T")
 DATA_DIR = Path(__file__).parent / "data"
 GiB = 2**30
-LINK_KINDS = ("scale-up", "scale-out", "host")
+LINK_KINDS = ("scale-up", "scale-out", "host", "optical-io")
 TOPOLOGY_KINDS = ("fat-tree", "rail-only", "single-switch", "scale-up-domain")
 _TOP_LEVEL = ("sources", "gpu", "link", "node", "topology", "switch", "optic")
 
@@ -167,6 +167,10 @@ class Link:
     bandwidth_GBps: Sourced
     latency_us: Sourced
     pair_GBps: Sourced | None = None
+    # Physical links (or optical channels) that make up bandwidth_GBps, where published.
+    links_per_gpu: Sourced | None = None
+    # Energy per bit moved, where published (optical I/O).
+    energy_pJ_per_bit: Sourced | None = None
 
     @property
     def bandwidth(self) -> float:
@@ -182,6 +186,13 @@ class Link:
     def pair_bandwidth(self) -> float:
         """Bytes per second from one GPU to one other GPU (a mesh splits the aggregate)."""
         return (self.pair_GBps.value if self.pair_GBps else self.bandwidth_GBps.value) * 1e9
+
+    @property
+    def per_link_bandwidth(self) -> float | None:
+        """Bytes per second each direction of one physical link (None when not published)."""
+        if self.links_per_gpu is None or self.links_per_gpu.value <= 0:
+            return None
+        return self.bandwidth / self.links_per_gpu.value
 
 
 @dataclass(frozen=True)
@@ -226,6 +237,8 @@ class Switch:
     ports: Sourced
     price_usd: Sourced
     co_packaged_optics: bool
+    # Co-packaged optics: optical bandwidth per unit of chip edge, relative to pluggables.
+    bandwidth_density_vs_pluggable: Sourced | None = None
 
     @property
     def radix(self) -> int:
@@ -240,6 +253,7 @@ class Optic:
     display: str
     price_usd: Sourced
     cable_usd: Sourced
+    energy_pJ_per_bit: Sourced | None = None
 
 
 @dataclass(frozen=True)
