@@ -601,7 +601,7 @@ class JobConfig:
         as for interleaved_1f1b; dualpipev (ScheduleDualPipeV) at least one per stage, 2 pp.
         And FSDP must keep a stage's parameters gathered from forward to backward (zero 1/2):
         resharding after the forward (zero 3), torch 2.13 leaves wrong weight gradients when a
-        backward is split into B and W (1e-4 off the single-process loss at the second step)."""
+        backward is split into B and W (1e-2 off the single-process loss at the second step)."""
         p, m, gbs = self.parallel, self.n_microbatches, self.train.global_batch_size
         if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and p.dp_shard > 1 and p.zero_stage == 3:
             raise ConfigError(
