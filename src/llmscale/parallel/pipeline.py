@@ -102,7 +102,8 @@ def build_pipeline_schedule(
     scale_grads=False), so accumulated gradients equal those of one pass over the whole batch.
     With `timeline`, the stages' per-chunk forward, backward (and, for the split-backward
     schedules, backward-weight) ops and the loss are timed. `ids` must be the schedule's own
-    placement (`schedule_stage_ids`): the V schedules check it against theirs.
+    placement (`schedule_stage_ids`): torch's V schedules assume rank r holds stages r and
+    2 pp - 1 - r and route their p2p by that, unchecked.
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -114,7 +115,7 @@ def build_pipeline_schedule(
         ScheduleZBVZeroBubble,
     )
 
-    stages = [
+    stages: list[Any] = [
         PipelineStage(part, stage_index=s, num_stages=n_stages, device=device, group=group)
         for part, s in zip(parts, ids, strict=True)
     ]
@@ -151,11 +152,11 @@ def _skip_local_grad_handoff_without_backward(stage: Any) -> None:
     set_in = type(stage).set_local_bwd_input
 
     def get_local_bwd_output(mb_index: int) -> Any:
-        st = ref()
+        st: Any = ref()
         return get_out(st, mb_index) if st.has_backward else ()
 
     def set_local_bwd_input(grads: Any, mb_index: int) -> None:
-        st = ref()
+        st: Any = ref()
         if st.has_backward:
             set_in(st, grads, mb_index)
 
