@@ -67,7 +67,7 @@ class PipelineTimeline:
                     o["start"],
                     o["end"],
                     o.get("chunk"),
-                )  # fmt: skip
+                )
                 for o in s["ops"]
             ]
             for s in d["steps"]
