@@ -583,6 +583,7 @@ class JobConfig:
                 f"micro-batches per step (global / (micro_batch_size x dp) = {self.n_microbatches})"
                 f" a multiple of pp={p.pp} for interleaved_1f1b",
             )
+        self._check_split_backward_schedules()
         if self.optimizer.offload != "none" and self.precision.underflow_steps:
             raise ConfigError(
                 "precision.underflow_steps",
@@ -592,6 +593,31 @@ class JobConfig:
         if t.recompute == "every_k" and t.recompute_every_k > m.n_layers:
             raise ConfigError(
                 "train.recompute_every_k", t.recompute_every_k, f"<= model.n_layers={m.n_layers}"
+            )
+
+    def _check_split_backward_schedules(self) -> None:
+        """What torch's zero-bubble schedules need of the micro-batches per step: zero_bubble
+        (ScheduleInterleavedZeroBubble) a whole number of rounds, taken here as a multiple of pp
+        as for interleaved_1f1b; dualpipev (ScheduleDualPipeV) at least one per stage, 2 pp.
+        And FSDP must keep a stage's parameters gathered from forward to backward (zero 1/2):
+        resharding after the forward (zero 3), torch 2.13 leaves wrong weight gradients when a
+        backward is split into B and W (1e-2 off the single-process loss at the second step)."""
+        p, m, gbs = self.parallel, self.n_microbatches, self.train.global_batch_size
+        if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and p.dp_shard > 1 and p.zero_stage == 3:
+            raise ConfigError(
+                "parallel.zero_stage",
+                3,
+                f"1 or 2 with dp_shard > 1 and pp_schedule = '{p.pp_schedule}' (torch's split "
+                "backward gets wrong weight gradients when FSDP reshards after the forward)",
+            )
+        per = f"micro-batches per step (global / (micro_batch_size x dp) = {m})"
+        if p.pp > 1 and p.pp_schedule == "zero_bubble" and m % p.pp:
+            raise ConfigError(
+                "train.global_batch_size", gbs, f"{per} a multiple of pp={p.pp} for zero_bubble"
+            )
+        if p.pp > 1 and p.pp_schedule == "dualpipev" and m < 2 * p.pp:
+            raise ConfigError(
+                "train.global_batch_size", gbs, f"{per} at least 2 x pp={2 * p.pp} for dualpipev"
             )
 
 

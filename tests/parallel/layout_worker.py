@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from llmscale.config import load_config
 from llmscale.parallel import full_parameters
+from llmscale.parallel.pipeline import schedule_op_order
 from llmscale.train import trainer as trainer_mod
 from llmscale.train.trainer import Trainer
 
@@ -102,6 +103,12 @@ def main() -> None:
                 "events": recorder.events,
                 "activation_peak": t.activation_peak,  # the last step's (pipelines)
                 "first_row": recorder.first_row,
+                # torch's own per-rank op order (multi-stage schedules), for the timeline tests
+                "torch_order": (
+                    schedule_op_order(t.pp_schedule)
+                    if getattr(t.pp_schedule, "pipeline_order", None)
+                    else None
+                ),
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         t.close()  # its stages and meshes hold process groups: gone before destroy_process_group

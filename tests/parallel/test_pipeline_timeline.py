@@ -99,13 +99,13 @@ def test_recorder_times_only_inside_a_step_and_extends_the_last_forward_by_the_l
     assert loss_fn(1, 2) == 3
     with tl.step(7):
         stage.forward_one_chunk(0, ())
-        f_end_before_loss = tl._ops[-1][4]
+        f_end_before_loss = tl._ops[-1][5]
         assert loss_fn(1, 2) == 3
         stage.backward_one_chunk(0, loss=3)
     assert calls == [("F", 0), ("F", 0), ("B", 0)]
     ((step, ops),) = tl.steps
-    assert step == 7 and [(k, s, m) for k, s, m, *_ in ops] == [("F", 1, 0), ("B", 1, 0)]
-    assert ops[0][4] >= f_end_before_loss and ops[0][3] <= ops[0][4] <= ops[1][3]
+    assert step == 7 and [(k, s, m) for k, s, _, m, *_ in ops] == [("F", 1, 0), ("B", 1, 0)]
+    assert ops[0][5] >= f_end_before_loss and ops[0][4] <= ops[0][5] <= ops[1][4]
 
     path = write_timeline(tmp_path / "t.json", [{"pp_rank": 1, "steps": list(tl.steps)}],
                           {"schedule": "1f1b", "pp": 2, "chunks": 1, "microbatches": 1})  # fmt: skip
@@ -136,7 +136,7 @@ def test_watching_a_stage_makes_no_reference_cycle() -> None:
         tl.watch([stage])
         with tl.step(1):
             assert stage.forward_one_chunk(3) == (stage, 3)
-        assert [op[:3] for _, ops in tl.steps for op in ops] == [("F", 0, 3)]
+        assert [op[:4] for _, ops in tl.steps for op in ops] == [("F", 0, 0, 3)]
         gone = weakref.ref(stage)
         del stage
         assert gone() is None

@@ -1,9 +1,15 @@
 """Pipeline timelines, recorded: when each rank ran each forward and backward chunk of a step.
 
 Opt-in with `[metrics] pipeline_timeline = true` (pp > 1). `PipelineRecorder.watch` wraps the
-`forward_one_chunk` / `backward_one_chunk` methods of this rank's torch `PipelineStage`s, the
-single point through which every torch schedule (GPipe, 1F1B, the interleaved runtime) runs a
-chunk's compute; the p2p waits happen outside them, so they count as idle, as in the simulator.
+`forward_one_chunk` / `backward_one_chunk` / `backward_weight_one_chunk` methods of this rank's
+torch `PipelineStage`s, the single point through which every torch schedule (GPipe, 1F1B, the
+interleaved and zero-bubble runtimes) runs a chunk's compute; the p2p waits happen outside them,
+so they count as idle, as in the simulator. Each op is recorded with its kind, stage, chunk (the
+stage's place among this rank's stages), microbatch, start and end. Kinds are the simulator's:
+F (forward), B (backward: the input-gradient part under the split-backward schedules zero_bubble,
+zbv and dualpipev, the whole backward otherwise and for dualpipev's unsplit ones) and W (the
+weight-gradient part). torch runs stage 0's split backward all in its W (its input needs no
+gradient), so there B is near zero.
 On the last stage the loss is computed right after the forward, outside `forward_one_chunk`:
 `timed_loss` extends that forward's record to the loss's end, so an F op is what the simulator
 calls one (forward, and the loss where there is one).
@@ -31,6 +37,13 @@ from typing import Any
 
 FILE_NAME = "pipeline_timeline.json"
 KEEP_STEPS = 1000  # newest steps kept in memory; the instrument is meant for short runs
+# One op: kind ("F" | "B" | "W"), stage, chunk, microbatch, start, end.
+OpTuple = tuple[str, int, int, int, float, float]
+_WRAPPED = (
+    ("forward_one_chunk", "F"),
+    ("backward_one_chunk", "B"),
+    ("backward_weight_one_chunk", "W"),
+)
 
 
 class PipelineRecorder:
@@ -39,10 +52,8 @@ class PipelineRecorder:
     def __init__(self, pp_rank: int, sync: Callable[[], None] | None = None) -> None:
         self.pp_rank = pp_rank
         self._sync = sync
-        self._ops: list[tuple[str, int, int, float, float]] | None = None  # None: not recording
-        self.steps: deque[tuple[int, list[tuple[str, int, int, float, float]]]] = deque(
-            maxlen=KEEP_STEPS
-        )
+        self._ops: list[OpTuple] | None = None  # None: not recording
+        self.steps: deque[tuple[int, list[OpTuple]]] = deque(maxlen=KEEP_STEPS)
         self._last_stage = -1
 
     # ---- recording ------------------------------------------------------------------------
@@ -53,25 +64,29 @@ class PipelineRecorder:
         bound method, stored on that stage, would make every watched stage (and the process
         group it holds) a reference cycle that only the garbage collector frees.
         """
-        for st in stages:
+        for chunk, st in enumerate(stages):
             if st.is_last:
                 self._last_stage = st.stage_index
-            for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
-                setattr(st, name, self._timed(_unbound(st, name), kind, st.stage_index))
+            for name, kind in _WRAPPED:
+                if hasattr(st, name):
+                    fn = _unbound(st, name)
+                    setattr(st, name, self._timed(fn, kind, st.stage_index, chunk))
 
-    def _timed(self, fn: Callable[..., Any], kind: str, stage: int) -> Callable[..., Any]:
-        def wrapper(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def _timed(
+        self, fn: Callable[..., Any], kind: str, stage: int, chunk: int
+    ) -> Callable[..., Any]:
+        def wrapper(mb: int, *args: Any, **kwargs: Any) -> Any:
             if self._ops is None:
-                return fn(chunk_id, *args, **kwargs)
+                return fn(mb, *args, **kwargs)
             if self._sync is not None:
                 # Work queued before this op (a NCCL receive's wait is on the stream, not the
                 # host) belongs to the idle time before it, not to its compute.
                 self._sync()
             t0 = time.time()
-            out = fn(chunk_id, *args, **kwargs)
+            out = fn(mb, *args, **kwargs)
             if self._sync is not None:
                 self._sync()
-            self._ops.append((kind, stage, chunk_id, t0, time.time()))
+            self._ops.append((kind, stage, chunk, mb, t0, time.time()))
             return out
 
         return wrapper
@@ -85,8 +100,8 @@ class PipelineRecorder:
             if ops and ops[-1][0] == "F" and ops[-1][1] == self._last_stage:
                 if self._sync is not None:
                     self._sync()
-                kind, stage, mb, t0, _ = ops[-1]
-                ops[-1] = (kind, stage, mb, t0, time.time())
+                kind, stage, chunk, mb, t0, _ = ops[-1]
+                ops[-1] = (kind, stage, chunk, mb, t0, time.time())
             return loss
 
         return wrapper
@@ -133,9 +148,9 @@ def write_timeline(path: Path, per_rank: list[dict[str, Any]], meta: dict[str, A
     for rank in per_rank:
         for step, ops in rank["steps"]:
             by_step.setdefault(step, []).extend(
-                {"rank": rank["pp_rank"], "kind": k, "stage": s, "microbatch": m,
-                 "start": a, "end": b}
-                for k, s, m, a, b in ops
+                {"rank": rank["pp_rank"], "kind": k, "stage": s, "chunk": c,
+                 "microbatch": m, "start": a, "end": b}
+                for k, s, c, m, a, b in ops
             )  # fmt: skip
     data = {
         **meta,

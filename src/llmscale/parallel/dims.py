@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from llmscale.config import MeshDegrees, ParallelSection
+from llmscale.config import V_SCHEDULES, MeshDegrees, ParallelSection
 from llmscale.parallel import heartbeat
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -108,10 +108,18 @@ class ParallelDims(MeshDegrees):
     cp: int = 1  # context parallelism: not in the runtime's mesh yet (the trainer refuses cp > 1)
     tp: int = 1
     mesh: Any = field(default=None, repr=False)  # DeviceMesh, or None for one process
+    # Stages placed in a V (zbv, dualpipev): the last stage, and so the loss, is on pp rank 0.
+    v_pipeline: bool = False
 
     @classmethod
     def from_config(cls, p: ParallelSection) -> ParallelDims:
-        return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+        return cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                   v_pipeline=p.pp_schedule in V_SCHEDULES)  # fmt: skip
+
+    @property
+    def loss_pp_rank(self) -> int:
+        """The pp rank holding the last stage: pp - 1, or 0 when the stages are placed in a V."""
+        return 0 if self.v_pipeline else self.pp - 1
 
     # ---- degrees (dp, world_size and fsdp from MeshDegrees) ----------------------------------
     @property
@@ -189,7 +197,7 @@ class ParallelDims(MeshDegrees):
 
     def holds_loss(self) -> bool:
         """One rank per data-parallel slice contributes the loss: last stage, first TP rank."""
-        return self.pp_rank == self.pp - 1 and self.tp_rank == 0
+        return self.pp_rank == self.loss_pp_rank and self.tp_rank == 0
 
     def global_mean_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
         """The global batch's mean loss on every rank, from each replica's last pipeline stage.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmscale.config import PRECISIONS, JobConfig
+from llmscale.config import PRECISIONS, JobConfig, pipeline_chunks
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
@@ -27,7 +27,7 @@ from llmscale.parallel.tensor_parallel import apply_tp
 
 @dataclass
 class ParallelModel:
-    """This rank's model chunks: one, or `pp_chunks` under interleaved pipelining."""
+    """This rank's model chunks: one, or several under a multi-chunk pipeline schedule."""
 
     parts: list[nn.Module]
     stage_ids: list[int]  # pipeline stage index of each part ([0] without pipelining)
@@ -44,8 +44,10 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
     if cfg.precision.mode == "fp8":  # before any split or sharding, as torchtitan converts
         convert_to_fp8(model)
     if dims.pp > 1:
-        parts, ids = pipeline_split(model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers)
-        n_stages = dims.pp * p.pp_chunks
+        parts, ids = pipeline_split(
+            model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers, p.pp_schedule
+        )
+        n_stages = dims.pp * pipeline_chunks(p.pp_schedule, p.pp_chunks)
     else:
         parts, ids, n_stages = [model], [0], 1
     for part in parts:

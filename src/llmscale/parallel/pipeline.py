@@ -8,18 +8,27 @@ embeddings, the last stage the final norm and output; the model's forward alread
 of them being absent, and blocks keep their names (`layers.5...`), so a checkpoint saved under
 one split loads under another.
 
-With `pp_chunks` = v > 1 (interleaved 1F1B) there are pp x v stages and rank r holds stages
-r, r + pp, r + 2 pp, ... (loop style, as `ScheduleInterleaved1F1B` expects).
+With `pp_chunks` = v > 1 (interleaved 1F1B, zero bubble) there are pp x v stages and rank r
+holds stages r, r + pp, r + 2 pp, ... (loop style, as `ScheduleInterleaved1F1B` and
+`ScheduleInterleavedZeroBubble` expect). The V schedules (zbv, dualpipev) run two chunks per rank
+placed in a V: rank r holds stages r and 2 pp - 1 - r (`ScheduleZBVZeroBubble`,
+`ScheduleDualPipeV`), so the first and the last stage share rank 0. zero_bubble, zbv and
+dualpipev split a backward into its input-gradient part (B, `backward_one_chunk(full_backward=
+False)`) and its weight-gradient part (W, `backward_weight_one_chunk`), run later to fill the
+bubble.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from llmscale.config import V_SCHEDULES, pipeline_chunks
 from llmscale.instrument.pipeline import PipelineRecorder
 from llmscale.model.config import split_layers, stage_ids
 from llmscale.model.transformer import Transformer
@@ -28,6 +37,8 @@ __all__ = [
     "build_pipeline_schedule",
     "build_stage_module",
     "pipeline_split",
+    "schedule_op_order",
+    "schedule_stage_ids",
     "split_layers",
     "stage_ids",
 ]
@@ -51,17 +62,27 @@ def build_stage_module(
     return part
 
 
+def schedule_stage_ids(schedule: str, pp_rank: int, pp: int, pp_chunks: int) -> list[int]:
+    """Stages pipeline rank `pp_rank` holds under `schedule` (loop style, or a V for zbv and
+    dualpipev), from the config's `pp_chunks`."""
+    chunks = pipeline_chunks(schedule, pp_chunks)
+    return stage_ids(pp_rank, pp, chunks, v_shape=schedule in V_SCHEDULES)
+
+
 def pipeline_split(
     model: Transformer,
     pp_rank: int,
     pp: int,
     chunks: int,
     pp_layers: list[int] | tuple[int, ...] = (),
+    schedule: str = "1f1b",
 ) -> tuple[list[Transformer], list[int]]:
     """This pipeline rank's model chunks and their stage indices (`pp_layers`: layers per stage,
-    empty for the automatic split)."""
-    ids = stage_ids(pp_rank, pp, chunks)
-    return [build_stage_module(model, s, pp * chunks, pp_layers) for s in ids], ids
+    empty for the automatic split). `chunks` is the config's `pp_chunks`; `schedule` decides
+    how many chunks a rank really holds and where (`schedule_stage_ids`)."""
+    ids = schedule_stage_ids(schedule, pp_rank, pp, chunks)
+    n_stages = pp * pipeline_chunks(schedule, chunks)
+    return [build_stage_module(model, s, n_stages, pp_layers) for s in ids], ids
 
 
 def build_pipeline_schedule(
@@ -79,24 +100,93 @@ def build_pipeline_schedule(
 
     `loss_fn` must already divide by the number of micro-batches (the schedule is built with
     scale_grads=False), so accumulated gradients equal those of one pass over the whole batch.
-    With `timeline`, the stages' per-chunk forward and backward (and the loss) are timed.
+    With `timeline`, the stages' per-chunk forward, backward (and, for the split-backward
+    schedules, backward-weight) ops and the loss are timed. `ids` must be the schedule's own
+    placement (`schedule_stage_ids`): torch's V schedules assume rank r holds stages r and
+    2 pp - 1 - r and route their p2p by that, unchecked.
     """
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
-    stages = [
+    stages: list[Any] = [
         PipelineStage(part, stage_index=s, num_stages=n_stages, device=device, group=group)
         for part, s in zip(parts, ids, strict=True)
     ]
+    if schedule in V_SCHEDULES:
+        for st in stages:
+            _skip_local_grad_handoff_without_backward(st)
     if timeline is not None:
         timeline.watch(stages)
         loss_fn = timeline.timed_loss(loss_fn)
-    if schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    multi = {
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "zero_bubble": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }
+    if schedule in multi:
+        return multi[schedule](stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     (stage,) = stages
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     return cls(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _skip_local_grad_handoff_without_backward(stage: Any) -> None:
+    """Let a V schedule run forward-only (`schedule.eval`, the evaluation).
+
+    In a V two adjacent stages share a rank (stages pp - 1 and pp on the last rank), and
+    torch 2.13's runtime hands the input gradient of one to the other in place of a p2p after
+    every backward action, even in eval mode, where the stage refuses (`AssertionError: can't
+    steal_bwd_input if this stage doesn't have backward`). Without a backward there is no
+    gradient to hand over: both ends do nothing then. The wrappers hold their stage weakly.
+    """
+    ref = weakref.ref(stage)
+    get_out = type(stage).get_local_bwd_output
+    set_in = type(stage).set_local_bwd_input
+
+    def get_local_bwd_output(mb_index: int) -> Any:
+        st: Any = ref()
+        return get_out(st, mb_index) if st.has_backward else ()
+
+    def set_local_bwd_input(grads: Any, mb_index: int) -> None:
+        st: Any = ref()
+        if st.has_backward:
+            set_in(st, grads, mb_index)
+
+    stage.get_local_bwd_output = get_local_bwd_output
+    stage.set_local_bwd_input = set_local_bwd_input
+
+
+# torch's action kinds as the simulator and the pipeline timeline name them: its
+# BACKWARD_INPUT ("I") is our B, its FULL_BACKWARD ("B") a B with no W after it.
+_TORCH_KINDS = {"F": "F", "I": "B", "B": "B", "W": "W"}
+
+
+def schedule_op_order(schedule: Any) -> list[list[tuple[str, int, int]]]:
+    """Each pp rank's compute ops in the order torch's schedule object runs them: (kind,
+    stage, microbatch) tuples with kind F, B or W, read from its `pipeline_order` (multi-stage
+    schedules: interleaved_1f1b, zero_bubble, zbv, dualpipev). Idle slots are dropped and
+    dualpipev's overlapped F+B pairs unfold into their F and B, the order the runtime runs them.
+    """
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        raise ValueError(f"{type(schedule).__name__} has no pipeline_order")
+    out: list[list[tuple[str, int, int]]] = []
+    for rank in sorted(order):
+        ops: list[tuple[str, int, int]] = []
+        for action in order[rank]:
+            if action is None:
+                continue
+            for a in action.sub_actions or (action,):
+                kind = _TORCH_KINDS.get(str(a.computation_type.value))
+                if kind is not None and a.microbatch_index is not None:
+                    ops.append((kind, a.stage_index, a.microbatch_index))
+        out.append(ops)
+    return out

@@ -2,7 +2,11 @@
 simulator's terms.
 
 `PipelineTimeline.load` reads a run's pipeline_timeline.json; `step_stats`, `stage_op_times`,
-`op_waits`, `replay`, ... are plain Python over its records (no torch).
+`op_waits`, `replay`, `rank_op_orders`, ... are plain Python over its records (no torch).
+
+Ops are F, B and W (the weight-gradient half of a split backward: zero_bubble, zbv, dualpipev);
+a step's per-rank order (`rank_op_orders`) is what the simulator's op lists and torch's own
+`pipeline_order` (`parallel.pipeline.schedule_op_order`) are compared with.
 """
 
 from __future__ import annotations
@@ -12,20 +16,28 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from llmscale.plan.schedule import Op, SimResult, TimedOp, simulate_orders
 
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One forward (F) or backward (B) of one microbatch through one stage, as it ran."""
+    """One forward (F), backward (B) or weight-gradient (W) op of one microbatch through one
+    stage, as it ran."""
 
     rank: int  # pipeline rank
-    kind: str  # "F" | "B"
-    stage: int  # global stage index (loop style: chunk * pp + rank)
+    kind: str  # "F" | "B" | "W"
+    stage: int  # global stage index
     microbatch: int
     start: float  # seconds on the shared clock
     end: float
+    # The stage's place among its rank's stages (0, 1, ...); None in files written before it was
+    # recorded, where the placement was loop style (chunk = stage // pp).
+    chunk: int | None = None
+
+    def chunk_of(self, pp: int) -> int:
+        return self.chunk if self.chunk is not None else self.stage // pp
 
     @property
     def duration(self) -> float:
@@ -47,7 +59,15 @@ class PipelineTimeline:
         d = json.loads(Path(path).read_text())
         steps = {
             s["step"]: [
-                OpRecord(o["rank"], o["kind"], o["stage"], o["microbatch"], o["start"], o["end"])
+                OpRecord(
+                    o["rank"],
+                    o["kind"],
+                    o["stage"],
+                    o["microbatch"],
+                    o["start"],
+                    o["end"],
+                    o.get("chunk"),
+                )
                 for o in s["ops"]
             ]
             for s in d["steps"]
@@ -87,13 +107,36 @@ def step_stats(ops: Sequence[OpRecord], pp: int) -> StepStats:
 def stage_op_times(
     steps: Sequence[Sequence[OpRecord]], n_stages: int
 ) -> tuple[list[float], list[float]]:
-    """Mean forward and backward op time of each global stage over the given steps."""
-    f: list[list[float]] = [[] for _ in range(n_stages)]
-    b: list[list[float]] = [[] for _ in range(n_stages)]
+    """Mean forward and backward op time of each global stage over the given steps (W ops
+    left out: `stage_kind_times(..., "W")`)."""
+    return stage_kind_times(steps, n_stages, "F"), stage_kind_times(steps, n_stages, "B")
+
+
+def stage_kind_times(steps: Sequence[Sequence[OpRecord]], n_stages: int, kind: str) -> list[float]:
+    """Mean time of the `kind` ops ("F", "B" or "W") of each global stage over the given steps."""
+    t: list[list[float]] = [[] for _ in range(n_stages)]
     for ops in steps:
         for o in ops:
-            (f if o.kind == "F" else b)[o.stage].append(o.duration)
-    return [statistics.fmean(x) for x in f], [statistics.fmean(x) for x in b]
+            if o.kind == kind:
+                t[o.stage].append(o.duration)
+    return [statistics.fmean(x) for x in t]
+
+
+class OrderedOp(NamedTuple):
+    """One op of a rank's order, as the simulator and torch's pipeline_order name it."""
+
+    kind: str  # "F" | "B" | "W"
+    stage: int
+    microbatch: int
+
+
+def rank_op_orders(ops: Sequence[OpRecord], pp: int) -> list[list[OrderedOp]]:
+    """Each pipeline rank's ops of one step in the order they started: (kind, stage,
+    microbatch) tuples, one list per rank."""
+    out: list[list[OrderedOp]] = [[] for _ in range(pp)]
+    for o in sorted(ops, key=lambda o: o.start):
+        out[o.rank].append(OrderedOp(o.kind, o.stage, o.microbatch))
+    return out
 
 
 @dataclass(frozen=True)
@@ -113,22 +156,25 @@ class OpWait:
 
 def op_waits(ops: Sequence[OpRecord], pp: int) -> list[OpWait]:
     """Each op with what it waited for, by the simulator's dependency rules (F of stage s on
-    F of s-1; B of s on its own F and B of s+1)."""
+    F of s-1; B of s on its own F and B of s+1; W of s on its own B)."""
     n_stages = 1 + max(o.stage for o in ops)
     t0 = min(o.start for o in ops)
     end = {(o.kind, o.stage, o.microbatch): o.end for o in ops}
+    rank_of = {o.stage: o.rank for o in ops}  # loop style or a V: as recorded
     out = []
     for r in range(pp):
         free = t0
         for o in sorted((o for o in ops if o.rank == r), key=lambda o: o.start):
             if o.kind == "F":
                 deps = [("F", o.stage - 1, o.microbatch)] if o.stage > 0 else []
+            elif o.kind == "W":
+                deps = [("B", o.stage, o.microbatch)]
             else:
                 deps = [("F", o.stage, o.microbatch)]
                 if o.stage < n_stages - 1:
                     deps.append(("B", o.stage + 1, o.microbatch))
             ready = max((end[d] for d in deps), default=free)
-            cross = any(d[1] % pp != r for d in deps)
+            cross = any(rank_of.get(d[1], r) != r for d in deps)
             out.append(OpWait(o, free, ready, cross))
             free = o.end
     return out
@@ -153,7 +199,7 @@ def replay(ops: Sequence[OpRecord], pp: int, t_p2p: float = 0.0) -> SimResult:
     (slack); between this and a simulation from per-stage means, the ops' spread in time.
     """
     orders = [
-        [Op(o.kind, o.stage, r, o.stage // pp, o.microbatch)  # type: ignore[arg-type]
+        [Op(o.kind, o.stage, r, o.chunk_of(pp), o.microbatch)  # type: ignore[arg-type]
          for o in sorted((o for o in ops if o.rank == r), key=lambda o: o.start)]
         for r in range(pp)
     ]  # fmt: skip
@@ -168,7 +214,7 @@ def as_sim_result(
     st = step_stats(ops, pp)
     t0 = min(o.start for o in ops)
     timeline = tuple(
-        TimedOp(o.rank, Op(o.kind, o.stage, o.rank, o.stage // pp, o.microbatch),  # type: ignore[arg-type]
+        TimedOp(o.rank, Op(o.kind, o.stage, o.rank, o.chunk_of(pp), o.microbatch),  # type: ignore[arg-type]
                 o.start - t0, o.end - t0)
         for o in sorted(ops, key=lambda o: (o.start, o.rank))
     )  # fmt: skip
@@ -187,8 +233,14 @@ def as_sim_result(
 
 
 def _peak_held(order: Sequence[str]) -> int:
+    """Most microbatch-chunks held at once: from the end of an F to its W where the backward is
+    split, else to its B (names "1F3", "1B3", "1W3")."""
+    split = {name.replace("W", "B") for name in order if "W" in name}
     held = peak = 0
     for name in order:
-        held += 1 if "F" in name else -1
+        if "F" in name:
+            held += 1
+        elif "W" in name or name not in split:
+            held -= 1
         peak = max(peak, held)
     return peak

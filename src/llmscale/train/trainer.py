@@ -483,7 +483,7 @@ class Trainer:
         meta = {
             "schedule": p.pp_schedule,
             "pp": p.pp,
-            "chunks": p.pp_chunks,
+            "chunks": self.parallel.n_stages // p.pp,
             "microbatches": self.cfg.n_microbatches,
             "n_stages": self.parallel.n_stages,
             "micro_batch_size": self.cfg.train.micro_batch_size,
