@@ -199,3 +199,19 @@ def test_cli_bad_input_exits_2_with_one_line(extra, field, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0]
+
+
+def test_in_flight_formulas_equal_the_orders_own_count():
+    from llmscale.plan.schedule import order_peak, zero_bubble_rounds
+
+    for p in range(2, 9):
+        for m in range(1, 6 * p):
+            for r in range(p):
+                for v in (1, 2, 3):
+                    if m % zero_bubble_rounds(p, m) == 0:
+                        got = inflight_units("zero_bubble", p, m, v, r)
+                        assert got == order_peak("zero_bubble", p, m, v, r), (p, m, v, r)
+                assert inflight_units("zbv", p, m, 2, r) == order_peak("zbv", p, m, 2, r)
+                if m >= 2 * p:
+                    got = inflight_units("dualpipev", p, m, 2, r)
+                    assert got == order_peak("dualpipev", p, m, 2, r)

@@ -472,13 +472,30 @@ def _closed_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: i
     # The count peaks right after the first steady-state forward, or at the end of warm-up when
     # warm-up is everything.
     if schedule in _ORDERS:
-        return _order_peak(schedule, pp, microbatches, chunks, rank)
+        return _split_peak(schedule, pp, microbatches, chunks, rank)
     warmup = _warmup_forwards(schedule, pp, microbatches, chunks, rank)
     return min(warmup + 1, microbatches * chunks)
 
 
+def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
+    """Peak activations held (F to W) in a zero-bubble schedule, on every rank alike: interleaved
+    zero bubble min((v-1) r + p, m v) with r microbatches per round (warm-up (v-1) r + p-1-rank,
+    then rank + 1 steady forwards before the first W); ZB-V 2p once m >= 2p - 1; DualPipeV 2p + 1.
+    Elsewhere (ZB-V with fewer microbatches) counted on the order. The search asks this for
+    thousands of micro-batches; tests/plan/test_schedule_zero_bubble.py checks each formula
+    against the order's own count."""
+    if schedule == "zero_bubble":
+        per_round = microbatches // zero_bubble_rounds(pp, microbatches)
+        return min((chunks - 1) * per_round + pp, microbatches * chunks)
+    if schedule == "dualpipev":
+        return 2 * pp + 1
+    if microbatches >= 2 * pp - 1:
+        return 2 * pp
+    return order_peak(schedule, pp, microbatches, chunks, rank)
+
+
 @lru_cache(maxsize=4096)
-def _order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
+def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
     itself: the orders have no one-line warm-up count to read it from."""
     return _peak_inflight(_ORDERS[schedule](pp, microbatches, chunks, rank))
