@@ -350,9 +350,7 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     png = check_image_file("--png", args.png) if args.png else None
     check_size(args.pp, args.microbatches, chunks)
     res = simulate(schedule, args.pp, args.microbatches, chunks, t_fwd, t_bwd, t_p2p, t_w)
-    rep = schedule_report(
-        res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width, t_w=t_w
-    )
+    rep = schedule_report(res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width, t_w=t_w)
     if args.json:
         import json
 
@@ -477,7 +475,7 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
         ("--cp", "context-parallel degree (ring attention; gpus = pp x dp x cp x tp)"),
         ("--mbs", "micro-batch size"),
         ("--every-k", "recompute one block in k (implies --recompute every_k)"),
-        ("--chunks", "model chunks per pipeline rank (> 1: interleaved_1f1b)"),
+        ("--chunks", "model chunks per pp rank (> 1: interleaved_1f1b, zero_bubble; V: 2)"),
     ):
         fix.add_argument(flag, type=int, help=name)  # fmt: skip
     fix.add_argument("--recompute", help=" | ".join(RECOMPUTE_MODES))

@@ -51,8 +51,10 @@ Allocator: PyTorch's caching allocator reserves more than it allocates (rounding
 
 Pipeline: layers split as the runtime splits them (`model.config.split_layers`: contiguous,
 `parallel.pp_layers` or automatic with the first and last stages the lighter); embedding on the
-first rank, final norm and head on the last.
-Micro-batches in flight per rank come from plan/schedule.py's op orders. Tensor parallelism: see
+first rank, final norm and head on the last (in a V, zbv and dualpipev, on the first too:
+`Plan.head_rank`). Micro-batches in flight per rank come from plan/schedule.py's op orders; the
+zero-bubble schedules hold a micro-batch's activations from its F until its W (all of them:
+the conservative side, W needs fewer). Tensor parallelism: see
 plan/params.py and the regions in plan/activations.py.
 """
 

@@ -56,9 +56,12 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   the reduce-scatter, and replicated data parallelism's all-reduce, are paid once per step.
 - pipeline: closed form T = (m + p - 1) t (GPipe, 1F1B; bubble (p-1)/(m+p-1)) or
   (m + (p-1)/v) t (interleaved; bubble (p-1)/(v m + p - 1)) with t the slowest rank's
-  micro-batch time, plus 2(p v - 1) activation sends on the real link (NVLink inside a node,
-  the NIC across) on the fill/drain path; or, with `simulate=True`, the discrete-event
-  simulator of plan/schedule.py on per-stage costs.
+  micro-batch time; the zero-bubble schedules (zero_bubble, zbv, dualpipev) m t plus their
+  papers' idle time (`plan.schedule.bubble_time`) with W the rank's weight-gradient GEMMs
+  (dW = X^T dY, half of the blocks' backward GEMMs, and the head's) and B the rest of its
+  backward; plus 2(p v - 1) activation sends (one fewer hop in a V) on the real link (NVLink
+  inside a node, the NIC across) on the fill/drain path; or, with `simulate=True`, the
+  discrete-event simulator of plan/schedule.py on per-stage costs, F, B and W apart.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
   optimizer bandwidth (`Calibration.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
   `offload_overlap` hidden. Plus the GPU's fixed cost per step (`step_overhead_ms`).
