@@ -108,3 +108,17 @@ def test_cli_plan_chunks_rules(extra, field, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0]
+
+
+@pytest.mark.parametrize(
+    "extra,label",
+    [(["--schedule", "zbv"], "zbv"),
+     (["--schedule", "interleaved_1f1b", "--chunks", "2", "--pp", "4"], "intl v2")],
+)  # fmt: skip
+def test_cli_plan_pp_layers_of_two_chunks_per_rank(extra, label, capsys):
+    # 8 stage entries: 2 per rank of pp 4 (a V for zbv); this was a traceback for interleaved.
+    argv = ["plan", "--model", "llama2-7b", "--gpu", "h100", "--gpus", "16", "--global-batch",
+            "64", "--pp-layers", "3,4,4,5,5,4,4,3", "--top", "2", *extra]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pp=4" in out and label in out

@@ -321,14 +321,10 @@ def search(
                 dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
             )  # fmt: skip
-            # Knob settings whose states alone fit, each as (zero index, offload index).
-            states_ok = [
-                (zi, oi)
-                for zi, zero in enumerate(zeros)
-                for oi, off in enumerate(offloads)
-                if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends,
-                                      memory_options, budget / over, host_per_gpu)
-            ]  # fmt: skip
+            # Knob settings whose states alone fit, each as (zero index, offload index), per
+            # placement of the layers (chunks, and a V or not: which layers a rank holds, and
+            # whether the head shares rank 0 with the embedding).
+            placed: dict[tuple[int, bool], list[tuple[int, int]]] = {}
             sps = [sp for sp in space.sequence_parallel if tp > 1 or not sp]
             if not sps:
                 rejected["sequence parallelism needs tp > 1"] = None
@@ -353,14 +349,20 @@ def search(
                         recs, replace(base, micro_batch_size=mbs, sequence_parallel=sp),
                         memory_options,
                     )  # fmt: skip
-                    for sched, v in scheds if states_ok else ():
+                    for sched, v in scheds:
+                        where = (v, sched in V_SCHEDULES)
+                        if where not in placed:
+                            placed[where] = _fitting_states(
+                                replace(base, pp_schedule=sched, pp_chunks=v), zeros, offloads,
+                                ends, memory_options, budget / over, host_per_gpu,
+                            )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
                         for ri, rec in enumerate(recs):
                             if rec not in useful:
                                 continue
-                            for zi, oi in states_ok:
+                            for zi, oi in placed[where]:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
                                 plan = Plan(
@@ -524,6 +526,24 @@ def _closest(
         why = fit_reason(est, cluster, opt)
         out.append(Candidate(plan, est, t, fits=why is None, why=why))
     return tuple(out)
+
+
+def _fitting_states(
+    base: Plan,
+    zeros: list[int],
+    offloads: list[Offload],
+    ends: tuple[int, ...],
+    opt: mem.MemoryOptions,
+    budget: float,
+    host: float,
+) -> list[tuple[int, int]]:
+    """(zero index, offload index) of the settings whose states alone fit `base`'s layout."""
+    return [
+        (zi, oi)
+        for zi, zero in enumerate(zeros)
+        for oi, off in enumerate(offloads)
+        if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends, opt, budget, host)
+    ]
 
 
 def _states_exceed(

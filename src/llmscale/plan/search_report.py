@@ -224,6 +224,8 @@ def _pp_layers(text: Any) -> tuple[int, ...]:
 def _pp_from_layers(stages: int, fixed: dict[str, Any]) -> None:
     """Fix --pp (and --chunks) from the number of --pp-layers entries (pp x chunks of them)."""
     pp, chunks = fixed.get("pp"), fixed.get("chunks")
+    if chunks is None and fixed.get("schedule") in V_SCHEDULES:
+        chunks = 2  # zbv, dualpipev: two stages per rank
     if pp is None:
         pp = stages // (chunks or 1)
     if chunks is None and stages % pp == 0 and stages // pp > 1:
