@@ -299,15 +299,30 @@ def _add_schedule(sub: argparse._SubParsersAction[_Parser]) -> None:
         help=" | ".join(PP_SCHEDULES) + " (alias: interleaved); default 1f1b",
     )
     p.add_argument(
-        "--chunks", type=int, help="model chunks per rank (interleaved: >= 2, required; else 1)"
+        "--chunks",
+        type=int,
+        help="model chunks per rank (interleaved, zero_bubble: >= 2, required; zbv, dualpipev: "
+        "2, may be left out; else 1)",
     )
     p.add_argument("--t-fwd", default="1", help="forward time, or per-stage list (default 1)")
-    p.add_argument("--t-bwd", default="2", help="backward time, or per-stage list (default 2)")
+    p.add_argument(
+        "--t-bwd", default="2", help="whole backward time, or per-stage list (default 2)"
+    )
+    p.add_argument(
+        "--t-w",
+        help="weight-gradient part of --t-bwd, or per-stage list (zero_bubble, zbv, dualpipev; "
+        "default: half of --t-bwd; B gets the rest)",
+    )
     p.add_argument("--t-p2p", default="0", help="latency of each cross-rank send (default 0)")
     p.add_argument(
         "--width", type=int, default=160, help="most characters of text Gantt (10 to 1000)"
     )
     p.add_argument("--png", help="also draw the Gantt chart to this PNG")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON only: makespan, bubble_fraction, peak_inflight, ops per rank",
+    )
     p.set_defaults(func=_cmd_schedule)
 
 
@@ -329,26 +344,38 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("t_p2p", args.t_p2p, "one number >= 0")
     t_fwd = _parse_costs("t_fwd", args.t_fwd)
     t_bwd = _parse_costs("t_bwd", args.t_bwd)
+    t_w = None if args.t_w is None else _parse_costs("t_w", args.t_w)
     schedule = _SCHEDULE_ALIASES.get(args.schedule, args.schedule)
     chunks = _schedule_chunks(schedule, args.chunks)
     png = check_image_file("--png", args.png) if args.png else None
     check_size(args.pp, args.microbatches, chunks)
-    res = simulate(schedule, args.pp, args.microbatches, chunks, t_fwd, t_bwd, t_p2p)
-    rep = schedule_report(res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width)
-    print("\n".join(rep.lines))
+    res = simulate(schedule, args.pp, args.microbatches, chunks, t_fwd, t_bwd, t_p2p, t_w)
+    rep = schedule_report(res, t_fwd=t_fwd, t_bwd=t_bwd, t_p2p=t_p2p, width=args.width, t_w=t_w)
+    if args.json:
+        import json
+
+        print(json.dumps(rep.json()))
+    else:
+        print("\n".join(rep.lines))
     if png:
-        print(f"wrote {draw_gantt_png(rep.result, png)}")
+        wrote = draw_gantt_png(rep.result, png)
+        if not args.json:
+            print(f"wrote {wrote}")
     return 0
 
 
 def _schedule_chunks(schedule: str, chunks: int | None) -> int:
-    """--chunks, which interleaved_1f1b needs (>= 2: one chunk per rank is plain 1F1B)."""
-    if schedule == "interleaved_1f1b" and (chunks is None or chunks < 2):
-        raise ConfigError(
-            "--chunks",
-            "(not given)" if chunks is None else chunks,
-            ">= 2 with --schedule interleaved_1f1b",
-        )
+    """--chunks: >= 2 for the loop-style multi-chunk schedules (one chunk per rank is plain
+    1F1B), unset or 2 for the V schedules, else unset or 1."""
+    from llmscale.config import LOOP_MULTI_CHUNK_SCHEDULES, V_SCHEDULES
+
+    shown = "(not given)" if chunks is None else chunks
+    if schedule in LOOP_MULTI_CHUNK_SCHEDULES and (chunks is None or chunks < 2):
+        raise ConfigError("--chunks", shown, f">= 2 with --schedule {schedule}")
+    if schedule in V_SCHEDULES:
+        if chunks not in (None, 2):
+            raise ConfigError("--chunks", shown, f"unset or 2 with --schedule {schedule}")
+        return 2
     return 1 if chunks is None else chunks
 
 
@@ -448,7 +475,7 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
         ("--cp", "context-parallel degree (ring attention; gpus = pp x dp x cp x tp)"),
         ("--mbs", "micro-batch size"),
         ("--every-k", "recompute one block in k (implies --recompute every_k)"),
-        ("--chunks", "model chunks per pipeline rank (> 1: interleaved_1f1b)"),
+        ("--chunks", "model chunks per pp rank (> 1: interleaved_1f1b, zero_bubble; V: 2)"),
     ):
         fix.add_argument(flag, type=int, help=name)  # fmt: skip
     fix.add_argument("--recompute", help=" | ".join(RECOMPUTE_MODES))

@@ -92,3 +92,74 @@ def _torch_interleaved_orders(pp: int, m: int, v: int) -> list[list[str]]:
 )
 def test_interleaved_matches_torch_schedule_interleaved_1f1b(pp, m, v):
     assert _ours("interleaved_1f1b", pp, m, v) == _torch_interleaved_orders(pp, m, v)
+
+
+# ---- zero-bubble schedules: torch's I is our B; a FULL_BACKWARD is B then W (joined); an
+# OVERLAP_F_B action is its F, then its full backward's B and W (joined) ----------------------
+
+
+def _torch_split_orders(cls: type, pp: int, m: int, v: int, v_shape: bool) -> list[list[str]]:
+    out = []
+    for rank in range(pp):
+        ids = [rank, 2 * pp - 1 - rank] if v_shape else [c * pp + rank for c in range(v)]
+        stages = [
+            SimpleNamespace(
+                num_stages=pp * v,
+                group_size=pp,
+                group_rank=rank,
+                stage_index=s,
+                stage_index_to_group_rank=None,
+                submod=None,
+            )
+            for s in ids
+        ]
+        sched = cls(stages, m)
+        program = sched.pipeline_order_with_comms[rank]  # what rank `rank` executes
+        ops: list[str] = []
+        for a in program:
+            kind = a.computation_type.value
+            if kind == "OVERLAP_F_B":
+                f, b = a.sub_actions
+                ops += [str(f), f"{b.stage_index}B{b.microbatch_index}+"]
+                ops.append(f"{b.stage_index}W{b.microbatch_index}+")
+            elif kind == "B":
+                ops += [str(a), f"{a.stage_index}W{a.microbatch_index}+"]
+            elif kind == "I":
+                ops.append(f"{a.stage_index}B{a.microbatch_index}")
+            elif kind in ("F", "W"):
+                ops.append(str(a))
+        out.append(ops)
+    return out
+
+
+def _ours_split(schedule: str, pp: int, m: int, v: int) -> list[list[str]]:
+    return [
+        [str(op) + ("+" if op.joined else "") for op in ops]
+        for ops in schedule_ops(schedule, pp, m, v)
+    ]
+
+
+@pytest.mark.parametrize(
+    "pp,m,v",
+    [(2, 2, 2), (2, 4, 2), (2, 6, 3), (4, 4, 2), (4, 8, 2), (4, 12, 3), (3, 9, 2), (4, 10, 2),
+     (4, 6, 2), (4, 2, 2), (8, 16, 2)],
+)  # fmt: skip
+def test_zero_bubble_matches_torch_schedule_interleaved_zero_bubble(pp, m, v):
+    want = _torch_split_orders(schedules.ScheduleInterleavedZeroBubble, pp, m, v, False)
+    assert _ours_split("zero_bubble", pp, m, v) == want
+
+
+@pytest.mark.parametrize(
+    "pp,m", [(2, 1), (2, 2), (2, 4), (2, 7), (3, 5), (4, 4), (4, 8), (4, 13), (8, 16)]
+)
+def test_zbv_matches_torch_schedule_zbv_zero_bubble(pp, m):
+    want = _torch_split_orders(schedules.ScheduleZBVZeroBubble, pp, m, 2, True)
+    assert _ours_split("zbv", pp, m, 2) == want
+
+
+@pytest.mark.parametrize(
+    "pp,m", [(2, 4), (2, 5), (3, 6), (3, 9), (4, 8), (4, 11), (5, 12), (8, 16)]
+)
+def test_dualpipev_matches_torch_schedule_dualpipev(pp, m):
+    want = _torch_split_orders(schedules.ScheduleDualPipeV, pp, m, 2, True)
+    assert _ours_split("dualpipev", pp, m, 2) == want

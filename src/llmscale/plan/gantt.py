@@ -18,7 +18,8 @@ def _label(kind: str, chunk: int, microbatch: int) -> str:
 
 
 def text_gantt(result: SimResult, max_width: int = 160) -> tuple[float, list[str]]:
-    """Return (time per character, one line per rank); each op box starts with e.g. "F3"/"b3".
+    """Return (time per character, one line per rank); each op box starts with e.g. "F3"/"b3"
+    (and "W3"/"w3" for the weight-gradient ops of the zero-bubble schedules).
 
     The shortest op is as wide as the longest label when that fits in `max_width`; else the
     chart is scaled to `max_width` and boxes too narrow for their label show only its letter.
@@ -43,9 +44,11 @@ def text_gantt(result: SimResult, max_width: int = 160) -> tuple[float, list[str
     return quantum, [f"rank {r:>{pad}} |{''.join(row)}|" for r, row in enumerate(rows)]
 
 
-# Forward blues, backward oranges; later chunks lighter.
+# Forward blues, backward (input gradient) oranges, weight gradient greens; later chunks lighter.
 _F_COLOURS = ("#1f4e9c", "#4a7fd0", "#86aee6", "#bcd3f3")
 _B_COLOURS = ("#b85400", "#e07b24", "#f0a763", "#f7cba0")
+_W_COLOURS = ("#2e7d32", "#5aa55e", "#93c995", "#c4e3c5")
+_PALETTES = {"F": _F_COLOURS, "B": _B_COLOURS, "W": _W_COLOURS}
 
 
 def draw_gantt_png(result: SimResult, path: str | Path, title: str | None = None) -> Path:
@@ -91,10 +94,13 @@ def draw_gantts_png(
         ax.set_xlabel(time_unit)
         chunks = min(result.chunks, len(_F_COLOURS))
         handles = []
+        backward = "backward (input)" if result.split_backward else "backward"
         for c in range(chunks):
             suffix = f" chunk {c}" if result.chunks > 1 else ""
             handles.append(Patch(color=_F_COLOURS[c], label=f"forward{suffix}"))
-            handles.append(Patch(color=_B_COLOURS[c], label=f"backward{suffix}"))
+            handles.append(Patch(color=_B_COLOURS[c], label=f"{backward}{suffix}"))
+            if result.split_backward:
+                handles.append(Patch(color=_W_COLOURS[c], label=f"weight gradient{suffix}"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +111,7 @@ def draw_gantts_png(
 
 def _draw(ax: Any, result: SimResult, title: str, xmax: float) -> None:
     for t in result.timeline:
-        palette = _F_COLOURS if t.op.kind == "F" else _B_COLOURS
+        palette = _PALETTES[t.op.kind]
         colour = palette[t.op.chunk % len(palette)]
         ax.broken_barh(
             [(t.start, t.end - t.start)],

@@ -51,8 +51,10 @@ Allocator: PyTorch's caching allocator reserves more than it allocates (rounding
 
 Pipeline: layers split as the runtime splits them (`model.config.split_layers`: contiguous,
 `parallel.pp_layers` or automatic with the first and last stages the lighter); embedding on the
-first rank, final norm and head on the last.
-Micro-batches in flight per rank come from plan/schedule.py's op orders. Tensor parallelism: see
+first rank, final norm and head on the last (in a V, zbv and dualpipev, on the first too:
+`Plan.head_rank`). Micro-batches in flight per rank come from plan/schedule.py's op orders; the
+zero-bubble schedules hold a micro-batch's activations from its F until its W (all of them:
+the conservative side, W needs fewer). Tensor parallelism: see
 plan/params.py and the regions in plan/activations.py.
 """
 
@@ -211,8 +213,9 @@ def plan_rank_params(plan: Plan, rank: int, kernels: act.Kernels) -> RankParams:
     """Parameters of pipeline `rank` as the runtime lays them out (its layer split, TP plan)."""
     vp = kernels.splits_vocab(plan.model, plan.tp)
     return rank_params(
-        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards, vp, plan.chunks, plan.pp_layers
-    )
+        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards, vp, plan.chunks, plan.pp_layers,
+        plan.v_shape,
+    )  # fmt: skip
 
 
 def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPieces:
@@ -356,7 +359,7 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     if rank == 0:
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
         total += embedding_inflight(plan) * emb * cp_share(plan)
-    if rank == plan.pp - 1 and plan.pp > 1 and plan.pp_schedule == "1f1b":
+    if rank == plan.head_rank and plan.pp > 1 and plan.pp_schedule == "1f1b":
         # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one
         # runs forward on the last stage; its graph keeps every checkpointed region's inputs
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
@@ -366,7 +369,7 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
             n * sum(t.nbytes for t in act.checkpoint_inputs(act.block_tensors(*args, m), m))
             for m, n in modes.items()
         )
-    if rank == plan.pp - 1:
+    if rank == plan.head_rank:
         head = act.head_bytes(*slice_args(plan, opt.kernels))
         total += head_inflight(plan) * head * cp_share(plan)
     return total
@@ -414,7 +417,7 @@ def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
     """Every piece of pipeline `rank`'s memory, activations and transients included."""
     st = rank_states(plan, rank, opt)
     transient = st.transient
-    if rank == plan.pp - 1:
+    if rank == plan.head_rank:
         loss = cp_share(plan) * act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )

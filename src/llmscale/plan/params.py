@@ -115,13 +115,16 @@ def rank_params(
     vocab_parallel: bool = False,
     chunks: int = 1,
     pp_layers: tuple[int, ...] = (),
+    v_shape: bool = False,
 ) -> RankParams:
-    """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last),
-    whose blocks are those of its `chunks` stages in the runtime's split (`pp_layers` per stage,
-    or automatic); `dp_shard` is the FSDP shard count."""
+    """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last,
+    or on rank 0 too when `v_shape` places the stages in a V), whose blocks are those of its
+    `chunks` stages in the runtime's split (`pp_layers` per stage, or automatic); `dp_shard` is
+    the FSDP shard count."""
     shapes = model.parameter_shapes()
+    head_rank = 0 if v_shape else pp - 1
     emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
-    head = Group.of(shapes["head"], tp, dp_shard, vocab_parallel) if rank == pp - 1 else None
+    head = Group.of(shapes["head"], tp, dp_shard, vocab_parallel) if rank == head_rank else None
     if pp == 1 and model.tie_embeddings:
         # The tied head has no tensor of its own, but autocast casts the embedding for it.
         assert emb is not None and head is not None
@@ -136,5 +139,5 @@ def rank_params(
         )
     block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
     split = split_layers(model.n_layers, pp * chunks, pp_layers)
-    blocks = sum(len(split[s]) for s in stage_ids(rank, pp, chunks))
+    blocks = sum(len(split[s]) for s in stage_ids(rank, pp, chunks, v_shape))
     return RankParams.make(blocks, block, emb, head)

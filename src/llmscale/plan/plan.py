@@ -21,6 +21,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
 from llmscale.config import (
+    V_SCHEDULES,
     JobConfig,
     MeshDegrees,
     Offload,
@@ -28,6 +29,7 @@ from llmscale.config import (
     Precision,
     Recompute,
     n_microbatches,
+    pipeline_chunks,
     uses_fsdp_cpu_offload,
 )
 from llmscale.errors import ConfigError
@@ -111,14 +113,29 @@ class Plan(MeshDegrees):
 
     @property
     def chunks(self) -> int:
-        return self.pp_chunks if self.pp_schedule == "interleaved_1f1b" else 1
+        """Model chunks per pipeline rank the schedule runs (`config.pipeline_chunks`)."""
+        return pipeline_chunks(self.pp_schedule, self.pp_chunks)
+
+    @property
+    def v_shape(self) -> bool:
+        """Stages placed in a V (zbv, dualpipev): rank r holds stages r and 2 pp - 1 - r."""
+        return self.pp > 1 and self.pp_schedule in V_SCHEDULES
+
+    @property
+    def head_rank(self) -> int:
+        """The pipeline rank of the last stage (final norm, output, loss): pp - 1, or in a V
+        rank 0, which holds the first and the last stage."""
+        return 0 if self.v_shape else self.pp - 1
 
     def rank_stages(self, rank: int) -> list[range]:
         """Layer ids of each model chunk on pipeline `rank`, as the runtime splits them."""
-        return _rank_stages(self.model.n_layers, self.pp, self.chunks, rank, self.pp_layers)
+        return _rank_stages(
+            self.model.n_layers, self.pp, self.chunks, rank, self.pp_layers, self.v_shape
+        )
 
     def rank_layers(self, rank: int) -> list[int]:
-        """Global layer ids on pipeline `rank` (loop-style chunks for interleaved)."""
+        """Global layer ids on pipeline `rank` (loop-style chunks for interleaved, a V for
+        zbv and dualpipev)."""
         return [i for stage in self.rank_stages(rank) for i in stage]
 
     def block_modes(self, layer_ids: list[int]) -> Counter[BlockMode]:
@@ -134,6 +151,7 @@ class Plan(MeshDegrees):
         return (
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
             self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
+            self.v_shape,
         )  # fmt: skip
 
     def activations_key(self) -> tuple[Hashable, ...]:
@@ -151,6 +169,7 @@ class Plan(MeshDegrees):
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp, self.pp,
             self.chunks, self.recompute, self.recompute_every_k, self.sequence_parallel,
             self.dp_shard, self.zero_stage, self.lowp_weights, self.pp_layers, self.cp,
+            self.v_shape,
         )  # fmt: skip
 
     # ---- conversion (generated from the fields' config keys) -------------------------------
@@ -200,10 +219,15 @@ class Plan(MeshDegrees):
 
 @memoize
 def _rank_stages(
-    n_layers: int, pp: int, chunks: int, rank: int, pp_layers: tuple[int, ...] = ()
+    n_layers: int,
+    pp: int,
+    chunks: int,
+    rank: int,
+    pp_layers: tuple[int, ...] = (),
+    v_shape: bool = False,
 ) -> list[range]:
     split = split_layers(n_layers, pp * chunks, pp_layers)
-    return [split[s] for s in stage_ids(rank, pp, chunks)]
+    return [split[s] for s in stage_ids(rank, pp, chunks, v_shape)]
 
 
 def _key(f: Field[Any]) -> str:

@@ -74,7 +74,7 @@ def expected_runtime_metrics(
     saved = sum(n * block_bytes(plan, mode, k) for mode, n in modes.items())
     if rank == 0:
         saved += sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
-    if rank == plan.pp - 1:
+    if rank == plan.head_rank:  # the last stage's rank (rank 0 in a V)
         saved += act.head_bytes(*slice_args(plan, k))
     rp = plan_rank_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)

@@ -126,6 +126,8 @@ def plan_label(p: Plan) -> dict[str, str]:
         if p.pp == 1
         else p.pp_schedule.replace("interleaved_1f1b", f"interleaved v={p.pp_chunks}")
     )
+    if p.pp > 1 and p.pp_schedule == "zero_bubble":
+        sched = f"zero_bubble v={p.pp_chunks}"
     rec = p.recompute if p.recompute != "every_k" else f"every_{p.recompute_every_k}"
     return {
         "tp": str(p.tp), "pp": str(p.pp),
@@ -156,6 +158,7 @@ def _si(x: float) -> str:
 def _short_label(lab: dict[str, str]) -> dict[str, str]:
     out = dict(lab)
     out["schedule"] = lab["schedule"].replace("interleaved v=", "intl v")
+    out["schedule"] = out["schedule"].replace("zero_bubble v=", "zb v")
     out["offload"] = _SHORT.get(lab["offload"], lab["offload"])
     return out
 

@@ -1,44 +1,71 @@
 """Pipeline-parallel schedules as explicit per-rank op lists, and a discrete-event simulator.
 
-`schedule_ops` gives the ordered forward (F) / backward (B) ops each pipeline rank runs for
-GPipe, 1F1B and interleaved 1F1B, in the order torch.distributed.pipelining executes them
-(Schedule{GPipe,1F1B,Interleaved1F1B}), which for 1F1B and interleaved 1F1B is also
-Megatron-Core's order. Where torch has none (1F1B with microbatches < pp) we follow Megatron-Core;
-docs/schedule.md lists every difference. `simulate` replays those orders against the data
-dependencies between stages and reports makespan, bubble and activations held.
+`schedule_ops` gives the ordered forward (F), backward (B) and weight-gradient (W) ops each
+pipeline rank runs for GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZB-V and DualPipeV,
+in the order torch.distributed.pipelining 2.13 executes them (ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+ScheduleDualPipeV); for 1F1B and interleaved 1F1B that is also Megatron-Core's order. Where torch
+has none (1F1B with microbatches < pp) we follow Megatron-Core; docs/schedule.md lists every
+difference. `simulate` replays those orders against the data dependencies between stages and
+reports makespan, bubble and activations held.
 
-Stages are numbered loop-style, as torch and Megatron do: rank r holds chunks c = 0..v-1, i.e.
-global stages s = c * pp + r, so microbatch i visits rank 0, 1, ..., pp-1, 0, 1, ... in forward.
+B and W. GPipe, 1F1B and interleaved 1F1B run each backward whole: one B op (input and weight
+gradients). The zero-bubble schedules (`SPLIT_BACKWARD_SCHEDULES`) split it, as torch's
+BACKWARD_INPUT and BACKWARD_WEIGHT: B computes the input gradient (what the previous stage
+waits for) and W the weight gradient, run later to fill bubbles. Where such a schedule runs a
+full backward (torch's FULL_BACKWARD, in DualPipeV) it is a B and its W back to back, the W
+`joined` to the B; DualPipeV's overlapped forward-and-backward actions (OVERLAP_F_B) are their
+F, then B and W, back to back and joined: torch runs the two sub-actions one after the other
+and sends their outputs when the whole action ends, and so does the simulator.
+
+Stages: loop-style for GPipe, 1F1B, interleaved 1F1B and zero bubble, as torch and Megatron
+number them (rank r holds chunks c = 0..v-1, global stages s = c * pp + r); a V for ZB-V and
+DualPipeV (rank r holds stage r and stage 2 pp - 1 - r: `model.config.stage_ids(v_shape=True)`).
 
 Cost convention: a scalar `t_fwd` / `t_bwd` is the time for one microbatch through *one rank's
 whole model slice* (all of its chunks), so with v chunks one chunk op costs t / v and the total
-work per rank does not depend on v. A sequence gives the cost of one op on each global stage
-(length pp * v), for unequal stages. `t_p2p` is added to every dependency that crosses ranks.
+work per rank does not depend on v. `t_bwd` is always the whole backward; `t_w` is the weight
+gradient's part of it (default half), so a split schedule's B costs t_bwd - t_w and its W t_w.
+A sequence gives the cost of one op on each global stage (length pp * v), for unequal stages.
+`t_p2p` is added to every dependency that crosses ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
-from llmscale.config import PP_SCHEDULES
+from llmscale.config import (
+    LOOP_MULTI_CHUNK_SCHEDULES,
+    PP_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
+)
 from llmscale.errors import ConfigError
+from llmscale.model.config import stage_ids
 
-OpKind = Literal["F", "B"]
+OpKind = Literal["F", "B", "W"]
 Costs = float | Sequence[float]
 
 
 @dataclass(frozen=True)
 class Op:
-    """One forward or backward of one microbatch through one stage (model chunk) on one rank."""
+    """One forward, backward (input gradient; the whole backward in unsplit schedules) or
+    weight-gradient op of one microbatch through one stage (model chunk) on one rank.
+
+    `joined`: run in one torch action with the op before it on its rank (a full backward's W
+    after its B; an overlapped action's B and W after its F). The action's outputs leave the
+    rank when its last op ends."""
 
     kind: OpKind
     stage: int
     rank: int
     chunk: int
     microbatch: int
+    joined: bool = False
 
     def __str__(self) -> str:
         # torch's _Action spelling: stage, kind, microbatch ("4B0").
@@ -67,10 +94,12 @@ class SimResult:
     bubble_fraction: float  # idle share of rank-time: 1 - sum(busy) / (pp * makespan)
     busy: tuple[float, ...]  # per rank
     idle: tuple[float, ...]  # per rank: makespan - busy
-    # Per rank, the most microbatch-chunks whose forward has finished and backward has not
-    # (activations held); one unit is one chunk's activations, 1/v of the rank's slice.
+    # Per rank, the most microbatch-chunks whose forward has finished and whose activations are
+    # still held: until the B (unsplit) or the W (split backward); one unit is one chunk's
+    # activations, 1/v of the rank's slice.
     peak_inflight: tuple[int, ...]
     timeline: tuple[TimedOp, ...]  # sorted by start time, then rank
+    split_backward: bool = False  # W ops apart from B (zero-bubble schedules)
 
 
 class DeadlockError(RuntimeError):
@@ -87,8 +116,9 @@ def _positive_int(field: str, value: object) -> int:
 
 
 # The most stage-microbatches (pp x chunks x microbatches) `llmscale schedule` simulates: the
-# simulator costs ~12 us per op (2 per stage-microbatch), so this answers in ~1.6 s on a CPU
-# core (measured: 64 x 1024 in 1.6 s, 64 x 4096 in 15 s). The planner's own calls are not capped.
+# simulator costs ~12 us per op (2 per stage-microbatch, 3 with W), so this answers in ~2 s on
+# a CPU core (measured: 64 x 1024 in 1.6 s, 64 x 4096 in 15 s). The planner's own calls are
+# not capped.
 MAX_STAGE_MICROBATCHES = 65_536
 
 
@@ -105,14 +135,26 @@ def check_size(pp: int, microbatches: int, chunks: int = 1) -> None:
         )
 
 
+def zero_bubble_rounds(pp: int, microbatches: int) -> int:
+    """Rounds of ScheduleInterleavedZeroBubble (and torch's flex interleaved 1F1B):
+    max(1, m // pp); the microbatches must divide into them."""
+    return max(1, microbatches // pp)
+
+
 def _validate(schedule: str, pp: int, microbatches: int, chunks: int) -> None:
     if schedule not in PP_SCHEDULES:
         raise ConfigError("schedule", schedule, " | ".join(PP_SCHEDULES))
     _positive_int("pp", pp)
     _positive_int("microbatches", microbatches)
     _positive_int("chunks", chunks)
-    if schedule != "interleaved_1f1b" and chunks != 1:
-        raise ConfigError("chunks", chunks, "1 unless schedule = 'interleaved_1f1b'")
+    if schedule in V_SCHEDULES:
+        if chunks != 2:
+            raise ConfigError("chunks", chunks, f"2 for {schedule} (two chunks in a V)")
+        if pp < 2:
+            raise ConfigError("pp", pp, f">= 2 for {schedule}")
+    elif schedule not in LOOP_MULTI_CHUNK_SCHEDULES and chunks != 1:
+        multi = " | ".join(LOOP_MULTI_CHUNK_SCHEDULES)
+        raise ConfigError("chunks", chunks, f"1 unless schedule is {multi}")
     if schedule == "interleaved_1f1b" and microbatches % pp != 0:
         # Megatron-Core asserts this; torch 2.13 relaxes it ("flex_pp"), we do not (see docs).
         raise ConfigError(
@@ -120,6 +162,16 @@ def _validate(schedule: str, pp: int, microbatches: int, chunks: int) -> None:
             microbatches,
             f"a multiple of pp = {pp} for interleaved_1f1b",
         )
+    if schedule == "zero_bubble":
+        rounds = zero_bubble_rounds(pp, microbatches)
+        if microbatches % rounds:
+            raise ConfigError(
+                "microbatches",
+                microbatches,
+                f"a multiple of torch's rounds max(1, m // pp) = {rounds} for zero_bubble",
+            )
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ConfigError("microbatches", microbatches, f">= 2 x pp = {2 * pp} for dualpipev")
 
 
 # ---- per-rank orders ----------------------------------------------------------------------
@@ -170,33 +222,290 @@ def _rank_order(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
     return order
 
 
+def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> list[Op]:
+    """ScheduleInterleavedZeroBubble (ZB1P over v loop-style chunks): interleaved 1F1B's
+    rounds, one forward less per hop in warm-up, B = input gradient only, and from the
+    (rank+1)-th steady step on each B followed by the W of the oldest B whose W is pending;
+    the remaining Ws at the end (torch's `_get_1f1b_rank_ops(enable_zero_bubble=True)`)."""
+    per_round = microbatches // zero_bubble_rounds(pp, microbatches)
+    total = microbatches * chunks
+    warmup = min((chunks - 1) * per_round + (pp - 1 - rank), total)
+
+    def stage_f(step: int) -> int:
+        return ((step // per_round) % chunks) * pp + rank
+
+    def stage_b(step: int) -> int:
+        return (chunks - 1 - ((step - warmup) // per_round) % chunks) * pp + rank
+
+    counts: dict[tuple[str, int], int] = {}
+    order: list[Op] = []
+
+    def add(kind: OpKind, stage: int) -> None:
+        mb = counts.get((kind, stage), 0)
+        counts[(kind, stage)] = mb + 1
+        order.append(Op(kind, stage, rank, stage // pp, mb))
+
+    b_steps: list[int] = []
+    w_done = 0
+    for step in range(total + warmup):
+        if step < warmup:
+            add("F", stage_f(step))
+            continue
+        if step < total:
+            add("F", stage_f(step))
+        add("B", stage_b(step))
+        b_steps.append(step)
+        if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
+            add("W", stage_b(b_steps[w_done]))
+            w_done += 1
+    while w_done < len(b_steps):
+        add("W", stage_b(b_steps[w_done]))
+        w_done += 1
+    return order
+
+
+def _zbv_order(pp: int, microbatches: int, rank: int) -> list[Op]:
+    """ScheduleZBVZeroBubble (Qi et al. 2023, section 6): V placement, chunk 0 forwards to fill
+    the V, then F/B/W of chunk 1 and chunk 0 in turn; planned for max(2pp - 1, m) microbatches
+    and the extra ones dropped, as torch does."""
+    n = max(2 * pp - 1, microbatches)
+    s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
+    order: list[Op] = []
+    f0 = f1 = b0 = b1 = 0
+
+    def add(kind: OpKind, stage: int, mb: int) -> None:
+        if mb < microbatches:
+            order.append(Op(kind, stage, rank, 0 if stage == s0 else 1, mb))
+
+    for _ in range(2 * (pp - rank) - 1):
+        add("F", s0, f0)
+        f0 += 1
+    for _ in range(rank):
+        add("F", s1, f1)
+        f1 += 1
+        add("F", s0, f0)
+        f0 += 1
+    for _ in range(pp - rank):
+        add("F", s1, f1)
+        f1 += 1
+        add("B", s1, b1)
+        add("W", s1, b1)
+        b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            add("F", s0, f0)
+            f0 += 1
+        add("B", s0, b0)
+        add("W", s0, b0)
+        b0 += 1
+        add("F", s1, f1)
+        f1 += 1
+        add("B", s1, b1)
+        add("W", s1, b1)
+        b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        add("B", s0, b0)
+        b0 += 1
+        add("B", s1, b1)
+        b1 += 1
+    for _ in range(pp - rank):
+        add("B", s0, b0)
+        b0 += 1
+        add("W", s0, w0)
+        w0 += 1
+    for w in range(w1, b1):
+        add("W", s1, w)
+    for w in range(w0, b0):
+        add("W", s0, w)
+    return order
+
+
+def _dualpipev_order(pp: int, microbatches: int, rank: int) -> list[Op]:
+    """ScheduleDualPipeV (DeepSeek-V3's DualPipe cut to a V, as torch 2.13 builds it): eight
+    phases of forwards, zero-bubble B/W pairs, overlapped F+B actions of different
+    microbatches (F, then the full backward's B and W, joined) and full backwards (B, W
+    joined); the Ws of split backwards wait in a queue and run in its order."""
+    s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
+    count: dict[tuple[str, int], int] = {}
+    queue: list[tuple[int, int]] = []  # pending (stage, microbatch) weight gradients
+    order: list[Op] = []
+
+    def op(kind: OpKind, stage: int, mb: int, joined: bool = False) -> Op:
+        return Op(kind, stage, rank, 0 if stage == s0 else 1, mb, joined)
+
+    def forward(stage: int, joined: bool = False) -> None:
+        mb = count.get(("F", stage), 0)
+        count[("F", stage)] = mb + 1
+        order.append(op("F", stage, mb, joined))
+
+    def backward(stage: int, full: bool, joined: bool = False) -> None:
+        mb = count.get(("B", stage), 0)
+        count[("B", stage)] = mb + 1
+        order.append(op("B", stage, mb, joined))
+        if full:
+            order.append(op("W", stage, mb, joined=True))
+        else:
+            queue.append((stage, mb))
+
+    def weight() -> None:
+        if queue:
+            stage, mb = queue.pop(0)
+            order.append(op("W", stage, mb))
+
+    def overlapped(f_stage: int, b_stage: int) -> None:
+        forward(f_stage)
+        backward(b_stage, full=True, joined=True)
+
+    for _ in range(2 * (pp - rank - 1)):  # 1: F0
+        forward(s0)
+    for _ in range(rank + 1):  # 2: F0 F1
+        forward(s0)
+        forward(s1)
+    for _ in range(pp - rank - 1):  # 3: B1 W1 F1 (zero bubble)
+        backward(s1, full=False)
+        weight()
+        forward(s1)
+    for i in range(microbatches - 2 * pp + rank + 1):  # 4: F0+B1, F1+B0 overlapped
+        if i == 0 and rank == pp - 1:  # torch does not overlap these two
+            forward(s0)
+            backward(s1, full=True)
+        else:
+            overlapped(s0, s1)
+        overlapped(s1, s0)
+    for _ in range(pp - rank - 1):  # 5: B1, F1+B0
+        backward(s1, full=True)
+        overlapped(s1, s0)
+    split = False
+    for i in range(rank + 1):  # 6: B1 B0, the second half split
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        backward(s1, full=not split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        backward(s0, full=not split)
+    for _ in range(pp - rank - 1):  # 7: W B0
+        weight()
+        backward(s0, full=not split)
+    for _ in range(rank + 1):  # 8: W
+        weight()
+    return order
+
+
+_ORDERS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
+    "zero_bubble": _zero_bubble_order,
+    "zbv": lambda pp, m, v, r: _zbv_order(pp, m, r),
+    "dualpipev": lambda pp, m, v, r: _dualpipev_order(pp, m, r),
+}
+
+
 def schedule_ops(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
-    """The ordered F/B ops of each pipeline rank: `result[rank]` is what that rank runs, in order."""
+    """The ordered F/B(/W) ops of each pipeline rank: `result[rank]` is what that rank runs."""
     _validate(schedule, pp, microbatches, chunks)
+    build = _ORDERS.get(schedule)
+    if build is not None:
+        return [build(pp, microbatches, chunks, r) for r in range(pp)]
     return [_rank_order(schedule, pp, microbatches, chunks, r) for r in range(pp)]
 
 
 # ---- closed forms -------------------------------------------------------------------------
 
 
-def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
-    """Closed-form bubble for equal stages and free p2p: (p-1)/(m+p-1), or (p-1)/(v*m+p-1)."""
+def bubble_fraction(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    chunks: int = 1,
+    t_fwd: float = 1.0,
+    t_bwd: float = 2.0,
+    t_w: float | None = None,
+) -> float:
+    """Closed-form bubble for equal stages and free p2p (costs per rank slice, as `simulate`).
+
+    GPipe, 1F1B: (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v m+p-1), whatever the costs. The
+    zero-bubble schedules: idle time per rank over idle plus work, the idle time from the papers
+    with chunk costs F, B (input gradient), W: zero_bubble (ZB-H1, Qi et al. 2023 Table 2, over
+    v chunks) (p-1)(F + B - W); zbv (ZB-V, their section 6) (p-1)(F + B - 2W) plus the one
+    step's (p-1) F of skew; dualpipev (DeepSeek-V3 report, the DualPipe README's DualPipeV
+    row with 2p stages) (p-1)(F&B + B_full - 3W), F&B = F + B_full (overlap not modelled).
+    zero_bubble's equals the simulator's for any costs; zbv's and dualpipev's at F = B = W
+    (the papers' assumption) with m >= 2p (docs/schedule.md has the figures).
+    """
     _validate(schedule, pp, microbatches, chunks)
-    v = chunks if schedule == "interleaved_1f1b" else 1
-    return (pp - 1) / (v * microbatches + pp - 1)
+    idle = bubble_time(schedule, pp, chunks, t_fwd, t_bwd, t_w)
+    if idle is None:
+        v = chunks if schedule == "interleaved_1f1b" else 1
+        return (pp - 1) / (v * microbatches + pp - 1)
+    work = microbatches * (t_fwd + t_bwd)
+    return idle / (idle + work)
+
+
+def default_t_w(t_bwd: float) -> float:
+    """The weight-gradient share of a backward when none is given: half (a linear's backward
+    is two GEMMs of equal size, dX = dY W^T and dW = X^T dY)."""
+    return t_bwd / 2
+
+
+def bubble_time(
+    schedule: str, pp: int, chunks: int, t_fwd: float, t_bwd: float, t_w: float | None = None
+) -> float | None:
+    """Idle time per rank of the zero-bubble schedules' closed forms (see `bubble_fraction`),
+    from costs per rank slice; None for the schedules whose bubble is a ratio of counts."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    w_total = default_t_w(t_bwd) if t_w is None else t_w
+    f, b, w = t_fwd / chunks, (t_bwd - w_total) / chunks, w_total / chunks
+    if schedule == "zero_bubble":
+        idle = (pp - 1) * (f + b - w)
+    elif schedule == "zbv":
+        # The paper's (p-1)(F + B - 2W) counts a repeating step with no optimizer sync (its
+        # parallelogram); one synchronous step also has the (p-1) F of skew before the last
+        # rank's first forward.
+        idle = (pp - 1) * (max(0.0, f + b - 2 * w) + f)
+    else:  # dualpipev
+        full = b + w
+        idle = (pp - 1) * ((f + full) + full - 3 * w)
+    return max(0.0, idle)
 
 
 def _closed_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     # The count peaks right after the first steady-state forward, or at the end of warm-up when
     # warm-up is everything.
+    if schedule in _ORDERS:
+        return _split_peak(schedule, pp, microbatches, chunks, rank)
     warmup = _warmup_forwards(schedule, pp, microbatches, chunks, rank)
     return min(warmup + 1, microbatches * chunks)
+
+
+def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
+    """Peak activations held (F to W) in a zero-bubble schedule, on every rank alike: interleaved
+    zero bubble min((v-1) r + p, m v) with r microbatches per round (warm-up (v-1) r + p-1-rank,
+    then rank + 1 steady forwards before the first W); ZB-V 2p once m >= 2p - 1; DualPipeV 2p + 1.
+    Elsewhere (ZB-V with fewer microbatches) counted on the order. The search asks this for
+    thousands of micro-batches; tests/plan/test_schedule_zero_bubble.py checks each formula
+    against the order's own count."""
+    if schedule == "zero_bubble":
+        per_round = microbatches // zero_bubble_rounds(pp, microbatches)
+        return min((chunks - 1) * per_round + pp, microbatches * chunks)
+    if schedule == "dualpipev":
+        return 2 * pp + 1
+    if microbatches >= 2 * pp - 1:
+        return 2 * pp
+    return order_peak(schedule, pp, microbatches, chunks, rank)
+
+
+@lru_cache(maxsize=4096)
+def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
+    """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
+    itself: the orders have no one-line warm-up count to read it from."""
+    return _peak_inflight(_ORDERS[schedule](pp, microbatches, chunks, rank))
 
 
 def peak_inflight_closed_form(
     schedule: str, pp: int, microbatches: int, chunks: int = 1
 ) -> list[int]:
-    """Per rank, the most microbatch-chunks with activations held (forward done, backward not)."""
+    """Per rank, the most microbatch-chunks with activations held (forward done, backward not;
+    for the split schedules, weight gradient not)."""
     _validate(schedule, pp, microbatches, chunks)
     return [_closed_peak(schedule, pp, microbatches, chunks, r) for r in range(pp)]
 
@@ -207,8 +516,10 @@ def inflight_units(schedule: str, pp: int, microbatches: int, chunks: int, rank:
     From the schedule's warm-up (`_warmup_forwards`, the one formula): GPipe m; 1F1B
     min(pp - rank, m); interleaved 1F1B min((v-1)pp + 2(pp-rank-1) + 1, m v) chunk units, each
     1/v of the rank's layers (on rank 0, pp(1 + (pp-1)/(pp v)) micro-batches' worth: Korthikanti
-    et al. 2022 section 4.2.3). pp = 1 runs no schedule, only gradient accumulation: one
-    micro-batch (all its chunks) at a time. The memory model (plan/memory.py) reads this.
+    et al. 2022 section 4.2.3). The zero-bubble schedules hold a microbatch's activations from
+    its F until its W, counted on their op orders. pp = 1 runs no schedule, only gradient
+    accumulation: one micro-batch (all its chunks) at a time. The memory model
+    (plan/memory.py) reads this.
     """
     if schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", schedule, " | ".join(PP_SCHEDULES))
@@ -240,33 +551,66 @@ def _stage_costs(field: str, t: Costs, n_stages: int, chunks: int) -> tuple[floa
     return tuple(float(c) for c in costs)
 
 
-def _check_orders(orders: Sequence[Sequence[Op]]) -> tuple[int, int, int]:
-    """Validate hand-made or built orders; return (pp, chunks, microbatches)."""
+def _split_costs(
+    t_bwd: tuple[float, ...], t_w: Costs | None, n_stages: int, chunks: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(B, W) cost per stage of a split backward: W = t_w's share (default half), B the rest."""
+    if t_w is None:
+        w = tuple(default_t_w(b) for b in t_bwd)
+    else:
+        w = _stage_costs("t_w", t_w, n_stages, chunks)
+    for b, wc in zip(t_bwd, w, strict=True):
+        if wc >= b:
+            shown = t_w if isinstance(t_w, int | float) else list(t_w or ())
+            raise ConfigError("t_w", shown, "less than t_bwd (W is part of the backward)")
+    return tuple(b - wc for b, wc in zip(t_bwd, w, strict=True)), w
+
+
+def _check_orders(orders: Sequence[Sequence[Op]]) -> tuple[int, int, int, bool, bool]:
+    """Validate hand-made or built orders; return (pp, chunks, microbatches, v_shape, split)."""
     pp = len(orders)
     if pp == 0:
         raise ConfigError("orders", [], "one op list per pipeline rank")
     ops = [op for rank_ops in orders for op in rank_ops]
     if not ops:
         raise ConfigError("orders", "no ops", "at least one F and one B")
-    for r, rank_ops in enumerate(orders):
-        for op in rank_ops:
-            if op.kind not in ("F", "B") or op.rank != r or op.stage != op.chunk * pp + r:
-                raise ConfigError(
-                    "orders", str(op), f"ops on rank {r} with stage = chunk * {pp} + {r}"
-                )
     n_stages = max(op.stage for op in ops) + 1
     microbatches = max(op.microbatch for op in ops) + 1
     if n_stages % pp != 0:
         raise ConfigError("orders", f"{n_stages} stages", f"a multiple of pp = {pp}")
+    chunks = n_stages // pp
+
+    def placed(v_shape: bool) -> bool:
+        if v_shape and chunks != 2:
+            return False
+        held = [stage_ids(r, pp, chunks, v_shape) for r in range(pp)]
+        return all(
+            op.kind in ("F", "B", "W") and op.rank == r and held[r][op.chunk] == op.stage
+            if 0 <= op.chunk < chunks
+            else False
+            for r, rank_ops in enumerate(orders)
+            for op in rank_ops
+        )
+
+    v_shape = not placed(False)
+    if v_shape and not placed(True):
+        raise ConfigError(
+            "orders",
+            "stage placement",
+            f"ops on rank r with stage = chunk * {pp} + r, or a V (r and {2 * pp - 1} - r)",
+        )
+    split = any(op.kind == "W" for op in ops)
+    kinds = ("F", "B", "W") if split else ("F", "B")
     seen = {(op.kind, op.stage, op.microbatch) for op in ops}
-    want = 2 * n_stages * microbatches
+    want = len(kinds) * n_stages * microbatches
     if len(seen) != len(ops) or len(seen) != want or min(op.microbatch for op in ops) < 0:
+        each = "one F, one B and one W" if split else "one F and one B"
         raise ConfigError(
             "orders",
             f"{len(ops)} ops, {len(seen)} distinct",
-            f"exactly one F and one B per (stage, microbatch): {want}",
+            f"exactly {each} per (stage, microbatch): {want}",
         )
-    return pp, n_stages // pp, microbatches
+    return pp, chunks, microbatches, v_shape, split
 
 
 def simulate_orders(
@@ -276,29 +620,44 @@ def simulate_orders(
     t_p2p: float = 0.0,
     schedule: str = "custom",
     op_costs: Mapping[tuple[str, int, int], float] | None = None,
+    t_w: Costs | None = None,
 ) -> SimResult:
     """Replay given per-rank op orders; each rank runs its ops in order, one at a time.
 
     An op starts when its rank is free and its inputs are ready: F of stage s for microbatch i
     needs F of stage s-1 for i; B of stage s needs the own F and B of stage s+1 (the last
-    stage's B needs only its F: the loss). `t_p2p` is added when the producer is on another rank.
-    `op_costs` maps (kind, stage, microbatch) to one op's own cost, over the per-stage costs
-    (e.g. every op's measured time, to replay a measured step).
-    Raises DeadlockError when some rank waits on an op that can never run.
+    stage's B needs only its F: the loss); W needs its own B. `t_p2p` is added when the producer
+    is on another rank, and an op `joined` into a torch action sends its output to another
+    rank only when the action's last op ends. With W ops in the orders the backward is split:
+    B costs t_bwd - t_w and W t_w (default t_w: half of t_bwd). `op_costs` maps (kind, stage,
+    microbatch) to one op's own cost, over the per-stage costs (e.g. every op's measured time,
+    to replay a measured step). Raises DeadlockError when some rank waits on an op that can
+    never run.
     """
-    pp, chunks, microbatches = _check_orders(orders)
+    pp, chunks, microbatches, v_shape, split = _check_orders(orders)
     n_stages = pp * chunks
-    cost = {
-        "F": _stage_costs("t_fwd", t_fwd, n_stages, chunks),
-        "B": _stage_costs("t_bwd", t_bwd, n_stages, chunks),
-    }
+    full_b = _stage_costs("t_bwd", t_bwd, n_stages, chunks)
+    cost = {"F": _stage_costs("t_fwd", t_fwd, n_stages, chunks), "B": full_b}
+    if split:
+        cost["B"], cost["W"] = _split_costs(full_b, t_w, n_stages, chunks)
     if isinstance(t_p2p, bool) or not (math.isfinite(t_p2p) and t_p2p >= 0):
         raise ConfigError("t_p2p", t_p2p, "a finite number >= 0")
     for key, c in (op_costs or {}).items():
         if isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
             raise ConfigError("op_costs", f"{key}: {c}", "finite numbers >= 0")
+    rank_of = _stage_ranks(pp, chunks, v_shape)
+    # The op that ends each op's torch action (itself unless joined ops follow it).
+    action_end: list[list[int]] = []
+    for rank_ops in orders:
+        last = list(range(len(rank_ops)))
+        for k in range(len(rank_ops) - 2, -1, -1):
+            if rank_ops[k + 1].joined:
+                last[k] = last[k + 1]
+        action_end.append(last)
 
     end: dict[_Key, float] = {}
+    sent: dict[_Key, float] = {}  # when the output leaves the rank (its action's end)
+    pending: dict[tuple[int, int], list[_Key]] = {}  # (rank, index of action end) -> keys
     free_at = [0.0] * pp
     nxt = [0] * pp
     timeline: list[TimedOp] = []
@@ -311,17 +670,22 @@ def simulate_orders(
             while nxt[r] < len(orders[r]):
                 op = orders[r][nxt[r]]
                 ready = 0.0
-                for key, lat in _deps(op, n_stages, pp, t_p2p):
-                    if key not in end:
+                for key, cross in _deps(op, n_stages, rank_of):
+                    if key not in (sent if cross else end):
                         break
-                    ready = max(ready, end[key] + lat)
+                    ready = max(ready, sent[key] + t_p2p if cross else end[key])
                 else:
                     start = max(free_at[r], ready)
                     c = cost[op.kind][op.stage]
                     if op_costs is not None:
                         c = op_costs.get((op.kind, op.stage, op.microbatch), c)
                     finish = start + c
-                    end[(op.kind, op.stage, op.microbatch)] = finish
+                    key = (op.kind, op.stage, op.microbatch)
+                    end[key] = finish
+                    pending.setdefault((r, action_end[r][nxt[r]]), []).append(key)
+                    if action_end[r][nxt[r]] == nxt[r]:
+                        for done in pending.pop((r, nxt[r])):
+                            sent[done] = finish
                     free_at[r] = finish
                     timeline.append(TimedOp(r, op, start, finish))
                     nxt[r] += 1
@@ -330,7 +694,7 @@ def simulate_orders(
                     continue
                 break
         if not progressed:
-            raise DeadlockError(_deadlock_message(orders, nxt, end))
+            raise DeadlockError(_deadlock_message(orders, nxt, end, sent))
 
     makespan = max(free_at)
     busy = [0.0] * pp
@@ -342,50 +706,74 @@ def simulate_orders(
         microbatches=microbatches,
         chunks=chunks,
         makespan=makespan,
-        bubble_fraction=1.0 - sum(busy) / (pp * makespan),
+        bubble_fraction=1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0,
         busy=tuple(busy),
         idle=tuple(makespan - b for b in busy),
         peak_inflight=tuple(_peak_inflight(o) for o in orders),
         timeline=tuple(sorted(timeline, key=lambda t: (t.start, t.rank))),
+        split_backward=split,
     )
 
 
 _Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
 
-def _deps(op: Op, n_stages: int, pp: int, t_p2p: float) -> list[tuple[_Key, float]]:
-    """The ops `op` waits for, each with the latency between its end and `op`'s start."""
+def _stage_ranks(pp: int, chunks: int, v_shape: bool) -> tuple[int, ...]:
+    """The pipeline rank of each global stage."""
+    out = [0] * (pp * chunks)
+    for r in range(pp):
+        for s in stage_ids(r, pp, chunks, v_shape):
+            out[s] = r
+    return tuple(out)
+
+
+def _deps(op: Op, n_stages: int, rank_of: Sequence[int]) -> list[tuple[_Key, bool]]:
+    """The ops `op` waits for, each with whether it comes from another rank."""
     s, i = op.stage, op.microbatch
-
-    def hop(src: int) -> float:
-        return t_p2p if src % pp != s % pp else 0.0
-
+    here = rank_of[s]
     if op.kind == "F":
-        return [] if s == 0 else [(("F", s - 1, i), hop(s - 1))]
-    out: list[tuple[_Key, float]] = [(("F", s, i), 0.0)]
+        return [] if s == 0 else [(("F", s - 1, i), rank_of[s - 1] != here)]
+    if op.kind == "W":
+        return [(("B", s, i), False)]
+    out: list[tuple[_Key, bool]] = [(("F", s, i), False)]
     if s < n_stages - 1:
-        out.append((("B", s + 1, i), hop(s + 1)))
+        out.append((("B", s + 1, i), rank_of[s + 1] != here))
     return out
 
 
 def _deadlock_message(
-    orders: Sequence[Sequence[Op]], nxt: list[int], end: dict[_Key, float]
+    orders: Sequence[Sequence[Op]],
+    nxt: list[int],
+    end: dict[_Key, float],
+    sent: dict[_Key, float],
 ) -> str:
     pp = len(orders)
-    n_stages = max(op.stage for rank_ops in orders for op in rank_ops) + 1
+    ops = [op for rank_ops in orders for op in rank_ops]
+    n_stages = max(op.stage for op in ops) + 1
+    v_shape = any(op.stage != op.chunk * pp + op.rank for op in ops)
+    rank_of = _stage_ranks(pp, n_stages // pp, v_shape)
     stuck = []
     for r, rank_ops in enumerate(orders):
         if nxt[r] < len(rank_ops):
             op = rank_ops[nxt[r]]
-            waits = [f"{k[1]}{k[0]}{k[2]}" for k, _ in _deps(op, n_stages, pp, 0.0) if k not in end]
+            waits = [
+                f"{k[1]}{k[0]}{k[2]}"
+                for k, cross in _deps(op, n_stages, rank_of)
+                if k not in (sent if cross else end)
+            ]
             stuck.append(f"rank {r} at op #{nxt[r]} ({op}) waits for {', '.join(waits)}")
     return "pipeline order deadlocks: " + "; ".join(stuck)
 
 
 def _peak_inflight(rank_ops: Sequence[Op]) -> int:
+    """Most microbatch-chunks held: from F until W when the order has Ws, else until B."""
+    release = "W" if any(op.kind == "W" for op in rank_ops) else "B"
     held = peak = 0
     for op in rank_ops:
-        held += 1 if op.kind == "F" else -1
+        if op.kind == "F":
+            held += 1
+        elif op.kind == release:
+            held -= 1
         peak = max(peak, held)
     return peak
 
@@ -398,7 +786,10 @@ def simulate(
     t_fwd: Costs = 1.0,
     t_bwd: Costs = 2.0,
     t_p2p: float = 0.0,
+    t_w: Costs | None = None,
 ) -> SimResult:
-    """Simulate one step of `schedule`; scalar costs are per whole rank slice (chunk op = t/v)."""
+    """Simulate one step of `schedule`; scalar costs are per whole rank slice (chunk op = t/v).
+    `t_w` (the weight-gradient part of `t_bwd`, default half) matters only for the schedules
+    that split the backward."""
     orders = schedule_ops(schedule, pp, microbatches, chunks)
-    return simulate_orders(orders, t_fwd, t_bwd, t_p2p, schedule=schedule)
+    return simulate_orders(orders, t_fwd, t_bwd, t_p2p, schedule=schedule, t_w=t_w)

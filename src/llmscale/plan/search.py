@@ -6,7 +6,8 @@ context-parallel degree and an explicit layer split (`pp_layers`) are fixed by t
 GPUs per sequence: gpus = pp x dp x cp x tp). Kept only when: tp <= GPUs per node and tp divides
 n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers (a pp that does not divide n_layers
 splits them unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
-divides by micro-batch x dp (and gives >= pp micro-batches, a multiple of pp for interleaved);
+divides by micro-batch x dp (and gives >= pp micro-batches, a multiple of pp for interleaved,
+of torch's rounds for zero_bubble, >= 2 pp for dualpipev);
 seq_len is a multiple of 2 cp; the fullest GPU fits (plan/memory.py, with its allocator overhead
 and device reserve), and offloaded states fit the node's host memory. Ranked by predicted step
 time (plan/time.py), closed-form bubble in the loop; the best `resimulate` are re-timed with the
@@ -30,7 +31,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from llmscale.config import OFFLOAD_MODES, PRECISIONS, Offload, PPSchedule, Precision, Recompute
+from llmscale.config import (
+    LOOP_MULTI_CHUNK_SCHEDULES,
+    OFFLOAD_MODES,
+    PRECISIONS,
+    V_SCHEDULES,
+    Offload,
+    PPSchedule,
+    Precision,
+    Recompute,
+)
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig, stage_layer_counts
@@ -38,6 +48,9 @@ from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
+from llmscale.plan.schedule import zero_bubble_rounds
+
+MULTI_CHUNK = LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES  # schedules that need pp > 1
 
 # Least recompute time first (the search skips a mode once a faster one fits). selective_op
 # sits before every_k (k = 2): it recomputes half the matmuls and the element-wise ops where
@@ -59,8 +72,10 @@ class SearchSpace:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     recompute: tuple[Recompute, ...] = RECOMPUTE_ORDER
     recompute_every_k: int = 2
-    schedules: tuple[PPSchedule, ...] = ("1f1b", "interleaved_1f1b", "gpipe")
-    chunks: tuple[int, ...] = (2, 4)
+    schedules: tuple[PPSchedule, ...] = (
+        "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "gpipe",
+    )  # fmt: skip
+    chunks: tuple[int, ...] = (2, 4)  # of the loop-style multi-chunk schedules; V ones run 2
     zero_stages: tuple[int, ...] = (3, 1)  # 2 lays memory out as 1 in FSDP2: not tried twice
     offload: tuple[Offload, ...] = OFFLOAD_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -184,8 +199,8 @@ def _layouts(
                 rejected[f"pp {pp} does not divide the {len(space.pp_layers)} pp_layers"] = None
             elif pp > 1 and model.tie_embeddings:
                 rejected[f"pp {pp} > 1 with tied embeddings ({model.name})"] = None
-            elif pp == 1 and space.schedules == ("interleaved_1f1b",):
-                rejected["interleaved_1f1b needs pp > 1"] = None
+            elif pp == 1 and len(space.schedules) == 1 and space.schedules[0] in MULTI_CHUNK:
+                rejected[f"{space.schedules[0]} needs pp > 1"] = None
             else:
                 yield tp, pp, rest // (tp * pp)
 
@@ -215,10 +230,18 @@ def _schedules(
             yield "gpipe", 1
         return
     for s in space.schedules:
-        if s == "interleaved_1f1b":
+        if s in LOOP_MULTI_CHUNK_SCHEDULES:
+            # interleaved_1f1b: a multiple of pp (Megatron's rule, the simulator's);
+            # zero_bubble: of torch's rounds, max(1, m // pp).
+            step = pp if s == "interleaved_1f1b" else zero_bubble_rounds(pp, microbatches)
             for v in space.chunks:
-                if _stages_ok(model, pp * v, space, even=True) and microbatches % pp == 0:
+                if _stages_ok(model, pp * v, space, even=True) and microbatches % step == 0:
                     yield s, v
+        elif s in V_SCHEDULES:
+            if _stages_ok(model, 2 * pp, space, even=True) and (
+                s != "dualpipev" or microbatches >= 2 * pp
+            ):
+                yield s, 2
         elif _stages_ok(model, pp, space):
             yield s, 1
 
@@ -298,14 +321,10 @@ def search(
                 dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
             )  # fmt: skip
-            # Knob settings whose states alone fit, each as (zero index, offload index).
-            states_ok = [
-                (zi, oi)
-                for zi, zero in enumerate(zeros)
-                for oi, off in enumerate(offloads)
-                if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends,
-                                      memory_options, budget / over, host_per_gpu)
-            ]  # fmt: skip
+            # Knob settings whose states alone fit, each as (zero index, offload index), per
+            # placement of the layers (chunks, and a V or not: which layers a rank holds, and
+            # whether the head shares rank 0 with the embedding).
+            placed: dict[tuple[int, bool], list[tuple[int, int]]] = {}
             sps = [sp for sp in space.sequence_parallel if tp > 1 or not sp]
             if not sps:
                 rejected["sequence parallelism needs tp > 1"] = None
@@ -330,14 +349,20 @@ def search(
                         recs, replace(base, micro_batch_size=mbs, sequence_parallel=sp),
                         memory_options,
                     )  # fmt: skip
-                    for sched, v in scheds if states_ok else ():
+                    for sched, v in scheds:
+                        where = (v, sched in V_SCHEDULES)
+                        if where not in placed:
+                            placed[where] = _fitting_states(
+                                replace(base, pp_schedule=sched, pp_chunks=v), zeros, offloads,
+                                ends, memory_options, budget / over, host_per_gpu,
+                            )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
                         for ri, rec in enumerate(recs):
                             if rec not in useful:
                                 continue
-                            for zi, oi in states_ok:
+                            for zi, oi in placed[where]:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
                                 plan = Plan(
@@ -437,8 +462,9 @@ def _schedule_rule(model: ModelConfig, pp: int, micro: int, space: SearchSpace) 
     if micro < pp:
         return f"{micro} micro-batches < pp {pp}: only gpipe runs them (schedules: {names})"
     return (
-        f"schedules {names} with chunks {', '.join(map(str, space.chunks))}: pp x chunks must "
-        f"divide n_layers {model.n_layers} and pp {pp} the {micro} micro-batches"
+        f"schedules {names} with chunks {', '.join(map(str, space.chunks))} (zbv, dualpipev: 2): "
+        f"pp x chunks must divide n_layers {model.n_layers} and pp {pp} the {micro} "
+        "micro-batches (dualpipev: >= 2 pp of them)"
     )
 
 
@@ -500,6 +526,24 @@ def _closest(
         why = fit_reason(est, cluster, opt)
         out.append(Candidate(plan, est, t, fits=why is None, why=why))
     return tuple(out)
+
+
+def _fitting_states(
+    base: Plan,
+    zeros: list[int],
+    offloads: list[Offload],
+    ends: tuple[int, ...],
+    opt: mem.MemoryOptions,
+    budget: float,
+    host: float,
+) -> list[tuple[int, int]]:
+    """(zero index, offload index) of the settings whose states alone fit `base`'s layout."""
+    return [
+        (zi, oi)
+        for zi, zero in enumerate(zeros)
+        for oi, off in enumerate(offloads)
+        if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends, opt, budget, host)
+    ]
 
 
 def _states_exceed(

@@ -8,9 +8,11 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from llmscale.config import (
+    LOOP_MULTI_CHUNK_SCHEDULES,
     OFFLOAD_MODES,
     PP_SCHEDULES,
     RECOMPUTE_MODES,
+    V_SCHEDULES,
     ZERO_STAGES,
     Precision,
 )
@@ -163,17 +165,7 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
         changes["recompute_every_k"] = fixed["every_k"]
     if rec is not None:
         changes["recompute"] = (rec,)
-    sched, chunks = fixed.get("schedule"), fixed.get("chunks")
-    if chunks is not None and chunks > 1:
-        if sched not in (None, "interleaved_1f1b"):
-            raise ConfigError("chunks", chunks, "1 unless --schedule interleaved_1f1b")
-        changes["schedules"], changes["chunks"] = ("interleaved_1f1b",), (chunks,)
-    elif chunks == 1:
-        if sched == "interleaved_1f1b":
-            raise ConfigError("chunks", chunks, ">= 2 with --schedule interleaved_1f1b")
-        changes["schedules"] = (sched,) if sched else ("1f1b", "gpipe")
-    elif sched is not None:
-        changes["schedules"] = (sched,)
+    changes |= _schedule_changes(fixed.get("schedule"), fixed.get("chunks"))
     if "zero_stage" in fixed:
         changes["zero_stages"] = (fixed["zero_stage"],)
     if "sp" in fixed:
@@ -183,6 +175,29 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
     if "offload" in fixed:
         changes["offload"] = (fixed["offload"],)
     return replace(DEFAULT_SPACE, **changes), fixed
+
+
+def _schedule_changes(sched: str | None, chunks: int | None) -> dict[str, Any]:
+    """The search space's schedules and chunks for --schedule and --chunks: > 1 chunks with
+    the loop-style multi-chunk schedules (interleaved_1f1b, zero_bubble; both when no schedule
+    is given, and the V ones too for 2), unset or 2 with zbv and dualpipev, 1 with the rest."""
+    multi = " | ".join(LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES)
+    if sched in V_SCHEDULES:
+        if chunks not in (None, 2):
+            raise ConfigError("chunks", chunks, f"unset or 2 with --schedule {sched}")
+        return {"schedules": (sched,)}
+    if chunks is not None and chunks > 1:
+        if sched is None:
+            scheds = LOOP_MULTI_CHUNK_SCHEDULES + (V_SCHEDULES if chunks == 2 else ())
+            return {"schedules": scheds, "chunks": (chunks,)}
+        if sched not in LOOP_MULTI_CHUNK_SCHEDULES:
+            raise ConfigError("chunks", chunks, f"1 unless --schedule is {multi}")
+        return {"schedules": (sched,), "chunks": (chunks,)}
+    if chunks == 1:
+        if sched in LOOP_MULTI_CHUNK_SCHEDULES:
+            raise ConfigError("chunks", chunks, f">= 2 with --schedule {sched}")
+        return {"schedules": (sched,) if sched else ("1f1b", "gpipe")}
+    return {"schedules": (sched,)} if sched is not None else {}
 
 
 def _degree_text(name: str, value: int, given: dict[str, Any], fixed: dict[str, Any]) -> str:
@@ -209,6 +224,8 @@ def _pp_layers(text: Any) -> tuple[int, ...]:
 def _pp_from_layers(stages: int, fixed: dict[str, Any]) -> None:
     """Fix --pp (and --chunks) from the number of --pp-layers entries (pp x chunks of them)."""
     pp, chunks = fixed.get("pp"), fixed.get("chunks")
+    if chunks is None and fixed.get("schedule") in V_SCHEDULES:
+        chunks = 2  # zbv, dualpipev: two stages per rank
     if pp is None:
         pp = stages // (chunks or 1)
     if chunks is None and stages % pp == 0 and stages // pp > 1:

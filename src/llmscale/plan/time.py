@@ -56,9 +56,12 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   the reduce-scatter, and replicated data parallelism's all-reduce, are paid once per step.
 - pipeline: closed form T = (m + p - 1) t (GPipe, 1F1B; bubble (p-1)/(m+p-1)) or
   (m + (p-1)/v) t (interleaved; bubble (p-1)/(v m + p - 1)) with t the slowest rank's
-  micro-batch time, plus 2(p v - 1) activation sends on the real link (NVLink inside a node,
-  the NIC across) on the fill/drain path; or, with `simulate=True`, the discrete-event
-  simulator of plan/schedule.py on per-stage costs.
+  micro-batch time; the zero-bubble schedules (zero_bubble, zbv, dualpipev) m t plus their
+  papers' idle time (`plan.schedule.bubble_time`) with W the rank's weight-gradient GEMMs
+  (dW = X^T dY, half of the blocks' backward GEMMs, and the head's) and B the rest of its
+  backward; plus 2(p v - 1) activation sends (one fewer hop in a V) on the real link (NVLink
+  inside a node, the NIC across) on the fill/drain path; or, with `simulate=True`, the
+  discrete-event simulator of plan/schedule.py on per-stage costs, F, B and W apart.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
   optimizer bandwidth (`Calibration.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
   `offload_overlap` hidden. Plus the GPU's fixed cost per step (`step_overhead_ms`).
@@ -75,14 +78,14 @@ from dataclasses import dataclass, field
 from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, Calibration
-from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES, op_sac_saves_matmul
+from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES, op_sac_saves_matmul, stage_ids
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.memory import plan_kernels, plan_rank_params
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time
 from llmscale.plan.schedule import simulate as simulate_schedule
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
@@ -186,6 +189,9 @@ class _RankTimes:
     bwd: float
     parts: dict[str, float]
     sync: float = 0.0  # FSDP gradient reduce-scatter exposed once per step
+    # The weight-gradient GEMMs (dW = X^T dY) of `bwd`: what the zero-bubble schedules run
+    # apart as W ops; the rest of `bwd` is their B.
+    wgrad: float = 0.0
 
 
 _RANK_TIMES: Memo[_RankTimes] = Memo("time.rank_times")
@@ -301,7 +307,7 @@ def _loss_comm_seconds(plan: Plan, rank: int, cluster: Cluster, kern: act.Kernel
     maximum, the sum of exponentials and the target's logit: 4 B per token each) and no logits
     gathered; a vocabulary-parallel head without it all-gathers the logits whole."""
     m, tp = plan.model, plan.tp
-    if tp == 1 or rank != plan.pp - 1 or not kern.splits_vocab(m, tp):
+    if tp == 1 or rank != plan.head_rank or not kern.splits_vocab(m, tp):
         return 0.0
     tokens = cp_tokens(plan)
     if kern.splits_logits(m, tp):
@@ -429,12 +435,14 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         mat_b += n_blocks * _linear_seconds(plan, redo, cluster, peak, flat)
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
-    if rank == plan.pp - 1:
+    wgrad = n_blocks * gemm_block  # one of the two backward GEMMs per linear
+    if rank == plan.head_rank:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
         head_mnk = (cp_tokens(plan), m.vocab_size // vocab_div, m.dim)
         head = _gemm_seconds([head_mnk], peak, cal, flat)
         mat_f += head
         mat_b += 2 * head
+        wgrad += head
 
     # Memory-bound kernels, through the bytes they leave behind for backward.
     def saved_bytes(mode: str) -> float:
@@ -447,7 +455,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         redone = n_blocks * (saved_bytes("none") - saved_bytes("selective"))
     else:
         redone = n_full * saved_bytes("none")
-    if rank == plan.pp - 1:
+    if rank == plan.head_rank:
         saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
     hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     elem_f = tp_.fwd_passes * saved / hbm
@@ -462,7 +470,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         )
         block_f = eager / hbm
         head = 0.0
-        if rank == plan.pp - 1:
+        if rank == plan.head_rank:
             head_saved = act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
             head = head_saved / hbm
         redo_blocks = n_blocks if op_sac else n_full
@@ -513,7 +521,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
         parts["fsdp_comm"] = gather
         bwd += gather
-    return _RankTimes(fwd, bwd, parts, sync)
+    return _RankTimes(fwd, bwd, parts, sync, wgrad)
 
 
 def _overlapped(comm: float, compute: float, efficiency: float) -> float:
@@ -612,17 +620,24 @@ def estimate_step_time(
     elif simulate and p * v * n_mb <= MAX_STAGE_MICROBATCHES:
         # (Larger: the closed form below. Simulating a global batch of 10^6 sequences took
         # minutes and tens of GB; with that many micro-batches the bubble is the closed form's.)
-        costs_f = [stages[g % p].fwd / v for g in range(p * v)]
-        costs_b = [stages[g % p].bwd / v for g in range(p * v)]
-        res = simulate_schedule(plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p)
+        # The zero-bubble schedules run each backward's weight gradients (wgrad) as W ops.
+        on = {g: r for r in range(p) for g in stage_ids(r, p, v, plan.v_shape)}
+        costs_f = [stages[on[g]].fwd / v for g in range(p * v)]
+        costs_b = [stages[on[g]].bwd / v for g in range(p * v)]
+        costs_w = [stages[on[g]].wgrad / v for g in range(p * v)]
+        res = simulate_schedule(plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p, costs_w)
         busy = n_mb * t
         pipe, bubble, p2p_total = res.makespan, res.bubble_fraction, 0.0
         pipe = max(pipe, busy)
     else:
-        extra = (p - 1) if plan.pp_schedule != "interleaved_1f1b" else (p - 1) / v
-        pipe = (n_mb + extra) * t
-        bubble = extra / (n_mb + extra)
-        p2p_total = 2 * (p * v - 1) * t_p2p
+        idle = bubble_time(plan.pp_schedule, p, v, slow.fwd, slow.bwd, slow.wgrad)
+        if idle is None:  # GPipe, 1F1B, interleaved 1F1B: slots of one forward and backward
+            extra = (p - 1) if plan.pp_schedule != "interleaved_1f1b" else (p - 1) / v
+            idle = extra * t
+        pipe = n_mb * t + idle
+        bubble = idle / pipe
+        hops = p * v - 1 - (1 if plan.v_shape else 0)  # the V's bottom stays on its rank
+        p2p_total = 2 * hops * t_p2p
     breakdown = {k: n_mb * val for k, val in slow.parts.items()}
     breakdown["bubble"] = pipe - n_mb * t
     breakdown["pp_p2p"] = p2p_total
