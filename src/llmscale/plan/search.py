@@ -35,6 +35,7 @@ from llmscale.config import (
     LOOP_MULTI_CHUNK_SCHEDULES,
     OFFLOAD_MODES,
     PRECISIONS,
+    SPLIT_BACKWARD_SCHEDULES,
     V_SCHEDULES,
     Offload,
     PPSchedule,
@@ -48,7 +49,6 @@ from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import zero_bubble_rounds
 
 MULTI_CHUNK = LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES  # schedules that need pp > 1
 
@@ -233,7 +233,9 @@ def _schedules(
         if s in LOOP_MULTI_CHUNK_SCHEDULES:
             # interleaved_1f1b: a multiple of pp (Megatron's rule, the simulator's);
             # zero_bubble: of torch's rounds, max(1, m // pp).
-            step = pp if s == "interleaved_1f1b" else zero_bubble_rounds(pp, microbatches)
+            # zero_bubble: torch needs whole rounds; the runtime asks a multiple of pp too
+            # (config's rule), so the search does.
+            step = pp
             for v in space.chunks:
                 if _stages_ok(model, pp * v, space, even=True) and microbatches % step == 0:
                     yield s, v
@@ -365,6 +367,12 @@ def search(
                             for zi, oi in placed[where]:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
+                                if _split_backward_zero3(sched, dp_shard, zeros[zi]):
+                                    rejected[
+                                        f"zero_stage 3 with dp_shard {dp_shard} under {sched}"
+                                        " (the runtime refuses it: torch's split backward)"
+                                    ] = None
+                                    continue
                                 plan = Plan(
                                     model=model, seq_len=seq_len, micro_batch_size=mbs,
                                     global_batch_size=global_batch_size, recompute=rec,
@@ -446,6 +454,12 @@ def _useful_recomputes(recs: list[Recompute], plan: Plan, opt: mem.MemoryOptions
             out.add(rec)
             least = kept
     return out
+
+
+def _split_backward_zero3(schedule: str, dp_shard: int, zero_stage: int) -> bool:
+    """The layout the runtime refuses (config's rule): FSDP resharding after the forward under
+    a schedule that splits the backward into B and W."""
+    return schedule in SPLIT_BACKWARD_SCHEDULES and dp_shard > 1 and zero_stage == 3
 
 
 def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:
