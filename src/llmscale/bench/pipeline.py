@@ -26,23 +26,24 @@ from pathlib import Path
 
 from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, png_path
-from llmscale.config import to_toml
+from llmscale.config import pipeline_chunks, to_toml
 from llmscale.instrument.pipeline import FILE_NAME
 from llmscale.parallel.timeline import (
+    OpRecord,
     PipelineTimeline,
     StepStats,
     as_sim_result,
     p2p_gaps,
     replay,
     slack_fraction,
-    stage_op_times,
+    stage_kind_times,
     step_stats,
 )
 from llmscale.plan import activations as act
 from llmscale.plan.gantt import draw_gantts_png
 from llmscale.plan.memory import MemoryOptions, inflight_units, rank_activation_bytes
 from llmscale.plan.predict import as_plan
-from llmscale.plan.schedule import SimResult, bubble_fraction, schedule_ops, simulate
+from llmscale.plan.schedule import Op, SimResult, bubble_fraction, schedule_ops, simulate
 from llmscale.train.metrics import read_jsonl
 
 SUITE = "pipeline"
@@ -60,7 +61,7 @@ class PipeConfig:
 
     @property
     def chunks(self) -> int:
-        return 2 if self.schedule == "interleaved_1f1b" else 1
+        return pipeline_chunks(self.schedule, 2)
 
     @property
     def name(self) -> str:
@@ -68,14 +69,18 @@ class PipeConfig:
 
     @property
     def label(self) -> str:
-        sched = "interleaved v=2" if self.chunks > 1 else self.schedule
+        sched = {"interleaved_1f1b": "interleaved v=2", "zero_bubble": "zero_bubble v=2"}.get(
+            self.schedule, self.schedule
+        )
         return f"pp={self.pp} {sched} m={self.microbatches}"
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# The split-backward schedules (B and W apart), at the micro-batch counts the Gantt charts draw.
+SPLIT_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 CONFIGS: tuple[PipeConfig, ...] = tuple(
     PipeConfig(pp, s, m) for pp, ms in ((2, (2, 4, 8)), (4, (4, 8))) for s in SCHEDULES for m in ms
-)
+) + tuple(PipeConfig(pp, s, m) for pp, m in ((2, 4), (4, 8)) for s in SPLIT_SCHEDULES)
 # Drawn when opts.png_dir is set: measured above simulated, one figure per pipeline degree.
 GANTT_M = {2: 4, 4: 8}
 
@@ -254,12 +259,11 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
     steps = [s for s in sorted(tl.steps) if s > opts.warmup] or sorted(tl.steps)
     timed = [tl.steps[s] for s in steps]
     stats = [step_stats(ops, c.pp) for ops in timed]
-    t_fwd, t_bwd = stage_op_times(timed, c.pp * c.chunks)
+    t_fwd, t_bwd, t_w = backward_costs(timed, c.pp * c.chunks)
     gaps = [g for ops in timed for g in p2p_gaps(ops, c.pp)]
     t_p2p = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    sim = simulate(c.schedule, c.pp, c.microbatches, c.chunks, t_fwd, t_bwd, t_p2p)
-    want = [tuple(str(op) for op in rank) for rank in schedule_ops(
-        c.schedule, c.pp, c.microbatches, c.chunks)]  # fmt: skip
+    sim = simulate(c.schedule, c.pp, c.microbatches, c.chunks, t_fwd, t_bwd, t_p2p, t_w)
+    want = measured_spelling(schedule_ops(c.schedule, c.pp, c.microbatches, c.chunks))
     diffs = [
         f"step {s} rank {r}: {' '.join(got)}"
         for s, st in zip(steps, stats, strict=True)
@@ -287,6 +291,47 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
         predicted_peak_bytes=predicted,
         inflight=inflight,
     )
+
+
+def measured_spelling(orders: list[list[Op]]) -> list[tuple[str, ...]]:
+    """The simulator's per-rank orders as the runtime's timeline records them: a backward that
+    torch runs whole (dualpipev's full and overlapped backward actions, which the simulator
+    writes as a B and a W joined into one action) is one B op there, so the joined W is
+    dropped."""
+    return [tuple(str(op) for op in rank if not (op.kind == "W" and op.joined)) for rank in orders]
+
+
+def backward_costs(
+    steps: list[list[OpRecord]], n_stages: int
+) -> tuple[list[float], list[float], list[float] | None]:
+    """Per-stage costs for the simulator from measured steps: forward, the whole backward and
+    its weight-gradient part (None when no W op ran: the backward was never split). Where a
+    stage's backward is split, the whole is its mean B (input gradient) plus its mean W; where
+    torch ran it whole (no W for that micro-batch), the mean of those B ops, half of it W."""
+    t_fwd = stage_kind_times(steps, n_stages, "F")
+    whole: list[list[float]] = [[] for _ in range(n_stages)]
+    split_b: list[list[float]] = [[] for _ in range(n_stages)]
+    w: list[list[float]] = [[] for _ in range(n_stages)]
+    for ops in steps:
+        has_w = {(o.stage, o.microbatch) for o in ops if o.kind == "W"}
+        for o in ops:
+            if o.kind == "W":
+                w[o.stage].append(o.duration)
+            elif o.kind == "B":
+                (split_b if (o.stage, o.microbatch) in has_w else whole)[o.stage].append(o.duration)
+    if not any(w):
+        return t_fwd, stage_kind_times(steps, n_stages, "B"), None
+    t_bwd, t_w = [], []
+    for s in range(n_stages):
+        if w[s]:
+            tw = statistics.fmean(w[s])
+            t_bwd.append(statistics.fmean(split_b[s]) + tw)
+            t_w.append(tw)
+        else:
+            tb = statistics.fmean(whole[s])
+            t_bwd.append(tb)
+            t_w.append(tb / 2)
+    return t_fwd, t_bwd, t_w
 
 
 def _activation_peak(opts: BenchOptions, c: PipeConfig) -> tuple[float, float, int]:

@@ -198,12 +198,21 @@ def replay(ops: Sequence[OpRecord], pp: int, t_p2p: float = 0.0) -> SimResult:
     What is left between this and the measured step is idle the dependency model does not hold
     (slack); between this and a simulation from per-stage means, the ops' spread in time.
     """
-    orders = [
-        [Op(o.kind, o.stage, r, o.chunk_of(pp), o.microbatch)  # type: ignore[arg-type]
-         for o in sorted((o for o in ops if o.rank == r), key=lambda o: o.start)]
-        for r in range(pp)
-    ]  # fmt: skip
     costs = {(o.kind, o.stage, o.microbatch): o.duration for o in ops}
+    split = any(o.kind == "W" for o in ops)
+    orders: list[list[Op]] = []
+    for r in range(pp):
+        order: list[Op] = []
+        for o in sorted((o for o in ops if o.rank == r), key=lambda o: o.start):
+            order.append(Op(o.kind, o.stage, r, o.chunk_of(pp), o.microbatch))  # type: ignore[arg-type]
+            if split and o.kind == "B" and ("W", o.stage, o.microbatch) not in costs:
+                # A backward torch ran whole (dualpipev): the simulator's B and a joined W,
+                # the W costing nothing (its work is in the measured B).
+                order.append(Op("W", o.stage, r, o.chunk_of(pp), o.microbatch, joined=True))
+        orders.append(order)
+    costs.update(
+        {("W", op.stage, op.microbatch): 0.0 for order in orders for op in order if op.joined}
+    )
     return simulate_orders(orders, t_p2p=t_p2p, schedule="replay", op_costs=costs)
 
 

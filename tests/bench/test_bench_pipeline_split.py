@@ -1,0 +1,57 @@
+"""The pipeline bench with the split-backward schedules (zbv, dualpipev) on a real pp = 2 group:
+the runtime's measured op order equals the simulator's, W ops are recorded, and the rows are
+filled from the measured costs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llmscale.bench.pipeline import PipeConfig, backward_costs, measured_spelling, run
+from llmscale.bench.runner import BenchOptions
+from llmscale.instrument.pipeline import FILE_NAME
+from llmscale.model.config import stage_ids
+from llmscale.parallel.timeline import PipelineTimeline, replay
+from llmscale.plan.schedule import schedule_ops
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = (PipeConfig(2, "zbv", 4), PipeConfig(2, "dualpipev", 4))
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipebench-split")
+    opts = BenchOptions(model="tiny", seq_len=32, steps=2, warmup=1, data_files=8,
+                        png_dir=None, work_dir=root / "work")  # fmt: skip
+    return opts, run(opts, CONFIGS)
+
+
+def test_measured_orders_equal_the_simulators_and_w_is_recorded(bench) -> None:
+    opts, res = bench
+    for c in CONFIGS:
+        tl = PipelineTimeline.load(opts.work_dir / c.name / FILE_NAME)
+        want = measured_spelling(schedule_ops(c.schedule, c.pp, c.microbatches, c.chunks))
+        rank_of = {s: r for r in range(c.pp) for s in stage_ids(r, c.pp, 2, v_shape=True)}
+        for step, ops in tl.steps.items():
+            assert all(o.rank == rank_of[o.stage] for o in ops), step
+            for r in range(c.pp):
+                got = tuple(f"{o.stage}{o.kind}{o.microbatch}"
+                            for o in sorted((o for o in ops if o.rank == r), key=lambda o: o.start))  # fmt: skip
+                assert got == want[r], (c.name, step, r)
+            kinds = {o.kind for o in ops}
+            assert kinds == {"F", "B", "W"}, (c.name, kinds)
+            # zbv splits every backward; dualpipev runs some whole (no W for them).
+            n_w = sum(o.kind == "W" for o in ops)
+            n_all = c.pp * c.chunks * c.microbatches
+            assert (n_w == n_all) if c.schedule == "zbv" else (0 < n_w < n_all), (c.name, n_w)
+            # The simulator replays the measured step (whole backwards as B + a free joined W).
+            assert 0 < replay(ops, c.pp).bubble_fraction < 1
+        t_fwd, t_bwd, t_w = backward_costs([tl.steps[s] for s in sorted(tl.steps)], 2 * c.pp)
+        assert t_w is not None and all(0 < w < b for w, b in zip(t_w, t_bwd, strict=True))
+    bubbles = [r for r in res.rows if r.quantity == "bubble (simulator)"]
+    assert len(bubbles) == 2 and all(r.note.startswith("order = simulator") for r in bubbles)
+    for row in res.rows:
+        assert math.isfinite(row.measured) and row.measured > 0, row
+        assert row.predicted is not None and math.isfinite(row.predicted) and row.predicted > 0
