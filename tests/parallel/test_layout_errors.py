@@ -81,7 +81,8 @@ def _p(**degrees: object) -> list[str]:
             "4 entries (one per pipeline stage: pp x pp_chunks), got 3",
         ),
         # Values the planner costs before the runtime has them: refused with one line.
-        (2, _p(cp=2), "parallel.cp", "the runtime has no context parallelism yet"),
+        # Context parallelism with a dimension the runtime does not compose it with yet.
+        (4, _p(cp=2, pp=2), "parallel.pp", "1 with parallel.cp > 1 (not supported yet)"),
         (1, ["--precision.mode", "fp8"], "precision.mode", "fp8 training needs"),
         (2, _p(cp=2) + ["--data.seq_len", "30"], "data.seq_len", "a multiple of 2 x parallel.cp"),
     ],
