@@ -16,6 +16,7 @@ every rank number is 0 and every size 1, and the trainer runs as it always has.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -205,11 +206,17 @@ class ParallelDims(MeshDegrees):
         Under cp > 1 the shard dimension is dp_shard x cp (`dp_shard_cp`), and without FSDP
         replicate runs over dp_replicate x cp (`dp_cp`)."""
         shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
-        if self.dp_shard > 1:
-            if self.dp_replicate > 1:
-                return self.submesh("dp_replicate", shard)
-            return self.submesh(shard)
-        return self.submesh("dp_cp" if self.cp > 1 else "dp_replicate")
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            dims: tuple[str, ...] = ("dp_replicate", shard)
+        elif self.dp_shard > 1:
+            dims = (shard,)
+        else:
+            dims = ("dp_cp" if self.cp > 1 else "dp_replicate",)
+        # torch 2.13 warns that slicing a flattened dimension from the root mesh will go (in
+        # 2.11, it says); it is how torchtitan reaches dp_shard_cp, and works.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.submesh(*dims)
 
     def pp_group(self) -> dist.ProcessGroup | None:
         return None if self.mesh is None or self.pp == 1 else self.mesh.get_group("pp")
