@@ -72,10 +72,10 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     """Refuse, with one line, config values the planner costs but this runtime cannot run here.
 
     `parallel.cp > 1` runs with data parallelism (FSDP2, HSDP, replicate) and activation
-    checkpointing, not with pp, tp or optimizer offload (untested combinations: refused).
-    `precision.mode = "fp8"`:
-    torchao's float8 training (parallel/float8.py), which needs torchao, a CUDA GPU with FP8
-    matmuls (compute capability 8.9 or later) and tp = 1; the message names what is missing.
+    checkpointing, not with pp, tp or optimizer offload (combinations not built: refused).
+    `precision.mode = "fp8"`: torchao's float8 training (parallel/float8.py), which needs
+    torchao, a CUDA GPU with FP8 matmuls (compute capability 8.9 or later) and tp = 1; the
+    message names what is missing.
     """
     p = cfg.parallel
     if p.cp > 1:
