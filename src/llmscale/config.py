@@ -404,7 +404,7 @@ class ParallelSection(MeshDegrees):
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks in load-balanced chunks, causal
     ring attention between them (seq_len a multiple of 2 x cp); FSDP shards over dp_shard x cp.
-    The runtime runs it with data parallelism, not yet with pp, tp or optimizer offload."""
+    Not with optimizer.offload yet."""
     sequence_parallel: bool = False
     """With tp > 1: the residual stream and the norms are split over tp ranks on the sequence."""
     zero_stage: ZeroStage = 3

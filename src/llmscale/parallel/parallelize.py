@@ -71,21 +71,18 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
 def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     """Refuse, with one line, config values the planner costs but this runtime cannot run here.
 
-    `parallel.cp > 1` runs with data parallelism (FSDP2, HSDP, replicate) and activation
-    checkpointing, not with pp, tp or optimizer offload (combinations not built: refused).
+    `parallel.cp > 1` runs with data, tensor (and sequence) and pipeline parallelism and
+    activation checkpointing, not with optimizer offload (not built: refused).
     `precision.mode = "fp8"`: torchao's float8 training (parallel/float8.py), which needs
     torchao, a CUDA GPU with FP8 matmuls (compute capability 8.9 or later) and tp = 1; the
     message names what is missing.
     """
-    p = cfg.parallel
-    if p.cp > 1:
-        for field, value, ok in (
-            ("parallel.pp", p.pp, 1),
-            ("parallel.tp", p.tp, 1),
-            ("optimizer.offload", cfg.optimizer.offload, "none"),
-        ):
-            if value != ok:
-                raise ConfigError(field, value, f"{ok} with parallel.cp > 1 (not supported yet)")
+    if cfg.parallel.cp > 1 and cfg.optimizer.offload != "none":
+        raise ConfigError(
+            "optimizer.offload",
+            cfg.optimizer.offload,
+            "none with parallel.cp > 1 (not supported yet)",
+        )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:

@@ -333,6 +333,7 @@ class Trainer:
         """One schedule step over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        inputs, targets = self.dims.cp_shard(inputs), self.dims.cp_shard(targets)
         n = self.cfg.n_microbatches
         self._pp_loss.losses = []
         args = (inputs,) if self.parallel.has_first_stage else ()
