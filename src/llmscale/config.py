@@ -402,8 +402,9 @@ class ParallelSection(MeshDegrees):
     """Layers of each pipeline stage (pp x pp_chunks entries, summing to model.n_layers); empty
     = automatic: floor or ceil of n_layers / stages each, the first and last stages the lighter."""
     cp: int = 1
-    """Context-parallel degree: each sequence split over cp ranks (ring attention; planner only,
-    the runtime does not have it yet)."""
+    """Context-parallel degree: each sequence split over cp ranks in load-balanced chunks, causal
+    ring attention between them (seq_len a multiple of 2 x cp); FSDP shards over dp_shard x cp.
+    Not with optimizer.offload yet."""
     sequence_parallel: bool = False
     """With tp > 1: the residual stream and the norms are split over tp ranks on the sequence."""
     zero_stage: ZeroStage = 3

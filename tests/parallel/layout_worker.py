@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/parallel/layout_worker.py SPEC.json
 
 SPEC: {"out": folder, "base": [overrides...], "layouts": [{"name", "args", "run"?}, ...]}.
-For each layout the rank holding the loss of pipeline stage s (dp rank 0, tp rank 0) writes
+For each layout the rank holding the loss of pipeline stage s (dp, tp and cp rank 0) writes
 OUT/NAME.stage{s}.pt with the per-step losses, the final validation loss and this stage's
 parameters gathered to full tensors; rank 0 also writes the metrics rows it logged. Collective
 counts of the first step are recorded when the layout asks for them ("count": true).
@@ -93,7 +93,7 @@ def main() -> None:
         result = t.fit()
         params = full_parameters(t.model_parts)
         d = t.dims
-        if d.dp_rank == 0 and d.tp_rank == 0:
+        if d.dp_rank == 0 and d.tp_rank == 0 and d.cp_rank == 0:
             payload = {
                 "losses": result.losses,
                 "val_loss": result.val_loss,

@@ -81,7 +81,13 @@ def _p(**degrees: object) -> list[str]:
             "4 entries (one per pipeline stage: pp x pp_chunks), got 3",
         ),
         # Values the planner costs before the runtime has them: refused with one line.
-        (2, _p(cp=2), "parallel.cp", "the runtime has no context parallelism yet"),
+        # Context parallelism with what the runtime does not compose it with yet.
+        (
+            2,
+            _p(cp=2) + ["--optimizer.offload", "optimizer"],
+            "optimizer.offload",
+            "none with parallel.cp > 1 (not supported yet)",
+        ),
         (1, ["--precision.mode", "fp8"], "precision.mode", "fp8 training needs"),
         (2, _p(cp=2) + ["--data.seq_len", "30"], "data.seq_len", "a multiple of 2 x parallel.cp"),
     ],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,15 +137,24 @@ class Transformer(nn.Module):
             else torch.empty(0),
             persistent=False,
         )
+        # Absolute positions of the tokens this rank sees, from its sequence length and device;
+        # None: 0 .. seq-1. Set by context parallelism (parallel/context_parallel.py), where a
+        # rank holds load-balanced chunks of each sequence.
+        self.positions: Callable[[int, torch.device], torch.Tensor] | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        pos = None if self.positions is None else self.positions(seq, tokens.device)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings.weight[: tokens.shape[1]]
+                w = self.pos_embeddings.weight
+                h = h + (w[:seq] if pos is None else w[pos])
         else:
             h = tokens  # hidden states from the previous pipeline stage
         rope = self.rope if self.cfg.pos_emb == "rope" else None
+        if rope is not None and pos is not None:
+            rope = rope[:, pos]
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is None:

@@ -1,8 +1,12 @@
 """Parallel state in one place: degrees, this rank's coordinates, the N-D device mesh.
 
-The mesh has four named dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``,
-``tp`` (as torchtitan orders them): tensor parallelism, the most talkative, on neighbouring ranks
-(one node's fast links), pipeline stages furthest apart. Every dimension is present even at
+The mesh has five named dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``,
+``cp``, ``tp`` (as torchtitan orders them): tensor parallelism, the most talkative, on neighbouring
+ranks (one node's fast links), then context parallelism's ring, pipeline stages furthest apart.
+Under context parallelism the cp ranks hold the same parameters, so gradients are reduced over
+them too: FSDP2 shards over the flattened ``dp_shard_cp`` mesh (dp_shard x cp, as torchtitan and
+the planner's `Plan.fsdp_shards`), and without FSDP ``replicate`` runs over ``dp_cp``
+(dp_replicate x cp). Every dimension is present even at
 degree 1, so ``mesh["tp"]`` always exists; a size-1 dimension costs nothing at run time.
 
 A single process (no ``WORLD_SIZE``, or ``WORLD_SIZE=1``) builds no process group and no mesh:
@@ -12,6 +16,7 @@ every rank number is 0 and every size 1, and the trainer runs as it always has.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -23,7 +28,7 @@ import torch.distributed.distributed_c10d as c10d
 from llmscale.config import V_SCHEDULES, MeshDegrees, ParallelSection
 from llmscale.parallel import heartbeat
 
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def env_world_size() -> int:
@@ -105,7 +110,7 @@ class ParallelDims(MeshDegrees):
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
-    cp: int = 1  # context parallelism: not in the runtime's mesh yet (the trainer refuses cp > 1)
+    cp: int = 1  # context parallelism: each sequence over cp ranks (ring attention)
     tp: int = 1
     mesh: Any = field(default=None, repr=False)  # DeviceMesh, or None for one process
     # Stages placed in a V (zbv, dualpipev): the last stage, and so the loss, is on pp rank 0.
@@ -125,7 +130,12 @@ class ParallelDims(MeshDegrees):
     @property
     def stage_size(self) -> int:
         """Ranks that hold (a shard or a copy of) each parameter of one pipeline stage."""
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
+
+    @property
+    def reduces_grads(self) -> bool:
+        """Gradients are reduced over ranks (FSDP2 or replicate wraps the model): dp x cp > 1."""
+        return self.dp * self.cp > 1
 
     @property
     def distributed(self) -> bool:
@@ -138,7 +148,8 @@ class ParallelDims(MeshDegrees):
 
     # ---- the mesh ---------------------------------------------------------------------------
     def build_mesh(self, device: torch.device) -> None:
-        """Create the 4-D mesh over the initialised process group (nothing for one process)."""
+        """Create the 5-D mesh over the initialised process group (nothing for one process),
+        and under cp > 1 the flattened mesh the gradients are reduced over."""
         if self.world_size == 1:
             self.mesh = None
             return
@@ -146,9 +157,14 @@ class ParallelDims(MeshDegrees):
 
         self.mesh = init_device_mesh(
             device.type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=MESH_AXES,
         )
+        if self.cp > 1:  # flattened on the root mesh, where torch wants it
+            if self.dp_shard > 1:
+                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            else:
+                self.mesh["dp_replicate", "cp"]._flatten("dp_cp")
 
     def _local(self, dim: str) -> int:
         return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
@@ -166,6 +182,24 @@ class ParallelDims(MeshDegrees):
         return self._local("tp")
 
     @property
+    def cp_rank(self) -> int:
+        return self._local("cp")
+
+    def cp_group(self) -> dist.ProcessGroup:
+        assert self.mesh is not None and self.cp > 1, "no cp group"
+        group: dist.ProcessGroup = self.mesh.get_group("cp")
+        return group
+
+    def cp_shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This cp rank's load-balanced share of the sequence dim (dim 1) of `t`; `t` alone
+        without context parallelism."""
+        if self.cp == 1:
+            return t
+        from llmscale.parallel.context_parallel import shard_sequence
+
+        return shard_sequence(t, self.cp, self.cp_rank, dim=1)
+
+    @property
     def dp_rank(self) -> int:
         """This rank's slice of the global batch: (replica, shard) flattened, as the data uses."""
         return self._local("dp_replicate") * self.dp_shard + self._local("dp_shard")
@@ -175,10 +209,22 @@ class ParallelDims(MeshDegrees):
         return self.mesh[dims[0]] if len(dims) == 1 else self.mesh[dims]
 
     def dp_mesh(self) -> Any:
-        """The mesh FSDP2 / replicate run over: 1-D for FSDP or DP, 2-D (replicate, shard) for HSDP."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            return self.submesh("dp_replicate", "dp_shard")
-        return self.submesh("dp_shard" if self.dp_shard > 1 else "dp_replicate")
+        """The mesh FSDP2 / replicate run over: 1-D for FSDP or DP, 2-D (replicate, shard) for HSDP.
+
+        Under cp > 1 the shard dimension is dp_shard x cp (`dp_shard_cp`), and without FSDP
+        replicate runs over dp_replicate x cp (`dp_cp`)."""
+        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            dims: tuple[str, ...] = ("dp_replicate", shard)
+        elif self.dp_shard > 1:
+            dims = (shard,)
+        else:
+            dims = ("dp_cp" if self.cp > 1 else "dp_replicate",)
+        # torch 2.13 warns that slicing a flattened dimension from the root mesh will go (in
+        # 2.11, it says); it is how torchtitan reaches dp_shard_cp, and works.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.submesh(*dims)
 
     def pp_group(self) -> dist.ProcessGroup | None:
         return None if self.mesh is None or self.pp == 1 else self.mesh.get_group("pp")
@@ -196,18 +242,21 @@ class ParallelDims(MeshDegrees):
         return t
 
     def holds_loss(self) -> bool:
-        """One rank per data-parallel slice contributes the loss: last stage, first TP rank."""
+        """The ranks that contribute the loss: the last stage's (pp rank 0 in a V) first TP rank
+        of each data-parallel slice, and every cp rank of it (each holds part of each sequence)."""
         return self.pp_rank == self.loss_pp_rank and self.tp_rank == 0
 
     def global_mean_loss(self, local_loss: torch.Tensor) -> torch.Tensor:
         """The global batch's mean loss on every rank, from each replica's last pipeline stage.
 
-        One all-reduce over the world: the rank that `holds_loss` in each data-parallel slice adds
-        loss / dp, every other rank adds 0 (its value may be a placeholder).
+        One all-reduce over the world: the ranks that `holds_loss` add loss / (dp x cp) (under
+        context parallelism each holds the mean over the same number of tokens: its share of
+        every sequence), every other rank adds 0 (its value may be a placeholder).
         """
         if self.mesh is None:
             return local_loss
-        contrib = local_loss.detach().float() / self.dp if self.holds_loss() else None
+        n = self.dp * self.cp
+        contrib = local_loss.detach().float() / n if self.holds_loss() else None
         if contrib is None:
             contrib = torch.zeros((), device=local_loss.device)
         return self.all_reduce_sum(contrib.clone())

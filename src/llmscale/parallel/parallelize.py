@@ -1,6 +1,7 @@
 """Apply the job's parallel layout to a model, in torchtitan's order.
 
-(fp8: the float8 linears swapped in) -> pipeline split -> tensor (and sequence) parallelism -> activation checkpointing -> FSDP2.
+(fp8: the float8 linears swapped in) -> pipeline split -> tensor (and sequence) parallelism ->
+context parallelism (ring attention) -> activation checkpointing -> FSDP2.
 
 Each step only rewrites modules in place (or, for the split, copies and prunes them), so
 parameter names never change: checkpoints load across layouts and the model file knows nothing
@@ -18,6 +19,7 @@ from llmscale.config import PRECISIONS, JobConfig, pipeline_chunks
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
+from llmscale.parallel.context_parallel import apply_cp
 from llmscale.parallel.data_parallel import apply_fsdp
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.float8 import convert_to_fp8, fp8_problem
@@ -53,8 +55,10 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
     for part in parts:
         if dims.tp > 1:
             apply_tp(part, dims.submesh("tp"), p.sequence_parallel)
+        if dims.cp > 1:
+            apply_cp(part, dims.cp_group())
         apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every_k)
-        if dims.dp > 1:
+        if dims.reduces_grads:  # dp x cp > 1: the cp ranks' gradients are reduced too
             apply_fsdp(
                 part,
                 dims.dp_mesh(),
@@ -69,13 +73,17 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
 def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     """Refuse, with one line, config values the planner costs but this runtime cannot run here.
 
-    `parallel.cp > 1`: the runtime has no context parallelism yet. `precision.mode = "fp8"`:
-    torchao's float8 training (parallel/float8.py), which needs torchao, a CUDA GPU with FP8
-    matmuls (compute capability 8.9 or later) and tp = 1; the message names what is missing.
+    `parallel.cp > 1` runs with data, tensor (and sequence) and pipeline parallelism and
+    activation checkpointing, not with optimizer offload (not built: refused).
+    `precision.mode = "fp8"`: torchao's float8 training (parallel/float8.py), which needs
+    torchao, a CUDA GPU with FP8 matmuls (compute capability 8.9 or later) and tp = 1; the
+    message names what is missing.
     """
-    if cfg.parallel.cp > 1:
+    if cfg.parallel.cp > 1 and cfg.optimizer.offload != "none":
         raise ConfigError(
-            "parallel.cp", cfg.parallel.cp, "1 (the runtime has no context parallelism yet)"
+            "optimizer.offload",
+            cfg.optimizer.offload,
+            "none with parallel.cp > 1 (not supported yet)",
         )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)

@@ -28,6 +28,7 @@ from llmscale.plan.memory import (
     MemoryEstimate,
     MemoryOptions,
     block_bytes,
+    cp_share,
     estimate_memory,
     param_window,
     plan_rank_params,
@@ -72,10 +73,12 @@ def expected_runtime_metrics(
     k = options.kernels
     modes = plan.block_modes(plan.rank_layers(rank))
     saved = sum(n * block_bytes(plan, mode, k) for mode, n in modes.items())
+    # Context parallelism: a cp rank holds 1/cp of each sequence (as `block_bytes` counts it).
     if rank == 0:
-        saved += sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
+        emb = act.embedding_tensors(plan.micro_batch_size, plan.seq_len)
+        saved += cp_share(plan) * sum(t.nbytes for t in emb)
     if rank == plan.head_rank:  # the last stage's rank (rank 0 in a V)
-        saved += act.head_bytes(*slice_args(plan, k))
+        saved += cp_share(plan) * act.head_bytes(*slice_args(plan, k))
     rp = plan_rank_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
     if plan.precision != "fp32" and not plan.fsdp and plan.offload == "none":

@@ -331,7 +331,7 @@ def eager_block_bytes(plan: Plan) -> float:
     Backward moves about twice that (read the saved input and the gradient, write a gradient).
     """
     m, tp = plan.model, plan.tp
-    tokens = plan.micro_batch_size * plan.seq_len
+    tokens = cp_tokens(plan)  # this cp rank's share of the sequence
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
     per_token: float = 2 * 36 * d + 2 * 6 * d  # norms and residual adds (replicated over tp)
     per_token += (20 * (d + kv) + 2 * (d + kv) * (2 if kv < d else 0)) / tp
@@ -366,7 +366,7 @@ def runtime_eager_block_parts(plan: Plan, kernels: act.Kernels) -> tuple[float, 
     weights' autocast casts: 4 + a per parameter in forward and a + 4 for its gradient in
     backward, counted as a third of that in the forward's bytes (backward moves twice them)."""
     m, tp = plan.model, plan.tp
-    tokens = plan.micro_batch_size * plan.seq_len
+    tokens = cp_tokens(plan)  # this cp rank's share of the sequence
     a = DTYPE_BYTES[plan.precision]
     r = act.residual_bytes(a, kernels)
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
@@ -445,8 +445,10 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         wgrad += head
 
     # Memory-bound kernels, through the bytes they leave behind for backward.
+    # (per cp rank: 1/cp of the sequence's tokens, as the memory model's `cp_share`)
     def saved_bytes(mode: str) -> float:
-        return act.block_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern, mode)
+        full = act.block_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern, mode)
+        return full / plan.cp
 
     saved = n_blocks * saved_bytes("none")
     if op_sac:  # every element-wise op of the block runs again
@@ -456,7 +458,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     else:
         redone = n_full * saved_bytes("none")
     if rank == plan.head_rank:
-        saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
+        saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern) / plan.cp
     hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     elem_f = tp_.fwd_passes * saved / hbm
     elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
@@ -472,7 +474,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         head = 0.0
         if rank == plan.head_rank:
             head_saved = act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
-            head = head_saved / hbm
+            head = head_saved / plan.cp / hbm
         redo_blocks = n_blocks if op_sac else n_full
         elem_f = n_blocks * block_f + tp_.fwd_passes * head
         elem_b = 2 * n_blocks * block_f + redo_blocks * block_f + tp_.bwd_passes * head

@@ -68,7 +68,7 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     stages = estimate_memory(plan, runtime_options(plan, device.type)).per_rank
     world = plan.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ranks_per_stage = plan.dp * plan.tp
+    ranks_per_stage = plan.dp * plan.cp * plan.tp  # the ranks of one pipeline stage
     hosts = max(1, world // max(1, local))
     if device.type == "cpu":
         job = sum((s.total + s.host) * ranks_per_stage for s in stages)

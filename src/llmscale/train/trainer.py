@@ -156,7 +156,7 @@ class Trainer:
         cfg.validate(world_size=env_world_size())
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
-        check_runtime_support(cfg, self.device)  # fp8 and context parallelism: not here yet
+        check_runtime_support(cfg, self.device)  # fp8, and what context parallelism lacks
         # Will it fit? The planner's prediction against this device, before anything is built.
         self.memory_warnings = check_memory(cfg, self.device)
         init_distributed(self.device, cfg.comm.timeout_seconds)
@@ -193,7 +193,7 @@ class Trainer:
         self.optimizers = build_optimizers(self.model_parts, cfg, self.dims)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
-        self.autocast_mode = "fp32" if self.dims.dp > 1 else cfg.precision.mode
+        self.autocast_mode = "fp32" if self.dims.reduces_grads else cfg.precision.mode
         self.pp_schedule: Any = None
         self.activation_peak: int | None = None  # under pipelining, set each step
         self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches, self.data.n_valid_vocab)
@@ -309,12 +309,14 @@ class Trainer:
             meter = ActivationMeter(self.model_parts, pipelined=False)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
-            if self.dims.dp > 1:
+            if self.dims.reduces_grads:
                 set_gradient_sync(self.model_parts, i == accum - 1)
             # A micro-batch of its own (a copy on CPU too): autograd keeps the token ids until
             # backward, and they should not hold on to the whole batch.
             mb = mb.to(self.device, non_blocking=True, copy=True)
             inputs, targets = mb[:, :-1], mb[:, 1:]
+            # Context parallelism: this cp rank's load-balanced share of every sequence.
+            inputs, targets = self.dims.cp_shard(inputs), self.dims.cp_shard(targets)
             counting = meter.counting() if meter is not None and i == 0 else None
             with self.loss_context():
                 with (
@@ -331,6 +333,7 @@ class Trainer:
         """One schedule step over `batch`; the global mean micro-batch loss."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        inputs, targets = self.dims.cp_shard(inputs), self.dims.cp_shard(targets)
         n = self.cfg.n_microbatches
         self._pp_loss.losses = []
         args = (inputs,) if self.parallel.has_first_stage else ()
@@ -436,8 +439,8 @@ class Trainer:
         inputs, targets = local_eval_rows(rows, self.dims.dp_rank, self.dims.dp, group)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i in range(0, len(inputs), group):
-            x = inputs[i : i + group].to(self.device)
-            y = targets[i : i + group].to(self.device)
+            x = self.dims.cp_shard(inputs[i : i + group].to(self.device))
+            y = self.dims.cp_shard(targets[i : i + group].to(self.device))
             if self.pp_schedule is not None:
                 part = self._eval_pipeline(x, y)
             else:
