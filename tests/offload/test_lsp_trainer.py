@@ -125,13 +125,18 @@ def test_fine_tunes_from_a_run(cfg_factory, tmp_path) -> None:
     assert 0 < _rows(ft)[0]["lsp_reconstruction_error"] < 1  # its projectors fitted afresh
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp16"])
-def test_low_precision_with_clipping(cfg_factory, mode: str) -> None:
-    t = Trainer(cfg_factory(*LSP, "--train.steps", "2", "--precision.mode", mode, run=mode))
+@pytest.mark.parametrize("mode, clip", [("bf16", "1.0"), ("fp16", "1.0"), ("fp32", "0")])
+def test_low_precision_clipping_and_updates_in_backward(cfg_factory, mode: str, clip: str) -> None:
+    """bf16/fp16 with loss scaling and clipping; fp32 unclipped updates during backward."""
+    args = ("--train.steps", "2", "--precision.mode", mode, "--train.max_grad_norm", clip)
+    t = Trainer(cfg_factory(*LSP, *args, run=mode))
+    assert t.optimizer.update_in_backward == (clip == "0")
+    before = _wq(t).detach().clone()
     r = t.fit()
     assert all(torch.isfinite(torch.tensor(r.losses)))
     w = _wq(t)
-    assert w.dtype == getattr(torch, "bfloat16" if mode == "bf16" else "float16")
+    assert w.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[mode]
+    assert not torch.equal(w.detach(), before)  # the decompressed updates were applied
     row = _rows(t)[-1]
     assert row["grad_norm"] > 0 and 0 < row["lsp_reconstruction_error"] < 1
 
