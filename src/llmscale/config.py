@@ -618,7 +618,6 @@ class JobConfig:
                 "train.recompute_every_k", t.recompute_every_k, f"<= model.n_layers={m.n_layers}"
             )
 
-
     def _validate_lsp_layout(self) -> None:
         """offload lsp serves one process yet (its projector state is per matrix, not sharded)."""
         if self.optimizer.offload != "lsp":

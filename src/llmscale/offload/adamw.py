@@ -385,14 +385,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if not float(lsp.error) > self.lsp.refit_threshold:  # (a NaN gradient: no refit)
                 return
         old = lsp.proj.snapshot()
-        trace = lsp.proj.fit(g)
-        if not trace:  # zero or non-finite gradient: projectors unchanged
-            return
+        trace = lsp.proj.fit(g)  # (a zero or non-finite gradient: unchanged, error NaN)
         self.d2h.copy(lsp.error, torch.stack(trace).min(), step, unit.name, "download").wait()
-        if done > 0:
+        if done > 0:  # (a NaN error never gets here: no refit; at the first fit M = V = 0)
             a, b = lsp.proj.change_of_basis(old)
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in (a, b)]
-            tickets = [self.d2h.copy(h, t, step, unit.name, "download") for h, t in zip(host, (a, b), strict=True)]
+            tickets = [
+                self.d2h.copy(h, t, step, unit.name, "download")
+                for h, t in zip(host, (a, b), strict=True)
+            ]
             self.worker.submit(self._reproject, slot, host, tickets)
 
     @staticmethod

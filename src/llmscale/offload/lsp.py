@@ -31,7 +31,9 @@ FIT_STEPS = 25  # Adam steps per fit on the non-zero values
 FIT_LR = 0.25  # their learning rate, relative to the starting values' magnitude
 
 
-def sparse_rows(n_cols: int, d: int, s: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+def sparse_rows(
+    n_cols: int, d: int, s: int, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
     """For each of `n_cols` columns, `s` distinct rows of `d` drawn at random (int64, n_cols x s)."""
     keys = torch.rand((n_cols, d), generator=gen, device=device)
     return keys.argsort(dim=1)[:, :s].contiguous()
@@ -88,9 +90,7 @@ class Projectors:
     q_vals: torch.Tensor  # n x s
 
     @classmethod
-    def new(
-        cls, m: int, n: int, d: int, s: int, seed: int, device: torch.device
-    ) -> Projectors:
+    def new(cls, m: int, n: int, d: int, s: int, seed: int, device: torch.device) -> Projectors:
         """Count-sketch projectors for an m x n matrix, drawn from their own generator (`seed`)."""
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
@@ -133,17 +133,19 @@ class Projectors:
         return relative_error_with(self.p, self.q, self.d, g)
 
     @torch.no_grad()
-    def fit(self, g: torch.Tensor, steps: int = FIT_STEPS, lr: float = FIT_LR) -> list[torch.Tensor]:
+    def fit(
+        self, g: torch.Tensor, steps: int = FIT_STEPS, lr: float = FIT_LR
+    ) -> list[torch.Tensor]:
         """Train the non-zero values on gradient `g` to lower err(g), in place.
 
         Adam on (p_vals, q_vals) for `steps` steps of the squared relative error; the best values
         seen are kept (never worse than the start). Returns err(g) before each step and after
-        the last (0-d device tensors), or [] (nothing changed) when `g` is zero or not finite.
+        the last (0-d device tensors). A zero or non-finite `g` gives NaN errors, which are never
+        better: the values stay as they were. (No value is read on the host here: the device
+        runs on without waiting, and the coordinator copies what it needs through its copiers.)
         """
         g = g.detach().float()
         gn2 = (g * g).sum()
-        if not bool(torch.isfinite(gn2)) or float(gn2) == 0.0:
-            return []
         vals = [self.p_vals.clone(), self.q_vals.clone()]
         m, n, s = self.p_rows.shape[0], self.q_rows.shape[0], self.p_rows.shape[1]
         lrs = [lr * (self.d / (m * s)) ** 0.5, lr * (self.d / (n * s)) ** 0.5]
@@ -164,7 +166,10 @@ class Projectors:
             trace.append(loss.sqrt())
             better = loss < best_loss
             best_loss = torch.where(better, loss, best_loss)
-            best = (torch.where(better, vp, best[0]).detach(), torch.where(better, vq, best[1]).detach())
+            best = (
+                torch.where(better, vp, best[0]).detach(),
+                torch.where(better, vq, best[1]).detach(),
+            )
             vals = [v.detach() for v in vals]
             for i, gr in enumerate(grads):
                 mom[i].mul_(0.9).add_(gr, alpha=0.1)
