@@ -88,6 +88,7 @@ def test_ledger_and_bytes_moved_are_the_planners(cfg_factory) -> None:
     assert sub / full < 0.25
 
 
+@pytest.mark.slow  # three runs with checkpoints
 def test_resume_is_bitwise_across_a_refit(cfg_factory) -> None:
     common = (*LSP, *REFIT, "--train.steps", "3", "--checkpoint.enabled", "true")
     full = Trainer(cfg_factory(*common, run="full"))
@@ -110,6 +111,7 @@ def test_resume_is_bitwise_across_a_refit(cfg_factory) -> None:
     assert {"lsp_p_vals", "lsp_q_rows", "exp_avg"} <= set(keys) and "master" not in keys
 
 
+@pytest.mark.slow  # two runs
 def test_fine_tunes_from_a_run(cfg_factory, tmp_path) -> None:
     base = Trainer(
         cfg_factory(*LSP, "--train.steps", "2", "--checkpoint.enabled", "true", run="base")
