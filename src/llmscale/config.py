@@ -27,7 +27,7 @@ Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 LRDecay = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
-Offload = Literal["none", "optimizer", "optimizer+params"]
+Offload = Literal["none", "optimizer", "optimizer+params", "lsp"]
 MemoryCheck = Literal["error", "warn", "off"]
 OffloadKernel = Literal["fused", "exact"]
 OptimizerName = Literal["adamw"]
@@ -278,12 +278,24 @@ class OptimizerSection:
     """Decoupled weight decay of the 2-D weights (norms and biases are not decayed)."""
     offload: Offload = "none"
     """Keep the optimizer states (optimizer), or also the fp32 params (optimizer+params), in host
-    memory and step on the CPU."""
+    memory and step on the CPU; lsp: LSP-Offload, the blocks' matrices through learned sparse
+    projectors (d x d gradients, moments and updates on the host), the rest as optimizer."""
     offload_overlap: bool = True
     """With offload: overlap the transfers and the CPU step with the backward."""
     offload_kernel: OffloadKernel = "fused"
     """CPU AdamW kernel with offload: torch's fused one, or exact (bit-equal to the on-device
     foreach AdamW, ~3x slower on CPU)."""
+    lsp_dim: int = 512
+    """offload lsp: rows d of each matrix's projectors (capped per matrix at half its smaller
+    dimension); the host holds d x d per matrix."""
+    lsp_nonzeros: int = 16
+    """offload lsp: non-zeros per projector column (count-sketch; at most lsp_dim)."""
+    lsp_refit_threshold: float = 0.2
+    """offload lsp: refit a matrix's projectors when a check step's relative gradient
+    reconstruction error exceeds this."""
+    lsp_check_every: int = 50
+    """offload lsp: optimizer steps between reconstruction-error checks (the first step
+    always fits)."""
 
     def validate(self) -> None:
         _choice("optimizer", self, "name")
@@ -297,6 +309,17 @@ class OptimizerSection:
         _nonneg("optimizer.weight_decay", self.weight_decay)
         _choice("optimizer", self, "offload")
         _choice("optimizer", self, "offload_kernel")
+        self._validate_lsp()
+
+    def _validate_lsp(self) -> None:
+        _positive("optimizer.lsp_dim", self.lsp_dim)
+        _positive("optimizer.lsp_nonzeros", self.lsp_nonzeros)
+        _positive("optimizer.lsp_refit_threshold", self.lsp_refit_threshold)
+        _positive("optimizer.lsp_check_every", self.lsp_check_every)
+        if self.lsp_nonzeros > self.lsp_dim:
+            raise ConfigError(
+                "optimizer.lsp_nonzeros", self.lsp_nonzeros, f"<= optimizer.lsp_dim={self.lsp_dim}"
+            )
 
 
 @dataclass
@@ -591,6 +614,7 @@ class JobConfig:
                 self.precision.underflow_steps,
                 "[] with optimizer.offload (gradients are on the host, still scaled)",
             )
+        self._validate_lsp_layout()
         if t.recompute == "every_k" and t.recompute_every_k > m.n_layers:
             raise ConfigError(
                 "train.recompute_every_k", t.recompute_every_k, f"<= model.n_layers={m.n_layers}"
@@ -620,6 +644,17 @@ class JobConfig:
             raise ConfigError(
                 "train.global_batch_size", gbs, f"{per} at least 2 x pp={2 * p.pp} for dualpipev"
             )
+
+    def _validate_lsp_layout(self) -> None:
+        """offload lsp serves one process yet (its projector state is per matrix, not sharded)."""
+        if self.optimizer.offload != "lsp":
+            return
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+            value = getattr(self.parallel, name, 1)
+            if value != 1:
+                raise ConfigError(
+                    f"parallel.{name}", value, "1 with optimizer.offload = lsp (one process only)"
+                )
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ OTHER: dict[str, list[Any]] = {
     "recompute_every_k": [2, 4],
     "precision": ["fp32", "fp16"],
     "offload": ["optimizer+params", "none"],
+    "lsp_dim": [64, 512],
+    "lsp_nonzeros": [4, 16],
     "dp_replicate": [2, 1],
     "dp_shard": [1, 4],
     "tp": [1, 2],

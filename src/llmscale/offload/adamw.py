@@ -27,6 +27,16 @@ uses: step 2 casts each updated unit into a host copy of the working weights, an
 
 On CUDA the copiers are side streams with pinned host buffers; elsewhere worker threads (see
 `engine`). With `overlap=False` every copy and update runs inline: the serial baseline.
+
+With `lsp` (LSP-Offload, `offload.lsp`) the 2-D weights of the transformer blocks
+(`plan.lsp.is_lsp_matrix`) move through learned sparse projectors instead: in step 1 each
+gradient G is compressed on the device to P G Qᵀ (d x d) and that goes down; the host runs Adam
+on d x d moments; in step 2 the d x d update goes up, and in step 3 the unit's wait point
+decompresses it (Pᵀ U Q) into the weight before the forward reads it. The first micro-step of
+the first step, and of every `check_every`-th step, measures the reconstruction error of its
+gradient and (re)fits the projectors on it on the device when it exceeds `refit_threshold` (the
+first step always fits); a refit re-projects the host moments (the change of basis goes down).
+Every device-host copy goes through the same copiers.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from llmscale.offload.host_adam import (
     HostSlot,
     fused_cpu_adamw_available,
 )
+from llmscale.offload.lsp import LspSettings, Projectors, reproject_moments
 from llmscale.offload.params import ParamOffload, Piece, UnitParams
 from llmscale.offload.timeline import TransferTimeline
 from llmscale.parallel.grads import (
@@ -63,6 +74,7 @@ from llmscale.parallel.grads import (
     grad_like_param,
     shard_count,
 )
+from llmscale.plan.lsp import is_lsp_matrix, matrix_dims
 from llmscale.tensors import is_dtensor, local_tensor
 from llmscale.torch_internals import dtensor_like
 
@@ -116,6 +128,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         offload_params: bool = False,
         prefetch: int = 1,
         keep_resident: Sequence[str] = (),
+        lsp: LspSettings | None = None,
     ) -> None:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
@@ -126,6 +139,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(f"kernel={kernel!r}: fused | exact")
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch}: units fetched ahead, >= 0")
+        if lsp is not None and offload_params:
+            raise ValueError("lsp: the weights stay on the device (offload_params is not for it)")
         self.fused = kernel == "fused" and fused_cpu_adamw_available()
         groups = [dict(g, params=list(g["params"])) for g in groups if list(g["params"])]
         grouped = [id(p) for g in groups for p in g["params"]]
@@ -142,6 +157,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.working_dtype = working_dtype or local_tensor(named[0][1]).dtype
         self.offload_params = offload_params
+        self.lsp = lsp
         self.prefetch = prefetch
         self.keep_resident = set(keep_resident)
         self.params: ParamOffload | None = None  # made by `attach` under offload_params
@@ -168,7 +184,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
             unit = Unit(ui, uname, [])
             for name in names:
                 p = by_name[name]
-                slot = self.host.make_slot(len(self.slots), name, p, ui, group_of[id(p)])
+                shape = tuple(local_tensor(p).shape)
+                if lsp is not None and is_lsp_matrix(name, shape):
+                    d, s = matrix_dims(shape, lsp.dim, lsp.nonzeros)
+                    proj = Projectors.new(
+                        *shape, d, s, lsp.seed * 1_000_003 + len(self.slots), self.device
+                    )
+                    slot = self.host.make_lsp_slot(
+                        len(self.slots), name, p, ui, group_of[id(p)], proj
+                    )
+                else:
+                    slot = self.host.make_slot(len(self.slots), name, p, ui, group_of[id(p)])
                 # Non-empty from the start, so DCP's get_state_dict never runs a fake step.
                 self.state[p] = slot.state()
                 unit.slots.append(slot)
@@ -181,6 +207,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._step_index = 0
         self._coef: torch.Tensor | None = None  # 1/loss_scale x clip coefficient, for this step
         self.waits = UnitWaits(self.units, self.timeline, lambda: self._step_index)
+        self.waits.after_upload = self._apply_lsp
 
     # ---- module hooks ----------------------------------------------------------------------
     def attach(self, model: nn.Module) -> OffloadedAdamW:
@@ -273,6 +300,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         a checkpoint load (DCP) has written it already, in full precision.
         """
         for s in self.slots:
+            if s.lsp is not None:
+                continue  # no master: the device weight is the copy
             local = s.local
             if not torch.equal(s.master.to(local.dtype), local.detach().cpu()):
                 s.master.copy_(local)
@@ -310,6 +339,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             unit.final_submitted = False  # its norms are stale; taken again at step time
         first = slot.micro == 0
         slot.micro += 1
+        if slot.lsp is not None:
+            if first:
+                self._lsp_check(slot, unit, g)
+            g = slot.lsp.proj.compress(g)  # d x d fp32: what goes down
         dst = self.host.download_buffer(slot, g.dtype, first)
         direct = dst is slot.grad
         # The buffer must be free: the last step's upload out of it done (the forward waited for
@@ -332,6 +365,53 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self.params is not None:
             self.params.grad_arrived(self._unit_params[unit.index])
         self.waits.cursor = self.timeline.stream_now()
+
+    # ---- LSP-Offload: check, fit, re-project, apply --------------------------------------------
+    def _lsp_check(self, slot: HostSlot, unit: Unit, g: torch.Tensor) -> None:
+        """On a check step, the reconstruction error of `g`; (re)fit when it is too large.
+
+        Check steps are those where the matrix has taken a multiple of `check_every` optimizer
+        steps (its step counter, which checkpoints keep): the first one always fits. After a
+        refit the change of basis goes down and the host worker re-projects the moments (FIFO:
+        before this step's update); at the first fit the moments are zero and stay so.
+        """
+        assert slot.lsp is not None and self.lsp is not None
+        done = int(slot.step.item())
+        if done % self.lsp.check_every:
+            return
+        lsp, step = slot.lsp, self._step_index
+        if done > 0:
+            self.d2h.copy(lsp.error, lsp.proj.relative_error(g), step, unit.name, "download").wait()
+            if not float(lsp.error) > self.lsp.refit_threshold:  # (a NaN gradient: no refit)
+                return
+        old = lsp.proj.snapshot()
+        trace = lsp.proj.fit(g)  # (a zero or non-finite gradient: unchanged, error NaN)
+        self.d2h.copy(lsp.error, torch.stack(trace).min(), step, unit.name, "download").wait()
+        if done > 0:  # (a NaN error never gets here: no refit; at the first fit M = V = 0)
+            a, b = lsp.proj.change_of_basis(old)
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in (a, b)]
+            tickets = [
+                self.d2h.copy(h, t, step, unit.name, "download")
+                for h, t in zip(host, (a, b), strict=True)
+            ]
+            self.worker.submit(self._reproject, slot, host, tickets)
+
+    @staticmethod
+    def _reproject(slot: HostSlot, ab: list[torch.Tensor], tickets: list[Ticket]) -> None:
+        for t in tickets:
+            t.wait()
+        reproject_moments(slot.exp_avg, slot.exp_avg_sq, ab[0], ab[1])
+
+    def _apply_lsp(self, unit: Unit) -> None:
+        """Decompress and apply the unit's uploaded LSP updates (its upload is waited for)."""
+        for s in unit.slots:
+            if s.lsp is not None and s.lsp.pending:
+                s.lsp.apply(s.local)
+
+    def lsp_reconstruction_error(self) -> float | None:
+        """Mean over the LSP matrices of their last measured relative reconstruction error."""
+        errs = [float(s.lsp.error) for s in self.slots if s.lsp is not None]
+        return sum(errs) / len(errs) if errs else None
 
     def _accumulate(
         self, slot: HostSlot, ticket: Ticket, first: bool, direct: bool, step: int
@@ -443,7 +523,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             src = self.host.upload_source(s)
             if self.working_dtype != torch.float32:
                 self.timeline.add(step, unit.name, "cast", "cpu", t0, _now())
-            ticket = self.h2d.copy(s.local, src, step, unit.name, "upload")
+            if s.lsp is not None:
+                ticket = self.h2d.copy(s.lsp.update_device, src, step, unit.name, "upload")
+                s.lsp.pending = True  # applied by the unit's wait point
+            else:
+                ticket = self.h2d.copy(s.local, src, step, unit.name, "upload")
         return ticket
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -468,6 +552,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             fut, u.upload = u.upload, None
             if fut is not None:
                 fut.result().wait()
+                self._apply_lsp(u)
         if self.params is not None:
             self.params.synchronize()
 
@@ -514,7 +599,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if k != "params":
                     group[k] = v
         for u in self.units:
-            self._upload(u, u.slots, self._step_index).wait()
+            # (an LSP matrix's weight is the model's own, loaded with it: nothing to upload)
+            self._upload(u, [s for s in u.slots if s.lsp is None], self._step_index).wait()
 
     # ---- memory ledger ----------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -522,6 +608,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         `device_param_peak_bytes`, the most parameter bytes held on the device at once during
         the last step."""
         row = self.host.memory_report(self.slots, host_params=self.params is not None)
+        err = self.lsp_reconstruction_error()
+        if err is not None:
+            row["lsp_reconstruction_error"] = err  # type: ignore[assignment]
         if self.params is not None:
             row["device_param_peak_bytes"] = self.params.last_peak_bytes
         return row
@@ -540,6 +629,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             },
             kernel="fused" if self.fused else "exact",
             offload_params=self.offload_params,
+            lsp=self.lsp._asdict() if self.lsp is not None else None,
             prefetch=self.prefetch if self.offload_params else None,
         )
 

@@ -171,6 +171,8 @@ class UnitWaits:
         self.unit_params: list[UnitParams] = []
         self.cursor: Any = None  # compute-lane mark where the current compute interval began
         self.fwd_unit: int | None = None
+        # After a unit's upload is waited for (LSP-Offload: decompress it into the weights)
+        self.after_upload: Callable[[Unit], None] | None = None
 
     def compute(self, unit: str, phase: str, start: Any, end: Any) -> None:
         self.timeline.add(self.step(), unit, phase, COMPUTE_LANE, start, end)
@@ -226,6 +228,8 @@ class UnitWaits:
             return
         ticket: Ticket = fut.result()
         ticket.wait_stream(also)
+        if self.after_upload is not None:
+            self.after_upload(unit)
         if start is not None:
             self.compute(unit.name, "wait", start, self.timeline.stream_now())
 

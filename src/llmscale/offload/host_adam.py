@@ -6,6 +6,10 @@ micro-steps, the download/upload buffer in the working dtype); `HostAdamW` makes
 the arithmetic on them: accumulation, per-tensor norms, the update (torch's fused CPU AdamW, or
 its per-tensor one, bit for bit the on-device foreach AdamW), the cast for the upload, the
 state-dict entries and the memory ledger. `offload.adamw.OffloadedAdamW` schedules these calls.
+
+A slot with `lsp` (LSP-Offload, `offload.lsp`) holds its gradient and moments in the d x d
+subspace of its projectors and no master: the device weight is the only copy, and the update
+(-lr x Adam's direction, d x d) goes up to be decompressed and applied there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
+from llmscale.offload.lsp import LspSlot, Projectors
 from llmscale.tensors import local_tensor, tensor_bytes
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
@@ -63,6 +68,7 @@ class HostSlot:
     pending: Future[Any] | None = None  # the host accumulation still reading `staging`
     norm: torch.Tensor | None = None  # of the accumulated host gradient (host worker)
     host_param: torch.Tensor | None = None  # offload_params: the host working copy (fp32: master)
+    lsp: LspSlot | None = None  # LSP-Offload: projectors and the d x d update buffers
 
     @property
     def local(self) -> torch.Tensor:
@@ -70,7 +76,17 @@ class HostSlot:
         return local_tensor(self.param).detach()
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The optimizer-state entry: the host buffers themselves (a load writes into them)."""
+        """The optimizer-state entry: the host buffers themselves (a load writes into them).
+
+        An LSP slot has no master; it keeps its projectors (device) and last error instead.
+        """
+        if self.lsp is not None:
+            return {
+                "step": self.step,
+                "exp_avg": self.exp_avg,
+                "exp_avg_sq": self.exp_avg_sq,
+                **self.lsp.state(),
+            }
         return {
             "step": self.step,
             "exp_avg": self.exp_avg,
@@ -116,6 +132,35 @@ class HostAdamW:
             slot.host_param = master if fp32 else host_empty(local, self.working_dtype, self.pin)
         return slot
 
+    def make_lsp_slot(
+        self, index: int, name: str, p: nn.Parameter, unit: int, group: int, proj: Projectors
+    ) -> HostSlot:
+        """Host buffers for an LSP matrix: d x d gradient, moments and update, no master."""
+        local = local_tensor(p).detach()
+        d = proj.d
+        sub = torch.empty((d, d), dtype=torch.float32)
+        slot = HostSlot(
+            index=index,
+            name=name,
+            param=p,
+            unit=unit,
+            group=group,
+            master=torch.empty(0, dtype=torch.float32),  # none: the device weight is the copy
+            exp_avg=torch.zeros_like(sub),
+            exp_avg_sq=torch.zeros_like(sub),
+            step=torch.zeros((), dtype=torch.float32),
+            grad=host_empty(sub, torch.float32, self.pin),
+            # compressed gradients are fp32: the first micro-step lands in `grad` directly
+            staging=host_empty(sub, torch.float32, self.pin) if self.n_microbatches > 1 else None,
+        )
+        slot.lsp = LspSlot(
+            proj=proj,
+            update_device=torch.zeros((d, d), dtype=torch.float32, device=local.device),
+            update_host=host_empty(sub, torch.float32, self.pin),
+            error=torch.full((), float("nan"), dtype=torch.float32),
+        )
+        return slot
+
     def download_buffer(self, slot: HostSlot, dtype: torch.dtype, first: bool) -> torch.Tensor:
         """Where this micro-step's gradient (in `dtype`) is copied down to.
 
@@ -126,7 +171,7 @@ class HostAdamW:
         if first and dtype == torch.float32:
             return slot.grad
         if slot.staging is None or slot.staging.dtype != dtype:
-            slot.staging = host_empty(slot.master, dtype, self.pin)
+            slot.staging = host_empty(slot.grad, dtype, self.pin)
         return slot.staging
 
     @staticmethod
@@ -156,6 +201,10 @@ class HostAdamW:
             grads = [s.grad for s in group]
             if coef is not None:
                 torch._foreach_mul_(grads, coef)
+            self._update_lsp([s for s in group if s.lsp is not None], hp)
+            group = [s for s in group if s.lsp is None]
+            if not group:
+                continue
             beta1, beta2 = hp["betas"]
             functional_adamw(
                 [s.master for s in group],
@@ -175,8 +224,40 @@ class HostAdamW:
                 maximize=False,
             )
 
+    def _update_lsp(self, group: Sequence[HostSlot], hp: dict[str, Any]) -> None:
+        """Adam in the subspace: the update buffer, zeroed, takes one AdamW step without decay,
+        so it holds -lr x m̂ / (√v̂ + eps) (torch's own kernel); the decay goes with it."""
+        if not group:
+            return
+        updates = [s.lsp.update_host for s in group if s.lsp is not None]
+        torch._foreach_zero_(updates)
+        beta1, beta2 = hp["betas"]
+        functional_adamw(
+            updates,
+            [s.grad for s in group],
+            [s.exp_avg for s in group],
+            [s.exp_avg_sq for s in group],
+            [],
+            [s.step for s in group],
+            foreach=False,
+            fused=self.fused,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=hp["lr"],
+            weight_decay=0.0,
+            eps=hp["eps"],
+            maximize=False,
+        )
+        for s in group:
+            assert s.lsp is not None
+            s.lsp.decay = 1.0 - hp["lr"] * hp["weight_decay"]
+
     def upload_source(self, slot: HostSlot) -> torch.Tensor:
-        """The master cast to the working dtype (into `staging`); in fp32 the master itself."""
+        """The master cast to the working dtype (into `staging`); in fp32 the master itself.
+        An LSP slot's is its d x d update."""
+        if slot.lsp is not None:
+            return slot.lsp.update_host
         if self.working_dtype == torch.float32:
             return slot.master
         assert slot.staging is not None
@@ -194,7 +275,7 @@ class HostAdamW:
     def load(slot: HostSlot, entry: dict[str, Any]) -> None:
         """Copy a saved state entry into the slot's buffers (bitwise; skip an alias of them)."""
         mine = slot.state()
-        for k in STATE_KEYS:
+        for k in mine:
             src = local_tensor(entry[k])
             dst = mine[k]
             if src.data_ptr() != dst.data_ptr():
@@ -220,14 +301,19 @@ class HostAdamW:
 
         moments = [t for s in slots for t in (s.exp_avg, s.exp_avg_sq, s.step)]
         masters = [s.master for s in slots]
+        lsp = [s.lsp for s in slots if s.lsp is not None]
         row = {
             "device_optimizer_bytes": on_device(moments),
             "device_master_bytes": on_device(masters),
             "host_optimizer_bytes": on_host(moments),
             "host_master_bytes": on_host(masters),
             "host_grad_bytes": on_host(s.grad for s in slots),
-            "host_staging_bytes": on_host(s.staging for s in slots if s.staging is not None),
+            "host_staging_bytes": on_host(s.staging for s in slots if s.staging is not None)
+            + on_host(x.update_host for x in lsp),
         }
+        if lsp:
+            # projectors (rows int64, values fp32) and the update's landing buffer
+            row["device_lsp_bytes"] = sum(x.proj.nbytes + x.update_device.nbytes for x in lsp)
         if host_params:
             row["host_param_bytes"] = on_host(
                 s.host_param

@@ -25,6 +25,9 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   (none in fp32, where the master is uploaded). Under FSDP2 the mode is FSDP2's
   CPUOffloadPolicy: fp32 shards, their gradients and the moments on the host (16 B per
   parameter of the shard), on the device the unsharded units in use as without offload.
+- Offload "lsp" (LSP-Offload, one process; plan/lsp.py): the weights in param_dtype on the
+  device with the blocks' projectors and update buffers (as `optimizer`); the moments of the
+  blocks' matrices in their d x d subspaces and the rest's as "optimizer" on the host.
 
 - FSDP2 under pipelining (dp_shard > 1, pp > 1): torch's schedules turn gradient sync and
   resharding after backward off for every micro-batch and reduce-scatter once at the step's end
@@ -70,6 +73,7 @@ from llmscale.hardware.catalog import GPU, GiB
 from llmscale.model.config import BlockMode
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
+from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import inflight_units
@@ -239,6 +243,8 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
     if plan.offload == "none":
         grads = 4 * shard if grads_held is None else grads_held
         return RankPieces(4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0)
+    if plan.offload == "lsp":
+        return lsp_pieces(plan, pb * rp.block.numel)
     host = 12 * shard + counters
     if plan.offload == "optimizer":
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
@@ -281,6 +287,23 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         transient=max(rs_transient, grads_in_flight),
         host=host + (pb * shard if low else 0),
     )
+
+
+def lsp_pieces(plan: Plan, grads_in_flight: float) -> RankPieces:
+    """offload "lsp" (one process, plan/lsp.py): the weights in the working dtype, the projectors
+    and update buffers as device optimizer state, the moments of both paths on the host."""
+    row = lsp_memory(
+        plan.model,
+        lsp_dim=plan.lsp_dim,
+        lsp_nonzeros=plan.lsp_nonzeros,
+        precision=plan.precision,
+        n_microbatches=plan.n_microbatches,
+    )
+    host = sum(v for k, v in row.items() if k.startswith("host_"))
+    return RankPieces(
+        float(row["param_bytes"]), 0.0, float(row["device_lsp_bytes"]), 0.0, 0.0,
+        grads_in_flight, float(host),
+    )  # fmt: skip
 
 
 def param_window(plan: Plan, rank: int, rp: RankParams, prefetch_blocks: int) -> float:

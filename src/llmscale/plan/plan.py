@@ -58,6 +58,9 @@ class Plan(MeshDegrees):
     recompute_every_k: int = _cfg("train.recompute_every_k", 2)
     precision: Precision = _cfg("precision.mode", "bf16")
     offload: Offload = _cfg("optimizer.offload", "none")
+    # offload lsp: projector rows and non-zeros per column (plan/lsp.py)
+    lsp_dim: int = _cfg("optimizer.lsp_dim", 512)
+    lsp_nonzeros: int = _cfg("optimizer.lsp_nonzeros", 16)
     dp_replicate: int = _cfg("parallel.dp_replicate", 1)
     dp_shard: int = _cfg("parallel.dp_shard", 1)
     tp: int = _cfg("parallel.tp", 1)
@@ -151,7 +154,7 @@ class Plan(MeshDegrees):
         return (
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
             self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
-            self.v_shape,
+            self.v_shape, self.lsp_dim, self.lsp_nonzeros,
         )  # fmt: skip
 
     def activations_key(self) -> tuple[Hashable, ...]:

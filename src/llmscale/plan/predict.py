@@ -23,6 +23,7 @@ from dataclasses import replace
 from llmscale.config import DTYPE_BYTES, JobConfig
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
+from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.memory import (
     DEFAULT_OPTIONS,
     MemoryEstimate,
@@ -124,6 +125,8 @@ def measured_grad_bytes(plan: Plan, rank: int, held: float, kernels: act.Kernels
 
 
 def _host_optimizer_bytes(plan: Plan, rank: int, options: MemoryOptions) -> float:
+    if plan.offload == "lsp":
+        return float(_lsp_ledger(plan)["host_optimizer_bytes"])
     rp = plan_rank_params(plan, rank, options.kernels)
     shard = rp.shard_numel if plan.fsdp else rp.numel
     return 8.0 * shard + 4.0 * rp.tensors
@@ -176,6 +179,12 @@ def runtime_metric_bytes(
     out[f"{where}_optimizer_bytes"] = out["optimizer_bytes"]
     if plan.offload == "none":
         return out
+    if plan.offload == "lsp":  # one process: the projectors' and the ZeRO path's ledger
+        row = _lsp_ledger(plan)
+        for k in ("host_master_bytes", "host_grad_bytes", "host_staging_bytes"):
+            out[k] = float(row[k])
+        out["device_lsp_bytes"] = float(row["device_lsp_bytes"])
+        return out
     rp = plan_rank_params(plan, rank, options.kernels)
     shard = float(rp.shard_numel if plan.fsdp else rp.numel)
     out["host_master_bytes"] = 4 * shard
@@ -188,3 +197,13 @@ def runtime_metric_bytes(
     if plan.offload == "optimizer+params":
         out["host_param_bytes"] = pb * shard if plan.precision != "fp32" else 0.0
     return out
+
+
+def _lsp_ledger(plan: Plan) -> dict[str, int]:
+    return lsp_memory(
+        plan.model,
+        lsp_dim=plan.lsp_dim,
+        lsp_nonzeros=plan.lsp_nonzeros,
+        precision=plan.precision,
+        n_microbatches=plan.n_microbatches,
+    )

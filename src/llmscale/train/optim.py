@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from llmscale.config import JobConfig, LRSchedulerSection, OptimizerSection
 from llmscale.offload import OffloadedAdamW, grad_norm, is_fsdp_module, set_clip
+from llmscale.offload.lsp import LspSettings
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.grads import (
     GradNorm,
@@ -120,8 +121,19 @@ def build_offloaded(model: nn.Module, cfg: JobConfig) -> OffloadedAdamW:
         kernel=o.offload_kernel,
         offload_params=params,
         keep_resident=("tok_embeddings.weight",) if tied else (),
+        lsp=lsp_settings(cfg),
     )
     return opt.attach(model)
+
+
+def lsp_settings(cfg: JobConfig) -> LspSettings | None:
+    """`offload = "lsp"`'s settings; the projectors' seed is the job's."""
+    o = cfg.optimizer
+    if o.offload != "lsp":
+        return None
+    return LspSettings(
+        o.lsp_dim, o.lsp_nonzeros, o.lsp_refit_threshold, o.lsp_check_every, cfg.job.seed
+    )
 
 
 def build_optimizers(
@@ -306,7 +318,9 @@ class OffloadedOptimizers(Optimizers):
         for opt in self.parts:
             for k, v in opt.memory_report().items():
                 # Model chunks run one at a time: a peak is the largest chunk's, not a sum.
-                row[k] = max(row.get(k, 0), v) if k.endswith("_peak_bytes") else row.get(k, 0) + v
+                # (one process under lsp: its error is the part's own)
+                peak = k.endswith(("_peak_bytes", "_error"))
+                row[k] = max(row.get(k, 0), v) if peak else row.get(k, 0) + v
         row["optimizer_bytes"] = row["device_optimizer_bytes"] + row["host_optimizer_bytes"]
         row["param_bytes"] = param_bytes(self.model_parts)
         return row

@@ -1,0 +1,168 @@
+"""LSP-Offload (`optimizer.offload = "lsp"`): which matrices go through projectors, their sizes,
+and the bytes they hold and move. Torch-free; the runtime (`offload.adamw`) reads the same rules.
+
+Model (exact for the runtime, `offload/lsp.py`, `offload/host_adam.py`):
+
+- Every 2-D weight of a transformer block (`is_lsp_matrix`) of shape m x n gets projectors of
+  d = min(lsp_dim, min(m, n) // 2) rows (at least 1) with s = min(lsp_nonzeros, d) non-zeros per
+  column (`matrix_dims`). Everything else (embeddings, the head, norms, biases) takes the
+  ZeRO-Offload path ("optimizer").
+- Device, per LSP matrix: the projectors' rows (int64) and values (fp32), (m + n) s x 12 B, and
+  the d x d fp32 buffer the update lands in. The weight itself stays in the working dtype; there
+  is no fp32 master anywhere (the device weight is the only copy). Transients (the compressed
+  gradient, the dense projectors while compressing, decompressing or fitting) are not held.
+- Host, per LSP matrix: moments 2 x 4 d² (+ the 4 B step counter), the fp32 gradient 4 d², the
+  update buffer 4 d², and with accumulation a 4 d² transfer buffer (compressed gradients are
+  fp32); the rest as "optimizer".
+- Traffic per step (`lsp_bytes_per_step`): 4 d² down per micro-step and 4 d² up per LSP matrix;
+  the ZeRO path's gradients down per micro-step and weights up, in the working dtype. A check
+  step adds 4 B down per matrix (its error), a fit 4 B (the error after it), a refit with moments
+  to move 2 x 4 d² (the change of basis).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from llmscale.config import DTYPE_BYTES, Precision
+from llmscale.model.config import ModelConfig
+
+_BLOCK = re.compile(r"^(.*\.)?layers\.\d+\.")
+
+
+def is_lsp_matrix(name: str, shape: Sequence[int]) -> bool:
+    """Whether parameter `name` of `shape` goes through LSP projectors: a block's 2-D weight."""
+    return len(shape) == 2 and _BLOCK.match(name) is not None and min(shape) >= 2
+
+
+def matrix_dims(shape: Sequence[int], lsp_dim: int, lsp_nonzeros: int) -> tuple[int, int]:
+    """(d, s) for an m x n matrix: d capped at half the smaller dimension, s at d."""
+    d = max(1, min(lsp_dim, min(shape) // 2))
+    return d, min(lsp_nonzeros, d)
+
+
+def device_bytes(shape: Sequence[int], d: int, s: int) -> int:
+    """Projector rows (int64) and values (fp32) of P and Q, and the d x d update buffer."""
+    m, n = shape
+    return (m + n) * s * (8 + 4) + 4 * d * d
+
+
+def host_bytes(d: int, n_microbatches: int) -> dict[str, int]:
+    """Host bytes of one LSP matrix by ledger key."""
+    staging = 4 * d * d * (2 if n_microbatches > 1 else 1)  # update (+ transfer buffer)
+    return {
+        "host_optimizer_bytes": 8 * d * d + 4,
+        "host_master_bytes": 0,
+        "host_grad_bytes": 4 * d * d,
+        "host_staging_bytes": staging,
+    }
+
+
+class LspSplit(NamedTuple):
+    """A rank's parameters split between the projectors and the ZeRO path."""
+
+    matrices: tuple[tuple[int, int], ...]  # shapes of the LSP matrices
+    zero_numel: int  # elements on the ZeRO-Offload path
+    zero_tensors: int
+
+
+def split(model: ModelConfig, layers: int, root: Sequence[tuple[str, tuple[int, ...]]]) -> LspSplit:
+    """The LSP matrices of `layers` blocks and the rest (the block's others and `root`'s)."""
+    mats: list[tuple[int, int]] = []
+    numel = tensors = 0
+    block = model.parameter_shapes()["block"]
+    for _ in range(layers):
+        for name, shape in block:
+            if is_lsp_matrix(name, shape):
+                mats.append((shape[0], shape[1]))
+            else:
+                numel += _numel(shape)
+                tensors += 1
+    for _, shape in root:
+        numel += _numel(shape)
+        tensors += 1
+    return LspSplit(tuple(mats), numel, tensors)
+
+
+def one_process_split(model: ModelConfig) -> LspSplit:
+    """The split of the whole model on one process (the only layout lsp serves yet)."""
+    shapes = model.parameter_shapes()
+    return split(model, model.n_layers, [*shapes["embedding"], *shapes["head"]])
+
+
+class LspTraffic(NamedTuple):
+    down: int  # device -> host bytes
+    up: int  # host -> device bytes
+
+    @property
+    def total(self) -> int:
+        return self.down + self.up
+
+
+def lsp_bytes_per_step(
+    model: ModelConfig,
+    *,
+    lsp_dim: int,
+    lsp_nonzeros: int,
+    precision: Precision,
+    n_microbatches: int,
+    check: bool = False,
+    fit: bool = False,
+    refit: bool = False,
+) -> LspTraffic:
+    """Bytes copied each way in one step of offload "lsp" (one process).
+
+    `check`: the step measures each matrix's error (every `lsp_check_every` steps but the
+    first); `fit`: the projectors are fitted (the first step, or a check over the threshold);
+    `refit`: a fit after the first step, whose change of basis goes down too.
+    """
+    sp = one_process_split(model)
+    pb = DTYPE_BYTES[precision]
+    down = pb * sp.zero_numel * n_microbatches
+    up = pb * sp.zero_numel
+    for shape in sp.matrices:
+        d, _ = matrix_dims(shape, lsp_dim, lsp_nonzeros)
+        down += 4 * d * d * n_microbatches + 4 * (check + fit) + (8 * d * d if refit else 0)
+        up += 4 * d * d
+    return LspTraffic(down, up)
+
+
+def lsp_memory(
+    model: ModelConfig,
+    *,
+    lsp_dim: int,
+    lsp_nonzeros: int,
+    precision: Precision,
+    n_microbatches: int,
+) -> dict[str, int]:
+    """The runtime's ledger for offload "lsp" on one process (bytes by metrics key).
+
+    `device_lsp_bytes` (projectors, update buffers), the host keys of both paths, and
+    `param_bytes` (the device weights in the working dtype).
+    """
+    sp = one_process_split(model)
+    pb = DTYPE_BYTES[precision]
+    staging = precision != "fp32" or n_microbatches > 1
+    row = {
+        "host_optimizer_bytes": 8 * sp.zero_numel + 4 * sp.zero_tensors,
+        "host_master_bytes": 4 * sp.zero_numel,
+        "host_grad_bytes": 4 * sp.zero_numel,
+        "host_staging_bytes": pb * sp.zero_numel if staging else 0,
+        "device_lsp_bytes": 0,
+        "param_bytes": pb * (sp.zero_numel + sum(m * n for m, n in sp.matrices)),
+    }
+    for shape in sp.matrices:
+        d, s = matrix_dims(shape, lsp_dim, lsp_nonzeros)
+        row["device_lsp_bytes"] += device_bytes(shape, d, s)
+        for k, v in host_bytes(d, n_microbatches).items():
+            row[k] += v
+    return row
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n

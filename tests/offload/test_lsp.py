@@ -1,0 +1,116 @@
+"""LSP-Offload's projectors (offload/lsp.py): the math against dense matrices, the fit, the
+moments' change of basis, and the planner's sizes (plan/lsp.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmscale.model.config import get_preset
+from llmscale.offload.lsp import Projectors, dense, reproject_moments
+from llmscale.plan.lsp import is_lsp_matrix, lsp_bytes_per_step, matrix_dims, one_process_split
+
+CPU = torch.device("cpu")
+
+
+def _grad(m: int, n: int, rank: int = 3, seed: int = 0) -> torch.Tensor:
+    """A gradient-like matrix: low rank plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randn(m, rank, generator=g) @ torch.randn(rank, n, generator=g)
+    return low + 0.05 * torch.randn(m, n, generator=g)
+
+
+def test_compress_and_decompress_are_the_dense_products() -> None:
+    m, n, d, s = 48, 20, 8, 3
+    pr = Projectors.new(m, n, d, s, seed=1, device=CPU)
+    p, q = dense(pr.p_rows, pr.p_vals, d), dense(pr.q_rows, pr.q_vals, d)
+    assert p.shape == (d, m) and q.shape == (d, n)
+    # count-sketch: s non-zeros per column, at distinct rows
+    assert ((p != 0).sum(0) == s).all() and ((q != 0).sum(0) == s).all()
+    g, u = _grad(m, n), torch.randn(d, d)
+    torch.testing.assert_close(pr.compress(g), p @ g @ q.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pr.decompress(u), p.T @ u @ q, rtol=1e-5, atol=1e-5)
+    want = (p.T @ p @ g @ q.T @ q - g).norm() / g.norm()
+    torch.testing.assert_close(pr.relative_error(g), want, rtol=1e-5, atol=0)
+    # compressing is linear: the sum of micro-steps' compressions is the compressed sum
+    g2 = _grad(m, n, seed=2)
+    torch.testing.assert_close(pr.compress(g) + pr.compress(g2), pr.compress(g + g2))
+
+
+def test_fitting_lowers_the_reconstruction_error() -> None:
+    m, n, d, s = 96, 64, 16, 8
+    pr = Projectors.new(m, n, d, s, seed=3, device=CPU)
+    g = _grad(m, n)
+    before = float(pr.relative_error(g))
+    rows = pr.p_rows.clone(), pr.q_rows.clone()
+    trace = [float(e) for e in pr.fit(g)]
+    after = float(pr.relative_error(g))
+    assert trace[0] == pytest.approx(before, rel=1e-5)
+    assert before > 0.8  # a random sketch keeps little of a rank-3 gradient
+    assert after < 0.5 * before  # measured 0.96 -> ~0.2
+    assert after == pytest.approx(min(trace), rel=1e-5)  # the best values are kept
+    # falls while fitting: the running minimum goes down, and the last third is below the first
+    thirds = len(trace) // 3
+    assert min(trace[-thirds:]) < min(trace[:thirds])
+    assert torch.equal(pr.p_rows, rows[0]) and torch.equal(pr.q_rows, rows[1])  # rows fixed
+    # a gradient the fit did not see, from the same low-rank subspace, is also reconstructed
+    # better than by the random start
+    g_rng = torch.Generator().manual_seed(0)
+    low = torch.randn(m, 3, generator=g_rng) @ torch.randn(3, n, generator=g_rng)
+    assert float(pr.relative_error(low)) < before
+
+
+def test_a_zero_or_non_finite_gradient_leaves_the_projectors_alone() -> None:
+    pr = Projectors.new(16, 12, 4, 2, seed=0, device=CPU)
+    vals = pr.snapshot()
+    bad = torch.full((16, 12), float("inf"))
+    for g in (torch.zeros(16, 12), bad):
+        assert all(torch.isnan(e) for e in pr.fit(g, steps=3))
+    assert torch.equal(pr.p_vals, vals[0]) and torch.equal(pr.q_vals, vals[1])
+
+
+def test_moments_move_by_the_change_of_basis() -> None:
+    m, n, d, s = 40, 24, 8, 4
+    pr = Projectors.new(m, n, d, s, seed=5, device=CPU)
+    g = _grad(m, n)
+    old = pr.snapshot()
+    p0, q0 = dense(pr.p_rows, old[0], d), dense(pr.q_rows, old[1], d)
+    pr.fit(g, steps=10)
+    p1, q1 = dense(pr.p_rows, pr.p_vals, d), dense(pr.q_rows, pr.q_vals, d)
+    a, b = pr.change_of_basis(old)
+    torch.testing.assert_close(a, p1 @ p0.T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b, q0 @ q1.T, rtol=1e-5, atol=1e-6)
+    # first moment: the old coordinates of G, moved, are P' (Pᵀ P G Qᵀ Q) Q'ᵀ
+    m_old = p0 @ g @ q0.T
+    v_old = m_old**2
+    exp_avg, exp_avg_sq = m_old.clone(), v_old.clone()
+    reproject_moments(exp_avg, exp_avg_sq, a, b)
+    torch.testing.assert_close(exp_avg, p1 @ (p0.T @ m_old @ q0) @ q1.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(exp_avg_sq, (a * a) @ v_old @ (b * b), rtol=1e-5, atol=1e-5)
+    assert (exp_avg_sq >= 0).all()
+
+
+def test_which_matrices_and_their_sizes() -> None:
+    assert is_lsp_matrix("layers.0.attention.wq.weight", (64, 64))
+    assert is_lsp_matrix("module.layers.3.feed_forward.w2.weight", (64, 192))
+    assert not is_lsp_matrix("layers.0.attention_norm.weight", (64,))
+    assert not is_lsp_matrix("tok_embeddings.weight", (256, 64))
+    assert not is_lsp_matrix("output.weight", (256, 64))
+    assert matrix_dims((4096, 11008), 512, 16) == (512, 16)
+    assert matrix_dims((64, 192), 512, 16) == (32, 16)  # capped at half the smaller dimension
+    assert matrix_dims((64, 16), 512, 16) == (8, 8)  # and s at d
+
+
+def test_traffic_per_step_is_a_fraction_of_zero_offloads() -> None:
+    model = get_preset("small")
+    kw = {"lsp_dim": 512, "lsp_nonzeros": 16, "precision": "bf16", "n_microbatches": 2}
+    steady = lsp_bytes_per_step(model, **kw)
+    sp = one_process_split(model)
+    zero = 2 * model.num_params() * (2 + 1)  # bf16 gradients down twice, weights up once
+    assert steady.total < zero
+    # the blocks' share: d = 128 for the small model's 256 x 256 and 256 x 768 matrices
+    d2 = sum(matrix_dims(s, 512, 16)[0] ** 2 for s in sp.matrices)
+    assert steady.down - 2 * 2 * sp.zero_numel == 4 * d2 * 2
+    refit = lsp_bytes_per_step(model, **kw, check=True, fit=True, refit=True)
+    assert refit.down - steady.down == 8 * len(sp.matrices) + 8 * d2
+    assert refit.up == steady.up
