@@ -1,6 +1,7 @@
 """Apply the job's parallel layout to a model, in torchtitan's order.
 
-(fp8: the float8 linears swapped in) -> pipeline split -> tensor (and sequence) parallelism -> activation checkpointing -> FSDP2.
+(fp8: the float8 linears swapped in) -> pipeline split -> tensor (and sequence) parallelism ->
+activation checkpointing -> (train.compile: each block compiled) -> FSDP2.
 
 Each step only rewrites modules in place (or, for the split, copies and prunes them), so
 parameter names never change: checkpoints load across layouts and the model file knows nothing
@@ -18,6 +19,7 @@ from llmscale.config import PRECISIONS, JobConfig
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
+from llmscale.parallel.compile import apply_compile, compile_problem
 from llmscale.parallel.data_parallel import apply_fsdp
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.float8 import convert_to_fp8, fp8_problem
@@ -52,6 +54,8 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
         if dims.tp > 1:
             apply_tp(part, dims.submesh("tp"), p.sequence_parallel)
         apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every_k)
+        if cfg.train.compile:  # after TP and recompute, before FSDP's hooks (torchtitan's order)
+            apply_compile(part)
         if dims.dp > 1:
             apply_fsdp(
                 part,
@@ -70,11 +74,16 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     `parallel.cp > 1`: the runtime has no context parallelism yet. `precision.mode = "fp8"`:
     torchao's float8 training (parallel/float8.py), which needs torchao, a CUDA GPU with FP8
     matmuls (compute capability 8.9 or later) and tp = 1; the message names what is missing.
+    `train.compile` with tp > 1 off CUDA (parallel/compile.py's `compile_problem`).
     """
     if cfg.parallel.cp > 1:
         raise ConfigError(
             "parallel.cp", cfg.parallel.cp, "1 (the runtime has no context parallelism yet)"
         )
+    if cfg.train.compile:
+        why = compile_problem(cfg.parallel.tp, device)
+        if why is not None:
+            raise ConfigError("train.compile", True, f"false with tp > 1 here ({why})")
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:
