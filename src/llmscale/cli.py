@@ -466,6 +466,11 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
         "vocab-parallel loss, selective recompute of the attention core) or torchtitan "
         "(FSDP2, flash SDPA, op-level selective checkpointing)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the blocks compiled with torch.compile (train.compile): fused element-wise kernels",
+    )
     fix = p.add_argument_group("fix a dimension (default: searched)")
     for flag, name in (
         ("--tp", "tensor-parallel degree"),
@@ -515,6 +520,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     rep = plan_report(
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
         node=args.node, nic=args.nic, space=space, fixed=fixed, profile=args.profile,
+        compiled=args.compile,
     )  # fmt: skip
     why = rep.result.why_none()
     if png and rep.result.shown:
@@ -772,7 +778,8 @@ def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
             "recompute (time overhead of each mode), accum (micro-batch x accumulation pairs), "
             "precision (fp32/bf16/fp16 and the fp16 underflow report), pipeline (measured bubble "
             "of real pp runs vs the schedule simulator), loader (tokens/s and resident memory of the "
-            "memory-mapped shard loader from 100 MB to 4 GB of tokens, next to a training step). "
+            "memory-mapped shard loader from 100 MB to 4 GB of tokens, next to a training step), "
+            "compile (step time eager vs train.compile, the compile time apart). "
             "`all` runs every suite."
         ),
     )

@@ -199,6 +199,10 @@ class TrainSection:
     """Validation sequences scored per evaluation: the first this many windows of the validation
     files (all of them when there are fewer); 0 = no evaluation. The validation loss is the mean
     over their tokens, the same whatever the micro-batch size or parallel layout."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation, as torchtitan):
+    the first steps pay the compilation, later ones run fused kernels. Refused with tp > 1 on a
+    CPU (torch fails in a compiled block's backward under DTensor TP there)."""
     max_bad_steps: int = 5
     """Stop the run (exit 3) when the loss or the gradient norm is NaN or inf for this many
     optimizer steps in a row (fp16 steps skipped on a gradient overflow, with a finite loss, do

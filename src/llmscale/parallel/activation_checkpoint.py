@@ -32,6 +32,7 @@ is a reference cycle, which waits for the garbage collector).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -102,6 +103,8 @@ class _CountingForward:
 def op_sac_contexts() -> tuple[Any, Any]:
     """`context_fn` for `checkpoint`: a fresh selective_op policy per block forward."""
     caching, cached = create_selective_checkpoint_contexts(_OpPolicy())  # type: ignore[no-untyped-call]
+    if torch.compiler.is_compiling():  # the compiled graph saves the kept outputs through hooks
+        return caching, cached
     return _CountingForward(caching), cached
 
 
@@ -111,10 +114,23 @@ class Checkpointed(nn.Module):
     _context_fn: Any = staticmethod(noop_context_fn)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # a compiled block (parallel/compile.py)
+            ctx = _traced_context(self)
+            return checkpoint(super().forward, *args, use_reentrant=False, **ctx, **kwargs)
         note_checkpoint_kept(args)  # the checkpoint keeps them for the recomputation
         return checkpoint(
             super().forward, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs
         )
+
+
+def _traced_context(module: Checkpointed) -> dict[str, Any]:
+    """`checkpoint`'s context_fn as dynamo takes it: none for the plain checkpoint, else a
+    `functools.partial` made in the traced code (torch 2.13's dynamo refuses a function read
+    from an attribute). Compiled, the graph saves what the region keeps through autograd's
+    saved-tensor hooks, so nothing is reported by hand."""
+    if module._context_fn is noop_context_fn:
+        return {}
+    return {"context_fn": functools.partial(module._context_fn)}
 
 
 class OpCheckpointed(Checkpointed):

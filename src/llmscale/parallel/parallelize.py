@@ -1,7 +1,8 @@
 """Apply the job's parallel layout to a model, in torchtitan's order.
 
 (fp8: the float8 linears swapped in) -> pipeline split -> tensor (and sequence) parallelism ->
-context parallelism (ring attention) -> activation checkpointing -> FSDP2.
+context parallelism (ring attention) -> activation checkpointing -> (train.compile: each
+block compiled) -> FSDP2.
 
 Each step only rewrites modules in place (or, for the split, copies and prunes them), so
 parameter names never change: checkpoints load across layouts and the model file knows nothing
@@ -19,6 +20,7 @@ from llmscale.config import PRECISIONS, JobConfig, pipeline_chunks
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
+from llmscale.parallel.compile import apply_compile, compile_problem
 from llmscale.parallel.context_parallel import apply_cp
 from llmscale.parallel.data_parallel import apply_fsdp
 from llmscale.parallel.dims import ParallelDims
@@ -58,6 +60,8 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
         if dims.cp > 1:
             apply_cp(part, dims.cp_group())
         apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every_k)
+        if cfg.train.compile:  # after TP and recompute, before FSDP's hooks (torchtitan's order)
+            apply_compile(part)
         if dims.reduces_grads:  # dp x cp > 1: the cp ranks' gradients are reduced too
             apply_fsdp(
                 part,
@@ -78,6 +82,8 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     `precision.mode = "fp8"`: torchao's float8 training (parallel/float8.py), which needs
     torchao, a CUDA GPU with FP8 matmuls (compute capability 8.9 or later) and tp = 1; the
     message names what is missing.
+    `train.compile` with tp > 1 off CUDA, or with cp > 1 (parallel/compile.py's
+    `compile_problem`).
     """
     if cfg.parallel.cp > 1 and cfg.optimizer.offload != "none":
         raise ConfigError(
@@ -85,6 +91,17 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
             cfg.optimizer.offload,
             "none with parallel.cp > 1 (not supported yet)",
         )
+    if cfg.train.compile:
+        why = compile_problem(cfg.parallel.tp, device)
+        if why is not None:
+            raise ConfigError("train.compile", True, f"false with tp > 1 here ({why})")
+        if cfg.parallel.cp > 1:
+            raise ConfigError(
+                "train.compile",
+                True,
+                "false with parallel.cp > 1 (ring attention's point-to-point exchange inside a"
+                " compiled block is not supported yet)",
+            )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:

@@ -149,11 +149,15 @@ def runtime_options(job: JobConfig | Plan, device: str = "cuda") -> MemoryOption
     return MemoryOptions(kernels=act.Kernels.for_runtime(plan.model, plan.tp, device))
 
 
-def runtime_time_params(job: JobConfig | Plan, device: str = "cuda") -> TimeParams:
-    """The time model's parameters for the llmscale runtime on `device`. A measured device's
-    achieved rates are in its catalog entry's calibration (efficiencies 1), not in these."""
+def runtime_time_params(
+    job: JobConfig | Plan, device: str = "cuda", compiled: bool = False
+) -> TimeParams:
+    """The time model's parameters for the llmscale runtime on `device` (`compiled`: its
+    blocks under train.compile). A measured device's achieved rates are in its catalog entry's
+    calibration (efficiencies 1), not in these."""
     plan = as_plan(job)
-    return replace(DEFAULT_TIME, kernels=act.Kernels.for_runtime(plan.model, plan.tp, device))
+    kernels = act.Kernels.for_runtime(plan.model, plan.tp, device)
+    return replace(DEFAULT_TIME, kernels=kernels, compiled=compiled)
 
 
 def runtime_metric_bytes(

@@ -84,10 +84,12 @@ def plan_report(
     space: SearchSpace = DEFAULT_SPACE,
     fixed: dict[str, Any] | None = None,
     profile: str = "llmscale",
+    compiled: bool = False,
 ) -> PlanReport:
     """Search the layouts of preset `model` on `gpus` x `gpu` within `space`; keep the `top`
     fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`;
-    `profile` the training stack whose kernels and memory behaviour are modelled."""
+    `profile` the training stack whose kernels and memory behaviour are modelled; `compiled`
+    its blocks under torch.compile (fused element-wise kernels)."""
     cfg = get_preset(model)
     pp_layers_check(model, fixed or {})
     cluster = Cluster.of(gpu, node=node, nic=nic)
@@ -101,12 +103,12 @@ def plan_report(
     )
     res = search(
         cfg, gpus, cluster, seq, global_batch, precision, top, space=space,
-        memory_options=options, time_params=prof.time,
+        memory_options=options, time_params=replace(prof.time, compiled=compiled),
     )  # fmt: skip
     inputs = {
         "model": model, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
-        "profile": profile, "fixed": fixed or {},
+        "profile": profile, "compiled": compiled, "fixed": fixed or {},
     }  # fmt: skip
     return PlanReport(res, inputs)
 

@@ -27,7 +27,8 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   "llmscale" (this runtime, eager: one kernel per op) moves the bytes of its own element-wise
   ops (`runtime_eager_block_bytes`: norms, autocast casts, RoPE in fp32, the attention output's
   copy, SwiGLU, residual adds, the weights' casts); "torchtitan" those of torchtitan's eager
-  Llama (`eager_block_bytes`); "saved" (fused kernels, Megatron) HBM passes x the bytes the
+  Llama (`eager_block_bytes`), or with `compiled` those of torch.compile's fused kernels
+  (`compiled_block_bytes`); "saved" (fused kernels, Megatron) HBM passes x the bytes the
   blocks save for backward (in forward each is written and read, `fwd_passes` = 2; in backward
   read, and a gradient of its size written and read, `bwd_passes` = 3). The head's logits and
   loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
@@ -129,6 +130,10 @@ class TimeParams:
     # composite RMSNorm, complex RoPE in fp32, silu and mul apart; `eager_block_bytes`) or
     # "saved" (fused kernels: HBM passes over the bytes saved for backward, Megatron).
     elementwise: str = "llmscale"
+    # Regional compilation (train.compile, `llmscale plan --compile`): each block's element-wise
+    # ops run as the fused kernels torch.compile generates (`compiled_block_bytes`), instead of
+    # one kernel per eager op; the head and loss stay eager; "saved" is fused already.
+    compiled: bool = False
 
 
 DEFAULT_TIME = TimeParams()
@@ -387,6 +392,38 @@ def runtime_eager_block_parts(plan: Plan, kernels: act.Kernels) -> tuple[float, 
     return (replicated + split) * tokens, weights
 
 
+def compiled_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
+    """Bytes one block's element-wise ops move in forward on one rank when the block is compiled
+    (train.compile): torch.compile fuses each chain of element-wise ops between two matmuls
+    into one kernel that reads the chain's inputs once and writes its outputs once, so the
+    temporaries of `runtime_eager_block_bytes` never reach memory. Per element:
+
+    - the first norm with the cast of its output: reads the stream (r), writes the linears'
+      input (a): r + a per element of d;
+    - the first residual add with the second norm: reads the stream and the attention branch
+      (r + a), writes the new stream and the FFN's input (r + a);
+    - the second residual add: reads r + a, writes r;
+    - RoPE on q and k: reads and writes them once, 2a per element; the attention output's
+      copy, 2a per element of d;
+    - SwiGLU: reads both branches, writes the product, 3a per element of the FFN width (GELU:
+      2a);
+    - the weights' autocast casts as eager (they are the weights' bytes, whatever the fusion).
+    Tensor-parallel and sequence-parallel splits as in `runtime_eager_block_bytes`.
+    """
+    m, tp = plan.model, plan.tp
+    tokens = plan.micro_batch_size * plan.seq_len
+    a = DTYPE_BYTES[plan.precision]
+    r = act.residual_bytes(a, kernels)
+    d, kv, f = m.dim, m.kv_dim, m.ffn_dim
+    replicated: float = ((r + a) + 2 * (r + a) + (2 * r + a)) * d
+    if plan.sequence_parallel:
+        replicated /= tp
+    split: float = 2 * a * (d + kv) / tp if m.pos_emb == "rope" else 0.0
+    split += 2 * a * d / tp + (3 if m.gated else 2) * a * f / tp
+    _, weights = runtime_eager_block_parts(plan, kernels)
+    return (replicated + split) * tokens + weights
+
+
 def _gemm_seconds(
     shapes: list[tuple[int, int, int]], peak: float, cal: Calibration, flat: float | None
 ) -> float:
@@ -465,11 +502,12 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     if tp_.elementwise not in ELEMENTWISE_MODELS:
         raise ConfigError("elementwise", tp_.elementwise, " | ".join(ELEMENTWISE_MODELS))
     if tp_.elementwise != "saved":
-        eager = (
-            runtime_eager_block_bytes(plan, kern)
-            if tp_.elementwise == "llmscale"
-            else eager_block_bytes(plan)
-        )
+        if tp_.compiled:
+            eager = compiled_block_bytes(plan, kern)
+        elif tp_.elementwise == "llmscale":
+            eager = runtime_eager_block_bytes(plan, kern)
+        else:
+            eager = eager_block_bytes(plan)
         block_f = eager / hbm
         head = 0.0
         if rank == plan.head_rank:

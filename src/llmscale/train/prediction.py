@@ -143,7 +143,7 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
         memory = estimate_memory(plan, runtime_options(plan, hardware.device))
     except ConfigError as e:
         return RunPrediction(**base, memory_bytes={}, step_time_s=None, not_modelled=str(e))
-    params = runtime_time_params(plan, hardware.device)
+    params = runtime_time_params(plan, hardware.device, compiled=cfg.train.compile)
     try:
         step: StepTime | None = estimate_step_time(plan, hardware.cluster, params)
         reason = None
