@@ -88,6 +88,14 @@ def _layouts() -> dict[str, list[str]]:
         "--parallel.pp", "2", "--parallel.pp_layers", "[5, 1]",
         "--train.global_batch_size", "8", "--train.steps", "2",
     ]  # fmt: skip
+    # Gradients reduced without FSDP (replicate over dp_replicate, or over the cp ranks): the
+    # runtime casts the weights once (replicate's param_dtype), autocast does not run.
+    for tag, degree in (("dprep2", "--parallel.dp_replicate"), ("cp2", "--parallel.cp")):
+        for precision in ("fp32", "bf16"):
+            out[f"{tag}_{precision}_none"] = [
+                degree, "2", "--train.global_batch_size", "2" if tag == "cp2" else "4",
+                "--precision.mode", precision,
+            ]  # fmt: skip
     return out
 
 

@@ -111,8 +111,10 @@ class Plan(MeshDegrees):
 
     @property
     def lowp_weights(self) -> bool:
-        """The forward runs on bf16/fp16 weights: FSDP2's param_dtype or offloaded working copies."""
-        return self.precision != "fp32" and (self.fsdp or self.offload != "none")
+        """The forward runs on bf16/fp16 weights: FSDP2's or replicate's param_dtype (the
+        runtime wraps the model whenever gradients are reduced, dp x cp > 1, and autocast runs
+        only without) or offloaded working copies."""
+        return self.precision != "fp32" and (self.dp * self.cp > 1 or self.offload != "none")
 
     @property
     def chunks(self) -> int:

@@ -82,7 +82,7 @@ def expected_runtime_metrics(
         saved += cp_share(plan) * act.head_bytes(*slice_args(plan, k))
     rp = plan_rank_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
-    if plan.precision != "fp32" and not plan.fsdp and plan.offload == "none":
+    if plan.precision != "fp32" and not plan.lowp_weights:  # autocast runs
         live_blocks = modes.get("none", 0) + modes.get("selective", 0)
         casts += 2.0 * live_blocks * rp.block.saved_cast_numel
         casts += 2.0 * sum(g.saved_cast_numel for g in rp.root)
