@@ -19,6 +19,7 @@ SUITES: dict[str, str] = {
     "pipeline": "llmscale.bench.pipeline",
     "published": "llmscale.bench.published",
     "loader": "llmscale.bench.loader",
+    "finetune": "llmscale.bench.finetune",
 }
 
 
