@@ -77,6 +77,8 @@ CASES = {
     "optimizer-serial-accum": dict(
         optimizer__offload="optimizer", optimizer__offload_overlap=False, train__global_batch_size=4
     ),
+    # No clipping: the update and its uploads run inside backward (update_in_backward).
+    "optimizer-in-backward": dict(optimizer__offload="optimizer", train__max_grad_norm=0),
     "params": dict(optimizer__offload="optimizer+params"),
     "params-accum-bf16": dict(
         optimizer__offload="optimizer+params", train__global_batch_size=4, precision__mode="bf16"
