@@ -156,9 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     opts = BenchOptions(model=args.model, seq_len=args.seq, png_dir=args.png)
     res = run(opts, args.pretrain_steps, args.steps)
-    print_suite(res)
-    for fig in res.figures:
-        print(f"wrote {fig}")
+    print_suite(res)  # its figures' paths too
 
 
 if __name__ == "__main__":
