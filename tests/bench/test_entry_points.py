@@ -78,3 +78,22 @@ def test_offload_tiny_run_with_a_simulated_link(capsys) -> None:
     assert "link 1 GB/s (simulated)" in out or "link native" in out  # native on a CUDA host
     for mode in ("off", "serial", "overlap"):
         assert f"device parameters {mode}" in out
+    # Bytes moved: none without offload; the serial and overlapped runs move what is predicted.
+    moved = {
+        line.split()[4]: line.split()[5:]
+        for line in out.splitlines()
+        if line.strip().startswith("bytes moved per step")
+    }
+    assert moved["off"] == ["0.00", "MiB"]
+    for mode in ("serial", "overlap"):
+        assert moved[mode][2] == "(predicted" and moved[mode][0] == moved[mode][3]
+    assert "host Adam per step" in out
+
+
+def test_offload_modes_come_from_the_config() -> None:
+    from llmscale.bench import offload
+    from llmscale.config import OFFLOAD_MODES
+
+    with pytest.raises(SystemExit):
+        offload.main(["--offload", "no-such-mode"])
+    assert set(OFFLOAD_MODES) - {"none"} <= set(offload.offload_choices())

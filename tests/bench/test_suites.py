@@ -95,3 +95,22 @@ def test_cli_rejects_unknown_suite(capsys) -> None:
 def test_cli_rejects_no_seeds(capsys) -> None:
     assert main(["bench", "--what", "precision", "--seeds", "0"]) == 2
     assert "--seeds: got 0" in capsys.readouterr().err
+
+
+def test_finetune_compares_the_modes_from_the_same_weights(opts) -> None:
+    from llmscale.bench import finetune
+
+    res = finetune.run(opts, pretrain_steps=3, steps=5)
+    modes = finetune.contenders()
+    assert {"none", "optimizer"} <= set(modes) and "optimizer+params" not in modes
+    (header, table) = next(iter(res.tables.values()))
+    assert [r[0] for r in table] == modes
+    first = {r[0]: float(r[1]) for r in table}
+    # The same pretrained weights and batches: the first step's loss is the same for every mode.
+    assert first["optimizer"] == pytest.approx(first["none"], rel=1e-6)
+    final = {r[0]: float(r[2]) for r in table}
+    assert final["optimizer"] == pytest.approx(final["none"], rel=1e-4)  # fused kernel: ~1e-6
+    moved = {r.config: r for r in res.rows if r.quantity == "bytes moved per step"}
+    assert moved["none"].measured == 0
+    assert moved["optimizer"].measured == moved["optimizer"].predicted > 0
+    assert res.figures[0].read_bytes()[:4] == b"\x89PNG"

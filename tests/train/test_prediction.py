@@ -186,7 +186,8 @@ def test_gpu_needs_dry_run(capsys) -> None:
 
 
 def _byte_keys(row: dict) -> set[str]:
-    return {k for k, v in row.items() if k.endswith("_bytes") and isinstance(v, int)}
+    keys = {"offload_bytes_moved"}  # predicted by plan/offload_traffic.py
+    return keys | {k for k, v in row.items() if k.endswith("_bytes") and isinstance(v, int)}
 
 
 @pytest.mark.parametrize(
@@ -212,7 +213,8 @@ def test_every_run_writes_its_prediction(cache, tmp_path, capsys, extra) -> None
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     measured = rows[-1]
     assert set(pred["memory_bytes"]) == _byte_keys(measured)
-    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_master_bytes"):
+    exact = ("param_bytes", "grad_bytes", "optimizer_bytes", "host_master_bytes")
+    for key in (*exact, "offload_bytes_moved"):
         assert pred["memory_bytes"][key] == measured[key], key  # byte-exact on the CPU
     assert pred["memory_bytes"]["activation_bytes"] == pytest.approx(
         measured["activation_bytes"], rel=0.02

@@ -2,7 +2,7 @@
 
     python bench/offload.py [--model small] [--rounds 4] [--block 3] [--seq 128] [--batch 4]
                             [--accum 2] [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
-                            [--offload optimizer optimizer+params] [--save-timeline DIR]
+                            [--offload MODE ...] [--save-timeline DIR]
     python -m llmscale.bench.offload [same flags]
 
 Three trainers on the same batches, in rounds of one block of consecutive steps each:
@@ -15,6 +15,9 @@ forward and backward; the device-resident parameter bytes are reported for each 
 ledger's `param_bytes` between steps, and under optimizer+params `device_param_peak_bytes`).
 
 Reported: step times (per round the block's fastest step, then the median over rounds); the
+bytes moved between device and host per step (the metrics row's `offload_bytes_moved`, next to
+the planner's prediction, plan/offload_traffic.py); the host Adam time per step (the `update`
+bars of the serial run's timeline: the host AdamW arithmetic, casts excluded); the
 offload work per step (download + host accumulate/norm/Adam/cast + upload: the union of those
 lanes in the serial run's timeline); the share of it hidden by overlap, two ways: by wall time,
 (serial - overlap) / offload work, per round then the median, and by the overlap run's own
@@ -36,10 +39,13 @@ import tempfile
 import torch
 
 from llmscale.bench.jobs import short_job
-from llmscale.config import load_config
+from llmscale.config import OFFLOAD_MODES, load_config
 from llmscale.offload import overlap_stats
 from llmscale.offload.engine import Link
 from llmscale.offload.timeline import OFFLOAD_LANES, length, union
+from llmscale.plan import activations as act
+from llmscale.plan.memory import MemoryOptions
+from llmscale.plan.predict import expected_runtime_metrics
 from llmscale.train.trainer import Trainer
 
 
@@ -86,6 +92,21 @@ def _offload_work_s(trainer: Trainer, steps: list[int]) -> list[float]:
     ]
 
 
+def _phase_s(trainer: Trainer, steps: list[int], phase: str) -> list[float]:
+    """Per step, the summed length of the timeline's `phase` bars (e.g. the host "update")."""
+    ivs = trainer.optimizer.timeline.intervals()
+    return [
+        sum(iv.end - iv.start for iv in ivs if iv.step == s and iv.phase == phase) for s in steps
+    ]
+
+
+def predicted_bytes_moved(trainer: Trainer) -> float | None:
+    """The planner's `offload_bytes_moved` for the trainer's job (None: not modelled)."""
+    cfg = trainer.cfg
+    options = MemoryOptions(kernels=act.Kernels.for_runtime(cfg.model, 1, trainer.device.type))
+    return expected_runtime_metrics(cfg, options=options).get("offload_bytes_moved")
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -108,6 +129,7 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     block = max(2, args.block)
     per_round: dict[str, list[float]] = {m: [] for m in trainers}
     work_round: list[float] = []
+    adam_round: list[float] = []
     timed: list[int] = []
     for _ in range(args.rounds):
         for mode, t in trainers.items():
@@ -120,6 +142,7 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
             per_round[mode].append(min(times))
             if mode == "serial":
                 work_round.append(min(_offload_work_s(t, steps)))
+                adam_round.append(min(_phase_s(t, steps, "update")))
             if mode == "overlap":
                 timed += steps
     trainers["overlap"].optimizer.synchronize()  # the last step's uploads, too
@@ -128,7 +151,7 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     hidden_tl = [overlap_stats(ivs, [s]).hidden_fraction for s in timed if s + 1 in done]
     # The barrier: from the end of backward to the first update, and to the last upload
     # (optimizer+params: to the last update; its uploads are the next forward's fetches).
-    last_phase = "upload" if offload == "optimizer" else "update"
+    last_phase = "update" if offload == "optimizer+params" else "upload"
     barrier, tail = [], []
     for s in timed:
         back_end = max(iv.end for iv in ivs if iv.step == s and iv.phase == "backward")
@@ -144,11 +167,12 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     w = statistics.median(work_round)
     t = trainers["off"]
     opt = trainers["overlap"].optimizer
+    kernel = "fused" if getattr(opt, "fused", False) else "exact"
     print(
         f"offload {offload}: model {args.model} ({t.n_params:,} params), {args.precision}, "
         f"batch {args.batch} x "
         f"{args.seq} x {args.accum} accum, clip {args.clip}, {t.device}, "
-        f"{torch.get_num_threads()} threads, kernel {'fused' if opt.fused else 'exact'}, "
+        f"{torch.get_num_threads()} threads, kernel {kernel}, "
         f"update in backward {opt.update_in_backward}, link "
         + (
             f"{link_gbps:g} GB/s (simulated)"
@@ -159,6 +183,13 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     for mode in trainers:
         print(f"  {mode:8s} step {1e3 * med[mode]:8.1f} ms")
     print(f"  offload work per step (serial run's timeline) {1e3 * w:8.1f} ms")
+    print(f"  host Adam per step (serial run's update bars) {1e3 * _median(adam_round):8.1f} ms")
+    want = predicted_bytes_moved(trainers["overlap"])
+    for mode, row in last_row.items():
+        print(
+            f"  bytes moved per step {mode:8s} {row['offload_bytes_moved'] / 2**20:9.2f} MiB"
+            + (f" (predicted {want / 2**20:.2f} MiB)" if want is not None and mode != "off" else "")
+        )
     print(f"  hidden by overlap, wall time: (serial - overlap) / work = {hidden_wall:6.1%}")
     print(f"  hidden by overlap, timeline: under compute       = {_median(hidden_tl):6.1%}")
     print(
@@ -186,13 +217,18 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
         from llmscale.train.plot import plot_timeline, timeline_path
 
         for mode in ("serial", "overlap"):
-            tag = "" if offload == "optimizer" else "params-"
+            tag = {"optimizer": "", "optimizer+params": "params-"}.get(offload, f"{offload}-")
             folder = Path(args.save_timeline) / f"{tag}{mode}-link{link_gbps:g}"
             trainers[mode].optimizer.write_timeline(timeline_path(folder))
             print(f"  wrote {plot_timeline(folder)}")
     for tr in trainers.values():
         if hasattr(tr.optimizer, "close"):
             tr.optimizer.close()
+
+
+def offload_choices() -> list[str]:
+    """`--offload`'s choices: every offload mode the config knows, but "none" (the `off` run)."""
+    return [m for m in OFFLOAD_MODES if m != "none"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,8 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         "--offload",
         nargs="+",
         default=["optimizer"],
-        choices=("optimizer", "optimizer+params"),
-        help="offload modes of the serial and overlap trainers (default: optimizer)",
+        choices=offload_choices(),
+        help="offload modes of the serial and overlap trainers (config.OFFLOAD_MODES; "
+        "default: optimizer)",
     )
     ap.add_argument("--save-timeline", help="folder for the timelines (JSON + PNG) of both runs")
     args = ap.parse_args(argv)

@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "published": "llmscale.bench.published",
     "loader": "llmscale.bench.loader",
     "compile": "llmscale.bench.compile",
+    "finetune": "llmscale.bench.finetune",
 }
 
 

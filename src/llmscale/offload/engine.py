@@ -12,16 +12,23 @@ Two kinds of agent, each with a serial (FIFO) queue:
 A copy returns a `Ticket`: `wait()` blocks the calling host thread until the copy is done;
 `wait_stream(also)` makes the current device stream, and the streams in `also`, wait for it (on
 CUDA without blocking the host). FIFO order matters: a unit's last ticket done means all its earlier copies are done.
+
+Every copier counts the bytes it is asked to copy (`src.nbytes`, at the moment `copy` is called,
+before the copy runs) on a `TrafficMeter` shared by both directions: the metrics row's
+`offload_bytes_moved` (docs/offload.md, "Bytes moved").
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from llmscale.offload.timeline import TransferTimeline
 
@@ -74,8 +81,42 @@ class CudaTicket:
             stream.wait_event(self.event)
 
 
+class TrafficMeter:
+    """Bytes copied between device and host, both directions, since the last `reset`.
+
+    Copies are counted when they are issued, on whatever thread issues them (the training
+    thread's downloads, the host worker's uploads), hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._by_lane: dict[str, int] = {}
+
+    def add(self, lane: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes += nbytes
+            self._by_lane[lane] = self._by_lane.get(lane, 0) + nbytes
+
+    def reset(self) -> None:
+        with self._lock:
+            self._bytes = 0
+            self._by_lane = {}
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def by_lane(self) -> dict[str, int]:
+        """Bytes per copier lane ("d2h", "h2d") since the last reset."""
+        with self._lock:
+            return dict(self._by_lane)
+
+
 class Copier(Protocol):
     lane: str
+    meter: TrafficMeter
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
@@ -113,13 +154,24 @@ class InlineCopier:
     """Copies at once on the calling thread (the no-overlap baseline)."""
 
     def __init__(
-        self, lane: str, timeline: TransferTimeline | None, link_bytes_per_s: float | None = None
+        self,
+        lane: str,
+        timeline: TransferTimeline | None,
+        link_bytes_per_s: float | None = None,
+        meter: TrafficMeter | None = None,
     ) -> None:
         self.lane = lane
         self.timeline = timeline
         self.link = Link(link_bytes_per_s) if link_bytes_per_s else None
+        self.meter = meter if meter is not None else TrafficMeter()
 
     def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
+    ) -> Ticket:
+        self.meter.add(self.lane, src.nbytes)
+        return self._copy(dst, src, step, unit, phase)
+
+    def _copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
     ) -> Ticket:
         t0 = time.perf_counter()
@@ -142,9 +194,13 @@ class ThreadCopier(InlineCopier):
     """
 
     def __init__(
-        self, lane: str, timeline: TransferTimeline | None, link_bytes_per_s: float | None = None
+        self,
+        lane: str,
+        timeline: TransferTimeline | None,
+        link_bytes_per_s: float | None = None,
+        meter: TrafficMeter | None = None,
     ) -> None:
-        super().__init__(lane, timeline, link_bytes_per_s)
+        super().__init__(lane, timeline, link_bytes_per_s, meter)
         # Copies are memory-bound; one intra-op thread each keeps them off compute's cores.
         self._pool = cf.ThreadPoolExecutor(
             1,
@@ -156,8 +212,8 @@ class ThreadCopier(InlineCopier):
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
     ) -> Ticket:
-        inline = super().copy
-        return FutureTicket(self._pool.submit(inline, dst, src, step, unit, phase))
+        self.meter.add(self.lane, src.nbytes)  # counted when issued, as on the other copiers
+        return FutureTicket(self._pool.submit(self._copy, dst, src, step, unit, phase))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -173,15 +229,23 @@ class CudaCopier:
     the next forward, which waits for the copy's event.
     """
 
-    def __init__(self, lane: str, device: torch.device, timeline: TransferTimeline | None) -> None:
+    def __init__(
+        self,
+        lane: str,
+        device: torch.device,
+        timeline: TransferTimeline | None,
+        meter: TrafficMeter | None = None,
+    ) -> None:
         self.lane = lane
         self.device = device
         self.timeline = timeline
+        self.meter = meter if meter is not None else TrafficMeter()
         self.stream = torch.cuda.Stream(device=device)
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
     ) -> Ticket:
+        self.meter.add(self.lane, src.nbytes)
         if self.lane == "d2h":
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         timing = self.timeline is not None
@@ -250,21 +314,94 @@ def make_agents(
     timeline: TransferTimeline | None,
     link_bytes_per_s: float | None = None,
 ) -> tuple[Copier, Copier, HostWorker]:
-    """(download copier, upload copier, host worker) for a device and an overlap setting."""
+    """(download copier, upload copier, host worker) for a device and an overlap setting.
+
+    Both copiers count on one `TrafficMeter` (`copier.meter`).
+    """
+    meter = TrafficMeter()
     if not overlap:
         return (
-            InlineCopier("d2h", timeline, link_bytes_per_s),
-            InlineCopier("h2d", timeline, link_bytes_per_s),
+            InlineCopier("d2h", timeline, link_bytes_per_s, meter),
+            InlineCopier("h2d", timeline, link_bytes_per_s, meter),
             InlineWorker(),
         )
     if device.type == "cuda":
         return (
-            CudaCopier("d2h", device, timeline),
-            CudaCopier("h2d", device, timeline),
+            CudaCopier("d2h", device, timeline, meter),
+            CudaCopier("h2d", device, timeline, meter),
             ThreadWorker(),
         )
     return (
-        ThreadCopier("d2h", timeline, link_bytes_per_s),
-        ThreadCopier("h2d", timeline, link_bytes_per_s),
+        ThreadCopier("d2h", timeline, link_bytes_per_s, meter),
+        ThreadCopier("h2d", timeline, link_bytes_per_s, meter),
         ThreadWorker(intra_op_threads=1),
     )
+
+
+def issued_bytes(copiers: Sequence[Copier], worker: HostWorker) -> int:
+    """Bytes the copiers' meter(s) counted since their reset, once every host task queued so
+    far has run: the host updates issue their uploads (and queued parameter fetches) from the
+    worker, so this waits for them to be *issued*, not for the copies to finish."""
+    worker.submit(_noop).result()
+    meters = {id(c.meter): c.meter for c in copiers}
+    return sum(m.bytes for m in meters.values())
+
+
+def reset_meters(copiers: Sequence[Copier]) -> None:
+    for c in copiers:
+        c.meter.reset()
+
+
+def _noop() -> None:
+    return None
+
+
+def fsdp_cpu_offload_bytes(
+    model_parts: Sequence[torch.nn.Module], n_microbatches: int, reshard: bool
+) -> int:
+    """Bytes FSDP2's `CPUOffloadPolicy` copies between device and host in one optimizer step.
+
+    FSDP2 makes these copies itself (not through a copier), so they are computed from what it
+    copies (torch 2.13, `FSDPParam.all_gather_inputs` and `foreach_reduce`):
+    - host to device, at every all-gather: each parameter's *padded* local shard in its own
+      dtype (fp32; cast to the compute dtype after the copy). A unit is all-gathered before its
+      forward in every micro-step, and again before its backward when it was resharded after
+      forward (`reshard`: fully_shard with zero_stage 3, which passes reshard_after_forward=True
+      to every unit, the root included);
+    - device to host, once per step (gradient sync is on for the last micro-step only): each
+      parameter's reduce-scattered gradient shard (unpadded) in the parameter's dtype.
+    A unit is a `fully_shard`-ed (or replicated) module and the parameters under it that no
+    inner such module holds.
+    """
+    from llmscale.offload.hooks import is_fsdp_module  # same layer; hooks imports engine
+
+    total = 0
+    for part in model_parts:
+        units = [(name, m) for name, m in part.named_modules() if is_fsdp_module(m)]
+        inner = {name for name, _ in units if name}
+        for name, mod in units:
+            prefix = f"{name}." if name else ""
+            own = [
+                p
+                for pname, p in mod.named_parameters()
+                if not any(f"{prefix}{pname}".startswith(f"{i}.") for i in inner if i != name)
+            ]
+            gathers = n_microbatches * (2 if reshard else 1)
+            for p in own:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                total += gathers * _padded_shard_numel(p) * p.element_size()
+                total += local.numel() * p.element_size()
+    return total
+
+
+def _padded_shard_numel(p: torch.Tensor) -> int:
+    """Elements of a parameter's local shard as FSDP2 pads it: ceil(rows / shards of dim 0)
+    rows of the local row width (a plain tensor: all of it)."""
+    if not isinstance(p, DTensor) or p.dim() == 0:
+        return p.numel()
+    shards = 1
+    for placement, size in zip(p.placements, p.device_mesh.shape, strict=True):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            shards *= size
+    width = math.prod(p.to_local().shape[1:])
+    return int(-(-p.shape[0] // shards) * width)

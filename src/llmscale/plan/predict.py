@@ -13,7 +13,8 @@ gradients the planner's memory peak holds), `optimizer_bytes` (Adam moments and
 autocast includes the bf16 weight casts the linears keep), under pipelining
 `activation_peak_bytes` (the most saved at once over the schedule), and `cuda_peak_bytes` (the predicted
 torch.cuda.max_memory_allocated over a step); under optimizer+params also
-`device_param_peak_bytes` (the most parameter bytes the device held at once).
+`device_param_peak_bytes` (the most parameter bytes the device held at once), and
+`offload_bytes_moved` (bytes copied between device and host in one step, `plan/offload_traffic.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from llmscale.plan.memory import (
     rank_pieces,
     slice_args,
 )
+from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams, estimate_step_time
 
@@ -106,6 +108,9 @@ def expected_runtime_metrics(
         # The offloaded optimizer's own count of the parameters it held on the device at once.
         pb = DTYPE_BYTES[plan.precision]
         out["device_param_peak_bytes"] = pb * param_window(plan, rank, rp, options.prefetch_blocks)
+    traffic = offload_traffic(plan, rank, k)  # plan/offload_traffic.py; None: not modelled
+    if traffic is not None:
+        out["offload_bytes_moved"] = traffic.total
     return out
 
 

@@ -1,4 +1,8 @@
-"""Per-step metrics: throughput, FLOP/s and MFU, memory; written as JSONL."""
+"""Per-step metrics: throughput, FLOP/s and MFU, memory; written as JSONL.
+
+`offload_bytes_moved` (every row): bytes copied between device and host in the step, both
+directions (`Optimizers.offload_bytes_moved`; docs/offload.md, "Bytes moved").
+"""
 
 from __future__ import annotations
 
@@ -73,7 +77,8 @@ class TensorBoardWriter:
     """The metrics rows as TensorBoard scalars under one folder (`tensorboard --logdir runs/`).
 
     Tags: train/loss, train/lr, train/grad_norm, train/loss_scale, train/tokens_per_s, train/mfu
-    (when a peak is known), val/loss, and memory/<key> for every *_bytes figure of the row. A run
+    (when a peak is known), val/loss, offload/bytes_moved, and memory/<key> for every *_bytes
+    figure of the row. A run
     resumed at step s drops the events after s that the interrupted run had written (`purge_step`),
     as metrics.jsonl drops its rows.
     """
@@ -86,6 +91,7 @@ class TensorBoardWriter:
         "tokens_per_s": "train/tokens_per_s",
         "mfu": "train/mfu",
         "val_loss": "val/loss",
+        "offload_bytes_moved": "offload/bytes_moved",
     }
 
     def __init__(self, folder: str | Path, resumed_step: int = 0) -> None:

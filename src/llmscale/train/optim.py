@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from llmscale.config import JobConfig, LRSchedulerSection, OptimizerSection
 from llmscale.offload import OffloadedAdamW, grad_norm, is_fsdp_module, set_clip
+from llmscale.offload.engine import fsdp_cpu_offload_bytes, issued_bytes, reset_meters
 from llmscale.offload.lsp import LspSettings
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.grads import (
@@ -202,6 +203,9 @@ class Optimizers:
         ]
         self.dims = dims
         self.on_host = on_host
+        # FSDP2's CPU offload: what its copies per step depend on (`offload_bytes_moved`).
+        self._n_microbatches = cfg.n_microbatches
+        self._reshard = dims.dp_shard > 1 and cfg.parallel.zero_stage == 3
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -243,6 +247,16 @@ class Optimizers:
         """This rank's gradient bytes (on the host: the fp32 shards FSDP2 copied there)."""
         n = grad_bytes(self.model_parts)
         return {"grad_bytes": 0, "host_grad_bytes": n} if self.on_host else {"grad_bytes": n}
+
+    def begin_step_traffic(self) -> None:
+        """A step begins: `offload_bytes_moved` counts from here (nothing to do here)."""
+
+    def offload_bytes_moved(self) -> int:
+        """Bytes copied between device and host this step: none without offload; under FSDP2's
+        CPU offload computed from what FSDP2 copies (`offload.engine.fsdp_cpu_offload_bytes`)."""
+        if not self.on_host:
+            return 0
+        return fsdp_cpu_offload_bytes(self.model_parts, self._n_microbatches, self._reshard)
 
     def memory(self) -> dict[str, Any]:
         """The metrics row's parameter and optimizer ledger, in its final keys.
@@ -312,6 +326,17 @@ class OffloadedOptimizers(Optimizers):
 
     def clip_(self, norm: torch.Tensor, max_norm: float) -> None:
         set_clip(self.parts, norm, max_norm, self._scale)
+
+    def begin_step_traffic(self) -> None:
+        """Forget copies counted since the last step (a checkpoint load, an evaluation)."""
+        for opt in self.parts:
+            reset_meters((opt.d2h, opt.h2d))
+
+    def offload_bytes_moved(self) -> int:
+        """Bytes the copiers were asked to copy since `begin_step_traffic`, both directions,
+        once the host worker has issued the step's uploads (it waits for the updates, not for
+        the copies)."""
+        return sum(issued_bytes((opt.d2h, opt.h2d), opt.worker) for opt in self.parts)
 
     def memory(self) -> dict[str, Any]:
         row: dict[str, Any] = dict.fromkeys(_LEDGER, 0)

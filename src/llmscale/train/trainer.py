@@ -387,10 +387,12 @@ class Trainer:
         """
         cfg = self.cfg
         t0 = time.perf_counter()
+        self.optimizers.begin_step_traffic()
         batch = self.train_stream.next_batch(cfg.train.global_batch_size)
         loss, act_bytes = self.forward_backward(batch)
         row: dict[str, Any] = self.optimizer_step()
         row.update(self.optimizers.memory())  # param_bytes, optimizer_bytes, device_*, host_*
+        row["offload_bytes_moved"] = self.optimizers.offload_bytes_moved()  # both directions
         row["activation_bytes"] = act_bytes
         if self.activation_peak is not None:  # pipelines: the schedule's micro-batches in flight
             row["activation_peak_bytes"] = self.activation_peak
