@@ -31,6 +31,7 @@ class CountingCopier:
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.lane, self.nbytes = inner, inner.lane, 0
+        self.meter = inner.meter  # the metric's count (offload_bytes_moved), inner's copies
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *args: Any) -> Any:
         self.nbytes += src.nbytes
@@ -62,6 +63,7 @@ def test_ledger_and_bytes_moved_are_the_planners(cfg_factory) -> None:
     rows = _rows(t)
     # memory: every byte key the planner predicts is what the runtime measured
     want = runtime_metric_bytes(cfg, device="cpu")
+    steady = want.pop("offload_bytes_moved")  # a steady step's: checked step by step below
     assert want["device_lsp_bytes"] > 0
     for row in rows:
         got = {k: row[k] for k in want}
@@ -81,6 +83,9 @@ def test_ledger_and_bytes_moved_are_the_planners(cfg_factory) -> None:
     ]
     assert down.nbytes == sum(s.down for s in steps)
     assert up.nbytes == sum(s.up for s in steps)
+    # the metric counts the same copies, step by step; the planner's is a steady step's
+    assert [row["offload_bytes_moved"] for row in rows] == [s.down + s.up for s in steps]
+    assert steady == steps[1].down + steps[1].up
     # and what the blocks move is a quarter of what ZeRO-Offload would (d = 32 of 64 rows)
     sp = one_process_split(cfg.model)
     full = sum(m * n for m, n in sp.matrices)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from llmscale.config import DTYPE_BYTES
 from llmscale.plan import activations as act
+from llmscale.plan.lsp import lsp_bytes_per_step
 from llmscale.plan.memory import plan_rank_params
 from llmscale.plan.params import RankParams
 from llmscale.plan.plan import Plan
@@ -102,10 +103,27 @@ def fsdp_cpu_offload_traffic(plan: Plan, rank: int, kernels: act.Kernels) -> Tra
     return Traffic(down=4.0 * rp.shard_numel, up=up)
 
 
+def _lsp(plan: Plan, rank: int, kernels: act.Kernels) -> Traffic | None:
+    """LSP-Offload (one process): a steady step's bytes, the blocks' matrices as d x d
+    compressed gradients and updates (`plan/lsp.py`). The first step (a fit), a check step and
+    a refit move a few bytes more: `lsp_bytes_per_step(..., check=, fit=, refit=)`."""
+    if plan.world_size > 1:
+        return None
+    t = lsp_bytes_per_step(
+        plan.model,
+        lsp_dim=plan.lsp_dim,
+        lsp_nonzeros=plan.lsp_nonzeros,
+        precision=plan.precision,
+        n_microbatches=plan.n_microbatches,
+    )
+    return Traffic(down=float(t.down), up=float(t.up))
+
+
 TRAFFIC: dict[str, TrafficFn] = {
     "none": _none,
     "optimizer": _optimizer,
     "optimizer+params": _optimizer_params,
+    "lsp": _lsp,
 }
 
 
