@@ -158,7 +158,7 @@ def test_train_help_lists_every_key_with_default_and_choices(capsys) -> None:
         '--train.recompute none | full | selective | selective_op | every_k  (default "none")'
         in out
     )
-    assert '--optimizer.offload none | optimizer | optimizer+params  (default "none")' in out
+    assert '--optimizer.offload none | optimizer | optimizer+params | lsp  (default "none")' in out
     assert "--parallel.zero_stage 0 | 1 | 2 | 3  (default 3)" in out
     assert "--train.steps int  (default 50)" in out
     assert "Optimizer steps to train." in out  # the field's docstring
