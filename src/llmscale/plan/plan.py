@@ -206,6 +206,8 @@ class Plan(MeshDegrees):
         for f in fields(self)[1:]:
             if f.name == "recompute_every_k" and self.recompute != "every_k":
                 continue
+            if f.name.startswith("lsp_") and self.offload != "lsp":
+                continue  # settings of offload lsp only
             value = getattr(self, f.name)
             if f.metadata["frozen"]:
                 if not value:
