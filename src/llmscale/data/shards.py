@@ -18,10 +18,9 @@ import mmap
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from llmscale.data.prepared import PreparedMeta
-from llmscale.data.stream import StreamState
+from llmscale.data.stream import StreamState, WindowStream
 from llmscale.errors import ConfigError
 
 _ROUNDS = 4
@@ -64,7 +63,7 @@ class IndexPermutation:
         return y.astype(np.int64)
 
 
-class ShardStream:
+class ShardStream(WindowStream):
     """Global batches of windows over memory-mapped shards; `next_batch` returns this DP rank's
     rows. Same interface as PackedStream (`state`, `n_windows`, `next_batch`)."""
 
@@ -122,26 +121,13 @@ class ShardStream:
     def n_tokens(self) -> int:
         return sum(len(s) for s in self.shards)
 
-    def _order(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+    def _ordered(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.shuffle:
             return positions
         if self._perm is None or self._perm_epoch != epoch:
             self._perm = IndexPermutation(self.n_windows, self.seed, epoch)
             self._perm_epoch = epoch
         return self._perm(positions)
-
-    def _take(self, n: int) -> np.ndarray:
-        """The next n window indices of the global stream, crossing epochs as needed."""
-        out = []
-        while n > 0:
-            k = min(n, self.n_windows - self.state.cursor)
-            pos = np.arange(self.state.cursor, self.state.cursor + k, dtype=np.int64)
-            out.append(self._order(self.state.epoch, pos))
-            self.state.cursor += k
-            n -= k
-            if self.state.cursor == self.n_windows:
-                self.state = StreamState(self.state.epoch + 1, 0)
-        return np.concatenate(out)
 
     def rows(self, windows: np.ndarray) -> np.ndarray:
         """Token rows (len(windows), seq_len + 1) as int64, read from the memory maps."""
@@ -161,14 +147,3 @@ class ShardStream:
             mm = getattr(self.shards[s], "_mmap", None)
             if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
                 mm.madvise(mmap.MADV_DONTNEED)
-
-    def next_batch(self, global_batch: int) -> torch.Tensor:
-        """This DP rank's share of the next global batch: (global_batch / dp, seq_len + 1) int64."""
-        if global_batch % self.dp_size:
-            raise ConfigError(
-                "train.global_batch_size", global_batch, f"a multiple of dp={self.dp_size}"
-            )
-        idx = self._take(global_batch)
-        local = global_batch // self.dp_size
-        mine = idx[self.dp_rank * local : (self.dp_rank + 1) * local]
-        return torch.from_numpy(self.rows(mine))

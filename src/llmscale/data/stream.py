@@ -30,7 +30,50 @@ class StreamState:
         return cls(epoch=int(d["epoch"]), cursor=int(d["cursor"]))
 
 
-class PackedStream:
+class WindowStream:
+    """What every stream of windows shares: the (epoch, cursor) walk over `n_windows` windows
+    and this DP rank's slice of each global batch. A subclass orders an epoch's positions
+    (`_ordered`) and reads the token rows of window indices (`rows`)."""
+
+    n_windows: int
+    dp_rank: int
+    dp_size: int
+    state: StreamState
+
+    def _ordered(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The window indices at `positions` of epoch `epoch`'s order."""
+        raise NotImplementedError
+
+    def rows(self, windows: np.ndarray) -> np.ndarray:
+        """Token rows (len(windows), seq_len + 1) as int64."""
+        raise NotImplementedError
+
+    def _take(self, n: int) -> np.ndarray:
+        """The next n window indices of the global stream, crossing epochs as needed."""
+        out = []
+        while n > 0:
+            k = min(n, self.n_windows - self.state.cursor)
+            pos = np.arange(self.state.cursor, self.state.cursor + k, dtype=np.int64)
+            out.append(self._ordered(self.state.epoch, pos))
+            self.state.cursor += k
+            n -= k
+            if self.state.cursor == self.n_windows:
+                self.state = StreamState(self.state.epoch + 1, 0)
+        return np.concatenate(out)
+
+    def next_batch(self, global_batch: int) -> torch.Tensor:
+        """This DP rank's share of the next global batch: (global_batch / dp, seq_len + 1) int64."""
+        if global_batch % self.dp_size:
+            raise ConfigError(
+                "train.global_batch_size", global_batch, f"a multiple of dp={self.dp_size}"
+            )
+        idx = self._take(global_batch)
+        local = global_batch // self.dp_size
+        mine = idx[self.dp_rank * local : (self.dp_rank + 1) * local]
+        return torch.from_numpy(self.rows(mine))
+
+
+class PackedStream(WindowStream):
     """Global batches of windows; `next_batch` returns this DP rank's rows."""
 
     def __init__(
@@ -69,28 +112,10 @@ class PackedStream:
         assert self._order is not None
         return self._order
 
-    def _take(self, n: int) -> np.ndarray:
-        """The next n window indices of the global stream, crossing epochs as needed."""
-        out = []
-        while n > 0:
-            order = self._epoch_order(self.state.epoch)
-            k = min(n, self.n_windows - self.state.cursor)
-            out.append(order[self.state.cursor : self.state.cursor + k])
-            self.state.cursor += k
-            n -= k
-            if self.state.cursor == self.n_windows:
-                self.state = StreamState(self.state.epoch + 1, 0)
-        return np.concatenate(out)
+    def _ordered(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        return self._epoch_order(epoch)[positions]
 
-    def next_batch(self, global_batch: int) -> torch.Tensor:
-        """This DP rank's share of the next global batch: (global_batch / dp, seq_len + 1) int64."""
-        if global_batch % self.dp_size:
-            raise ConfigError(
-                "train.global_batch_size", global_batch, f"a multiple of dp={self.dp_size}"
-            )
-        idx = self._take(global_batch)
-        local = global_batch // self.dp_size
-        mine = idx[self.dp_rank * local : (self.dp_rank + 1) * local]
-        starts = mine * self.seq_len
+    def rows(self, windows: np.ndarray) -> np.ndarray:
+        starts = windows * self.seq_len
         rows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)[None, :]]
-        return torch.from_numpy(rows.astype(np.int64))
+        return rows.astype(np.int64)
