@@ -50,6 +50,13 @@ V_SCHEDULES: tuple[PPSchedule, ...] = ("zbv", "dualpipev")
 SPLIT_BACKWARD_SCHEDULES: tuple[PPSchedule, ...] = ("zero_bubble", "zbv", "dualpipev")
 
 
+def split_backward_resharded(schedule: str, dp_shard: int, zero_stage: int) -> bool:
+    """The layout the runtime refuses: FSDP resharding after the forward (zero 3 over
+    dp_shard > 1) under a schedule that splits the backward into B and W, where torch 2.13
+    leaves wrong weight gradients. The planner's search skips it too."""
+    return schedule in SPLIT_BACKWARD_SCHEDULES and dp_shard > 1 and zero_stage == 3
+
+
 def pipeline_chunks(schedule: str, pp_chunks: int) -> int:
     """Model chunks per pipeline rank that `schedule` runs: 2 for the V schedules (whatever
     `pp_chunks` says), `pp_chunks` for the loop-style multi-chunk ones, 1 otherwise."""
@@ -632,7 +639,7 @@ class JobConfig:
         resharding after the forward (zero 3), torch 2.13 leaves wrong weight gradients when a
         backward is split into B and W (1e-2 off the single-process loss at the second step)."""
         p, m, gbs = self.parallel, self.n_microbatches, self.train.global_batch_size
-        if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and p.dp_shard > 1 and p.zero_stage == 3:
+        if split_backward_resharded(p.pp_schedule, p.dp_shard, p.zero_stage):
             raise ConfigError(
                 "parallel.zero_stage",
                 3,

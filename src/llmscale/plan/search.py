@@ -35,12 +35,12 @@ from llmscale.config import (
     LOOP_MULTI_CHUNK_SCHEDULES,
     OFFLOAD_MODES,
     PRECISIONS,
-    SPLIT_BACKWARD_SCHEDULES,
     V_SCHEDULES,
     Offload,
     PPSchedule,
     Precision,
     Recompute,
+    split_backward_resharded,
 )
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
@@ -368,7 +368,7 @@ def search(
                             for zi, oi in placed[where]:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
                                     continue
-                                if _split_backward_zero3(sched, dp_shard, zeros[zi]):
+                                if split_backward_resharded(sched, dp_shard, zeros[zi]):
                                     rejected[
                                         f"zero_stage 3 with dp_shard {dp_shard} under {sched}"
                                         " (the runtime refuses it: torch's split backward)"
@@ -455,12 +455,6 @@ def _useful_recomputes(recs: list[Recompute], plan: Plan, opt: mem.MemoryOptions
             out.add(rec)
             least = kept
     return out
-
-
-def _split_backward_zero3(schedule: str, dp_shard: int, zero_stage: int) -> bool:
-    """The layout the runtime refuses (config's rule): FSDP resharding after the forward under
-    a schedule that splits the backward into B and W."""
-    return schedule in SPLIT_BACKWARD_SCHEDULES and dp_shard > 1 and zero_stage == 3
 
 
 def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:
