@@ -78,6 +78,16 @@ def _one_of(field: str, value: str, allowed: Sequence[str]) -> None:
 # ---- train --------------------------------------------------------------------------------
 
 
+def _show(*parts: object) -> int:
+    """Print a report's parts (title, rich table, the sentences that read it) in order; exit 0."""
+    from llmscale.ui import console
+
+    out = console()
+    for part in parts:
+        out.print(part)
+    return 0
+
+
 def _config_keys_help() -> str:
     from llmscale.config_docs import help_text
 
@@ -575,18 +585,13 @@ def _cmd_roofline(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.hardware.catalog import get_gpu
     from llmscale.model.config import get_preset
     from llmscale.plan.roofline_report import roofline_report
-    from llmscale.ui import console
 
     model, gpu = get_preset(args.model), get_gpu(args.gpu)
     _one_of("precision", args.precision, PRECISIONS)
     rep = roofline_report(
         model, gpu, args.batch, model.max_seq_len if args.seq is None else args.seq, args.precision
     )
-    out = console()
-    out.print(rep.title)
-    out.print(rep.table)
-    out.print(rep.conclusion)
-    return 0
+    return _show(rep.title, rep.table, rep.conclusion)
 
 
 # ---- network ------------------------------------------------------------------------------
@@ -623,16 +628,11 @@ def _add_network(sub: argparse._SubParsersAction[_Parser]) -> None:
 def _cmd_network(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.model.config import get_preset
     from llmscale.plan.network_report import network_report
-    from llmscale.ui import console
 
     rep = network_report(
         get_preset(args.model), args.gpus, args.gpu, args.seq, args.global_batch, args.a2a_mb
     )
-    out = console()
-    out.print(rep.table)
-    for line in rep.lines:
-        out.print(line)
-    return 0
+    return _show(rep.table, *rep.lines)
 
 
 # ---- infer --------------------------------------------------------------------------------
@@ -687,7 +687,6 @@ def _cmd_infer(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.model.config import get_preset
     from llmscale.plan.inference import INFER_PRECISIONS, predict
     from llmscale.plan.inference_report import inference_report
-    from llmscale.ui import console
 
     _one_of("precision", args.precision, INFER_PRECISIONS)
     pred = predict(
@@ -698,12 +697,7 @@ def _cmd_infer(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps(pred.to_dict(), indent=2))
         return 0
     rep = inference_report(pred)
-    out = console()
-    out.print(rep.title)
-    out.print(rep.table)
-    for line in rep.lines:
-        out.print(line)
-    return 0
+    return _show(rep.title, rep.table, *rep.lines)
 
 
 # ---- claims -------------------------------------------------------------------------------
