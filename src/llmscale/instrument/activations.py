@@ -59,7 +59,11 @@ def _pack(t: torch.Tensor) -> Any:
                 holds.append((inst, keys))
         else:
             inst.add(t)
-    return _Held(t, holds) if holds else t
+    # Detached: an output a node saves (SDPA's, log_softmax's) would otherwise refer to that node
+    # (its grad_fn) from its own saved slot, a cycle Python cannot collect, which only running the
+    # node without retain_graph breaks (a split backward's B retains it; nodes W does not rerun
+    # then lived on). Autograd re-attaches the grad_fn when it unpacks.
+    return _Held(t.detach(), holds) if holds else t
 
 
 def _unpack(packed: Any) -> torch.Tensor:

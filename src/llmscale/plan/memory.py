@@ -56,8 +56,14 @@ Pipeline: layers split as the runtime splits them (`model.config.split_layers`: 
 `parallel.pp_layers` or automatic with the first and last stages the lighter); embedding on the
 first rank, final norm and head on the last (in a V, zbv and dualpipev, on the first too:
 `Plan.head_rank`). Micro-batches in flight per rank come from plan/schedule.py's op orders; the
-zero-bubble schedules hold a micro-batch's activations from its F until its W (all of them:
-the conservative side, W needs fewer). Tensor parallelism: see
+zero-bubble schedules hold a micro-batch's activations from its F until its W, all of them
+(measured, torch 2.13: B runs with retain_graph and frees none of the stage's saved tensors,
+only the loss's; on the first stage B does nothing and W runs the whole backward; W frees all:
+tests/parallel/test_split_backward_meter.py, and predicted = measured in the pipeline suite).
+Not counted (as the activation meter does not count them): what B hands to W besides the
+graph, the gradients at the ops W starts from (every linear's and norm weight's output
+gradient) and the received output gradient; docs/schedule.md has their size. Tensor
+parallelism: see
 plan/params.py and the regions in plan/activations.py.
 """
 
