@@ -465,7 +465,7 @@ def compiled_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
     Tensor-parallel and sequence-parallel splits as in `runtime_eager_block_bytes`.
     """
     m, tp = plan.model, plan.tp
-    tokens = plan.micro_batch_size * plan.seq_len
+    tokens = cp_tokens(plan)  # this cp rank's share of the sequence
     a = DTYPE_BYTES[plan.precision]
     r = act.residual_bytes(a, kernels)
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
@@ -589,8 +589,8 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
         tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
     loss_f = _loss_comm_seconds(plan, rank, cluster, kern)
-    # Context parallelism: every element-wise kernel sees s / cp tokens; the ring's traffic.
-    elem_f, elem_b = elem_f / plan.cp, elem_b / plan.cp
+    # Context parallelism: the ring's traffic (every element-wise count above is already this
+    # cp rank's s / cp tokens: `cp_tokens`, `saved_bytes`; the weights' casts are not per token).
     redo_attn = n_full + (n_blocks if plan.recompute == "selective" and not op_sac else 0)
     cp_f, cp_b = _ring_attention_seconds(
         plan, cluster, tp_, attn_f, attn_b, n_blocks + redo_attn, n_blocks
