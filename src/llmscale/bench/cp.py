@@ -61,12 +61,12 @@ LAYOUTS = (
 )  # fmt: skip
 
 
-def job(opts: BenchOptions, layout: Layout, rep: int) -> JobConfig:
+def job(opts: BenchOptions, layout: Layout, rep: int, min_steps: int = TIMED_STEPS) -> JobConfig:
     """One run of `layout`: same global batch (2 b sequences) on 2 ranks, fp32, on the CPU."""
     return opts.job(
         "--job.device", "cpu", *layout.args,
         "--train.global_batch_size", str(CP * MICRO_BATCH),
-        "--train.steps", str(max(opts.steps, TIMED_STEPS) + opts.warmup),
+        "--train.steps", str(max(opts.steps, min_steps) + opts.warmup),
         "--train.eval_sequences", "0", "--metrics.activation_memory", "false",
         run=f"{layout.name}-{rep}",
     )  # fmt: skip
@@ -95,15 +95,22 @@ def fastest_step(cfg: JobConfig, warmup: int) -> float:
     return min(r["step_time_s"] for r in timed)
 
 
-def run(opts: BenchOptions, repetitions: int | None = None) -> SuiteResult:
+def run(
+    opts: BenchOptions,
+    repetitions: int | None = None,
+    min_steps: int = TIMED_STEPS,
+    effort: calibration.Effort = calibration.BENCH,
+) -> SuiteResult:
+    """Both layouts, `repetitions` times (default: opts.seeds, at least 3), each run at least
+    `min_steps` timed steps, the device measured at `effort` before each repetition."""
     reps = repetitions if repetitions is not None else max(3, opts.seeds)
     runs: list[list[JobConfig]] = []
     for rep in range(reps):
         order = LAYOUTS if rep % 2 == 0 else LAYOUTS[::-1]
-        runs.append([job(opts, layout, rep) for layout in order])
+        runs.append([job(opts, layout, rep, min_steps) for layout in order])
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    _launch(opts, runs)
+    _launch(opts, runs, effort)
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
 
@@ -157,7 +164,7 @@ def run(opts: BenchOptions, repetitions: int | None = None) -> SuiteResult:
         "attention, element-wise bandwidth, fixed costs, optimizer for one rank's micro-batch; "
         "the runtime's ring blocks at cp = 2's chunk size; a ring pass over gloo at "
         f"{calibrate.P2P_SIZES[0] // 1024} KiB and {calibrate.P2P_SIZES[1] // 2**20} MiB), then "
-        f"both layouts trained for {opts.warmup} warm-up + {TIMED_STEPS} or more steps, their "
+        f"both layouts trained for {opts.warmup} warm-up + {min_steps} or more steps, their "
         "order alternating. Measured: each run's fastest step; rows: medians over the "
         "repetitions of measured and of predicted (each from its repetition's figures).",
         f"Load average (1, 5, 15 min) before {_load(load_before)}, after {_load(load_after)} "
@@ -171,7 +178,7 @@ def _load(avg: tuple[float, float, float]) -> str:
     return "/".join(f"{x:.1f}" for x in avg)
 
 
-def _launch(opts: BenchOptions, runs: list[list[JobConfig]]) -> None:
+def _launch(opts: BenchOptions, runs: list[list[JobConfig]], effort: calibration.Effort) -> None:
     folder = opts.work_dir / "cp"
     folder.mkdir(parents=True, exist_ok=True)
     repetitions = []
@@ -186,6 +193,7 @@ def _launch(opts: BenchOptions, runs: list[list[JobConfig]]) -> None:
     spec.write_text(json.dumps({
         "model": opts.model, "micro_batch": MICRO_BATCH, "seq_len": opts.seq_len, "cp": CP,
         "out": str(folder), "repetitions": repetitions,
+        "effort": [effort.trials, effort.min_seconds],
     }))  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m llmscale.bench.cp_worker SPEC.json
 
 SPEC: {"model": preset, "micro_batch": b, "seq_len": s, "cp": c, "out": folder,
-"repetitions": [[path to a job's config.toml, ...], ...]}. Each repetition first measures the
+"effort": [trials, min_seconds], "repetitions": [[path to a job's config.toml, ...], ...]}. Each repetition first measures the
 device on every rank at once (ranks share the machine's cores, as they do when they train):
 train/calibration.py's figures for one rank's micro-batch (b x s tokens, fp32), the runtime's
 ring blocks at c ranks' chunk size, and the link between the ranks (a ring pass over gloo);
@@ -36,11 +36,12 @@ def main() -> None:
     device = torch.device("cpu")
     model = get_preset(spec["model"])
     b, s, cp = spec["micro_batch"], spec["seq_len"], spec["cp"]
+    effort = calibration.Effort(*spec["effort"])
     for rep, paths in enumerate(spec["repetitions"]):
         dist.barrier()
-        figures = calibration.measure(model, b, s, "fp32", device, effort=calibration.BENCH)
+        figures = calibration.measure(model, b, s, "fp32", device, effort=effort)
         figures["ring_attention_flops"] = calibration.ring_attention_flops_per_s(
-            model, b * world // cp, s, cp, device, calibration.BENCH, alone
+            model, b * world // cp, s, cp, device, effort, alone
         )
         dist.barrier()
         figures.update(calibrate.measured_link(dist.group.WORLD))
