@@ -92,7 +92,7 @@ def time_params(opts: BenchOptions) -> TimeParams:
 def fastest_step(cfg: JobConfig, warmup: int) -> float:
     rows = [r for r in read_jsonl(Path(cfg.job.run_dir) / "metrics.jsonl") if r["kind"] == "train"]
     timed = rows[warmup:] or rows
-    return min(r["step_time_s"] for r in timed)
+    return float(min(r["step_time_s"] for r in timed))
 
 
 def run(

@@ -388,7 +388,7 @@ def ring_attention_flops_per_s(
     g = torch.randn(micro_batch, model.n_heads, local, hd, device=device)
 
     def run() -> None:
-        ring_attention(q, k, v, group).backward(g)
+        torch.autograd.backward(ring_attention(q, k, v, group), g)
 
     seconds = calibrate.time_call(run, device, effort.trials, effort.min_seconds)
     plan = Plan(model=model, seq_len=seq_len, micro_batch_size=micro_batch,
