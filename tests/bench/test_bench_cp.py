@@ -19,10 +19,14 @@ def test_cp_suite_reports_measured_and_predicted_steps_with_the_ring_priced(tmp_
     opts = BenchOptions(model="tiny", seq_len=32, steps=1, warmup=0, device="cpu",
                         data_files=8, work_dir=tmp_path)  # fmt: skip
     res = cp.run(opts, repetitions=1, min_steps=2, effort=calibration.QUICK)
-    rows = {r.config: r for r in res.rows}
+    rows = {r.config: r for r in res.rows if r.quantity == "step time"}
     assert list(rows) == [x.label for x in cp.LAYOUTS]
     for r in res.rows:
-        assert r.quantity == "step time" and r.measured > 0 and r.predicted and r.predicted > 0
+        assert r.measured > 0 and r.predicted and r.predicted > 0
+    (ratio,) = [r for r in res.rows if r.quantity == "step time ratio"]
+    assert ratio.predicted == pytest.approx(
+        rows[cp.LAYOUTS[1].label].predicted / rows[cp.LAYOUTS[0].label].predicted
+    )  # one repetition: the ratio of its two predictions
     base, ring = rows[cp.LAYOUTS[0].label], rows[cp.LAYOUTS[1].label]
     assert "cp_comm" in ring.note and "cp_comm" not in base.note
     figures = json.loads((tmp_path / "cp" / "calibration-0.json").read_text())

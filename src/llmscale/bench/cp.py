@@ -142,6 +142,18 @@ def run(
             Row(SUITE, layout.label, "step time", "s", statistics.median(measured[layout.name]),
                 median_pred, f"ms: {parts}")
         )  # fmt: skip
+    # cp's step over the baseline's, per repetition: what the ring adds, with the device's
+    # general rates (and the load they were measured under) common to both layouts.
+    base, ring = LAYOUTS[0].name, LAYOUTS[1].name
+    meas_ratio = [c / b for c, b in zip(measured[ring], measured[base], strict=True)]
+    pred_ratio = [
+        c.seconds / b.seconds for c, b in zip(predicted[ring], predicted[base], strict=True)
+    ]
+    res.rows.append(
+        Row(SUITE, f"{LAYOUTS[1].label} over {LAYOUTS[0].label}", "step time ratio", "x",
+            statistics.median(meas_ratio), statistics.median(pred_ratio),
+            "median over repetitions of each one's ratio: the ring's cost over SDPA's")
+    )  # fmt: skip
     res.tables["per repetition (ms): measured / predicted step; measured link"] = (
         ["repetition", *(x.label for x in LAYOUTS), "ring GFLOP/s", "p2p latency", "p2p GB/s"],
         [
