@@ -203,7 +203,8 @@ def _launch(opts: BenchOptions, runs: list[list[JobConfig]], effort: calibration
         repetitions.append(paths)
     spec = folder / "spec.json"
     spec.write_text(json.dumps({
-        "model": opts.model, "micro_batch": MICRO_BATCH, "seq_len": opts.seq_len, "cp": CP,
+        "model": opts.model, "micro_batch": MICRO_BATCH, "cp_micro_batch": CP * MICRO_BATCH,
+        "seq_len": opts.seq_len, "cp": CP,
         "out": str(folder), "repetitions": repetitions,
         "effort": [effort.trials, effort.min_seconds],
     }))  # fmt: skip

@@ -2,13 +2,14 @@
 
     torchrun --nproc-per-node 2 -m llmscale.bench.cp_worker SPEC.json
 
-SPEC: {"model": preset, "micro_batch": b, "seq_len": s, "cp": c, "out": folder,
-"effort": [trials, min_seconds], "repetitions": [[path to a job's config.toml, ...], ...]}. Each repetition first measures the
-device on every rank at once (ranks share the machine's cores, as they do when they train):
-train/calibration.py's figures for one rank's micro-batch (b x s tokens, fp32), the runtime's
-ring blocks at c ranks' chunk size, and the link between the ranks (a ring pass over gloo);
-rank 0 writes them to out/calibration-REP.json. Then it trains the repetition's configurations
-one after the other (their order alternates between repetitions, the suite's choice).
+SPEC: {"model": preset, "micro_batch": b, "cp_micro_batch": cp's b, "seq_len": s, "cp": c,
+"out": folder, "effort": [trials, min_seconds], "repetitions": [[path to a job's config.toml,
+...], ...]}. Each repetition first measures the device on every rank at once (ranks share the
+machine's cores, as they do when they train): train/calibration.py's figures for one rank's
+micro-batch (b x s tokens, fp32), the runtime's ring blocks for cp's micro-batch at c ranks'
+chunk size, and the link between the ranks (a ring pass over gloo); rank 0 writes them to
+out/calibration-REP.json. Then it trains the repetition's configurations one after the other
+(their order alternates between repetitions, the suite's choice).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
         dist.barrier()
         figures = calibration.measure(model, b, s, "fp32", device, effort=effort)
         figures["ring_attention_flops"] = calibration.ring_attention_flops_per_s(
-            model, b * world // cp, s, cp, device, effort, alone
+            model, spec["cp_micro_batch"], s, cp, device, effort, alone
         )
         dist.barrier()
         figures.update(calibrate.measured_link(dist.group.WORLD))
