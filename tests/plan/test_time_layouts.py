@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from llmscale.errors import ConfigError
+from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset, stage_layer_counts
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
@@ -17,7 +18,14 @@ from llmscale.plan.memory import estimate_memory, plan_rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import expected_runtime_metrics
 from llmscale.plan.search import RECOMPUTE_ORDER, SearchSpace, search
-from llmscale.plan.time import DEFAULT_TIME, estimate_step_time, peak_flops
+from llmscale.plan.time import (
+    DEFAULT_TIME,
+    estimate_step_time,
+    peak_flops,
+    ring_attention_compute_seconds,
+    ring_block_flops,
+    ring_blocks,
+)
 
 L8 = get_preset("llama3-8b")
 L70 = get_preset("llama2-70b")
@@ -58,6 +66,84 @@ def test_cp_halves_attention_per_rank_and_adds_the_ring_traffic() -> None:
     want = two.n_microbatches * L8.n_layers * per_layer
     assert t2.breakdown["cp_comm"] == pytest.approx(want, rel=1e-9)
     assert t2.breakdown["cp_comm"] > 0
+
+
+def test_ring_blocks_of_the_load_balanced_split() -> None:
+    """A cp rank holds chunks r and 2cp - 1 - r of 2cp and attends to every chunk at or before
+    them: counted pair by pair, 2cp + 1 blocks on every rank (the runtime's `_pairs`)."""
+    for cp in (1, 2, 3, 4, 8):
+        for r in range(cp):
+            mine = (r, 2 * cp - 1 - r)
+            pairs = [(q, k) for q in mine for k in range(2 * cp) if k <= q]
+            assert len(pairs) == ring_blocks(cp)
+            assert sum(q == k for q, k in pairs) == 2  # the causal diagonal, computed whole
+
+
+@pytest.mark.parametrize(
+    ("elementwise", "compiled"),
+    [("llmscale", False), ("llmscale", True), ("torchtitan", False), ("saved", False)],
+)
+def test_cp_rank_moves_the_element_wise_bytes_of_its_own_tokens(
+    elementwise: str, compiled: bool
+) -> None:
+    """A cp = 2 rank of 2 sequences holds 2 x s / 2 tokens: its element-wise time per
+    micro-batch is that of a data-parallel rank of 1 sequence (counted once per cp rank, not
+    divided by cp twice)."""
+    params = replace(DEFAULT_TIME, elementwise=elementwise, compiled=compiled)
+    m = get_preset("small")
+    one = Plan(model=m, seq_len=256, micro_batch_size=1, global_batch_size=2, precision="bf16",
+               dp_replicate=2)  # fmt: skip
+    two = replace(one, micro_batch_size=2, dp_replicate=1, cp=2)
+    t1, t2 = estimate_step_time(one, H100, params), estimate_step_time(two, H100, params)
+    assert t2.breakdown["elementwise"] == pytest.approx(t1.breakdown["elementwise"], rel=1e-6)
+
+
+def _ring_device(eff: float, latency_us: float, gbps: float) -> Cluster:
+    """H100's shape with a measured ring efficiency and a slow link in place of NVLink."""
+    cal = replace(H100.gpu.calibration, ring_attention_efficiency=Sourced(eff, "test"))
+    gpu = replace(H100.gpu, calibration=cal)
+    link = replace(H100.fabric.intra, bandwidth_GBps=Sourced(gbps, "test"),
+                   latency_us=Sourced(latency_us, "test"), pair_GBps=None)  # fmt: skip
+    return replace(H100, gpu=gpu, fabric=replace(H100.fabric, intra=link))
+
+
+def test_runtime_ring_priced_from_its_measured_blocks_and_fp32_passes() -> None:
+    """With the runtime's ring measured (`ring_attention_efficiency`): per layer and micro-batch,
+    2cp + 1 blocks of 2 forward and 5 backward fp32 matmuls at that share of the fp32 peak, in
+    place of the flash model; passes of K and V in fp32 (cp - 1 forward; backward cp - 1 of K, V
+    and their gradients beside the blocks, and the last gradients' exposed), computed here by
+    hand for cp = 4 on the small model."""
+    m = get_preset("small")
+    eff, lat, gbps = 0.01, 100.0, 0.5
+    dev = _ring_device(eff, lat, gbps)
+    plan = Plan(model=m, seq_len=256, micro_batch_size=2, global_batch_size=2, cp=4)
+    t = estimate_step_time(plan, dev)
+    flash = estimate_step_time(plan, H100)  # not measured: flash blocks, as before
+    c = 256 // 8
+    block = 2.0 * 2 * m.n_heads * c * c * m.head_dim  # one matmul of one (c x c) block
+    assert ring_block_flops(plan) == block
+    unit = block / (dev.gpu.peak_flops("fp32") * eff)  # one matmul of one block, seconds
+    attn_f, attn_b = 9 * 2 * unit, 9 * 5 * unit
+    assert ring_attention_compute_seconds(plan, dev) == pytest.approx((attn_f, attn_b))
+    assert ring_attention_compute_seconds(plan, H100) is None
+    kv = 2.0 * 2 * (256 // 4) * m.kv_dim * 4  # K and V of this rank's tokens, fp32
+    step = lat * 1e-6 + kv / (gbps * 1e9)
+    eta = DEFAULT_TIME.dp_overlap
+    blocks = (3, 2, 2)  # beside the passes of steps 0, 1, 2
+    fwd = sum(_ov(step, n * attn_f / 9, eta) for n in blocks)
+    bwd = sum(_ov(2 * step, n * attn_b / 9, eta) for n in blocks) + step
+    assert t.breakdown["cp_comm"] == pytest.approx(m.n_layers * (fwd + bwd), rel=1e-9)
+    assert t.breakdown["matmul"] - flash.breakdown["matmul"] == pytest.approx(
+        m.n_layers * (attn_f + attn_b - _flash_attention(plan, H100)), rel=1e-9
+    )
+
+
+def _flash_attention(plan: Plan, cluster: Cluster) -> float:
+    """One layer's flash attention core on a cp rank, forward + backward (3.5x the forward)."""
+    m, s, b = plan.model, plan.seq_len, plan.micro_batch_size
+    core = m.attention_core_flops_per_token(s) / m.n_layers * b * s / plan.cp
+    eff = cluster.gpu.calibration.attention_efficiency.value
+    return 3.5 * 0.5 * core / (peak_flops(cluster, plan.precision) * eff)
 
 
 def test_cp_shards_fsdp_over_dp_shard_times_cp_and_sends_s_over_cp_between_stages() -> None:

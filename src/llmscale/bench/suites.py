@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "loader": "llmscale.bench.loader",
     "compile": "llmscale.bench.compile",
     "finetune": "llmscale.bench.finetune",
+    "cp": "llmscale.bench.cp",
 }
 
 

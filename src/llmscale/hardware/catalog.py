@@ -63,7 +63,11 @@ class Calibration:
       pipeline rank, whatever its size (per-op dispatch and autograd bookkeeping where the host
       waits for each op, as on a CPU; hidden on a GPU by asynchronous launches);
     - optimizer_efficiency: achieved / datasheet bandwidth of the optimizer step (None: the
-      streaming `hbm_efficiency`; a CPU's per-tensor foreach fallback gets much less).
+      streaming `hbm_efficiency`; a CPU's per-tensor foreach fallback gets much less);
+    - ring_attention_efficiency: achieved / fp32 dense peak of the llmscale runtime's ring
+      attention blocks (parallel/context_parallel.py: fp32 matmuls, materialised scores, one
+      eager op at a time) over the FLOPs they execute; None: not measured, and context
+      parallelism is priced as flash-attention blocks (torch's `context_parallel`).
     """
 
     gemm_efficiency: Sourced
@@ -74,6 +78,7 @@ class Calibration:
     fp8_gemm_efficiency: Sourced | None = None
     microbatch_overhead_ms: Sourced = Sourced(0.0, _ASYNC)
     optimizer_efficiency: Sourced | None = None
+    ring_attention_efficiency: Sourced | None = None
 
     def gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
         """Achieved / peak for an (m x k) @ (k x n) GEMM."""

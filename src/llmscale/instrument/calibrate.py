@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from llmscale.hardware.catalog import GPU
+from llmscale.hardware.catalog import GPU, Link
 from llmscale.hardware.spec import Sourced
 from llmscale.plan.cluster import Cluster
 
@@ -154,3 +154,65 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
     except OSError:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+# ---- the link between two ranks (context parallelism's ring passes) ---------------------------
+
+P2P_SIZES = (4 * 2**10, 4 * 2**20)  # bytes: latency-bound, bandwidth-bound
+
+
+def p2p_exchange_seconds(group: Any, nbytes: int, trials: int = 5, iters: int = 20) -> float:
+    """Seconds of one pass as the ring attention runs it (parallel/context_parallel.py): every
+    rank of `group` sends `nbytes` to the next and receives as many from the previous
+    (`batch_isend_irecv`), then waits for both. The fastest of `trials` means over `iters`
+    passes; every rank runs the same passes (a fixed count, not a time: they pair up)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % world)
+    prv = dist.get_global_rank(group, (rank - 1) % world)
+    send = torch.zeros(nbytes // 4)
+    recv = torch.empty_like(send)
+
+    def one() -> None:
+        ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    one()
+    best = math.inf
+    for _ in range(trials):
+        dist.barrier(group)
+        start = time.perf_counter()
+        for _ in range(iters):
+            one()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def measured_link(group: Any, sizes: tuple[int, int] = P2P_SIZES) -> dict[str, float]:
+    """The alpha-beta link between the ranks of `group` from two pass sizes: bandwidth from the
+    difference of their times, latency what remains of the small one. Figures p2p_latency_s,
+    p2p_bytes_per_s (each direction, both directions at once as the ring passes)."""
+    small, large = sizes
+    t_small = p2p_exchange_seconds(group, small)
+    t_large = p2p_exchange_seconds(group, large)
+    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+    return {
+        "p2p_latency_s": max(t_small - small / bandwidth, 1e-7),
+        "p2p_bytes_per_s": bandwidth,
+    }
+
+
+def with_link(cluster: Cluster, figures: Mapping[str, float], display: str) -> Cluster:
+    """`cluster` with the link measured by `measured_link` in place of its node's links (the
+    ranks of this machine talk over it, inside the node and, were there another, across)."""
+    link = Link(
+        name="measured",
+        display=display,
+        kind="scale-up",
+        bandwidth_GBps=Sourced(figures["p2p_bytes_per_s"] / 1e9, SOURCE),
+        latency_us=Sourced(1e6 * figures["p2p_latency_s"], SOURCE),
+    )
+    fabric = dataclasses.replace(cluster.fabric, intra=link, inter=link)
+    return dataclasses.replace(cluster, fabric=fabric)

@@ -275,6 +275,44 @@ def _fp8_cast_seconds(
     return n_blocks * fwd / hbm, (n_blocks * bwd + n_redo * fwd) / hbm
 
 
+# The llmscale runtime's ring (parallel/context_parallel.py), counted from its code. Per
+# (query chunk, key chunk) block: forward Q K^T and P V; backward Q K^T again (the
+# probabilities from the saved log-sum-exp), dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
+RING_FWD_MATMULS = 2
+RING_BWD_MATMULS = 5
+
+
+def ring_blocks(cp: int) -> int:
+    """(query chunk, key chunk) blocks one cp rank computes per attention call in the runtime's
+    load-balanced ring: its chunks r and 2cp - 1 - r against every chunk at or before them,
+    (r + 1) + (2cp - r) = 2cp + 1 on every rank; the two on the diagonal are computed whole and
+    then masked, so the ring executes (2cp + 1) / 2cp of the causal half of the products."""
+    return 2 * cp + 1
+
+
+def ring_block_flops(plan: Plan) -> float:
+    """FLOPs of one matmul of one ring block on one rank: 2 x b x heads/tp x c x c x head_dim,
+    with c = s / 2cp tokens per chunk."""
+    m = plan.model
+    c = plan.seq_len // (2 * plan.cp)
+    return 2.0 * plan.micro_batch_size * (m.n_heads // plan.tp) * c * c * m.head_dim
+
+
+def ring_attention_compute_seconds(plan: Plan, cluster: Cluster) -> tuple[float, float] | None:
+    """The runtime's ring blocks of one attention call (forward, backward), on a device whose
+    `ring_attention_efficiency` was measured (None otherwise): `ring_blocks` blocks of
+    `RING_FWD_MATMULS` and `RING_BWD_MATMULS` matmuls, in fp32 whatever the precision (the ring
+    computes in fp32), at that share of the fp32 peak. The efficiency is micro-benchmarked on
+    the ring's own blocks at the run's chunk size (train/calibration.py), so it carries their
+    element-wise passes over the c x c scores and the host's cost per eager op as well."""
+    eff = cluster.gpu.calibration.ring_attention_efficiency
+    if plan.cp == 1 or eff is None:
+        return None
+    rate = cluster.gpu.peak_flops("fp32") * eff.value
+    work = ring_blocks(plan.cp) * ring_block_flops(plan) / rate
+    return RING_FWD_MATMULS * work, RING_BWD_MATMULS * work
+
+
 def _ring_attention_seconds(
     plan: Plan,
     cluster: Cluster,
@@ -284,23 +322,39 @@ def _ring_attention_seconds(
     n_fwd: int,
     n_bwd: int,
 ) -> tuple[float, float]:
-    """Exposed ring-attention traffic of one micro-batch (forward, backward) under cp > 1, as
-    torch's `context_parallel` runs it: cp - 1 ring steps per attention call, each passing this
-    rank's K and V chunk (b x s/cp x kv_dim/tp) to the next cp rank while attending to the chunk
-    it holds (attn / cp of the compute per step: the load-balanced split gives every step an
-    equal share); backward passes K, V and their gradients. Each step's transfer runs beside
-    that step's attention (`_overlapped`, dp_overlap's efficiency) on the link the ring spans
-    (inside a node when cp x tp <= GPUs per node). `n_fwd` forward calls (blocks, plus those
-    recomputed), `n_bwd` backward ones; attn_f / attn_b one block's attention core seconds."""
+    """Exposed ring-attention traffic of one micro-batch (forward, backward) under cp > 1.
+    `n_fwd` forward calls (blocks, plus those recomputed), `n_bwd` backward ones; attn_f /
+    attn_b one call's attention core seconds on this rank. Each transfer runs beside compute
+    (`_overlapped`, dp_overlap's efficiency) on the link the ring spans (inside a node when
+    cp x tp <= GPUs per node).
+
+    The llmscale runtime's ring (a device with `ring_attention_efficiency`): K and V of this
+    rank's chunks stacked in fp32 (b x s/cp x kv_dim/tp each, the grouped heads unexpanded),
+    cp - 1 passes in forward, each beside its step's blocks (step 0: the 3 with its own keys,
+    then 2 per step); in backward cp - 1 passes of K and V and cp of their gradients, the pass
+    of step t's gradients beside step t + 1's blocks and the last one exposed.
+
+    Otherwise as torch's `context_parallel` runs it: cp - 1 ring steps per call, each passing
+    this rank's K and V chunk in the run's dtype beside attn / cp of the compute (the
+    load-balanced split gives every step an equal share); backward passes K, V and their
+    gradients."""
     cp = plan.cp
     if cp == 1:
         return 0.0, 0.0
     m = plan.model
-    kv = 2.0 * cp_tokens(plan) * (m.kv_dim // plan.tp) * DTYPE_BYTES[plan.precision]
     per_node = 2 if cp * plan.tp <= cluster.gpus_per_node else 1
+    eta = tp_.dp_overlap
+    if cluster.gpu.calibration.ring_attention_efficiency is not None:
+        kv = 2.0 * cp_tokens(plan) * (m.kv_dim // plan.tp) * 4  # fp32
+        step = collective("p2p", kv, 2, per_node, cluster.fabric).seconds
+        unit_f, unit_b = attn_f / ring_blocks(cp), attn_b / ring_blocks(cp)
+        blocks = [3] + [2] * (cp - 2)  # beside the passes of steps 0 .. cp - 2
+        fwd = sum(_overlapped(step, n * unit_f, eta) for n in blocks)
+        bwd = sum(_overlapped(2 * step, n * unit_b, eta) for n in blocks) + step
+        return n_fwd * fwd, n_bwd * bwd
+    kv = 2.0 * cp_tokens(plan) * (m.kv_dim // plan.tp) * DTYPE_BYTES[plan.precision]
     step = collective("p2p", kv, 2, per_node, cluster.fabric).seconds
     step_b = collective("p2p", 2 * kv, 2, per_node, cluster.fabric).seconds
-    eta = tp_.dp_overlap
     fwd = (cp - 1) * _overlapped(step, attn_f / cp, eta)
     bwd = (cp - 1) * _overlapped(step_b, attn_b / cp, eta)
     return n_fwd * fwd, n_bwd * bwd
@@ -411,7 +465,7 @@ def compiled_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
     Tensor-parallel and sequence-parallel splits as in `runtime_eager_block_bytes`.
     """
     m, tp = plan.model, plan.tp
-    tokens = plan.micro_batch_size * plan.seq_len
+    tokens = cp_tokens(plan)  # this cp rank's share of the sequence
     a = DTYPE_BYTES[plan.precision]
     r = act.residual_bytes(a, kernels)
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
@@ -451,7 +505,10 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
     # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
     core_fwd_flops = m.attention_core_flops_per_token(s) / m.n_layers * tokens / (tp * plan.cp)
-    if kern.attention_kernel(m, plan.precision) in ("materialized", "math"):
+    ring = ring_attention_compute_seconds(plan, cluster)  # the runtime's ring, measured
+    if ring is not None:
+        attn_f, attn_b = ring
+    elif kern.attention_kernel(m, plan.precision) in ("materialized", "math"):
         head_dim = m.dim // m.n_heads
         eff = flat if flat is not None else cal.gemm_efficiency_at(s, s, head_dim)
         attn_f, attn_b = core_fwd_flops / (peak * eff), 2 * core_fwd_flops / (peak * eff)
@@ -532,8 +589,8 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
         tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
     loss_f = _loss_comm_seconds(plan, rank, cluster, kern)
-    # Context parallelism: every element-wise kernel sees s / cp tokens; the ring's traffic.
-    elem_f, elem_b = elem_f / plan.cp, elem_b / plan.cp
+    # Context parallelism: the ring's traffic (every element-wise count above is already this
+    # cp rank's s / cp tokens: `cp_tokens`, `saved_bytes`; the weights' casts are not per token).
     redo_attn = n_full + (n_blocks if plan.recompute == "selective" and not op_sac else 0)
     cp_f, cp_b = _ring_attention_seconds(
         plan, cluster, tp_, attn_f, attn_b, n_blocks + redo_attn, n_blocks

@@ -49,10 +49,18 @@ from llmscale.model.transformer import (
     build_norm,
     rope_tables,
 )
+from llmscale.parallel.context_parallel import ring_attention
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
-from llmscale.plan.time import DEFAULT_TIME, runtime_eager_block_parts
+from llmscale.plan.time import (
+    DEFAULT_TIME,
+    RING_BWD_MATMULS,
+    RING_FWD_MATMULS,
+    ring_block_flops,
+    ring_blocks,
+    runtime_eager_block_parts,
+)
 from llmscale.tensors import DTYPES
 from llmscale.train.optim import build_optimizer
 
@@ -348,3 +356,51 @@ def cached_cluster(plan: Plan, device: torch.device) -> tuple[Cluster, dict[str,
         plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, device
     )
     return cluster_from(figures, plan.model, plan.precision, display_name(device)), figures
+
+
+# ---- context parallelism: the runtime's ring blocks -------------------------------------------
+
+
+def ring_attention_flops_per_s(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    cp: int,
+    device: torch.device,
+    effort: Effort,
+    group: Any,
+) -> float:
+    """FLOP/s of the runtime's ring attention blocks (parallel/context_parallel.py's
+    `ring_attention`, forward + backward) at the chunk size of `cp` ranks (c = seq_len / 2cp),
+    counted as plan/time.py counts them (`ring_block_flops`, `RING_FWD_MATMULS` +
+    `RING_BWD_MATMULS` matmuls per block). Run over `group`, a group of this rank alone: the
+    rank's s / cp tokens as one ring step of `ring_blocks(1)` = 3 blocks (the two causal
+    diagonals and one full), without passes, so that what is timed is the blocks' own matmuls,
+    element-wise passes over the scores and eager ops; the passes are the link's
+    (`instrument.calibrate.measured_link`)."""
+    local = seq_len // cp
+    hd = model.head_dim
+
+    def leaf(heads: int) -> torch.Tensor:
+        return torch.randn(micro_batch, heads, local, hd, device=device, requires_grad=True)
+
+    q, k, v = leaf(model.n_heads), leaf(model.n_kv_heads), leaf(model.n_kv_heads)
+    g = torch.randn(micro_batch, model.n_heads, local, hd, device=device)
+
+    def run() -> None:
+        torch.autograd.backward(ring_attention(q, k, v, group), g)
+
+    seconds = calibrate.time_call(run, device, effort.trials, effort.min_seconds)
+    plan = Plan(model=model, seq_len=seq_len, micro_batch_size=micro_batch,
+                global_batch_size=micro_batch, cp=cp)  # fmt: skip
+    flops = ring_blocks(1) * (RING_FWD_MATMULS + RING_BWD_MATMULS) * ring_block_flops(plan)
+    return flops / seconds
+
+
+def with_ring_attention(cluster: Cluster, ring_flops: float) -> Cluster:
+    """`cluster` whose calibration has the ring blocks' measured rate, as a share of its fp32
+    rate (`Calibration.ring_attention_efficiency`)."""
+    gpu = cluster.gpu
+    eff = Sourced(ring_flops / gpu.peak_flops("fp32"), SOURCE)
+    calibration = dataclasses.replace(gpu.calibration, ring_attention_efficiency=eff)
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=calibration))
