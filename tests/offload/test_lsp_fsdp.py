@@ -1,0 +1,173 @@
+"""LSP-Offload under data parallelism: FSDP2 row shards (offload/lsp_shard.py) and replicate.
+
+Two gloo ranks train the layout tests' job (tests/parallel's harness: tiny preset cut to one
+block, 3 steps of 8 sequences) with `optimizer.offload = "lsp"`, checking every 2 steps and
+always refitting at a check (steps 0 and 2: a fit, then a refit with moment re-projection). Under data parallelism
+the gradient hooks run once per step on the step's averaged gradient, so the reference is one
+process taking the whole batch in one micro-batch: same gradients, same fits. Losses and the
+gathered parameters must match it to the layout tests' 1e-5; a dp_shard=2 checkpoint resumes bit
+for bit (across a refit) and loads into one process; each rank's bytes moved and ledger are the
+planner's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from parallel_harness import (  # noqa: E402
+    BASE,
+    RTOL,
+    rel_error,
+    run_layouts,
+    single_process_reference,
+)
+
+from llmscale.config import load_config  # noqa: E402
+from llmscale.errors import ConfigError  # noqa: E402
+from llmscale.plan.lsp import lsp_bytes_per_step  # noqa: E402
+from llmscale.plan.predict import runtime_metric_bytes  # noqa: E402
+from llmscale.train.metrics import read_jsonl  # noqa: E402
+from llmscale.train.trainer import Trainer  # noqa: E402
+
+STEPS = 3
+LSP = [
+    "--optimizer.offload", "lsp", "--model.n_layers", "1", "--train.steps", str(STEPS),
+    "--optimizer.lsp_check_every", "2", "--optimizer.lsp_refit_threshold", "1e-9",
+]  # fmt: skip
+CKPT = ["--checkpoint.enabled", "true", "--checkpoint.keep_last", "5"]
+LAYOUTS = {
+    "lsp_fsdp2": ["--parallel.dp_shard", "2", *LSP],  # zero 3, 2 micro-batches per rank
+    "lsp_fsdp2_z1": ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1", *LSP],
+    "lsp_dp2": ["--parallel.dp_replicate", "2", *LSP],
+}
+RESUME = [
+    {
+        "name": "lsp_save",
+        "run": "resume",
+        "args": [*LAYOUTS["lsp_fsdp2"], *CKPT, "--checkpoint.stop_after", "2"],
+    },
+    {
+        "name": "lsp_load",
+        "run": "resume",
+        "args": [*LAYOUTS["lsp_fsdp2"], *CKPT, "--checkpoint.resume", "true"],
+    },
+]
+ONE_BATCH = ("--train.micro_batch_size", "8")  # one process, the step's gradient at once
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def _assert_same_run(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
+    """The harness's `assert_same_run` for STEPS steps: losses, validation loss, parameters."""
+    assert got["steps_done"] == STEPS and len(got["losses"]) == len(ref["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
+        assert rel_error(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
+    assert rel_error(got["val_loss"], ref["val_loss"]) < RTOL, name
+    assert set(got["params"]) == set(ref["params"]), name
+    for k, want in ref["params"].items():
+        rel = rel_error(got["params"][k], want)
+        assert rel < RTOL, f"{name} {k}: relative error {rel:.2e}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    ref = single_process_reference(run_dir, (*LSP, *ONE_BATCH))
+    return {**ref, "run_dir": run_dir}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    layouts = [{"name": n, "args": a} for n, a in LAYOUTS.items()]
+    return run_layouts(2, tmp_path_factory.mktemp("lsp2"), [*layouts, *RESUME], timeout=500)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the module's runs: 5 layouts on 2 ranks sharing a few cores
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lsp_under_data_parallelism_equals_one_process(name, runs, reference) -> None:
+    _assert_same_run(runs[name], reference, name)
+    errs = [r["lsp_reconstruction_error"] for r in _rows(runs[name]["run_dir"])]
+    want = [r["lsp_reconstruction_error"] for r in _rows(reference["run_dir"])]
+    assert errs == pytest.approx(want, rel=1e-4)  # the same fits and checks
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_bit_for_bit_across_a_refit(runs) -> None:
+    saved, resumed = runs["lsp_save"], runs["lsp_load"]
+    assert saved["steps_done"] == 2 and resumed["steps_done"] == STEPS
+    assert resumed["losses"] == runs["lsp_fsdp2"]["losses"][2:]  # step 2 refits after the load
+    for k, p in resumed["params"].items():
+        assert torch.equal(p, runs["lsp_fsdp2"]["params"][k]), k
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_loads_into_one_process(runs, tmp_path) -> None:
+    """The LSP state is whole on every rank (projectors, d x d moments): a dp_shard=2 checkpoint
+    resumes under dp_shard=1, where the rest reshards as DCP does."""
+    run_dir = tmp_path / "run"  # the dp_shard=2 run as it stood after 2 steps
+    shutil.copytree(runs["lsp_save"]["run_dir"], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / f"step-{STEPS:06d}")  # lsp_load's last
+    args = [*BASE, *LSP, *CKPT, "--checkpoint.resume", "true"]
+    t = Trainer(load_config(None, [*args, "--job.run_dir", str(run_dir)]))
+    r = t.fit()
+    assert r.steps_done == STEPS
+    want = runs["lsp_fsdp2"]["losses"][2]
+    assert abs(r.losses[0] - want) / abs(want) < 1e-5
+    t.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_bytes_moved_and_ledger_are_the_planners(name, runs) -> None:
+    """Rank 0's `offload_bytes_moved`, step by step (a fit at step 0, a check and a refit at 2),
+    and its ledger: the planner's for the layout."""
+    cfg = load_config(None, [*BASE, *LAYOUTS[name]])
+    want = runtime_metric_bytes(cfg, device="cpu")
+    steady = want.pop("offload_bytes_moved")
+    rows = _rows(runs[name]["run_dir"])
+    assert len(rows) == STEPS
+    for row in rows:
+        assert {k: row[k] for k in want} == want
+    kw = {
+        "lsp_dim": cfg.optimizer.lsp_dim,
+        "lsp_nonzeros": cfg.optimizer.lsp_nonzeros,
+        "precision": cfg.precision.mode,
+        "n_microbatches": cfg.n_microbatches,
+        "dp_replicate": cfg.parallel.dp_replicate,
+        "dp_shard": cfg.parallel.dp_shard,
+    }
+    refit = lsp_bytes_per_step(cfg.model, **kw, check=True, fit=True, refit=True)
+    steps = [lsp_bytes_per_step(cfg.model, **kw, fit=True), lsp_bytes_per_step(cfg.model, **kw)]
+    expect = [steps[0].total, steps[1].total, refit.total]
+    assert [r["offload_bytes_moved"] for r in rows] == expect
+    assert steady == steps[1].total
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (("--parallel.tp", "2"), "parallel.tp"),
+        (("--parallel.pp", "2"), "parallel.pp"),
+        (("--parallel.cp", "2"), "parallel.cp"),
+        (("--parallel.dp_shard", "2", "--parallel.tp", "2"), "parallel.tp"),
+    ],
+)
+def test_layouts_not_served_are_one_line_errors(args, field) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, *LSP, *args])
+    assert e.value.field == field and "\n" not in str(e.value)
+
+
+def test_dp_layouts_are_accepted() -> None:
+    for args in LAYOUTS.values():
+        load_config(None, [*BASE, *args]).validate()
