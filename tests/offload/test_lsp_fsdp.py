@@ -47,6 +47,8 @@ LAYOUTS = {
     "lsp_fsdp2_z1": ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1", *LSP],
     "lsp_dp2": ["--parallel.dp_replicate", "2", *LSP],
 }
+# Four ranks: HSDP (replicate 2 x shard 2), the shard group a sub-group of the mesh.
+LAYOUTS4 = {"lsp_hsdp2x2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", *LSP]}
 RESUME = [
     {
         "name": "lsp_save",
@@ -91,12 +93,23 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return run_layouts(2, tmp_path_factory.mktemp("lsp2"), [*layouts, *RESUME], timeout=500)
 
 
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    layouts = [{"name": n, "args": a} for n, a in LAYOUTS4.items()]
+    return run_layouts(4, tmp_path_factory.mktemp("lsp4"), layouts, timeout=500)
+
+
+def _run(name: str, runs: dict[str, Any], runs4: dict[str, Any]) -> dict[str, Any]:
+    return runs[name] if name in LAYOUTS else runs4[name]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # the module's runs: 5 layouts on 2 ranks sharing a few cores
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_lsp_under_data_parallelism_equals_one_process(name, runs, reference) -> None:
-    _assert_same_run(runs[name], reference, name)
-    errs = [r["lsp_reconstruction_error"] for r in _rows(runs[name]["run_dir"])]
+@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS4])
+def test_lsp_under_data_parallelism_equals_one_process(name, runs, runs4, reference) -> None:
+    run = _run(name, runs, runs4)
+    _assert_same_run(run, reference, name)
+    errs = [r["lsp_reconstruction_error"] for r in _rows(run["run_dir"])]
     want = [r["lsp_reconstruction_error"] for r in _rows(reference["run_dir"])]
     assert errs == pytest.approx(want, rel=1e-4)  # the same fits and checks
 
@@ -127,14 +140,14 @@ def test_fsdp_checkpoint_loads_into_one_process(runs, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_bytes_moved_and_ledger_are_the_planners(name, runs) -> None:
+@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS4])
+def test_bytes_moved_and_ledger_are_the_planners(name, runs, runs4) -> None:
     """Rank 0's `offload_bytes_moved`, step by step (a fit at step 0, a check and a refit at 2),
     and its ledger: the planner's for the layout."""
-    cfg = load_config(None, [*BASE, *LAYOUTS[name]])
+    cfg = load_config(None, [*BASE, *(LAYOUTS.get(name) or LAYOUTS4[name])])
     want = runtime_metric_bytes(cfg, device="cpu")
     steady = want.pop("offload_bytes_moved")
-    rows = _rows(runs[name]["run_dir"])
+    rows = _rows(_run(name, runs, runs4)["run_dir"])
     assert len(rows) == STEPS
     for row in rows:
         assert {k: row[k] for k in want} == want
@@ -169,5 +182,5 @@ def test_layouts_not_served_are_one_line_errors(args, field) -> None:
 
 
 def test_dp_layouts_are_accepted() -> None:
-    for args in LAYOUTS.values():
+    for args in [*LAYOUTS.values(), *LAYOUTS4.values()]:
         load_config(None, [*BASE, *args]).validate()
