@@ -31,7 +31,12 @@ from parallel_harness import (  # noqa: E402
 
 from llmscale.config import load_config  # noqa: E402
 from llmscale.errors import ConfigError  # noqa: E402
-from llmscale.plan.lsp import lsp_bytes_per_step  # noqa: E402
+from llmscale.plan.lsp import (  # noqa: E402
+    lsp_bytes_per_step,
+    lsp_memory,
+    matrix_dims,
+    one_process_split,
+)
 from llmscale.plan.predict import runtime_metric_bytes  # noqa: E402
 from llmscale.train.metrics import read_jsonl  # noqa: E402
 from llmscale.train.trainer import Trainer  # noqa: E402
@@ -47,6 +52,8 @@ LAYOUTS = {
     "lsp_fsdp2_z1": ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1", *LSP],
     "lsp_dp2": ["--parallel.dp_replicate", "2", *LSP],
 }
+# bf16 weights, FSDP2's fp32 gradient reduction: trains like fp32 (not to 1e-5)
+BF16 = {"lsp_fsdp2_bf16": ["--parallel.dp_shard", "2", "--precision.mode", "bf16", *LSP]}
 # Four ranks: HSDP (replicate 2 x shard 2), the shard group a sub-group of the mesh.
 LAYOUTS4 = {"lsp_hsdp2x2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", *LSP]}
 RESUME = [
@@ -89,7 +96,7 @@ def reference(tmp_path_factory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    layouts = [{"name": n, "args": a} for n, a in LAYOUTS.items()]
+    layouts = [{"name": n, "args": a} for n, a in {**LAYOUTS, **BF16}.items()]
     return run_layouts(2, tmp_path_factory.mktemp("lsp2"), [*layouts, *RESUME], timeout=500)
 
 
@@ -100,7 +107,11 @@ def runs4(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 
 def _run(name: str, runs: dict[str, Any], runs4: dict[str, Any]) -> dict[str, Any]:
-    return runs[name] if name in LAYOUTS else runs4[name]
+    return runs4[name] if name in LAYOUTS4 else runs[name]
+
+
+def _args(name: str) -> list[str]:
+    return {**LAYOUTS, **BF16, **LAYOUTS4}[name]
 
 
 @pytest.mark.slow
@@ -112,6 +123,14 @@ def test_lsp_under_data_parallelism_equals_one_process(name, runs, runs4, refere
     errs = [r["lsp_reconstruction_error"] for r in _rows(run["run_dir"])]
     want = [r["lsp_reconstruction_error"] for r in _rows(reference["run_dir"])]
     assert errs == pytest.approx(want, rel=1e-4)  # the same fits and checks
+
+
+@pytest.mark.slow
+def test_bf16_under_fsdp_trains_like_fp32(runs, reference) -> None:
+    got = runs["lsp_fsdp2_bf16"]
+    assert got["losses"] == pytest.approx(reference["losses"], abs=0.05)
+    errs = [r["lsp_reconstruction_error"] for r in _rows(got["run_dir"])]
+    assert all(0 < e < 1 for e in errs)
 
 
 @pytest.mark.slow
@@ -140,11 +159,11 @@ def test_fsdp_checkpoint_loads_into_one_process(runs, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS4])
+@pytest.mark.parametrize("name", [*LAYOUTS, *BF16, *LAYOUTS4])
 def test_bytes_moved_and_ledger_are_the_planners(name, runs, runs4) -> None:
     """Rank 0's `offload_bytes_moved`, step by step (a fit at step 0, a check and a refit at 2),
     and its ledger: the planner's for the layout."""
-    cfg = load_config(None, [*BASE, *(LAYOUTS.get(name) or LAYOUTS4[name])])
+    cfg = load_config(None, [*BASE, *_args(name)])
     want = runtime_metric_bytes(cfg, device="cpu")
     steady = want.pop("offload_bytes_moved")
     rows = _rows(_run(name, runs, runs4)["run_dir"])
@@ -181,6 +200,30 @@ def test_layouts_not_served_are_one_line_errors(args, field) -> None:
     assert e.value.field == field and "\n" not in str(e.value)
 
 
+def test_planner_per_rank_traffic_and_ledger() -> None:
+    """Under FSDP2 the ZeRO path's share is rank 0's shard and moves once per step; each LSP
+    matrix's d x d state and traffic are whole on every rank, as in one process."""
+    cfg = load_config(None, [*BASE, *LSP])
+    model, kw = cfg.model, {"lsp_dim": 512, "lsp_nonzeros": 16, "precision": "fp32"}
+    one = lsp_memory(model, **kw, n_microbatches=1)
+    two = lsp_memory(model, **kw, n_microbatches=1, dp_shard=2)
+    sp1, sp2 = one_process_split(model), one_process_split(model, dp_shard=2)
+    assert sp2.matrices == sp1.matrices and sp2.zero_tensors == sp1.zero_tensors
+    assert 2 * sp2.zero_numel == sp1.zero_numel and 2 * sp2.matrix_numel == sp1.matrix_numel
+    assert two["device_lsp_bytes"] == one["device_lsp_bytes"]  # whole projectors on each rank
+    assert one["host_master_bytes"] == 2 * two["host_master_bytes"] == 4 * sp1.zero_numel
+    assert one["param_bytes"] == 2 * two["param_bytes"]
+    t1 = lsp_bytes_per_step(model, **kw, n_microbatches=4)
+    t2 = lsp_bytes_per_step(model, **kw, n_microbatches=4, dp_shard=2)
+    d2 = sum(4 * matrix_dims(m, 512, 16)[0] ** 2 for m in sp1.matrices)
+    assert t1.down == 4 * (4 * sp1.zero_numel + d2)  # every micro-step
+    assert t2.down == 4 * sp2.zero_numel + d2  # once per step (hooks after the reduction)
+    assert t2.up == 4 * sp2.zero_numel + d2
+    assert lsp_bytes_per_step(model, **kw, n_microbatches=4, dp_replicate=2).down == (
+        4 * sp1.zero_numel + d2
+    )
+
+
 def test_dp_layouts_are_accepted() -> None:
-    for args in [*LAYOUTS.values(), *LAYOUTS4.values()]:
+    for args in [*LAYOUTS.values(), *BF16.values(), *LAYOUTS4.values()]:
         load_config(None, [*BASE, *args]).validate()
