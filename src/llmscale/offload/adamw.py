@@ -192,8 +192,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 shape = global_shape(p)  # the whole matrix's: projectors are per matrix
                 if lsp is not None and is_lsp_matrix(name, shape):
                     d, s = matrix_dims(shape, lsp.dim, lsp.nonzeros)
+                    m, n = shape
                     proj = Projectors.new(
-                        *shape, d, s, lsp.seed * 1_000_003 + len(self.slots), self.device
+                        m, n, d, s, lsp.seed * 1_000_003 + len(self.slots), self.device
                     )
                     slot = self.host.make_lsp_slot(
                         len(self.slots), name, p, ui, group_of[id(p)], proj
