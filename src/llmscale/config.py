@@ -657,14 +657,17 @@ class JobConfig:
             )
 
     def _validate_lsp_layout(self) -> None:
-        """offload lsp serves one process yet (its projector state is per matrix, not sharded)."""
+        """offload lsp serves data parallelism (FSDP2's row shards: offload/lsp_shard.py; replicate)
+        but not TP, PP or CP (their shards would split the projectors' matrices another way)."""
         if self.optimizer.offload != "lsp":
             return
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp"):
             value = getattr(self.parallel, name, 1)
             if value != 1:
                 raise ConfigError(
-                    f"parallel.{name}", value, "1 with optimizer.offload = lsp (one process only)"
+                    f"parallel.{name}",
+                    value,
+                    "1 with optimizer.offload = lsp (it serves dp_shard and dp_replicate only)",
                 )
 
 

@@ -160,7 +160,7 @@ ONE_EACH = ("--train.micro_batch_size", "1", "--train.global_batch_size", "2")
         (("--optimizer.lsp_check_every", "0"), "optimizer.lsp_check_every"),
         (("--optimizer.lsp_dim", "8", "--optimizer.lsp_nonzeros", "9"), "optimizer.lsp_nonzeros"),
         (("--parallel.tp", "2"), "parallel.tp"),
-        (("--parallel.dp_shard", "2", *ONE_EACH), "parallel.dp_shard"),
+        (("--parallel.cp", "2", *ONE_EACH), "parallel.cp"),
         (("--parallel.pp", "2", *ONE_EACH), "parallel.pp"),
     ],
 )

@@ -36,7 +36,9 @@ decompresses it (Pᵀ U Q) into the weight before the forward reads it. The firs
 the first step, and of every `check_every`-th step, measures the reconstruction error of its
 gradient and (re)fits the projectors on it on the device when it exceeds `refit_threshold` (the
 first step always fits); a refit re-projects the host moments (the change of basis goes down).
-Every device-host copy goes through the same copiers.
+Every device-host copy goes through the same copiers. Under FSDP2 each rank holds row shards of
+the matrices: the compression, the error and the fits are sums over the shard group
+(`offload.lsp_shard`), so every rank holds the same whole projectors and d x d state.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from llmscale.offload.host_adam import (
     fused_cpu_adamw_available,
 )
 from llmscale.offload.lsp import LspSettings, Projectors, reproject_moments
+from llmscale.offload.lsp_shard import ShardedProjectors, global_shape, shard_of
 from llmscale.offload.params import ParamOffload, Piece, UnitParams
 from llmscale.offload.timeline import TransferTimeline
 from llmscale.parallel.grads import (
@@ -180,19 +183,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.units: list[Unit] = []
         self.slots: list[HostSlot] = []
         self._slot_of: dict[int, HostSlot] = {}
+        # LSP matrices held as FSDP2 row shards: their projector arithmetic over the shard group
+        self._lsp_rows: dict[int, ShardedProjectors] = {}
         for ui, (uname, names) in enumerate(units([n for n, _ in named])):
             unit = Unit(ui, uname, [])
             for name in names:
                 p = by_name[name]
-                shape = tuple(local_tensor(p).shape)
+                shape = global_shape(p)  # the whole matrix's: projectors are per matrix
                 if lsp is not None and is_lsp_matrix(name, shape):
                     d, s = matrix_dims(shape, lsp.dim, lsp.nonzeros)
+                    m, n = shape
                     proj = Projectors.new(
-                        *shape, d, s, lsp.seed * 1_000_003 + len(self.slots), self.device
+                        m, n, d, s, lsp.seed * 1_000_003 + len(self.slots), self.device
                     )
                     slot = self.host.make_lsp_slot(
                         len(self.slots), name, p, ui, group_of[id(p)], proj
                     )
+                    rows = shard_of(p)
+                    if rows is not None:
+                        self._lsp_rows[id(slot)] = ShardedProjectors(proj, rows)
                 else:
                     slot = self.host.make_slot(len(self.slots), name, p, ui, group_of[id(p)])
                 # Non-empty from the start, so DCP's get_state_dict never runs a fake step.
@@ -342,7 +351,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if slot.lsp is not None:
             if first:
                 self._lsp_check(slot, unit, g)
-            g = slot.lsp.proj.compress(g)  # d x d fp32: what goes down
+            g = self._lsp_ops(slot).compress(g)  # d x d fp32: what goes down
         dst = self.host.download_buffer(slot, g.dtype, first)
         direct = dst is slot.grad
         # The buffer must be free: the last step's upload out of it done (the forward waited for
@@ -379,13 +388,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         done = int(slot.step.item())
         if done % self.lsp.check_every:
             return
-        lsp, step = slot.lsp, self._step_index
+        lsp, step, ops = slot.lsp, self._step_index, self._lsp_ops(slot)
         if done > 0:
-            self.d2h.copy(lsp.error, lsp.proj.relative_error(g), step, unit.name, "download").wait()
+            self.d2h.copy(lsp.error, ops.relative_error(g), step, unit.name, "download").wait()
             if not float(lsp.error) > self.lsp.refit_threshold:  # (a NaN gradient: no refit)
                 return
         old = lsp.proj.snapshot()
-        trace = lsp.proj.fit(g)  # (a zero or non-finite gradient: unchanged, error NaN)
+        trace = ops.fit(g)  # (a zero or non-finite gradient: unchanged, error NaN)
         self.d2h.copy(lsp.error, torch.stack(trace).min(), step, unit.name, "download").wait()
         if done > 0:  # (a NaN error never gets here: no refit; at the first fit M = V = 0)
             a, b = lsp.proj.change_of_basis(old)
@@ -402,11 +411,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
             t.wait()
         reproject_moments(slot.exp_avg, slot.exp_avg_sq, ab[0], ab[1])
 
+    def _lsp_ops(self, slot: HostSlot) -> Projectors | ShardedProjectors:
+        """Whose compress / relative_error / fit read `slot`'s gradient: its projectors, or
+        under FSDP2 their row-shard view (sums over the shard group, `offload.lsp_shard`)."""
+        assert slot.lsp is not None
+        return self._lsp_rows.get(id(slot), slot.lsp.proj)
+
     def _apply_lsp(self, unit: Unit) -> None:
         """Decompress and apply the unit's uploaded LSP updates (its upload is waited for)."""
         for s in unit.slots:
             if s.lsp is not None and s.lsp.pending:
-                s.lsp.apply(s.local)
+                rows = self._lsp_rows.get(id(s))
+                if rows is not None:
+                    rows.apply(s.lsp, s.local)  # this rank's rows of the update
+                else:
+                    s.lsp.apply(s.local)
+
+    def norm_shard_count(self, p: torch.Tensor) -> int:
+        """Into how many pieces the host gradient of `p` is split over the mesh, for the
+        global norm: an LSP matrix's compressed gradient is whole on every rank (1)."""
+        slot = self._slot_of.get(id(p))
+        return 1 if slot is not None and slot.lsp is not None else shard_count(p)
 
     def lsp_reconstruction_error(self) -> float | None:
         """Mean over the LSP matrices of their last measured relative reconstruction error."""
@@ -561,7 +586,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """torch's layout (per-parameter step, exp_avg, exp_avg_sq) plus the fp32 `master`.
 
         The tensors are the host buffers themselves, so DCP loads into them in place. Under
-        FSDP2 they are wrapped as DTensors sharded like their parameter.
+        FSDP2 they are wrapped as DTensors sharded like their parameter (an LSP matrix's stay
+        plain: whole and the same on every rank, so a checkpoint loads under any dp_shard).
         """
         self.synchronize()
         sd = super().state_dict()
@@ -570,7 +596,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             (p for g in self.param_groups for p in g["params"]),
             strict=True,
         ):
-            if is_dtensor(p):
+            # (an LSP matrix's state is whole on every rank: projectors and d x d moments)
+            if is_dtensor(p) and self._slot_of[id(p)].lsp is None:
                 sd["state"][key] = {
                     k: (dtensor_like(p, v) if k != "step" else v)
                     for k, v in sd["state"][key].items()
@@ -660,9 +687,12 @@ def grad_norm(
     through the device path's reduction (`parallel.grads.global_norm_and_overflow`); the total
     is then divided by the loss `scale` (exact: a power of two). None: no loss scaling.
     """
-    pairs = [pn for opt in optimizers for pn in opt.local_grad_norms()]
+    pairs = [(opt, *pn) for opt in optimizers for pn in opt.local_grad_norms()]
     stats = global_norm_and_overflow(
-        [n for _, n in pairs], [shard_count(p) for p, _ in pairs], stage_size, scale is not None
+        [n for _, _, n in pairs],
+        [opt.norm_shard_count(p) for opt, p, _ in pairs],
+        stage_size,
+        scale is not None,
     )
     if scale is not None and scale != 1.0:
         return GradNorm(stats.norm * (1.0 / scale), stats.found_inf)

@@ -18,6 +18,14 @@ Model (exact for the runtime, `offload/lsp.py`, `offload/host_adam.py`):
   the ZeRO path's gradients down per micro-step and weights up, in the working dtype. A check
   step adds 4 B down per matrix (its error), a fit 4 B (the error after it), a refit with moments
   to move 2 x 4 d² (the change of basis).
+- Under data parallelism (dp_shard and/or dp_replicate > 1; `offload/lsp_shard.py`) the numbers
+  are per rank. FSDP2 and replicate run the gradient hooks once per step (on the last
+  micro-step's reduced gradient), so everything "per micro-step" above happens once. The ZeRO
+  path holds and moves the rank's FSDP2 shard (rank 0's: ceil(rows / dp_shard) rows, as
+  `plan.params.shard_numel`); each LSP matrix's state is whole on every rank (the projectors,
+  the d x d moments, gradient and update: the compressed gradient is all-reduced over the shard
+  group on the device before it goes down), so its device and host bytes and its d x d traffic
+  are the one-process ones; the weights are the rank's shard.
 """
 
 from __future__ import annotations
@@ -63,33 +71,48 @@ def host_bytes(d: int, n_microbatches: int) -> dict[str, int]:
 class LspSplit(NamedTuple):
     """A rank's parameters split between the projectors and the ZeRO path."""
 
-    matrices: tuple[tuple[int, int], ...]  # shapes of the LSP matrices
-    zero_numel: int  # elements on the ZeRO-Offload path
+    matrices: tuple[tuple[int, int], ...]  # shapes of the LSP matrices (whole)
+    zero_numel: int  # elements on the ZeRO-Offload path (this rank's FSDP2 shard of them)
     zero_tensors: int
+    matrix_numel: int = 0  # elements of the LSP matrices this rank holds (its shard of them)
 
 
-def split(model: ModelConfig, layers: int, root: Sequence[tuple[str, tuple[int, ...]]]) -> LspSplit:
-    """The LSP matrices of `layers` blocks and the rest (the block's others and `root`'s)."""
+def split(
+    model: ModelConfig,
+    layers: int,
+    root: Sequence[tuple[str, tuple[int, ...]]],
+    dp_shard: int = 1,
+) -> LspSplit:
+    """The LSP matrices of `layers` blocks and the rest (the block's others and `root`'s);
+    the element counts are rank 0's FSDP2 shard over `dp_shard` ranks (ceil(rows / dp_shard))."""
     mats: list[tuple[int, int]] = []
-    numel = tensors = 0
+    numel = tensors = held = 0
     block = model.parameter_shapes()["block"]
     for _ in range(layers):
         for name, shape in block:
             if is_lsp_matrix(name, shape):
                 mats.append((shape[0], shape[1]))
+                held += _shard_numel(shape, dp_shard)
             else:
-                numel += _numel(shape)
+                numel += _shard_numel(shape, dp_shard)
                 tensors += 1
     for _, shape in root:
-        numel += _numel(shape)
+        numel += _shard_numel(shape, dp_shard)
         tensors += 1
-    return LspSplit(tuple(mats), numel, tensors)
+    return LspSplit(tuple(mats), numel, tensors, held)
 
 
-def one_process_split(model: ModelConfig) -> LspSplit:
-    """The split of the whole model on one process (the only layout lsp serves yet)."""
+def one_process_split(model: ModelConfig, dp_shard: int = 1) -> LspSplit:
+    """The split of the whole model on one process, or on one FSDP2 rank of `dp_shard`
+    (rank 0's shard; lsp serves no TP, PP or CP)."""
     shapes = model.parameter_shapes()
-    return split(model, model.n_layers, [*shapes["embedding"], *shapes["head"]])
+    return split(model, model.n_layers, [*shapes["embedding"], *shapes["head"]], dp_shard)
+
+
+def hooks_per_step(n_microbatches: int, dp_replicate: int = 1, dp_shard: int = 1) -> int:
+    """Gradient hooks per parameter per step: once under data parallelism (FSDP2 and
+    replicate reduce on the last micro-step only), else once per micro-step."""
+    return 1 if dp_replicate * dp_shard > 1 else n_microbatches
 
 
 class LspTraffic(NamedTuple):
@@ -111,20 +134,23 @@ def lsp_bytes_per_step(
     check: bool = False,
     fit: bool = False,
     refit: bool = False,
+    dp_replicate: int = 1,
+    dp_shard: int = 1,
 ) -> LspTraffic:
-    """Bytes copied each way in one step of offload "lsp" (one process).
+    """Bytes copied each way in one step of offload "lsp" by one rank (rank 0 under FSDP2).
 
     `check`: the step measures each matrix's error (every `lsp_check_every` steps but the
     first); `fit`: the projectors are fitted (the first step, or a check over the threshold);
     `refit`: a fit after the first step, whose change of basis goes down too.
     """
-    sp = one_process_split(model)
+    sp = one_process_split(model, dp_shard)
     pb = DTYPE_BYTES[precision]
-    down = pb * sp.zero_numel * n_microbatches
+    hooks = hooks_per_step(n_microbatches, dp_replicate, dp_shard)
+    down = pb * sp.zero_numel * hooks
     up = pb * sp.zero_numel
     for shape in sp.matrices:
         d, _ = matrix_dims(shape, lsp_dim, lsp_nonzeros)
-        down += 4 * d * d * n_microbatches + 4 * (check + fit) + (8 * d * d if refit else 0)
+        down += 4 * d * d * hooks + 4 * (check + fit) + (8 * d * d if refit else 0)
         up += 4 * d * d
     return LspTraffic(down, up)
 
@@ -136,33 +162,37 @@ def lsp_memory(
     lsp_nonzeros: int,
     precision: Precision,
     n_microbatches: int,
+    dp_replicate: int = 1,
+    dp_shard: int = 1,
 ) -> dict[str, int]:
-    """The runtime's ledger for offload "lsp" on one process (bytes by metrics key).
+    """The runtime's ledger for offload "lsp" on one rank (rank 0 under FSDP2), by metrics key.
 
     `device_lsp_bytes` (projectors, update buffers), the host keys of both paths, and
-    `param_bytes` (the device weights in the working dtype).
+    `param_bytes` (the rank's device weights in the working dtype).
     """
-    sp = one_process_split(model)
+    sp = one_process_split(model, dp_shard)
     pb = DTYPE_BYTES[precision]
-    staging = precision != "fp32" or n_microbatches > 1
+    hooks = hooks_per_step(n_microbatches, dp_replicate, dp_shard)
+    staging = precision != "fp32" or hooks > 1
     row = {
         "host_optimizer_bytes": 8 * sp.zero_numel + 4 * sp.zero_tensors,
         "host_master_bytes": 4 * sp.zero_numel,
         "host_grad_bytes": 4 * sp.zero_numel,
         "host_staging_bytes": pb * sp.zero_numel if staging else 0,
         "device_lsp_bytes": 0,
-        "param_bytes": pb * (sp.zero_numel + sum(m * n for m, n in sp.matrices)),
+        "param_bytes": pb * (sp.zero_numel + sp.matrix_numel),
     }
     for shape in sp.matrices:
         d, s = matrix_dims(shape, lsp_dim, lsp_nonzeros)
         row["device_lsp_bytes"] += device_bytes(shape, d, s)
-        for k, v in host_bytes(d, n_microbatches).items():
+        for k, v in host_bytes(d, hooks).items():
             row[k] += v
     return row
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for x in shape:
+def _shard_numel(shape: Sequence[int], dp_shard: int) -> int:
+    """Elements of rank 0's FSDP2 shard: ceil(rows / dp_shard) rows (`plan.params`' rule)."""
+    n = -(-shape[0] // dp_shard)
+    for x in shape[1:]:
         n *= x
     return n

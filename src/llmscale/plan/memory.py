@@ -250,7 +250,9 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         grads = 4 * shard if grads_held is None else grads_held
         return RankPieces(4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0)
     if plan.offload == "lsp":
-        return lsp_pieces(plan, pb * rp.block.numel)
+        return lsp_pieces(
+            plan, max(rs_transient, pb * rp.block.numel), unsharded if plan.fsdp else 0.0
+        )
     host = 12 * shard + counters
     if plan.offload == "optimizer":
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
@@ -295,20 +297,23 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
     )
 
 
-def lsp_pieces(plan: Plan, grads_in_flight: float) -> RankPieces:
-    """offload "lsp" (one process, plan/lsp.py): the weights in the working dtype, the projectors
-    and update buffers as device optimizer state, the moments of both paths on the host."""
+def lsp_pieces(plan: Plan, transient: float, working: float = 0.0) -> RankPieces:
+    """offload "lsp" (plan/lsp.py; one process or data parallel): the rank's weights in the
+    working dtype, the projectors and update buffers as device optimizer state, the moments of
+    both paths on the host; under FSDP2 `working`, the units all-gathered as for "optimizer"."""
     row = lsp_memory(
         plan.model,
         lsp_dim=plan.lsp_dim,
         lsp_nonzeros=plan.lsp_nonzeros,
         precision=plan.precision,
         n_microbatches=plan.n_microbatches,
+        dp_replicate=plan.dp_replicate,
+        dp_shard=plan.dp_shard,
     )
     host = sum(v for k, v in row.items() if k.startswith("host_"))
     return RankPieces(
-        float(row["param_bytes"]), 0.0, float(row["device_lsp_bytes"]), 0.0, 0.0,
-        grads_in_flight, float(host),
+        float(row["param_bytes"]), 0.0, float(row["device_lsp_bytes"]), working, 0.0,
+        transient, float(host),
     )  # fmt: skip
 
 

@@ -104,10 +104,11 @@ def fsdp_cpu_offload_traffic(plan: Plan, rank: int, kernels: act.Kernels) -> Tra
 
 
 def _lsp(plan: Plan, rank: int, kernels: act.Kernels) -> Traffic | None:
-    """LSP-Offload (one process): a steady step's bytes, the blocks' matrices as d x d
-    compressed gradients and updates (`plan/lsp.py`). The first step (a fit), a check step and
-    a refit move a few bytes more: `lsp_bytes_per_step(..., check=, fit=, refit=)`."""
-    if plan.world_size > 1:
+    """LSP-Offload (one process, or data parallel: rank 0's FSDP2 shard): a steady step's
+    bytes, the blocks' matrices as d x d compressed gradients and updates (`plan/lsp.py`). The
+    first step (a fit), a check step and a refit move a few bytes more:
+    `lsp_bytes_per_step(..., check=, fit=, refit=)`. Not modelled under TP, PP or CP (not served)."""
+    if plan.tp * plan.pp * plan.cp > 1:
         return None
     t = lsp_bytes_per_step(
         plan.model,
@@ -115,6 +116,8 @@ def _lsp(plan: Plan, rank: int, kernels: act.Kernels) -> Traffic | None:
         lsp_nonzeros=plan.lsp_nonzeros,
         precision=plan.precision,
         n_microbatches=plan.n_microbatches,
+        dp_replicate=plan.dp_replicate,
+        dp_shard=plan.dp_shard,
     )
     return Traffic(down=float(t.down), up=float(t.up))
 

@@ -188,7 +188,7 @@ def runtime_metric_bytes(
     out[f"{where}_optimizer_bytes"] = out["optimizer_bytes"]
     if plan.offload == "none":
         return out
-    if plan.offload == "lsp":  # one process: the projectors' and the ZeRO path's ledger
+    if plan.offload == "lsp":  # rank 0's: the projectors' and the ZeRO path's ledger
         row = _lsp_ledger(plan)
         for k in ("host_master_bytes", "host_grad_bytes", "host_staging_bytes"):
             out[k] = float(row[k])
@@ -215,4 +215,6 @@ def _lsp_ledger(plan: Plan) -> dict[str, int]:
         lsp_nonzeros=plan.lsp_nonzeros,
         precision=plan.precision,
         n_microbatches=plan.n_microbatches,
+        dp_replicate=plan.dp_replicate,
+        dp_shard=plan.dp_shard,
     )

@@ -77,7 +77,8 @@ class SearchSpace:
     )  # fmt: skip
     chunks: tuple[int, ...] = (2, 4)  # of the loop-style multi-chunk schedules; V ones run 2
     zero_stages: tuple[int, ...] = (3, 1)  # 2 lays memory out as 1 in FSDP2: not tried twice
-    # not "lsp": it changes the arithmetic (an approximation) and serves one process only
+    # not "lsp": it changes the arithmetic (an approximation: the search would trade accuracy
+    # for speed, which nothing else it tries does); it serves one process and dp, not tp/pp/cp
     offload: tuple[Offload, ...] = tuple(o for o in OFFLOAD_MODES if o != "lsp")
     sequence_parallel: tuple[bool, ...] = (False, True)
     data_parallel: tuple[str, ...] = ("shard", "replicate", "hybrid")  # hybrid: shard in-node
