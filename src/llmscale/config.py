@@ -50,13 +50,6 @@ V_SCHEDULES: tuple[PPSchedule, ...] = ("zbv", "dualpipev")
 SPLIT_BACKWARD_SCHEDULES: tuple[PPSchedule, ...] = ("zero_bubble", "zbv", "dualpipev")
 
 
-def split_backward_resharded(schedule: str, dp_shard: int, zero_stage: int) -> bool:
-    """The layout the runtime refuses: FSDP resharding after the forward (zero 3 over
-    dp_shard > 1) under a schedule that splits the backward into B and W, where torch 2.13
-    leaves wrong weight gradients. The planner's search skips it too."""
-    return schedule in SPLIT_BACKWARD_SCHEDULES and dp_shard > 1 and zero_stage == 3
-
-
 def pipeline_chunks(schedule: str, pp_chunks: int) -> int:
     """Model chunks per pipeline rank that `schedule` runs: 2 for the V schedules (whatever
     `pp_chunks` says), `pp_chunks` for the loop-style multi-chunk ones, 1 otherwise."""
@@ -635,17 +628,9 @@ class JobConfig:
         """What torch's zero-bubble schedules need of the micro-batches per step: zero_bubble
         (ScheduleInterleavedZeroBubble) a whole number of rounds, taken here as a multiple of pp
         as for interleaved_1f1b; dualpipev (ScheduleDualPipeV) at least one per stage, 2 pp.
-        And FSDP must keep a stage's parameters gathered from forward to backward (zero 1/2):
-        resharding after the forward (zero 3), torch 2.13 leaves wrong weight gradients when a
-        backward is split into B and W (1e-2 off the single-process loss at the second step)."""
+        (FSDP's zero 3 runs under them too: parallel/pipeline.py gathers a stage before torch's
+        split backward reads its parameters.)"""
         p, m, gbs = self.parallel, self.n_microbatches, self.train.global_batch_size
-        if split_backward_resharded(p.pp_schedule, p.dp_shard, p.zero_stage):
-            raise ConfigError(
-                "parallel.zero_stage",
-                3,
-                f"1 or 2 with dp_shard > 1 and pp_schedule = '{p.pp_schedule}' (torch's split "
-                "backward gets wrong weight gradients when FSDP reshards after the forward)",
-            )
         per = f"micro-batches per step (global / (micro_batch_size x dp) = {m})"
         if p.pp > 1 and p.pp_schedule == "zero_bubble" and m % p.pp:
             raise ConfigError(

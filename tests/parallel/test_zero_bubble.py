@@ -21,6 +21,7 @@ from llmscale.errors import ConfigError
 from llmscale.instrument.pipeline import FILE_NAME
 from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
+from llmscale.parallel import pipeline
 from llmscale.parallel.pipeline import pipeline_split, schedule_stage_ids
 from llmscale.parallel.timeline import PipelineTimeline, rank_op_orders
 from llmscale.train.metrics import read_jsonl
@@ -61,6 +62,10 @@ L8 = ("--model.n_layers", "8")
 WORLD4 = {  # name: (args, the reference's extra overrides)
     "zbv_fsdp": (_pp("zbv", parallel__dp_shard=2, parallel__zero_stage=2), ()),
     "zb_fsdp": (_pp("zero_bubble", parallel__dp_shard=2, parallel__zero_stage=2), ()),
+    # zero 3: FSDP reshards each stage after every F; B and W must still see the gathered
+    # parameters (parallel/pipeline.py `_gather_before_split_backward`).
+    "zbv_fsdp_zero3": (_pp("zbv", parallel__dp_shard=2, parallel__zero_stage=3), ()),
+    "zb_fsdp_zero3": (_pp("zero_bubble", parallel__dp_shard=2, parallel__zero_stage=3), ()),
     "dualpipev_tp": (_pp("dualpipev", parallel__tp=2), ()),
     "zbv_pp4": ([*_pp("zbv", pp=4), *L8], L8),
     "zb_pp4": ([*_pp("zero_bubble", pp=4), *L8], L8),
@@ -189,10 +194,6 @@ def test_v_placement_splits_the_model_into_a_v() -> None:
          "at least 2 x pp=4 for dualpipev"),
         ([*_pp("zero_bubble", pp=4, train__global_batch_size=12), *L8],
          "train.global_batch_size", "a multiple of pp=4 for zero_bubble"),
-        (_pp("zbv", parallel__dp_shard=2), "parallel.zero_stage", "1 or 2 with dp_shard > 1"),
-        (_pp("dualpipev", parallel__dp_shard=2, parallel__dp_replicate=2,
-             train__global_batch_size=32),
-         "parallel.zero_stage", "FSDP reshards after the forward"),
         (_pp("zbv", parallel__pp_chunks=3), "parallel.pp_chunks", "unset or 2"),
     ],
 )  # fmt: skip
@@ -201,3 +202,77 @@ def test_what_torch_cannot_run_is_refused_in_one_line(args, field, says) -> None
         load_config(None, [*BASE, *args])
     msg = str(e.value)
     assert msg.startswith(f"{field}: ") and says in msg and "\n" not in msg
+
+
+def test_zero3_is_accepted_under_the_split_backward_schedules() -> None:
+    for args in (
+        _pp("zbv", parallel__dp_shard=2),
+        _pp("dualpipev", parallel__dp_shard=2, parallel__dp_replicate=2,
+            train__global_batch_size=32),
+    ):  # fmt: skip
+        assert load_config(None, [*BASE, *args]).parallel.zero_stage == 3
+
+
+def _zero3_stage_grads(tmp_path, schedule: str, gather: bool) -> dict[str, float | None]:
+    """Both stages of `schedule` on one rank (pp = 1 holds the whole V or loop), each FSDP2
+    zero 3 over a 1-rank mesh; one step of 4 micro-batches. Each parameter's gradient error
+    relative to the plain model's (None: no gradient). `gather=False` leaves torch alone."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llmscale.parallel.data_parallel import apply_fsdp
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    tmp_path.mkdir(parents=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = build_model(get_preset("tiny"))
+        plain = build_model(get_preset("tiny"))
+        parts, ids = pipeline_split(model, 0, 1, 2, schedule=schedule)
+        for part in parts:
+            apply_fsdp(part, init_device_mesh("cpu", (1,)), shard=True, zero_stage=3,
+                       precision="fp32")  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 256, (8, 16), generator=gen) for _ in range(2))
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / 4
+
+        keep = pipeline._gather_before_split_backward
+        if not gather:
+            pipeline._gather_before_split_backward = lambda stage: None
+        try:
+            sched: Any = pipeline.build_pipeline_schedule(
+                parts, ids, 2, schedule, 4, loss_fn, torch.device("cpu"), dist.group.WORLD
+            )
+        finally:
+            pipeline._gather_before_split_backward = keep
+        sched.step(x, target=y, return_outputs=False)
+        F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
+        want = {n: p.grad for n, p in plain.named_parameters()}
+        out: dict[str, float | None] = {}
+        for part in parts:
+            for n, p in part.named_parameters():
+                g = None if p.grad is None else p.grad.full_tensor()
+                out[n] = None if g is None else rel_error(g, want[n])
+        sched = None  # its stages hold the process group: gone before it is destroyed
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "zero_bubble"])
+def test_zero3_split_backward_needs_the_stage_gathered(tmp_path, schedule) -> None:
+    """Why the runtime gathers a zero-3 stage before each B and W: torch 2.13's B reads
+    `submod.parameters()` before its autograd call, and after an F FSDP2 has swapped them for
+    the sharded DTensors, which are in no graph, so that micro-batch's weight gradients are
+    dropped without a word. The first half fails if torch changes (then the gather can go)."""
+    without = _zero3_stage_grads(tmp_path / "torch", schedule, gather=False)
+    dropped = [n for n, e in without.items() if e is None or e > 1e-3]
+    assert dropped, "torch's split backward now sees FSDP's parameters: drop the gather"
+    with_gather = _zero3_stage_grads(tmp_path / "gathered", schedule, gather=True)
+    assert set(with_gather) == set(without)
+    for n, e in with_gather.items():
+        assert e is not None and e < 1e-5, (schedule, n, e)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmscale.config import V_SCHEDULES, pipeline_chunks
+from llmscale.config import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, pipeline_chunks
 from llmscale.instrument.pipeline import PipelineRecorder
 from llmscale.model.config import split_layers, stage_ids
 from llmscale.model.transformer import Transformer
@@ -122,6 +122,9 @@ def build_pipeline_schedule(
     if schedule in V_SCHEDULES:
         for st in stages:
             _skip_local_grad_handoff_without_backward(st)
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        for st in stages:
+            _gather_before_split_backward(st)
     if timeline is not None:
         timeline.watch(stages)
         loss_fn = timeline.timed_loss(loss_fn)
@@ -162,6 +165,56 @@ def _skip_local_grad_handoff_without_backward(stage: Any) -> None:
 
     stage.get_local_bwd_output = get_local_bwd_output
     stage.set_local_bwd_input = set_local_bwd_input
+
+
+def _gather_before_split_backward(stage: Any) -> None:
+    """Gather an FSDP stage's parameters before each split-backward op that reads them.
+
+    torch 2.13's B (`stage_backward_input`) takes `submod.parameters()` before it runs
+    autograd, to find which graph nodes lead to which weights, and W
+    (`stage_backward_weight`) maps what it computes back through `submod.parameters()` again.
+    FSDP2 swaps the module's registered parameters: the unsharded ones (the autograd graph's
+    leaves) while gathered, the sharded DTensors (in no graph) once resharded. Under zero 3
+    (`reshard_after_forward=True`) every F reshards its stage, and the pre-backward all-gather
+    only fires inside B's autograd call, too late: a B after an F saw sharded parameters, found
+    no weights in the graph and its micro-batch's weight gradients were dropped, silently (the
+    schedule's own UNSHARD actions gather a stage once, unaware of FSDP's resharding).
+    Gathering first (as torch's UNSHARD action does: every FSDP module of the stage, `unshard`,
+    a no-op where already gathered) lets B and W see the graph's parameters. Stage 0 needs none
+    of it: its B is empty and its W a full backward through FSDP's own hooks.
+    """
+    ref = weakref.ref(stage)
+    backward = type(stage).backward_one_chunk
+    backward_weight = type(stage).backward_weight_one_chunk
+
+    def backward_one_chunk(
+        bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> Any:
+        st: Any = ref()
+        if not full_backward and not st.is_first:
+            _unshard(st.submod)
+        return backward(
+            st, bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
+
+    def backward_weight_one_chunk(bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        st: Any = ref()
+        if not st.is_first:
+            _unshard(st.submod)
+        return backward_weight(st, bwd_chunk_id, last_backward=last_backward)
+
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def _unshard(module: nn.Module) -> None:
+    """All-gather every FSDP unit of `module` that is sharded now (all at once, then wait)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    handles = [m.unshard(async_op=True) for m in module.modules() if isinstance(m, FSDPModule)]
+    for h in handles:
+        if h is not None:
+            h.wait()
 
 
 # torch's action kinds as the simulator and the pipeline timeline name them: its

@@ -40,7 +40,6 @@ from llmscale.config import (
     PPSchedule,
     Precision,
     Recompute,
-    split_backward_resharded,
 )
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
@@ -368,12 +367,6 @@ def search(
                                 continue
                             for zi, oi in placed[where]:
                                 if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
-                                    continue
-                                if split_backward_resharded(sched, dp_shard, zeros[zi]):
-                                    rejected[
-                                        f"zero_stage 3 with dp_shard {dp_shard} under {sched}"
-                                        " (the runtime refuses it: torch's split backward)"
-                                    ] = None
                                     continue
                                 plan = Plan(
                                     model=model, seq_len=seq_len, micro_batch_size=mbs,
