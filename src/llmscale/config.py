@@ -50,6 +50,26 @@ V_SCHEDULES: tuple[PPSchedule, ...] = ("zbv", "dualpipev")
 SPLIT_BACKWARD_SCHEDULES: tuple[PPSchedule, ...] = ("zero_bubble", "zbv", "dualpipev")
 
 
+def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
+    """What `schedule` needs of the micro-batches per step on `pp` stages, or None when
+    `microbatches` meets it: every schedule but gpipe at least one per stage (pp); the
+    loop-style multi-chunk ones a multiple of pp (interleaved_1f1b: Megatron's rule; zero_bubble:
+    torch's ScheduleInterleavedZeroBubble needs whole rounds, taken as a multiple of pp);
+    dualpipev (ScheduleDualPipeV) one per stage of its V, 2 pp. The runtime refuses a config
+    that breaks it and the planner's search skips such layouts. (FSDP's zero 3 runs under the
+    split-backward schedules too: parallel/pipeline.py gathers a stage before torch's split
+    backward reads its parameters.)"""
+    if pp <= 1:
+        return None
+    if schedule != "gpipe" and microbatches < pp:
+        return f"at least pp={pp} for {schedule}"
+    if schedule in LOOP_MULTI_CHUNK_SCHEDULES and microbatches % pp:
+        return f"a multiple of pp={pp} for {schedule}"
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        return f"at least 2 x pp={2 * pp} for dualpipev"
+    return None
+
+
 def pipeline_chunks(schedule: str, pp_chunks: int) -> int:
     """Model chunks per pipeline rank that `schedule` runs: 2 for the V schedules (whatever
     `pp_chunks` says), `pp_chunks` for the loop-style multi-chunk ones, 1 otherwise."""
@@ -598,20 +618,14 @@ class JobConfig:
             )
         if p.pp > 1 and m.tie_embeddings:
             raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")
-        if p.pp > 1 and self.n_microbatches < p.pp and p.pp_schedule != "gpipe":
+        rule = microbatch_rule(p.pp_schedule, p.pp, self.n_microbatches)
+        if rule is not None:
             raise ConfigError(
                 "train.global_batch_size",
                 t.global_batch_size,
-                f"at least pp={p.pp} micro-batches per step (micro_batch_size x dp x pp)",
+                f"micro-batches per step (global / (micro_batch_size x dp) = "
+                f"{self.n_microbatches}) {rule}",
             )
-        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and self.n_microbatches % p.pp:
-            raise ConfigError(
-                "train.global_batch_size",
-                t.global_batch_size,
-                f"micro-batches per step (global / (micro_batch_size x dp) = {self.n_microbatches})"
-                f" a multiple of pp={p.pp} for interleaved_1f1b",
-            )
-        self._check_split_backward_schedules()
         if self.optimizer.offload != "none" and self.precision.underflow_steps:
             raise ConfigError(
                 "precision.underflow_steps",
@@ -622,23 +636,6 @@ class JobConfig:
         if t.recompute == "every_k" and t.recompute_every_k > m.n_layers:
             raise ConfigError(
                 "train.recompute_every_k", t.recompute_every_k, f"<= model.n_layers={m.n_layers}"
-            )
-
-    def _check_split_backward_schedules(self) -> None:
-        """What torch's zero-bubble schedules need of the micro-batches per step: zero_bubble
-        (ScheduleInterleavedZeroBubble) a whole number of rounds, taken here as a multiple of pp
-        as for interleaved_1f1b; dualpipev (ScheduleDualPipeV) at least one per stage, 2 pp.
-        (FSDP's zero 3 runs under them too: parallel/pipeline.py gathers a stage before torch's
-        split backward reads its parameters.)"""
-        p, m, gbs = self.parallel, self.n_microbatches, self.train.global_batch_size
-        per = f"micro-batches per step (global / (micro_batch_size x dp) = {m})"
-        if p.pp > 1 and p.pp_schedule == "zero_bubble" and m % p.pp:
-            raise ConfigError(
-                "train.global_batch_size", gbs, f"{per} a multiple of pp={p.pp} for zero_bubble"
-            )
-        if p.pp > 1 and p.pp_schedule == "dualpipev" and m < 2 * p.pp:
-            raise ConfigError(
-                "train.global_batch_size", gbs, f"{per} at least 2 x pp={2 * p.pp} for dualpipev"
             )
 
     def _validate_lsp_layout(self) -> None:

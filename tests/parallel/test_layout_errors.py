@@ -59,7 +59,7 @@ def _p(**degrees: object) -> list[str]:
             2,
             _p(pp=2) + ["--train.global_batch_size", "2"],
             "train.global_batch_size",
-            "at least pp=2 micro-batches",
+            "at least pp=2 for 1f1b",
         ),
         (2, _p(dp_shard=2, zero_stage=0), "parallel.zero_stage", "1 | 2 | 3"),
         (

@@ -6,8 +6,9 @@ context-parallel degree and an explicit layer split (`pp_layers`) are fixed by t
 GPUs per sequence: gpus = pp x dp x cp x tp). Kept only when: tp <= GPUs per node and tp divides
 n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers (a pp that does not divide n_layers
 splits them unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
-divides by micro-batch x dp (and gives >= pp micro-batches, a multiple of pp for interleaved,
-of torch's rounds for zero_bubble, >= 2 pp for dualpipev);
+divides by micro-batch x dp and the micro-batches meet the schedule's rule, as the runtime's
+(`config.microbatch_rule`: >= pp, a multiple of pp for interleaved_1f1b and zero_bubble, >= 2 pp
+for dualpipev);
 seq_len is a multiple of 2 cp; the fullest GPU fits (plan/memory.py, with its allocator overhead
 and device reserve), and offloaded states fit the node's host memory. Ranked by predicted step
 time (plan/time.py), closed-form bubble in the loop; the best `resimulate` are re-timed with the
@@ -40,6 +41,7 @@ from llmscale.config import (
     PPSchedule,
     Precision,
     Recompute,
+    microbatch_rule,
 )
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
@@ -226,24 +228,15 @@ def _schedules(
         # One stage runs every schedule alike: keep a fixed schedule's name, else 1f1b.
         yield (space.schedules[0] if len(space.schedules) == 1 else "1f1b"), 1
         return
-    if microbatches < pp:
-        if "gpipe" in space.schedules:
-            yield "gpipe", 1
-        return
     for s in space.schedules:
+        if microbatch_rule(s, pp, microbatches) is not None:  # config's rule, the runtime's
+            continue
         if s in LOOP_MULTI_CHUNK_SCHEDULES:
-            # interleaved_1f1b: a multiple of pp (Megatron's rule, the simulator's);
-            # zero_bubble: of torch's rounds, max(1, m // pp).
-            # zero_bubble: torch needs whole rounds; the runtime asks a multiple of pp too
-            # (config's rule), so the search does.
-            step = pp
             for v in space.chunks:
-                if _stages_ok(model, pp * v, space, even=True) and microbatches % step == 0:
+                if _stages_ok(model, pp * v, space, even=True):
                     yield s, v
         elif s in V_SCHEDULES:
-            if _stages_ok(model, 2 * pp, space, even=True) and (
-                s != "dualpipev" or microbatches >= 2 * pp
-            ):
+            if _stages_ok(model, 2 * pp, space, even=True):
                 yield s, 2
         elif _stages_ok(model, pp, space):
             yield s, 1
@@ -461,14 +454,19 @@ def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:
 
 def _schedule_rule(model: ModelConfig, pp: int, micro: int, space: SearchSpace) -> str:
     """Why no schedule in `space` runs `micro` micro-batches on `pp` stages."""
-    names = " | ".join(space.schedules)
-    if micro < pp:
-        return f"{micro} micro-batches < pp {pp}: only gpipe runs them (schedules: {names})"
-    return (
-        f"schedules {names} with chunks {', '.join(map(str, space.chunks))} (zbv, dualpipev: 2): "
-        f"pp x chunks must divide n_layers {model.n_layers} and pp {pp} the {micro} "
-        "micro-batches (dualpipev: >= 2 pp of them)"
-    )
+    reasons = []
+    for s in space.schedules:
+        rule = microbatch_rule(s, pp, micro)
+        if rule is not None:
+            reasons.append(f"{s}: {micro} micro-batches, needs {rule.split(' for ')[0]}")
+        else:
+            per_rank = (
+                "2" if s in V_SCHEDULES
+                else "/".join(map(str, space.chunks)) if s in LOOP_MULTI_CHUNK_SCHEDULES
+                else "1"
+            )  # fmt: skip
+            reasons.append(f"{s}: pp x {per_rank} stages do not split n_layers {model.n_layers}")
+    return f"pp {pp}: " + "; ".join(reasons)
 
 
 def fit_reason(
