@@ -31,12 +31,15 @@ FIT_STEPS = 25  # Adam steps per fit on the non-zero values
 FIT_LR = 0.25  # their learning rate, relative to the starting values' magnitude
 
 
+ROW_DTYPE = torch.int32  # the projectors' row indices (d < 2**31; half the bytes of int64)
+
+
 def sparse_rows(
     n_cols: int, d: int, s: int, gen: torch.Generator, device: torch.device
 ) -> torch.Tensor:
-    """For each of `n_cols` columns, `s` distinct rows of `d` drawn at random (int64, n_cols x s)."""
+    """For each of `n_cols` columns, `s` distinct rows of `d` drawn at random (int32, n_cols x s)."""
     keys = torch.rand((n_cols, d), generator=gen, device=device)
-    return keys.argsort(dim=1)[:, :s].contiguous()
+    return keys.argsort(dim=1)[:, :s].to(ROW_DTYPE).contiguous()
 
 
 def sketch_values(
@@ -55,7 +58,7 @@ def dense(rows: torch.Tensor, vals: torch.Tensor, d: int) -> torch.Tensor:
     of s gathers and scatters is slower than one matmul at these sizes, on CPU and GPU).
     """
     out = vals.new_zeros((rows.shape[0], d))
-    return out.scatter(1, rows, vals).t()
+    return out.scatter(1, rows.long(), vals).t()  # (scatter takes int64 indices: a transient)
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -84,7 +87,7 @@ class Projectors:
     """P (d x m) and Q (d x n) of one matrix, on the device: fixed rows, trained values."""
 
     d: int
-    p_rows: torch.Tensor  # m x s, int64
+    p_rows: torch.Tensor  # m x s, int32 (ROW_DTYPE)
     p_vals: torch.Tensor  # m x s, fp32
     q_rows: torch.Tensor  # n x s
     q_vals: torch.Tensor  # n x s
