@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmscale.model.config import get_preset
-from llmscale.offload.lsp import Projectors, dense, reproject_moments
+from llmscale.offload.lsp import Projectors, apply_update, dense, reproject_moments
 from llmscale.plan.lsp import (
     device_bytes,
     is_lsp_matrix,
@@ -41,6 +41,25 @@ def test_compress_and_decompress_are_the_dense_products() -> None:
     # compressing is linear: the sum of micro-steps' compressions is the compressed sum
     g2 = _grad(m, n, seed=2)
     torch.testing.assert_close(pr.compress(g) + pr.compress(g2), pr.compress(g + g2))
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48), (24, 24)])
+def test_both_product_orders_and_the_fused_apply_are_the_dense_products(shape) -> None:
+    """compress and decompress reduce the larger dimension first; `apply_update` folds the
+    decay and the step into the weight (fused in fp32): each against the dense reference."""
+    (m, n), d, s = shape, 8, 3
+    pr = Projectors.new(m, n, d, s, seed=4, device=CPU)
+    p, q = dense(pr.p_rows, pr.p_vals, d), dense(pr.q_rows, pr.q_vals, d)
+    g, u = _grad(m, n), torch.randn(d, d)
+    torch.testing.assert_close(pr.compress(g), p @ g @ q.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pr.decompress(u), p.T @ u @ q, rtol=1e-5, atol=1e-5)
+    w0 = torch.randn(m, n)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for decay in (1.0, 0.99):
+            w = w0.to(dtype)
+            want = (w.float() * decay + p.T @ u @ q).to(dtype)
+            apply_update(pr.p, pr.q, d, u, w, decay)
+            torch.testing.assert_close(w, want, rtol=tol, atol=tol)
 
 
 def test_fitting_lowers_the_reconstruction_error() -> None:
