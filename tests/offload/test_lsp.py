@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from llmscale.model.config import get_preset
-from llmscale.offload.lsp import Projectors, dense, reproject_moments
-from llmscale.plan.lsp import is_lsp_matrix, lsp_bytes_per_step, matrix_dims, one_process_split
+from llmscale.offload.lsp import Projectors, apply_update, dense, reproject_moments
+from llmscale.plan.lsp import (
+    device_bytes,
+    is_lsp_matrix,
+    lsp_bytes_per_step,
+    matrix_dims,
+    one_process_split,
+)
 
 CPU = torch.device("cpu")
 
@@ -35,6 +41,25 @@ def test_compress_and_decompress_are_the_dense_products() -> None:
     # compressing is linear: the sum of micro-steps' compressions is the compressed sum
     g2 = _grad(m, n, seed=2)
     torch.testing.assert_close(pr.compress(g) + pr.compress(g2), pr.compress(g + g2))
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48), (24, 24)])
+def test_both_product_orders_and_the_fused_apply_are_the_dense_products(shape) -> None:
+    """compress and decompress reduce the larger dimension first; `apply_update` folds the
+    decay and the step into the weight (fused in fp32): each against the dense reference."""
+    (m, n), d, s = shape, 8, 3
+    pr = Projectors.new(m, n, d, s, seed=4, device=CPU)
+    p, q = dense(pr.p_rows, pr.p_vals, d), dense(pr.q_rows, pr.q_vals, d)
+    g, u = _grad(m, n), torch.randn(d, d)
+    torch.testing.assert_close(pr.compress(g), p @ g @ q.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pr.decompress(u), p.T @ u @ q, rtol=1e-5, atol=1e-5)
+    w0 = torch.randn(m, n)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for decay in (1.0, 0.99):
+            w = w0.to(dtype)
+            want = (w.float() * decay + p.T @ u @ q).to(dtype)
+            apply_update(pr.p, pr.q, d, u, w, decay)
+            torch.testing.assert_close(w, want, rtol=tol, atol=tol)
 
 
 def test_fitting_lowers_the_reconstruction_error() -> None:
@@ -114,3 +139,41 @@ def test_traffic_per_step_is_a_fraction_of_zero_offloads() -> None:
     refit = lsp_bytes_per_step(model, **kw, check=True, fit=True, refit=True)
     assert refit.down - steady.down == 8 * len(sp.matrices) + 8 * d2
     assert refit.up == steady.up
+
+
+def test_rows_are_int32_and_the_device_bytes_are_the_planners() -> None:
+    m, n, d, s = 48, 20, 8, 3
+    pr = Projectors.new(m, n, d, s, seed=1, device=CPU)
+    assert pr.p_rows.dtype == torch.int32 and pr.q_rows.dtype == torch.int32
+    update = torch.zeros(d, d)
+    assert pr.nbytes + update.nbytes == device_bytes((m, n), d, s)
+
+
+@pytest.mark.slow  # three short runs with checkpoints
+def test_a_checkpoint_with_int64_rows_resumes_bitwise(cfg_factory, monkeypatch) -> None:
+    """Checkpoints written before the rows were int32 hold int64 rows: they load (cast) and the
+    resumed run equals one that never left int32."""
+    from llmscale.offload import lsp as lsp_module
+    from llmscale.train.trainer import Trainer
+
+    common = (
+        "--optimizer.offload", "lsp", "--model.n_layers", "1",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+        "--optimizer.lsp_check_every", "2", "--optimizer.lsp_refit_threshold", "1e-9",
+        "--train.steps", "3", "--checkpoint.enabled", "true",
+    )  # fmt: skip
+    full = Trainer(cfg_factory(*common, run="full"))
+    full.fit()
+    with monkeypatch.context() as mp:
+        mp.setattr(lsp_module, "ROW_DTYPE", torch.int64)
+        old = Trainer(cfg_factory(*common, "--checkpoint.stop_after", "2", run="resumed"))
+        wq = dict(old.model.named_parameters())["layers.0.attention.wq.weight"]
+        assert old.optimizer.state[wq]["lsp_p_rows"].dtype == torch.int64
+        assert old.fit().interrupted
+    new = Trainer(cfg_factory(*common, "--checkpoint.resume", "true", run="resumed"))
+    new.fit()  # step 2 is a check and a refit, after the resume
+    for p, q in zip(full.model.parameters(), new.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        a, b = full.optimizer.state[p], new.optimizer.state[q]
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k

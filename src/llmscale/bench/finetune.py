@@ -2,6 +2,7 @@
 
     llmscale bench --what finetune [--model small]
     python -m llmscale.bench.finetune [--model small] [--pretrain-steps 40] [--steps 30]
+                                      [--lsp-dim D]
 
 The model is first pretrained briefly on the embedded corpus (`checkpoint.enabled`, one
 checkpoint at the end). Each contender then starts from those weights (`checkpoint.init_from
@@ -63,8 +64,12 @@ def _train(cfg: JobConfig) -> list[dict[str, Any]]:
 
 
 def run(
-    opts: BenchOptions, pretrain_steps: int = PRETRAIN_STEPS, steps: int = FINETUNE_STEPS
+    opts: BenchOptions,
+    pretrain_steps: int = PRETRAIN_STEPS,
+    steps: int = FINETUNE_STEPS,
+    lsp_dim: int | None = None,
 ) -> SuiteResult:
+    """`lsp_dim`: the lsp contender's `optimizer.lsp_dim` (None: the config's)."""
     res = SuiteResult(
         "finetune",
         f"Fine-tuning from a pretrained {opts.model} ({pretrain_steps} steps): {steps} steps per "
@@ -81,6 +86,7 @@ def run(
         cfg = _job(
             opts, f"finetune-{mode}", steps,
             "--checkpoint.init_from", str(pre.job.run_dir), "--optimizer.offload", mode,
+            *(("--optimizer.lsp_dim", str(lsp_dim)) if mode == "lsp" and lsp_dim else ()),
         )  # fmt: skip
         rows = _train(cfg)
         losses = [float(r["loss"]) for r in rows]
@@ -153,9 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
     ap.add_argument("--steps", type=int, default=FINETUNE_STEPS)
     ap.add_argument("--png", type=Path, help="folder for finetune-loss.png")
+    ap.add_argument("--lsp-dim", type=int, help="optimizer.lsp_dim of the lsp run (default 512)")
     args = ap.parse_args(argv)
     opts = BenchOptions(model=args.model, seq_len=args.seq, png_dir=args.png)
-    res = run(opts, args.pretrain_steps, args.steps)
+    res = run(opts, args.pretrain_steps, args.steps, args.lsp_dim)
     print_suite(res)  # its figures' paths too
 
 

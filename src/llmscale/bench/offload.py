@@ -2,7 +2,7 @@
 
     python bench/offload.py [--model small] [--rounds 4] [--block 3] [--seq 128] [--batch 4]
                             [--accum 2] [--precision fp32] [--clip 1.0] [--link-gbps 0 1 0.1]
-                            [--offload MODE ...] [--save-timeline DIR]
+                            [--offload MODE ...] [--lsp-dim D] [--save-timeline DIR]
     python -m llmscale.bench.offload [same flags]
 
 Three trainers on the same batches, in rounds of one block of consecutive steps each:
@@ -53,6 +53,8 @@ def _trainer(args: argparse.Namespace, mode: str, link_gbps: float, offload: str
     extra: dict[str, object] = {}
     if mode != "off":
         extra = {"optimizer__offload": offload, "optimizer__offload_overlap": mode == "overlap"}
+        if offload == "lsp" and args.lsp_dim is not None:
+            extra["optimizer__lsp_dim"] = args.lsp_dim
     overrides = short_job(
         model__name=args.model,
         job__run_dir=tempfile.mkdtemp(prefix=f"bench-{mode}-"),
@@ -173,7 +175,9 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
         f"batch {args.batch} x "
         f"{args.seq} x {args.accum} accum, clip {args.clip}, {t.device}, "
         f"{torch.get_num_threads()} threads, kernel {kernel}, "
-        f"update in backward {opt.update_in_backward}, link "
+        f"update in backward {opt.update_in_backward}, "
+        + (f"lsp_dim {opt.lsp.dim}, " if opt.lsp is not None else "")
+        + "link "
         + (
             f"{link_gbps:g} GB/s (simulated)"
             if link_gbps > 0 and t.device.type == "cpu"
@@ -258,6 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=offload_choices(),
         help="offload modes of the serial and overlap trainers (config.OFFLOAD_MODES; "
         "default: optimizer)",
+    )
+    ap.add_argument(
+        "--lsp-dim",
+        type=int,
+        help="optimizer.lsp_dim of the lsp trainers (default: the config's, 512, capped per "
+        "matrix at half its smaller dimension)",
     )
     ap.add_argument("--save-timeline", help="folder for the timelines (JSON + PNG) of both runs")
     args = ap.parse_args(argv)

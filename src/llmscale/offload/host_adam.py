@@ -312,7 +312,7 @@ class HostAdamW:
             + on_host(x.update_host for x in lsp),
         }
         if lsp:
-            # projectors (rows int64, values fp32) and the update's landing buffer
+            # projectors (rows int32, values fp32) and the update's landing buffer
             row["device_lsp_bytes"] = sum(x.proj.nbytes + x.update_device.nbytes for x in lsp)
         if host_params:
             row["host_param_bytes"] = on_host(

@@ -31,12 +31,15 @@ FIT_STEPS = 25  # Adam steps per fit on the non-zero values
 FIT_LR = 0.25  # their learning rate, relative to the starting values' magnitude
 
 
+ROW_DTYPE = torch.int32  # the projectors' row indices (d < 2**31; half the bytes of int64)
+
+
 def sparse_rows(
     n_cols: int, d: int, s: int, gen: torch.Generator, device: torch.device
 ) -> torch.Tensor:
-    """For each of `n_cols` columns, `s` distinct rows of `d` drawn at random (int64, n_cols x s)."""
+    """For each of `n_cols` columns, `s` distinct rows of `d` drawn at random (int32, n_cols x s)."""
     keys = torch.rand((n_cols, d), generator=gen, device=device)
-    return keys.argsort(dim=1)[:, :s].contiguous()
+    return keys.argsort(dim=1)[:, :s].to(ROW_DTYPE).contiguous()
 
 
 def sketch_values(
@@ -55,20 +58,49 @@ def dense(rows: torch.Tensor, vals: torch.Tensor, d: int) -> torch.Tensor:
     of s gathers and scatters is slower than one matmul at these sizes, on CPU and GPU).
     """
     out = vals.new_zeros((rows.shape[0], d))
-    return out.scatter(1, rows, vals).t()
+    return out.scatter_(1, rows.long(), vals).t()  # (scatter takes int64 indices: a transient)
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def compress_with(p: Pair, q: Pair, d: int, g: torch.Tensor) -> torch.Tensor:
-    """P G Qᵀ (d x d) in fp32."""
-    return dense(*p, d) @ g.float() @ dense(*q, d).t()
+    """P G Qᵀ (d x d) in fp32.
+
+    The larger of G's dimensions is reduced first: (P G) Qᵀ costs d m n + d² n multiply-adds,
+    P (G Qᵀ) d m n + d² m (a wide 256 x 768 matrix at d = 128: 22% fewer).
+    """
+    g = g.float()
+    if g.shape[0] >= g.shape[1]:
+        return (dense(*p, d) @ g) @ dense(*q, d).t()
+    return dense(*p, d) @ (g @ dense(*q, d).t())
+
+
+def _decompress_factors(p: Pair, q: Pair, d: int, u: torch.Tensor) -> Pair:
+    """Two factors whose product is Pᵀ U Q, in the cheaper order: (Pᵀ U) and Q for m <= n
+    (m d² + m d n multiply-adds), else Pᵀ and (U Q) (d² n + m d n)."""
+    u = u.float()
+    if p[0].shape[0] <= q[0].shape[0]:
+        return dense(*p, d).t() @ u, dense(*q, d)
+    return dense(*p, d).t(), u @ dense(*q, d)
 
 
 def decompress_with(p: Pair, q: Pair, d: int, u: torch.Tensor) -> torch.Tensor:
     """Pᵀ U Q (m x n) in fp32."""
-    return dense(*p, d).t() @ u.float() @ dense(*q, d)
+    left, right = _decompress_factors(p, q, d, u)
+    return left @ right
+
+
+def apply_update(p: Pair, q: Pair, d: int, u: torch.Tensor, w: torch.Tensor, decay: float) -> None:
+    """W <- decay x W + Pᵀ U Q, in place. An fp32 W takes it in one fused `addmm_` (no m x n
+    temporary, one pass over W); a 16-bit W gets the fp32 product rounded to its dtype."""
+    left, right = _decompress_factors(p, q, d, u)
+    if w.dtype == torch.float32:
+        w.addmm_(left, right, beta=decay)
+        return
+    if decay != 1.0:
+        w.mul_(decay)
+    w.add_((left @ right).to(w.dtype))
 
 
 def relative_error_with(p: Pair, q: Pair, d: int, g: torch.Tensor) -> torch.Tensor:
@@ -84,7 +116,7 @@ class Projectors:
     """P (d x m) and Q (d x n) of one matrix, on the device: fixed rows, trained values."""
 
     d: int
-    p_rows: torch.Tensor  # m x s, int64
+    p_rows: torch.Tensor  # m x s, int32 (ROW_DTYPE)
     p_vals: torch.Tensor  # m x s, fp32
     q_rows: torch.Tensor  # n x s
     q_vals: torch.Tensor  # n x s
@@ -225,9 +257,8 @@ class LspSlot:
     @torch.no_grad()
     def apply(self, weight: torch.Tensor) -> None:
         """W <- decay x W + Pᵀ U Q, on the device (the decoupled weight decay, then the step)."""
-        if self.decay != 1.0:
-            weight.mul_(self.decay)
-        weight.add_(self.proj.decompress(self.update_device).to(weight.dtype))
+        p = self.proj
+        apply_update(p.p, p.q, p.d, self.update_device, weight, self.decay)
         self.pending = False
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ Model (exact for the runtime, `offload/lsp.py`, `offload/host_adam.py`):
   d = min(lsp_dim, min(m, n) // 2) rows (at least 1) with s = min(lsp_nonzeros, d) non-zeros per
   column (`matrix_dims`). Everything else (embeddings, the head, norms, biases) takes the
   ZeRO-Offload path ("optimizer").
-- Device, per LSP matrix: the projectors' rows (int64) and values (fp32), (m + n) s x 12 B, and
+- Device, per LSP matrix: the projectors' rows (int32) and values (fp32), (m + n) s x 8 B, and
   the d x d fp32 buffer the update lands in. The weight itself stays in the working dtype; there
   is no fp32 master anywhere (the device weight is the only copy). Transients (the compressed
   gradient, the dense projectors while compressing, decompressing or fitting) are not held.
@@ -52,9 +52,9 @@ def matrix_dims(shape: Sequence[int], lsp_dim: int, lsp_nonzeros: int) -> tuple[
 
 
 def device_bytes(shape: Sequence[int], d: int, s: int) -> int:
-    """Projector rows (int64) and values (fp32) of P and Q, and the d x d update buffer."""
+    """Projector rows (int32) and values (fp32) of P and Q, and the d x d update buffer."""
     m, n = shape
-    return (m + n) * s * (8 + 4) + 4 * d * d
+    return (m + n) * s * (4 + 4) + 4 * d * d
 
 
 def host_bytes(d: int, n_microbatches: int) -> dict[str, int]:
