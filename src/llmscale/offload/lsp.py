@@ -22,6 +22,7 @@ non-negative always). `reproject_moments` does that on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -62,6 +63,10 @@ def dense(rows: torch.Tensor, vals: torch.Tensor, d: int) -> torch.Tensor:
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+# A fit's objective at values (p_vals, q_vals): the squared relative error (0-d) and, when asked,
+# its gradients with respect to both (else an empty sequence).
+LossAndGrads = tuple[torch.Tensor, Sequence[torch.Tensor]]
+LossFn = Callable[[torch.Tensor, torch.Tensor, bool], LossAndGrads]
 
 
 def compress_with(p: Pair, q: Pair, d: int, g: torch.Tensor) -> torch.Tensor:
@@ -178,40 +183,16 @@ class Projectors:
         """
         g = g.detach().float()
         gn2 = (g * g).sum()
-        vals = [self.p_vals.clone(), self.q_vals.clone()]
-        m, n, s = self.p_rows.shape[0], self.q_rows.shape[0], self.p_rows.shape[1]
-        lrs = [lr * (self.d / (m * s)) ** 0.5, lr * (self.d / (n * s)) ** 0.5]
-        # Adam by hand (torch.optim's first use imports seconds of machinery)
-        mom = [torch.zeros_like(v) for v in vals]
-        sq = [torch.zeros_like(v) for v in vals]
-        best = (vals[0].clone(), vals[1].clone())
-        best_loss = torch.full((), float("inf"), device=g.device)
-        trace: list[torch.Tensor] = []
-        for it in range(steps + 1):
-            vp, vq = (v.requires_grad_(True) for v in vals)
+
+        def loss(vp: torch.Tensor, vq: torch.Tensor, grads: bool) -> LossAndGrads:
             with torch.enable_grad():
+                vp, vq = vp.requires_grad_(grads), vq.requires_grad_(grads)
                 pd, qd = dense(self.p_rows, vp, self.d), dense(self.q_rows, vq, self.d)
                 r = pd.t() @ (pd @ g @ qd.t()) @ qd
-                loss = ((r - g) ** 2).sum() / gn2
-                grads = torch.autograd.grad(loss, [vp, vq]) if it < steps else ()
-            loss = loss.detach()
-            trace.append(loss.sqrt())
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best = (
-                torch.where(better, vp, best[0]).detach(),
-                torch.where(better, vq, best[1]).detach(),
-            )
-            vals = [v.detach() for v in vals]
-            for i, gr in enumerate(grads):
-                mom[i].mul_(0.9).add_(gr, alpha=0.1)
-                sq[i].mul_(0.999).addcmul_(gr, gr, value=0.001)
-                mhat = mom[i] / (1 - 0.9 ** (it + 1))
-                vhat = sq[i] / (1 - 0.999 ** (it + 1))
-                vals[i] = vals[i] - lrs[i] * mhat / (vhat.sqrt() + 1e-12)
-        self.p_vals.copy_(best[0])
-        self.q_vals.copy_(best[1])
-        return trace
+                sq_err = ((r - g) ** 2).sum() / gn2
+                return sq_err.detach(), torch.autograd.grad(sq_err, [vp, vq]) if grads else ()
+
+        return fit_values(self, loss, steps, lr)
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.p_vals.clone(), self.q_vals.clone()
@@ -223,6 +204,40 @@ class Projectors:
         a = dense(self.p_rows, self.p_vals, self.d) @ dense(self.p_rows, old[0], self.d).t()
         b = dense(self.q_rows, old[1], self.d) @ dense(self.q_rows, self.q_vals, self.d).t()
         return a, b  # P' Pᵀ, Q Q'ᵀ
+
+
+@torch.no_grad()
+def fit_values(proj: Projectors, loss: LossFn, steps: int, lr: float) -> list[torch.Tensor]:
+    """Adam on `proj`'s non-zero values for `steps` steps of `loss`, keeping the best values
+    seen (never worse than the start), written into `proj` in place. Returns err before each
+    step and after the last (0-d device tensors). One loop for `Projectors.fit` (the whole
+    gradient in one process) and the row-sharded fit (offload/lsp_shard.py: the same objective
+    summed over ranks), so both train the values alike."""
+    vals = [proj.p_vals.clone(), proj.q_vals.clone()]
+    m, n, s = proj.p_rows.shape[0], proj.q_rows.shape[0], proj.p_rows.shape[1]
+    lrs = [lr * (proj.d / (m * s)) ** 0.5, lr * (proj.d / (n * s)) ** 0.5]
+    # Adam by hand (torch.optim's first use imports seconds of machinery)
+    mom = [torch.zeros_like(v) for v in vals]
+    sq = [torch.zeros_like(v) for v in vals]
+    best = (vals[0].clone(), vals[1].clone())
+    best_loss = torch.full((), float("inf"), device=vals[0].device)
+    trace: list[torch.Tensor] = []
+    for it in range(steps + 1):
+        value, grads = loss(vals[0], vals[1], it < steps)
+        vals = [v.detach() for v in vals]
+        trace.append(value.sqrt())
+        better = value < best_loss
+        best_loss = torch.where(better, value, best_loss)
+        best = (torch.where(better, vals[0], best[0]), torch.where(better, vals[1], best[1]))
+        for i, gr in enumerate(grads):
+            mom[i].mul_(0.9).add_(gr, alpha=0.1)
+            sq[i].mul_(0.999).addcmul_(gr, gr, value=0.001)
+            mhat = mom[i] / (1 - 0.9 ** (it + 1))
+            vhat = sq[i] / (1 - 0.999 ** (it + 1))
+            vals[i] = vals[i] - lrs[i] * mhat / (vhat.sqrt() + 1e-12)
+    proj.p_vals.copy_(best[0])
+    proj.q_vals.copy_(best[1])
+    return trace
 
 
 def reproject_moments(

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmscale.offload.lsp import FIT_LR, FIT_STEPS, LspSlot, Projectors, dense
+from llmscale.offload.lsp import FIT_LR, FIT_STEPS, LspSlot, Projectors, dense, fit_values
 
 
 @dataclass(frozen=True)
@@ -141,33 +141,11 @@ class ShardedProjectors:
     ) -> list[torch.Tensor]:
         """`Projectors.fit` on the whole gradient: the same Adam on the values, the same
         keep-the-best rule, from losses and gradients summed over the row blocks."""
-        proj = self.proj
         g = g.detach().float()
         gn2 = _all_reduce((g * g).sum(), self.rows.group)
-        vals = [proj.p_vals.clone(), proj.q_vals.clone()]
-        m, n, s = proj.p_rows.shape[0], proj.q_rows.shape[0], proj.p_rows.shape[1]
-        lrs = [lr * (proj.d / (m * s)) ** 0.5, lr * (proj.d / (n * s)) ** 0.5]
-        mom = [torch.zeros_like(v) for v in vals]
-        sq = [torch.zeros_like(v) for v in vals]
-        best = (vals[0].clone(), vals[1].clone())
-        best_loss = torch.full((), float("inf"), device=g.device)
-        trace: list[torch.Tensor] = []
-        for it in range(steps + 1):
-            loss, grads = self._loss(g, gn2, vals[0], vals[1], it < steps)
-            vals = [v.detach() for v in vals]
-            trace.append(loss.sqrt())
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best = (torch.where(better, vals[0], best[0]), torch.where(better, vals[1], best[1]))
-            for i, gr in enumerate(grads):
-                mom[i].mul_(0.9).add_(gr, alpha=0.1)
-                sq[i].mul_(0.999).addcmul_(gr, gr, value=0.001)
-                mhat = mom[i] / (1 - 0.9 ** (it + 1))
-                vhat = sq[i] / (1 - 0.999 ** (it + 1))
-                vals[i] = vals[i] - lrs[i] * mhat / (vhat.sqrt() + 1e-12)
-        proj.p_vals.copy_(best[0])
-        proj.q_vals.copy_(best[1])
-        return trace
+        return fit_values(
+            self.proj, lambda vp, vq, grads: self._loss(g, gn2, vp, vq, grads), steps, lr
+        )
 
     @torch.no_grad()
     def apply(self, lsp: LspSlot, weight: torch.Tensor) -> None:
