@@ -93,8 +93,10 @@ def run(opts: BenchOptions) -> SuiteResult:
     res.notes.append(
         "The device is micro-benchmarked on the runtime's own kernels (train/calibration.py): "
         "the model's GEMMs on cold operands, the attention core in the run's dtype, the block's "
-        "element-wise ops, the one-token forward and backward (dispatch) and the optimizer "
-        "step, before and after each configuration's steps (each figure the best of the two). The planner then prices each configuration's GEMMs, attention, element-wise "
+        "element-wise ops (their bandwidth net of the same ops on one token, whose fixed cost "
+        "is the dispatch's), the one-token forward and backward (dispatch) and the optimizer "
+        "step, before and after each configuration's steps (each figure the best of the two). "
+        "The planner then prices each configuration's GEMMs, attention, element-wise "
         "bytes, dispatch and optimizer at those rates. Measured is the fastest of "
         f"{TIMED_STEPS} or more steps, as each micro-benchmark keeps its fastest trial: step "
         "times on this shared 2-core machine vary by 10-30% from run to run; the same model is validated against published GPU "
