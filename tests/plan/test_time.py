@@ -273,3 +273,30 @@ def test_planner_packages_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_recomputed_blocks_dispatch_their_forward_again() -> None:
+    """A micro-batch's fixed per-op cost is a third forward, two thirds backward; a block run
+    again (full; op-level SAC's recomputed ops) pays a forward's third again, not a whole
+    forward and backward; selective (the attention core) nothing more."""
+    tiny = get_preset("tiny")
+    gpu_cal = H200.gpu.calibration
+    cal = replace(
+        gpu_cal, microbatch_overhead_ms=replace(gpu_cal.microbatch_overhead_ms, value=12.0)
+    )
+    cluster = replace(H200, gpu=replace(H200.gpu, calibration=cal))
+    base = Plan(model=tiny, seq_len=64, micro_batch_size=2, global_batch_size=4)
+
+    def dispatch(**kw: object) -> float:
+        plan = replace(base, **kw)  # type: ignore[arg-type]
+        return estimate_step_time(plan, cluster).breakdown["dispatch"]
+
+    per_mb = 12e-3  # 2 micro-batches a step
+    assert dispatch() == pytest.approx(2 * per_mb)
+    assert dispatch(recompute="full") == pytest.approx(2 * per_mb * 4 / 3)
+    assert dispatch(recompute="selective_op") == pytest.approx(2 * per_mb * 4 / 3)
+    assert dispatch(recompute="selective") == pytest.approx(2 * per_mb)
+    # every 2nd of tiny's 4 layers recomputed: 2 blocks of 4 dispatch their forward again
+    assert dispatch(recompute="every_k", recompute_every_k=2) == pytest.approx(
+        2 * per_mb * (1 + 2 / 4 / 3)
+    )

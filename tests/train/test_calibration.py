@@ -8,6 +8,7 @@ import torch
 from llmscale.model.config import get_preset
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import estimate_step_time
+from llmscale.train import calibration
 from llmscale.train.calibration import SOURCE, measured_cluster
 
 
@@ -30,3 +31,37 @@ def test_measured_cluster_has_a_calibration_and_the_model_uses_it() -> None:
     # The optimizer at its measured share of the measured element-wise bandwidth.
     opt_bw = figures["bandwidth_bytes"] * cal.optimizer_efficiency.value
     assert t.breakdown["optimizer"] == pytest.approx(28 * model.num_params() / opt_bw)
+
+
+def test_elementwise_bandwidth_is_net_of_the_ops_fixed_cost(monkeypatch) -> None:
+    """Ops that take a fixed 1 ms plus their bytes at 10 GB/s measure 10 GB/s: the fixed part is
+    the micro-batch's fixed cost (the one-token step), not a slower bandwidth."""
+    model = get_preset("tiny")
+    dev = torch.device("cpu")
+
+    def fake_seconds(model, b, s, precision, device, effort) -> float:  # type: ignore[no-untyped-def]
+        return 1e-3 + calibration._elementwise_bytes(model, b, s, precision, device) / 10e9
+
+    monkeypatch.setattr(calibration, "_elementwise_seconds", fake_seconds)
+    for b, s in ((2, 64), (8, 128)):
+        bw = calibration.elementwise_bandwidth_bytes_per_s(
+            model, b, s, "fp32", dev, calibration.QUICK
+        )
+        assert bw == pytest.approx(10e9)
+    # The real ops: a positive, finite rate.
+    monkeypatch.undo()
+    bw = calibration.elementwise_bandwidth_bytes_per_s(model, 2, 64, "bf16", dev, calibration.QUICK)
+    assert 0 < bw < float("inf")
+
+
+def test_fastest_keeps_each_figures_best_run() -> None:
+    """Two calibrations around a measurement: the highest rates and the shortest times."""
+    a = {"gemm_fp32_flops": 2.0, "bandwidth_bytes": 5.0, "fixed_s": 0.3, "optimizer_s": 0.1}
+    b = {"gemm_fp32_flops": 3.0, "bandwidth_bytes": 4.0, "fixed_s": 0.2, "optimizer_s": 0.4}
+    assert calibration.fastest(a, b) == {
+        "gemm_fp32_flops": 3.0,
+        "bandwidth_bytes": 5.0,
+        "fixed_s": 0.2,
+        "optimizer_s": 0.1,
+    }
+    assert calibration.fastest(a) == a

@@ -33,7 +33,8 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   read, and a gradient of its size written and read, `bwd_passes` = 3). The head's logits and
   loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
   element-wise bytes. Plus the GPU's fixed cost per micro-batch (`microbatch_overhead_ms`,
-  per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks.
+  per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks
+  (a third in forward, two in backward; a recomputed block's forward dispatched again).
 - context parallelism (cp > 1), ring attention as torch's `context_parallel` runs it: each rank
   holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
   collectives and pipeline sends see b s / cp tokens and its attention 1/cp of the causal
@@ -597,10 +598,15 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     )
     cast_f, cast_b = _fp8_cast_seconds(plan, cluster, n_blocks, n_full)
     # Per-op dispatch where the host waits for each op (a CPU): the rank's share of the
-    # model's blocks, a third in forward and two thirds in backward.
-    dispatch = cal.microbatch_overhead * (n_blocks + n_full) / m.n_layers
-    fwd = mat_f + elem_f + tp_f + cp_f + cast_f + loss_f + dispatch / 3
-    bwd = mat_b + elem_b + tp_b + cp_b + cast_b + 2 * dispatch / 3
+    # model's blocks, a third in forward and two thirds in backward; a recomputed block
+    # dispatches its forward's ops again (full, or op-level SAC's element-wise ops and matmuls),
+    # not its backward's.
+    disp_f, disp_b = _dispatch_seconds(
+        cal, m.n_layers, n_blocks, n_full if not op_sac else n_blocks
+    )
+    dispatch = disp_f + disp_b
+    fwd = mat_f + elem_f + tp_f + cp_f + cast_f + loss_f + disp_f
+    bwd = mat_b + elem_b + tp_b + cp_b + cast_b + disp_b
     parts = {
         "matmul": mat_f + mat_b,
         "elementwise": elem_f + elem_b,
@@ -619,6 +625,17 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         parts["fsdp_comm"] = gather
         bwd += gather
     return _RankTimes(fwd, bwd, parts, sync, wgrad)
+
+
+def _dispatch_seconds(
+    cal: Calibration, n_layers: int, n_blocks: int, n_redo: int
+) -> tuple[float, float]:
+    """The fixed per-op cost of one micro-batch on a rank (forward, backward): the calibrated
+    `microbatch_overhead` (a whole forward and backward) in proportion to the rank's `n_blocks`
+    of the model's `n_layers`, a third in forward and two thirds in backward; each of the
+    `n_redo` recomputed blocks adds a forward's third to backward."""
+    per_block = cal.microbatch_overhead / n_layers
+    return n_blocks * per_block / 3, (2 * n_blocks + n_redo) * per_block / 3
 
 
 def _overlapped(comm: float, compute: float, efficiency: float) -> float:

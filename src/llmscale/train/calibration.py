@@ -12,7 +12,8 @@ that are not the training step, each for the model and micro-batch at hand:
 - the block's element-wise ops as this runtime runs them (the model's norm, `apply_rope`, the
   attention output's copy, SwiGLU/GELU, residual adds, autocast casts; no matmuls): the bytes the
   planner counts for them (`plan.time.runtime_eager_block_parts`) over their time is the
-  device's memory bandwidth;
+  device's memory bandwidth, net of the same ops on one token (their fixed cost is the
+  micro-batch's, below, counted once);
 - the model's forward and backward on one token: the fixed cost of a micro-batch (per-op
   dispatch, autograd bookkeeping), `microbatch_overhead_ms`;
 - the runtime's optimizer step (train/optim.py's foreach AdamW after the foreach gradient-norm
@@ -65,7 +66,7 @@ from llmscale.tensors import DTYPES
 from llmscale.train.optim import build_optimizer
 
 SOURCE = "measured by llmscale micro-benchmarks on this machine"
-VERSION = 2
+VERSION = 3  # 3: element-wise bandwidth net of the ops' fixed cost
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def attention_flops_per_s(
         out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         out.backward(g)
 
-    seconds = calibrate.time_call(run, device, 3, effort.min_seconds)
+    seconds = calibrate.time_call(run, device, effort.trials, effort.min_seconds)
     fwd = 0.5 * 4 * micro_batch * seq_len * seq_len * model.dim
     return 3.5 * fwd / seconds
 
@@ -165,7 +166,42 @@ def elementwise_bandwidth_bytes_per_s(
 ) -> float:
     """Bytes/s this runtime's element-wise ops of one block achieve, forward and backward, at
     one micro-batch's size, fed random tensors of the matmuls' output shapes. The bytes are the
-    planner's count for the same ops (`runtime_eager_block_parts`: forward, backward twice)."""
+    planner's count for the same ops (`runtime_eager_block_parts`: forward, backward twice).
+
+    The rate is the slope between that size and one token: each op's fixed cost (dispatch,
+    autograd bookkeeping) is the micro-batch's fixed cost (`fixed_seconds`, a one-token forward
+    and backward), and would be counted twice if it stayed in the bandwidth too (it is a tenth
+    of these ops' time at 512 tokens on a 2-core CPU)."""
+    seconds = _elementwise_seconds(model, micro_batch, seq_len, precision, device, effort)
+    nbytes = _elementwise_bytes(model, micro_batch, seq_len, precision, device)
+    if micro_batch * seq_len > 1:
+        fixed = _elementwise_seconds(model, 1, 1, precision, device, effort)
+        extra = nbytes - _elementwise_bytes(model, 1, 1, precision, device)
+        if seconds > fixed and extra > 0:
+            return extra / (seconds - fixed)
+    return nbytes / seconds
+
+
+def _elementwise_bytes(
+    model: ModelConfig, micro_batch: int, seq_len: int, precision: str, device: torch.device
+) -> float:
+    """The planner's bytes of one block's element-wise ops, forward and backward."""
+    plan = Plan(model=model, seq_len=seq_len, micro_batch_size=micro_batch,
+                global_batch_size=micro_batch, precision=precision)  # fmt: skip
+    activations, _ = runtime_eager_block_parts(plan, act.Kernels.for_runtime(model, 1, device.type))
+    return 3 * activations
+
+
+def _elementwise_seconds(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+    effort: Effort,
+) -> float:
+    """Seconds of one block's element-wise ops, forward and backward (see
+    `elementwise_bandwidth_bytes_per_s`)."""
     dt = DTYPES[precision]
     b, s, d, f, hd = micro_batch, seq_len, model.dim, model.ffn_dim, model.head_dim
     rope = rope_tables(hd, s, model.rope_theta, device) if model.pos_emb == "rope" else None
@@ -192,11 +228,7 @@ def elementwise_bandwidth_bytes_per_s(
         outs += [ff, h1 + branch]
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    seconds = calibrate.time_call(run, device, effort.trials, effort.min_seconds)
-    plan = Plan(model=model, seq_len=s, micro_batch_size=b, global_batch_size=b,
-                precision=precision)  # fmt: skip
-    activations, _ = runtime_eager_block_parts(plan, act.Kernels.for_runtime(model, 1, device.type))
-    return 3 * activations / seconds
+    return calibrate.time_call(run, device, effort.trials, effort.min_seconds)
 
 
 def optimizer_seconds(model: ModelConfig, device: torch.device, effort: Effort) -> float:
@@ -212,7 +244,7 @@ def optimizer_seconds(model: ModelConfig, device: torch.device, effort: Effort) 
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
 
-    return calibrate.time_call(run, device, 3, effort.min_seconds)
+    return calibrate.time_call(run, device, effort.trials, effort.min_seconds)
 
 
 def fixed_seconds(model: ModelConfig, device: torch.device, effort: Effort) -> float:
@@ -224,7 +256,7 @@ def fixed_seconds(model: ModelConfig, device: torch.device, effort: Effort) -> f
     def run() -> None:
         net(tokens).float().sum().backward()
 
-    return calibrate.time_call(run, device, 3, effort.min_seconds)
+    return calibrate.time_call(run, device, effort.trials, effort.min_seconds)
 
 
 def measure(
@@ -276,6 +308,22 @@ def cluster_from(
     return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=achieved))
 
 
+def fastest(*runs: dict[str, float]) -> dict[str, float]:
+    """Each figure at its best over several calibrations of the same shape: the highest rate
+    (`*_flops`, `bandwidth_bytes`), the shortest time (`*_s`), as each one keeps the fastest
+    of its trials. Two calibrations around a measurement see the machine as it was then."""
+    out = dict(runs[0])
+    for run in runs[1:]:
+        for key, value in run.items():
+            if key not in out:
+                out[key] = value
+            elif key.endswith("_s"):
+                out[key] = min(out[key], value)
+            else:
+                out[key] = max(out[key], value)
+    return out
+
+
 def display_name(device: torch.device) -> str:
     key = calibrate.machine_key(device)
     threads = f"{key['threads']} thread" + ("" if key["threads"] == "1" else "s")
@@ -288,12 +336,17 @@ def measured_cluster(
     device: torch.device,
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
     precision: str = "fp32",
+    earlier: dict[str, float] | None = None,
 ) -> tuple[Cluster, dict[str, float]]:
     """`llmscale bench`'s device: measured now (BENCH effort) for `tokens` a micro-batch; the
-    attention efficiency is `precision`'s. Also the raw figures."""
+    attention efficiency is `precision`'s. Also the raw figures. With `earlier` (figures of
+    the same shape, measured before the run being predicted), each figure is the `fastest` of
+    both."""
     seq = min(model.max_seq_len, max(1, tokens))
     micro = max(1, tokens // seq)
     figures = measure(model, micro, seq, precision, device, dtypes, BENCH)
+    if earlier is not None:
+        figures = fastest(earlier, figures)
     return cluster_from(figures, model, precision, display_name(device)), figures
 
 
