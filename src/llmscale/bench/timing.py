@@ -42,12 +42,9 @@ def calibrated(
     the steps and sees the machine as they saw it."""
     device = resolve_device(opts.device)
     model = get_preset(opts.model)
-    # Every dtype's GEMM rate the first time; again after the steps, `precision`'s only (the
-    # one the steps and MFU use; the others stay as measured before).
-    dtypes = () if earlier is not None else ("fp32", "bf16", "fp16")
     cluster, figures = measured_cluster(
-        model, micro_batch * opts.seq_len, device, dtypes, precision, earlier
-    )
+        model, micro_batch * opts.seq_len, device, (), precision, earlier
+    )  # the GEMM rate of `precision` only: the one its steps (and MFU) use
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
     return cluster, params, figures
