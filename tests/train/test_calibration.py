@@ -52,16 +52,3 @@ def test_elementwise_bandwidth_is_net_of_the_ops_fixed_cost(monkeypatch) -> None
     monkeypatch.undo()
     bw = calibration.elementwise_bandwidth_bytes_per_s(model, 2, 64, "bf16", dev, calibration.QUICK)
     assert 0 < bw < float("inf")
-
-
-def test_fastest_keeps_each_figures_best_run() -> None:
-    """Two calibrations around a measurement: the highest rates and the shortest times."""
-    a = {"gemm_fp32_flops": 2.0, "bandwidth_bytes": 5.0, "fixed_s": 0.3, "optimizer_s": 0.1}
-    b = {"gemm_fp32_flops": 3.0, "bandwidth_bytes": 4.0, "fixed_s": 0.2, "optimizer_s": 0.4}
-    assert calibration.fastest(a, b) == {
-        "gemm_fp32_flops": 3.0,
-        "bandwidth_bytes": 5.0,
-        "fixed_s": 0.2,
-        "optimizer_s": 0.1,
-    }
-    assert calibration.fastest(a) == a

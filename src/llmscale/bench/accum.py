@@ -28,7 +28,7 @@ def run(opts: BenchOptions) -> SuiteResult:
     losses: dict[int, float] = {}
     batch = None
     for mbs in SPLITS:
-        _, _, before = calibrated(opts, mbs)
+        cluster, params, _ = calibrated(opts, mbs)
         cfg = opts.job(
             "--train.micro_batch_size", str(mbs), "--train.global_batch_size", str(GLOBAL),
             "--train.max_grad_norm", "0", run=f"accum-{mbs}",
@@ -42,7 +42,6 @@ def run(opts: BenchOptions) -> SuiteResult:
         losses[mbs] = loss.item()
         trainer.optimizer.zero_grad(set_to_none=True)
         m = measure(cfg, opts.warmup, trainer=trainer)
-        cluster, params, _ = calibrated(opts, mbs, earlier=before)  # bracketing the steps
         want = expected_runtime_metrics(cfg, options=memory_options(opts))
         res.rows.append(
             Row(

@@ -30,7 +30,7 @@ def run(opts: BenchOptions) -> SuiteResult:
         "recompute",
         f"Recompute time overhead, model {opts.model}, mbs {MICRO_BATCH} x seq {opts.seq_len}, fp32",
     )
-    _, _, before = calibrated(opts, MICRO_BATCH)
+    cluster, params, _ = calibrated(opts, MICRO_BATCH)
     model = get_preset(opts.model)
     trainers: dict[str, Trainer] = {}
     predicted: dict[str, float] = {}
@@ -42,6 +42,7 @@ def run(opts: BenchOptions) -> SuiteResult:
             "--train.steps", str(ROUNDS * (opts.steps + opts.warmup)), run=f"recompute-{mode}",
         )  # fmt: skip
         trainers[mode] = Trainer(cfg)
+        predicted[mode] = predicted_seconds(cfg, cluster, params)
         flops[mode] = model.train_flops_per_token(
             opts.seq_len, recompute_fraction(Plan.from_job(cfg))
         )
@@ -54,10 +55,6 @@ def run(opts: BenchOptions) -> SuiteResult:
             if r >= opts.warmup:
                 times[mode].append(dt)
     measured = {m: min(v) for m, v in times.items()}
-    # Calibrated again after the steps: each figure the best of both (bench/timing.calibrated).
-    cluster, params, _ = calibrated(opts, MICRO_BATCH, earlier=before)
-    for mode, t in trainers.items():
-        predicted[mode] = predicted_seconds(t.cfg, cluster, params)
     for mode in MODES[1:]:
         ratio_m = measured[mode] / measured["none"]
         ratio_p = predicted[mode] / predicted["none"]

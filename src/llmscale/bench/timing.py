@@ -1,7 +1,6 @@
 """Step time: the planner's time model on this device (calibrated by micro-benchmarks) vs the trainer.
 
-The device is measured before and after each configuration's steps, each figure the best of the
-two (`train.calibration.measured_cluster`: the model's GEMMs on cold
+The device is measured first (`train.calibration.measured_cluster`: the model's GEMMs on cold
 operands, the attention core in the run's dtype, the block's element-wise ops, a one-token step
 for the per-micro-batch dispatch, and the optimizer step); the planner then predicts each
 configuration's step from FLOPs and bytes at those achieved rates (the measured device's
@@ -31,20 +30,15 @@ TIMED_STEPS = 6
 
 
 def calibrated(
-    opts: BenchOptions,
-    micro_batch: int,
-    precision: str = "fp32",
-    earlier: dict[str, float] | None = None,
+    opts: BenchOptions, micro_batch: int, precision: str = "fp32"
 ) -> tuple[Cluster, TimeParams, dict[str, float]]:
     """The measured device and the time parameters that go with it (attention measured in
-    `precision`). With `earlier`, the figures of a calibration before the measured steps: each
-    figure the best of both (`train.calibration.fastest`), so that the calibration brackets
-    the steps and sees the machine as they saw it."""
+    `precision`)."""
     device = resolve_device(opts.device)
     model = get_preset(opts.model)
     cluster, figures = measured_cluster(
-        model, micro_batch * opts.seq_len, device, (), precision, earlier
-    )  # the GEMM rate of `precision` only: the one its steps (and MFU) use
+        model, micro_batch * opts.seq_len, device, precision=precision
+    )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
     return cluster, params, figures
@@ -61,7 +55,7 @@ def run(opts: BenchOptions) -> SuiteResult:
     )
     calib_rows = []
     for precision, mbs in CONFIGS:
-        _, _, before = calibrated(opts, mbs, precision)
+        cluster, params, figures = calibrated(opts, mbs, precision)
         cfg = opts.job(
             "--precision.mode", precision, "--train.micro_batch_size", str(mbs),
             "--train.global_batch_size", str(mbs),
@@ -69,7 +63,6 @@ def run(opts: BenchOptions) -> SuiteResult:
             run=f"time-{precision}-{mbs}",
         )  # fmt: skip
         m = measure(cfg, opts.warmup)
-        cluster, params, figures = calibrated(opts, mbs, precision, earlier=before)
         pred = predict_step_time(cfg, cluster, params)
         parts = ", ".join(f"{k} {1000 * v:.0f}" for k, v in pred.breakdown.items() if v > 0)
         res.rows.append(
@@ -95,8 +88,7 @@ def run(opts: BenchOptions) -> SuiteResult:
         "the model's GEMMs on cold operands, the attention core in the run's dtype, the block's "
         "element-wise ops (their bandwidth net of the same ops on one token, whose fixed cost "
         "is the dispatch's), the one-token forward and backward (dispatch) and the optimizer "
-        "step, before and after each configuration's steps (each figure the best of the two). "
-        "The planner then prices each configuration's GEMMs, attention, element-wise "
+        "step. The planner then prices each configuration's GEMMs, attention, element-wise "
         "bytes, dispatch and optimizer at those rates. Measured is the fastest of "
         f"{TIMED_STEPS} or more steps, as each micro-benchmark keeps its fastest trial: step "
         "times on this shared 2-core machine vary by 10-30% from run to run; the same model is validated against published GPU "

@@ -308,22 +308,6 @@ def cluster_from(
     return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=achieved))
 
 
-def fastest(*runs: dict[str, float]) -> dict[str, float]:
-    """Each figure at its best over several calibrations of the same shape: the highest rate
-    (`*_flops`, `bandwidth_bytes`), the shortest time (`*_s`), as each one keeps the fastest
-    of its trials. Two calibrations around a measurement see the machine as it was then."""
-    out = dict(runs[0])
-    for run in runs[1:]:
-        for key, value in run.items():
-            if key not in out:
-                out[key] = value
-            elif key.endswith("_s"):
-                out[key] = min(out[key], value)
-            else:
-                out[key] = max(out[key], value)
-    return out
-
-
 def display_name(device: torch.device) -> str:
     key = calibrate.machine_key(device)
     threads = f"{key['threads']} thread" + ("" if key["threads"] == "1" else "s")
@@ -336,17 +320,12 @@ def measured_cluster(
     device: torch.device,
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
     precision: str = "fp32",
-    earlier: dict[str, float] | None = None,
 ) -> tuple[Cluster, dict[str, float]]:
     """`llmscale bench`'s device: measured now (BENCH effort) for `tokens` a micro-batch; the
-    attention efficiency is `precision`'s. Also the raw figures. With `earlier` (figures of
-    the same shape, measured before the run being predicted), each figure is the `fastest` of
-    both."""
+    attention efficiency is `precision`'s. Also the raw figures."""
     seq = min(model.max_seq_len, max(1, tokens))
     micro = max(1, tokens // seq)
     figures = measure(model, micro, seq, precision, device, dtypes, BENCH)
-    if earlier is not None:
-        figures = fastest(earlier, figures)
     return cluster_from(figures, model, precision, display_name(device)), figures
 
 
