@@ -258,29 +258,9 @@ def _add_models(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def _cmd_models(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rich.table import Table
+    from llmscale.plan.models_report import models_table
 
-    from llmscale.model.config import PRESETS
-    from llmscale.ui import console
-
-    t = Table(title="llmscale model presets")
-    for col in ("name", "layers", "dim", "heads", "kv", "ffn", "vocab", "params", "published"):
-        t.add_column(col, justify="left" if col == "name" else "right")
-    for m in PRESETS.values():
-        pub = f"{m.published_params:,}" if m.published_params else "-"
-        t.add_row(
-            m.name,
-            str(m.n_layers),
-            str(m.dim),
-            str(m.n_heads),
-            str(m.n_kv_heads),
-            str(m.ffn_dim),
-            str(m.vocab_size),
-            f"{m.num_params():,}",
-            pub,
-        )
-    console().print(t)
-    return 0
+    return _show(models_table())
 
 
 # ---- schedule -----------------------------------------------------------------------------
