@@ -60,11 +60,14 @@ zero-bubble schedules hold a micro-batch's activations from its F until its W, a
 (measured, torch 2.13: B runs with retain_graph and frees none of the stage's saved tensors,
 only the loss's; on the first stage B does nothing and W runs the whole backward; W frees all:
 tests/parallel/test_split_backward_meter.py, and predicted = measured in the pipeline suite).
-Not counted (as the activation meter does not count them): what B hands to W besides the
-graph, the gradients at the ops W starts from (every linear's and norm weight's output
-gradient) and the received output gradient; docs/schedule.md has their size. Tensor
-parallelism: see
-plan/params.py and the regions in plan/activations.py.
+Besides the saved activations (`pipeline_held`, measured to the byte by the runtime's
+`parallel.pipeline.PipelineMemory`): the stages' receive buffers, one activation and one
+gradient per micro-batch (`pipeline_buffers`), and what a split B keeps, each linear's and norm
+weight's output gradient and the stage output until W and the input gradient until the step
+ends (`pending_weight_grads`, its peak on the op order). `total` adds their peaks to the
+activations' (an upper bound: those peak at an F, these at a B); docs/schedule.md, "Memory of
+the split schedules". Tensor parallelism: see plan/params.py and the regions in
+plan/activations.py.
 """
 
 from __future__ import annotations
