@@ -38,7 +38,9 @@ __all__ = [
     "PipelineMemory",
     "build_pipeline_schedule",
     "build_stage_module",
+    "pending_weight_grad_bytes",
     "pipeline_split",
+    "receive_buffers",
     "schedule_op_order",
     "schedule_stage_ids",
     "split_layers",
@@ -314,10 +316,7 @@ def pending_weight_grad_bytes(stages: list[Any]) -> int:
     """Bytes the stages keep for their pending Ws and from their split Bs (`PipelineMemory`):
     `backward_state`'s gradients at the intermediates and stage outputs, and the input
     gradients left on the received activations; receive buffers and parameters excluded."""
-    skip = set(receive_buffers(stages))
-    for st in stages:
-        for p in st.submod.parameters():
-            skip.update(k for k, _ in storage_bytes(p))
+    skip = set(receive_buffers(stages))  # (`storage_bytes` never counts a parameter)
     seen: dict[tuple[int, int], int] = {}
 
     def add(t: Any) -> None:
