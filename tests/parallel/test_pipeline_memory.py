@@ -34,7 +34,7 @@ from llmscale.plan import activations as act
 B, S = 2, 32  # sequences per micro-batch, tokens
 
 
-def _stage_after_b(stage_index: int, n_stages: int = 3) -> tuple[Any, Any]:
+def _stage_after_b(stage_index: int, n_stages: int = 3, bf16: bool = False) -> tuple[Any, Any]:
     """A stand-in for torch's PipelineStage after one micro-batch's F and B (the fields
     `pending_weight_grad_bytes` reads), built by torch's own B."""
     cfg = replace(get_preset("tiny"), n_layers=n_stages)
@@ -48,10 +48,11 @@ def _stage_after_b(stage_index: int, n_stages: int = 3) -> tuple[Any, Any]:
         x = torch.randn(B, S, cfg.dim, generator=g).requires_grad_(True)  # the receive buffer
         args = (_RecvInfo("x", stage_index - 1, x, None),)
     dout = None if last else torch.randn(B, S, cfg.dim, generator=g)  # the gradient buffer
-    out = mod(x)
-    if last:
-        targets = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-        out = torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = mod(x)
+        if last:
+            targets = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+            out = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), targets.flatten())
     groups = None
     if not first:  # torch's B does nothing on the first stage (its W runs the whole backward)
         _, groups = stage_backward_input(
@@ -134,3 +135,23 @@ def test_the_meter_samples_before_each_op_and_keeps_the_peak() -> None:
     assert meter.buffer_bytes == sum(receive_buffers([stage]).values()) > 0
     stage.forward_one_chunk(0)  # outside a step: no sampling
     assert meter.pending_peak_bytes == full
+
+
+@pytest.mark.parametrize("stage_index", [1, 2])
+def test_under_bf16_autocast_the_gradients_take_their_ops_dtypes(stage_index: int) -> None:
+    """bf16 autocast over fp32 weights: the linears' output gradients are bf16, the norms' and
+    the residual stream's fp32; the last w2's bf16 gradient is a cast of the received fp32
+    one, not a view of it, so it counts (the planner's `w2_is_received` is false)."""
+    st, cfg = _stage_after_b(stage_index, bf16=True)
+    h, h_kv, f, v = cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.vocab_size
+    per_block = B * S * (2 * (3 * h + 2 * h_kv + 2 * f) + 4 * 2 * h)
+    boundary = 4 * B * S * h
+    args = (cfg, B, S, "bf16", 1, False, act.RUNTIME_CPU)
+    assert sum(t.nbytes for t in act.block_output_grads(*args)) == per_block
+    if stage_index == 2:
+        head = B * S * (4 * h + 2 * v) + 4
+        assert sum(t.nbytes for t in act.head_output_grads(*args)) == head
+        want = per_block + head + boundary  # + the input gradient
+    else:
+        want = per_block + boundary + boundary  # + the stage output, the input gradient
+    assert pending_weight_grad_bytes([st]) == want
