@@ -60,7 +60,7 @@ def test_timeline_has_one_f_and_one_b_per_stage_and_microbatch_in_the_simulators
 
 def test_rows_are_finite_and_the_orders_match(bench) -> None:
     opts, res = bench
-    assert len(res.rows) == 4 * len(CONFIGS)
+    assert len(res.rows) == 5 * len(CONFIGS)  # no row of what B keeps for W: no split
     for row in res.rows:
         assert math.isfinite(row.measured) and row.measured > 0, row
         assert row.predicted is not None and math.isfinite(row.predicted) and row.predicted > 0

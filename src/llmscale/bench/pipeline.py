@@ -26,7 +26,7 @@ from pathlib import Path
 
 from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, png_path
-from llmscale.config import pipeline_chunks, to_toml
+from llmscale.config import SPLIT_BACKWARD_SCHEDULES, pipeline_chunks, to_toml
 from llmscale.instrument.pipeline import FILE_NAME
 from llmscale.parallel.timeline import (
     OpRecord,
@@ -41,7 +41,12 @@ from llmscale.parallel.timeline import (
 )
 from llmscale.plan import activations as act
 from llmscale.plan.gantt import draw_gantts_png
-from llmscale.plan.memory import MemoryOptions, inflight_units, rank_activation_bytes
+from llmscale.plan.memory import (
+    MemoryOptions,
+    inflight_units,
+    pipeline_held,
+    rank_activation_bytes,
+)
 from llmscale.plan.predict import as_plan
 from llmscale.plan.schedule import Op, SimResult, bubble_fraction, schedule_ops, simulate
 from llmscale.train.metrics import read_jsonl
@@ -105,6 +110,7 @@ class Measured:
     peak_bytes: float  # the memory run's saved-activation peak on stage 0 (its last step)
     predicted_peak_bytes: float  # the planner's: in-flight units x one micro-batch's bytes
     inflight: int  # the planner's in-flight units on stage 0
+    held: dict[str, tuple[float, float]]  # stage 0's PipelineMemory metrics: measured, planner
 
     @property
     def bubble(self) -> float:
@@ -144,7 +150,16 @@ def run(opts: BenchOptions, configs: tuple[PipeConfig, ...] = CONFIGS) -> SuiteR
             Row(SUITE, c.label, "activations in flight, stage 0", "B", m.peak_bytes,
                 m.predicted_peak_bytes,
                 f"{m.inflight} units of 1/{c.chunks} stage x one micro-batch (planner)"),
+            Row(SUITE, c.label, "receive buffers, stage 0", "B",
+                *m.held["pipeline_buffer_bytes"],
+                "an activation and a gradient per micro-batch and stage, as received"),
         ]  # fmt: skip
+        if c.schedule in SPLIT_BACKWARD_SCHEDULES:
+            res.rows.append(
+                Row(SUITE, c.label, "kept from B for W, stage 0", "B",
+                    *m.held["pending_weight_grad_bytes"],
+                    "peak: output gradients at W's ops until W, input gradients until the end")
+            )  # fmt: skip
     res.tables["measured op times fed to the simulator (ms, per stage)"] = (
         [
             "configuration",
@@ -270,7 +285,7 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
         for r, got in enumerate(st.orders)
         if got != want[r]
     ]
-    peak, predicted, inflight = _activation_peak(opts, c)
+    peak, predicted, inflight, held = _activation_peak(opts, c)
     bubbles = [s.bubble_fraction for s in stats]
     median_step = bubbles.index(sorted(bubbles)[len(bubbles) // 2])
     return Measured(
@@ -290,6 +305,7 @@ def analyse(opts: BenchOptions, c: PipeConfig) -> Measured:
         peak_bytes=peak,
         predicted_peak_bytes=predicted,
         inflight=inflight,
+        held=held,
     )
 
 
@@ -334,15 +350,27 @@ def backward_costs(
     return t_fwd, t_bwd, t_w
 
 
-def _activation_peak(opts: BenchOptions, c: PipeConfig) -> tuple[float, float, int]:
-    """Stage 0's measured peak of saved activations and the planner's prediction of it."""
+def _activation_peak(
+    opts: BenchOptions, c: PipeConfig
+) -> tuple[float, float, int, dict[str, tuple[float, float]]]:
+    """Stage 0's measured peak of saved activations and the planner's prediction of it, and
+    what the stages hold besides (`parallel.pipeline.PipelineMemory`'s two metrics), measured
+    and predicted."""
     run = f"{c.name}-memory"
     rows = [r for r in read_jsonl(opts.work_dir / run / "metrics.jsonl") if r["kind"] == "train"]
     plan = as_plan(opts.job(*memory_args(c), run=run))
     options = MemoryOptions(kernels=act.RUNTIME_CPU)  # the suite's ranks run on the CPU
     predicted = rank_activation_bytes(plan, 0, options)
     inflight = inflight_units(c.schedule, c.pp, c.microbatches, c.chunks, 0)
-    return float(rows[-1]["activation_peak_bytes"]), predicted, inflight
+    want = pipeline_held(plan, 0, options)
+    held = {
+        "pending_weight_grad_bytes": (
+            float(rows[-1]["pending_weight_grad_bytes"]),
+            want.pending_weight_grads,
+        ),
+        "pipeline_buffer_bytes": (float(rows[-1]["pipeline_buffer_bytes"]), want.pipeline_buffers),
+    }
+    return float(rows[-1]["activation_peak_bytes"]), predicted, inflight, held
 
 
 def _draw(opts: BenchOptions, pp: int, m: int, drawn: list[Measured]) -> Path:

@@ -290,3 +290,10 @@ def _is_parameter(t: torch.Tensor) -> bool:
 def _storage_key(t: torch.Tensor) -> _StorageKey:
     local = local_tensor(t)
     return (local.untyped_storage().data_ptr(), local.device.index or 0)
+
+
+def storage_bytes(t: torch.Tensor) -> list[tuple[_StorageKey, int]]:
+    """The storages behind `t` (a DTensor's local tensor, each plain piece once) and their
+    bytes; none for parameters and meta tensors: what the pipeline's memory accounting counts
+    (`parallel.pipeline.PipelineMemory`), keyed as the activation meter keys them."""
+    return [(_storage_key(leaf), leaf.untyped_storage().nbytes()) for leaf in _plain_tensors(t)]

@@ -29,14 +29,18 @@ import torch
 from torch import nn
 
 from llmscale.config import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, pipeline_chunks
+from llmscale.instrument.activations import storage_bytes
 from llmscale.instrument.pipeline import PipelineRecorder
 from llmscale.model.config import split_layers, stage_ids
 from llmscale.model.transformer import Transformer
 
 __all__ = [
+    "PipelineMemory",
     "build_pipeline_schedule",
     "build_stage_module",
+    "pending_weight_grad_bytes",
     "pipeline_split",
+    "receive_buffers",
     "schedule_op_order",
     "schedule_stage_ids",
     "split_layers",
@@ -95,6 +99,7 @@ def build_pipeline_schedule(
     device: torch.device,
     group: torch.distributed.ProcessGroup,
     timeline: PipelineRecorder | None = None,
+    memory: PipelineMemory | None = None,
 ) -> object:
     """A torch.distributed.pipelining schedule over this rank's stages.
 
@@ -103,7 +108,8 @@ def build_pipeline_schedule(
     With `timeline`, the stages' per-chunk forward, backward (and, for the split-backward
     schedules, backward-weight) ops and the loss are timed. `ids` must be the schedule's own
     placement (`schedule_stage_ids`): torch's V schedules assume rank r holds stages r and
-    2 pp - 1 - r and route their p2p by that, unchecked.
+    2 pp - 1 - r and route their p2p by that, unchecked. With `memory`, what the stages hold
+    besides saved activations is sampled before each of their ops (`PipelineMemory`).
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -128,6 +134,8 @@ def build_pipeline_schedule(
     if timeline is not None:
         timeline.watch(stages)
         loss_fn = timeline.timed_loss(loss_fn)
+    if memory is not None:  # outside the timeline's wrappers: the sampling is not op time
+        memory.watch(stages)
     multi = {
         "interleaved_1f1b": ScheduleInterleaved1F1B,
         "zero_bubble": ScheduleInterleavedZeroBubble,
@@ -215,6 +223,124 @@ def _unshard(module: nn.Module) -> None:
     for h in handles:
         if h is not None:
             h.wait()
+
+
+class PipelineMemory:
+    """What a rank's pipeline stages hold besides saved activations and the model's states.
+
+    torch 2.13's `PipelineStage` keeps, per stage and micro-batch:
+
+    - receive buffers (`pipeline_buffer_bytes`): one for the activations received (every stage
+      but the first) and one for the output gradient received (every stage but the last), per
+      micro-batch, allocated at the first step and kept (in a V the two stages sharing the
+      last rank hand each other their tensors instead: the same count);
+    - from a split backward's B until its W (`pending_weight_grad_bytes`, the step's peak):
+      `backward_state` keeps the gradients at the ops W starts from (every linear's output
+      gradient, every norm weight's: torch's intermediates) and the stage's output; and B puts
+      the input gradient on the received activation's `.grad`, where it stays until the next
+      step begins (`clear_runtime_states`). A whole backward (gpipe, 1f1b, interleaved,
+      dualpipev's full backwards) keeps none of it.
+
+    The two are counted apart (a storage that is a receive buffer is not pending), storages
+    once, parameters never. `watch` wraps each stage's forward, backward and weight-gradient
+    calls to sample the pending bytes before each op runs (so after a B the next op sees what
+    B left, after the local hand-offs of a V); `end_step` samples once more and reads the
+    buffers. Costs a walk over a few tensors per op; nothing runs outside `begin_step` /
+    `end_step`.
+    """
+
+    def __init__(self) -> None:
+        self._stages: list[weakref.ref[Any]] = []  # weakly: the schedule owns its stages
+        self.active = False
+        self.pending_bytes = 0
+        self.pending_peak_bytes = 0
+        self.buffer_bytes = 0
+
+    @property
+    def stages(self) -> list[Any]:
+        return [st for ref in self._stages if (st := ref()) is not None]
+
+    def watch(self, stages: list[Any]) -> None:
+        self._stages = [weakref.ref(st) for st in stages]
+        for st in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(st, name, self._sampled(st, name))
+
+    def _sampled(self, stage: Any, name: str) -> Callable[..., Any]:
+        """`stage.name`, sampling first; holds neither the stage nor this meter (a bound
+        method stored on its own stage would make the stage, and its process group, a cycle)."""
+        me, st_ref = weakref.ref(self), weakref.ref(stage)
+        inner = stage.__dict__.get(name)  # an earlier wrapper (the timeline's, the gather's)
+        func = getattr(type(stage), name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            m = me()
+            if m is not None and m.active:
+                m.sample()
+            if inner is not None:
+                return inner(*args, **kwargs)
+            return func(st_ref(), *args, **kwargs)
+
+        return run
+
+    def begin_step(self) -> None:
+        self.active = True
+        self.pending_peak_bytes = 0
+        self.sample()
+
+    def end_step(self) -> None:
+        self.sample()
+        self.buffer_bytes = self.receive_buffer_bytes()
+        self.active = False
+
+    def sample(self) -> None:
+        self.pending_bytes = pending_weight_grad_bytes(self.stages)
+        self.pending_peak_bytes = max(self.pending_peak_bytes, self.pending_bytes)
+
+    def receive_buffer_bytes(self) -> int:
+        return sum(receive_buffers(self.stages).values())
+
+
+def receive_buffers(stages: list[Any]) -> dict[tuple[int, int], int]:
+    """The storages of the stages' receive buffers (activations and output gradients), bytes."""
+    out: dict[tuple[int, int], int] = {}
+    for st in stages:
+        for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values()):
+            for info in infos:
+                if not info.is_root_arg and isinstance(info.buffer, torch.Tensor):
+                    out.update(storage_bytes(info.buffer))
+    return out
+
+
+def pending_weight_grad_bytes(stages: list[Any]) -> int:
+    """Bytes the stages keep for their pending Ws and from their split Bs (`PipelineMemory`):
+    `backward_state`'s gradients at the intermediates and stage outputs, and the input
+    gradients left on the received activations; receive buffers and parameters excluded."""
+    skip = set(receive_buffers(stages))  # (`storage_bytes` never counts a parameter)
+    seen: dict[tuple[int, int], int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            for key, n in storage_bytes(t):
+                if key not in skip:
+                    seen[key] = n
+
+    for st in stages:
+        for input_values, param_groups, stage_output, _output_grads in st.backward_state.values():
+            for group in param_groups or ():
+                for grads in group.get("grads") or ():
+                    for g in grads or ():
+                        add(g)
+            for t in stage_output if isinstance(stage_output, (list, tuple)) else (stage_output,):
+                add(t)
+            for t in input_values:
+                if isinstance(t, torch.Tensor):
+                    add(t.grad)
+        for infos in st.args_recv_info.values():
+            for info in infos:
+                if not info.is_root_arg and isinstance(info.buffer, torch.Tensor):
+                    add(info.buffer.grad)
+    return sum(seen.values())
 
 
 # torch's action kinds as the simulator and the pipeline timeline name them: its

@@ -352,6 +352,74 @@ def head_tensors(
     return out
 
 
+def block_output_grads(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> list[Saved]:
+    """What a split backward's B keeps of one block for its W (torch 2.13's
+    `stage_backward_input`): the gradient at every op W starts from, i.e. each linear's output
+    gradient (in the activation dtype; column-parallel ones split over tp, row-parallel ones
+    partial sums at full width) and each norm weight's (the norm output's dtype): per token
+    5h + 2h_kv + 2f values for SwiGLU, measured (`parallel.pipeline.pending_weight_grad_bytes`).
+    """
+    tokens = micro_batch_size * seq_len
+    a = DTYPE_BYTES[precision]
+    n = 4 if norm_output_fp32(model, a, kernels) else a
+    per_token: list[tuple[str, float, str]] = [
+        (f"{name} output gradient", a * n_out, "partial" if name in ROW_PARALLEL else "tp")
+        for name, _, n_out in model.block_matmuls()
+    ]
+    per_token += [(f"{tag} weight's output gradient", n * model.dim, "norm")
+                  for tag in ("attention_norm", "ffn_norm")]  # fmt: skip
+    return _scale(per_token, tokens, tp, sequence_parallel, kernels)
+
+
+def head_output_grads(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> list[Saved]:
+    """`block_output_grads` of the head's stage beyond its blocks: the final norm weight's
+    output gradient, the logits' gradient (the output projection's) and the 0-d loss the stage
+    keeps as its output."""
+    tokens = micro_batch_size * seq_len
+    a = DTYPE_BYTES[precision]
+    n = 4 if norm_output_fp32(model, a, kernels) else a
+    vocab_div = tp if kernels.splits_vocab(model, tp) else 1
+    out = _scale([("final norm weight's output gradient", n * model.dim, "norm")], tokens, tp,
+                 sequence_parallel, kernels)  # fmt: skip
+    out += [
+        Saved("logits gradient", a * tokens * model.vocab_size / vocab_div, "seq"),
+        Saved("loss (the stage's output)", 4, "seq"),
+    ]
+    return out
+
+
+def boundary_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> float:
+    """One micro-batch of the residual stream between two pipeline stages: what a stage sends
+    (its output), receives (an activation, an output gradient) and returns (an input gradient)."""
+    a = DTYPE_BYTES[precision]
+    per = residual_bytes(a, kernels) * model.dim * micro_batch_size * seq_len
+    return per / _divisor("norm", tp, sequence_parallel, kernels)
+
+
 @memoize
 def with_weights(kernels: Kernels, lowp_weights: bool) -> Kernels:
     """`kernels` for a plan whose forward weights are (or are not) already low precision."""

@@ -60,11 +60,14 @@ zero-bubble schedules hold a micro-batch's activations from its F until its W, a
 (measured, torch 2.13: B runs with retain_graph and frees none of the stage's saved tensors,
 only the loss's; on the first stage B does nothing and W runs the whole backward; W frees all:
 tests/parallel/test_split_backward_meter.py, and predicted = measured in the pipeline suite).
-Not counted (as the activation meter does not count them): what B hands to W besides the
-graph, the gradients at the ops W starts from (every linear's and norm weight's output
-gradient) and the received output gradient; docs/schedule.md has their size. Tensor
-parallelism: see
-plan/params.py and the regions in plan/activations.py.
+Besides the saved activations (`pipeline_held`, measured to the byte by the runtime's
+`parallel.pipeline.PipelineMemory`): the stages' receive buffers, one activation and one
+gradient per micro-batch (`pipeline_buffers`), and what a split B keeps, each linear's and norm
+weight's output gradient and the stage output until W and the input gradient until the step
+ends (`pending_weight_grads`, its peak on the op order). `total` adds their peaks to the
+activations' (an upper bound: those peak at an F, these at a B); docs/schedule.md, "Memory of
+the split schedules". Tensor parallelism: see plan/params.py and the regions in
+plan/activations.py.
 """
 
 from __future__ import annotations
@@ -73,16 +76,16 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from llmscale.config import DTYPE_BYTES
+from llmscale.config import DTYPE_BYTES, SPLIT_BACKWARD_SCHEDULES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, GiB
-from llmscale.model.config import BlockMode
+from llmscale.model.config import BlockMode, stage_ids
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import inflight_units
+from llmscale.plan.schedule import held_after_b_peak, inflight_units
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -96,6 +99,8 @@ __all__ = [
     "estimate_memory",
     "head_inflight",
     "inflight_units",
+    "pipeline_held",
+    "PipelineHeld",
     "param_window",
     "plan_kernels",
     "plan_rank_params",
@@ -135,6 +140,8 @@ class RankMemory:
     allocator: float
     host: float
     inflight: float  # micro-batches of the stage's layers whose activations are held
+    pending_weight_grads: float = 0.0  # split backwards: what B keeps for W (the step's peak)
+    pipeline_buffers: float = 0.0  # the stages' receive buffers (activations, gradients)
 
     @property
     def states(self) -> float:
@@ -143,7 +150,10 @@ class RankMemory:
     @property
     def allocated(self) -> float:
         """Predicted peak of torch.cuda.max_memory_allocated()."""
-        return self.states + self.working_params + self.activations + self.transient
+        return (
+            self.states + self.working_params + self.activations + self.transient
+            + self.pending_weight_grads + self.pipeline_buffers
+        )  # fmt: skip
 
     @property
     def total(self) -> float:
@@ -157,6 +167,8 @@ class RankMemory:
             "optimizer": self.optimizer,
             "working_params": self.working_params,
             "activations": self.activations,
+            "pending_weight_grads": self.pending_weight_grads,
+            "pipeline_buffers": self.pipeline_buffers,
             "transient": self.transient,
             "allocator": self.allocator,
         }
@@ -192,13 +204,15 @@ class RankPieces(NamedTuple):
     activations: float
     transient: float
     host: float
+    pending_weight_grads: float = 0.0  # split backwards: B's gradients waiting for W
+    pipeline_buffers: float = 0.0  # the stages' receive buffers
 
     @property
     def allocated(self) -> float:
         """Device bytes at the peak (everything but `host`)."""
         return (
             self.params + self.grads + self.optimizer + self.working_params + self.activations
-            + self.transient
+            + self.transient + self.pending_weight_grads + self.pipeline_buffers
         )  # fmt: skip
 
 
@@ -459,7 +473,77 @@ def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
     if plan.recompute in ("full", "every_k"):
         transient = max(transient, block_bytes(plan, "none", opt.kernels))
     acts = rank_activation_bytes(plan, rank, opt)
-    return st._replace(activations=acts, transient=transient)
+    held = pipeline_held(plan, rank, opt)
+    return st._replace(
+        activations=acts,
+        transient=transient,
+        pending_weight_grads=held.pending_weight_grads,
+        pipeline_buffers=held.pipeline_buffers,
+    )
+
+
+class PipelineHeld(NamedTuple):
+    """What a pipeline rank's stages hold besides saved activations (the runtime's
+    `parallel.pipeline.PipelineMemory`): the step's peak of what split backwards keep from B
+    (`pending_weight_grad_bytes`) and the receive buffers (`pipeline_buffer_bytes`)."""
+
+    pending_weight_grads: float
+    pipeline_buffers: float
+
+
+_HELD: Memo[PipelineHeld] = Memo("memory.pipeline_held")
+
+
+def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> PipelineHeld:
+    """torch 2.13's `PipelineStage` on pipeline `rank` (measured in docs/schedule.md, "Memory
+    of the split schedules"):
+
+    - receive buffers: per stage and micro-batch, one residual-stream tensor received forward
+      (every stage but the first) and one backward (every stage but the last), kept;
+    - a split B (zero_bubble, zbv, dualpipev; not their full backwards) keeps until its W the
+      output gradient of every linear and norm weight of the stage's blocks (and the head's,
+      with the logits'), and the stage's output; the received output gradient is the last w2's
+      (a view; a buffer already); and until the step ends the input gradient it computed (on
+      the received activation). Where two consecutive stages share a rank (the bottom of a V)
+      the output of one is the other's received activation and the input gradient of the
+      other the one's received gradient: buffers, not counted twice.
+
+    The step's peak comes from the schedule's op order (`schedule.held_after_b_peak`).
+    """
+    key = (*plan.activations_key(), id(opt), rank)
+    compute = lambda: _pipeline_held(plan, rank, opt)  # noqa: E731
+    return _HELD.get(key, compute, (plan.model, opt))
+
+
+def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
+    if plan.pp == 1:
+        return PipelineHeld(0.0, 0.0)
+    args = slice_args(plan, opt.kernels)
+    share = cp_share(plan)
+    m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
+    ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
+    boundary = share * act.boundary_bytes(*args)
+    buffers = sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
+    if plan.pp_schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return PipelineHeld(0.0, buffers)
+    block = share * sum(t.nbytes for t in act.block_output_grads(*args))
+    head = share * sum(t.nbytes for t in act.head_output_grads(*args))
+    a = DTYPE_BYTES[plan.precision]
+    # The last block's w2 output gradient is the received gradient itself (a view) where no
+    # cast or tensor-parallel reduction sits between them.
+    w2_is_received = plan.tp == 1 and act.residual_bytes(a, opt.kernels) == a
+    until_w, until_end = [], []
+    for g, layers in zip(ids, plan.rank_stages(rank), strict=True):
+        last, next_here = g == n_stages - 1, g + 1 in ids
+        pending = 0.0 if next_here or last else boundary  # the stage's output
+        if g != 0:  # the first stage's B does nothing (its W runs the whole backward)
+            pending += len(layers) * block + (head if last else 0.0)
+            if not last and len(layers) and w2_is_received:
+                pending -= boundary
+        until_w.append(pending)
+        until_end.append(0.0 if g == 0 or g - 1 in ids else boundary)
+    peak = held_after_b_peak(plan.pp_schedule, plan.pp, m, plan.chunks, rank, until_w, until_end)
+    return PipelineHeld(peak, buffers)
 
 
 def worst_total(plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...]) -> float:

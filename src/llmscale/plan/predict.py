@@ -104,6 +104,9 @@ def expected_runtime_metrics(
         # The most held at once over the schedule (micro-batches in flight); the casts are
         # made once per step and shared by every micro-batch.
         out["activation_peak_bytes"] = rank_activation_bytes(plan, rank, options) + casts
+        # What the stages hold beside them (parallel.pipeline.PipelineMemory, plan/memory.py).
+        out["pending_weight_grad_bytes"] = pieces.pending_weight_grads
+        out["pipeline_buffer_bytes"] = pieces.pipeline_buffers
     if plan.offload == "optimizer+params" and not plan.fsdp_cpu_offload:
         # The offloaded optimizer's own count of the parameters it held on the device at once.
         pb = DTYPE_BYTES[plan.precision]

@@ -528,6 +528,75 @@ def inflight_units(schedule: str, pp: int, microbatches: int, chunks: int, rank:
     return _closed_peak(schedule, pp, microbatches, chunks, rank)
 
 
+def split_backward_events(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> tuple[tuple[int, int], ...]:
+    """`rank`'s split backwards in its op order, as (chunk, +1) at each B whose W runs later
+    and (chunk, -1) at that W; a B with its W joined (torch's full backward: DualPipeV's full
+    and overlapped actions) keeps nothing and is left out. Empty for the unsplit schedules."""
+    if schedule not in _ORDERS:
+        return ()
+    return _split_events(schedule, pp, microbatches, chunks, rank)
+
+
+@lru_cache(maxsize=1024)
+def _split_events(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> tuple[tuple[int, int], ...]:
+    ops = _ORDERS[schedule](pp, microbatches, chunks, rank)
+    events: list[tuple[int, int]] = []
+    for k, op in enumerate(ops):
+        nxt = ops[k + 1] if k + 1 < len(ops) else None
+        if op.kind == "B":
+            whole = nxt is not None and nxt.kind == "W" and nxt.joined
+            if not whole:
+                events.append((op.chunk, 1))
+        elif op.kind == "W" and not op.joined:
+            events.append((op.chunk, -1))
+    return tuple(events)
+
+
+def held_after_b_peak(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    chunks: int,
+    rank: int,
+    until_w: Sequence[float],
+    until_step_end: Sequence[float] = (),
+) -> float:
+    """The most a rank holds at once for its split backwards: per chunk c, `until_w[c]` for
+    each micro-batch between its B and its W (the gradients W starts from) and
+    `until_step_end[c]` for each micro-batch past its B (the input gradient torch leaves on
+    the received activation until the next step), counted on the schedule's op order
+    (`split_backward_events`). 0 for gpipe, 1f1b and interleaved_1f1b. Weights must be >= 0."""
+    kept = tuple(until_step_end) or (0.0,) * len(until_w)
+    weights = (*until_w, *kept)
+    frontier = _held_frontier(schedule, pp, microbatches, chunks, rank)
+    return max((sum(n * w for n, w in zip(c, weights, strict=True)) for c in frontier), default=0.0)
+
+
+@lru_cache(maxsize=1024)
+def _held_frontier(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> tuple[tuple[int, ...], ...]:
+    """The counts (pending per chunk, then B done per chunk) after each split B of the order,
+    only those no other count dominates: with weights >= 0 the peak is at one of them (the
+    search asks for thousands of plans; the frontier is a handful of points)."""
+    pending, done = [0] * chunks, [0] * chunks
+    points: set[tuple[int, ...]] = set()
+    for chunk, step in split_backward_events(schedule, pp, microbatches, chunks, rank):
+        pending[chunk] += step
+        if step > 0:
+            done[chunk] += 1
+            points.add((*pending, *done))
+    kept: list[tuple[int, ...]] = []
+    for p in sorted(points, key=sum, reverse=True):  # a dominating point sorts first
+        if not any(all(a >= b for a, b in zip(q, p, strict=True)) for q in kept):
+            kept.append(p)
+    return tuple(kept)
+
+
 # ---- simulation ---------------------------------------------------------------------------
 
 

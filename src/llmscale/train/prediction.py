@@ -177,6 +177,8 @@ BREAKDOWN = (
     ("optimizer", "optim"),
     ("working_params", "working"),
     ("activations", "activ"),
+    ("pending_weight_grads", "B to W"),  # split backwards: what B keeps for W
+    ("pipeline_buffers", "recv"),  # the pipeline stages' receive buffers
     ("transient", "transient"),
     ("allocator", "allocator"),
 )

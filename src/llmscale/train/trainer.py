@@ -44,7 +44,7 @@ from llmscale.parallel.data_parallel import set_gradient_sync
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import check_runtime_support, parallelize
-from llmscale.parallel.pipeline import build_pipeline_schedule
+from llmscale.parallel.pipeline import PipelineMemory, build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
@@ -198,6 +198,7 @@ class Trainer:
         self.activation_peak: int | None = None  # under pipelining, set each step
         self._pp_loss = _PipelineLoss(self.scaler, cfg.n_microbatches, self.data.n_valid_vocab)
         self.pp_timeline: PipelineRecorder | None = None
+        self.pp_memory: PipelineMemory | None = None
         if self.dims.pp > 1:
             if cfg.metrics.pipeline_timeline:
                 sync = None
@@ -208,6 +209,8 @@ class Trainer:
                         torch.cuda.synchronize(device)
 
                 self.pp_timeline = PipelineRecorder(self.dims.pp_rank, sync)
+            if cfg.metrics.activation_memory:  # receive buffers, what split backwards keep
+                self.pp_memory = PipelineMemory()
             self.pp_schedule = build_pipeline_schedule(
                 self.model_parts,
                 self.parallel.stage_ids,
@@ -218,6 +221,7 @@ class Trainer:
                 self.device,
                 self.dims.pp_group(),
                 timeline=self.pp_timeline,
+                memory=self.pp_memory,
             )
         self.step = 0
         self.checkpointer = Checkpointer(
@@ -351,8 +355,12 @@ class Trainer:
             # held at once over the schedule (several micro-batches in flight).
             meter = ActivationMeter(self.model_parts, pipelined=True)
         timed = self.pp_timeline.step(self.step + 1) if self.pp_timeline else None
+        if self.pp_memory is not None:
+            self.pp_memory.begin_step()
         with timed or contextlib.nullcontext(), meter or contextlib.nullcontext():
             loss = self._run_pipeline(batch)
+        if self.pp_memory is not None:
+            self.pp_memory.end_step()
         self.activation_peak = meter.peak_bytes if meter is not None else None
         return loss, meter.saved_bytes if meter is not None else 0
 
@@ -396,6 +404,9 @@ class Trainer:
         row["activation_bytes"] = act_bytes
         if self.activation_peak is not None:  # pipelines: the schedule's micro-batches in flight
             row["activation_peak_bytes"] = self.activation_peak
+        if self.pp_memory is not None:  # beside the saved activations (PipelineMemory)
+            row["pending_weight_grad_bytes"] = self.pp_memory.pending_peak_bytes
+            row["pipeline_buffer_bytes"] = self.pp_memory.buffer_bytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)

@@ -1,0 +1,99 @@
+"""The planner's count of what pipeline stages hold besides saved activations: the receive
+buffers and what a split backward's B keeps for its W (plan/memory.py `pipeline_held`, counted
+on the op order by plan/schedule.py `held_after_b_peak`); measured equal, to the byte, at pp 2
+m 4 and pp 4 m 8 (docs/schedule.md, "Memory of the split schedules")."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmscale.model.config import get_preset
+from llmscale.plan import activations as act
+from llmscale.plan.memory import DEFAULT_OPTIONS, estimate_memory, pipeline_held, slice_args
+from llmscale.plan.plan import Plan
+from llmscale.plan.predict import expected_runtime_metrics
+from llmscale.plan.schedule import held_after_b_peak, schedule_ops
+
+SPLIT = ("zero_bubble", "zbv", "dualpipev")
+UNSPLIT = ("gpipe", "1f1b", "interleaved_1f1b")
+BASE = Plan(
+    model=replace(get_preset("tiny"), n_layers=8), seq_len=32, micro_batch_size=1,
+    global_batch_size=8, precision="fp32", pp=4,
+)  # fmt: skip
+
+
+def _plan(schedule: str) -> Plan:
+    return replace(BASE, pp_schedule=schedule, pp_chunks=2 if schedule != "1f1b" else 1)
+
+
+def _brute(schedule: str, pp: int, m: int, v: int, rank: int, w: list[float], e: list[float]):
+    """Walk the op order: a B not followed by its joined W holds w until its W, e for good."""
+    ops = schedule_ops(schedule, pp, m, v)[rank]
+    pend, done, peak = [0] * v, [0] * v, 0.0
+    for k, op in enumerate(ops):
+        nxt = ops[k + 1] if k + 1 < len(ops) else None
+        if op.kind == "B" and not (nxt is not None and nxt.kind == "W" and nxt.joined):
+            pend[op.chunk] += 1
+            done[op.chunk] += 1
+        elif op.kind == "W" and not op.joined:
+            pend[op.chunk] -= 1
+        peak = max(peak, sum(p * a + d * b for p, a, d, b in zip(pend, w, done, e, strict=True)))
+    return peak
+
+
+@pytest.mark.parametrize("schedule", SPLIT)
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (3, 12)])
+def test_the_peak_is_the_op_orders(schedule: str, pp: int, m: int) -> None:
+    for rank in range(pp):
+        w, e = [3.0, 5.0], [1.0, 0.5]
+        got = held_after_b_peak(schedule, pp, m, 2, rank, w, e)
+        assert got == _brute(schedule, pp, m, 2, rank, w, e) > 0
+        # Every split B's input gradient stays to the end: the peak is at least all of them.
+        n_split = held_after_b_peak(schedule, pp, m, 2, rank, [0.0, 0.0], [1.0, 1.0])
+        assert 0 < n_split <= 2 * m
+        if schedule != "dualpipev":  # it runs some backwards whole
+            assert n_split == 2 * m
+
+
+@pytest.mark.parametrize("schedule", UNSPLIT)
+def test_unsplit_schedules_keep_nothing_from_b(schedule: str) -> None:
+    chunks = 1 if schedule != "interleaved_1f1b" else 2
+    assert held_after_b_peak(schedule, 4, 8, chunks, 0, [1.0] * chunks) == 0
+    plan = _plan(schedule)
+    for rank in range(plan.pp):
+        assert pipeline_held(plan, rank).pending_weight_grads == 0
+
+
+@pytest.mark.parametrize("schedule", [*SPLIT, *UNSPLIT])
+def test_receive_buffers_one_per_micro_batch_and_direction(schedule: str) -> None:
+    plan = _plan(schedule)
+    boundary = act.boundary_bytes(*slice_args(plan, DEFAULT_OPTIONS.kernels))
+    assert boundary == 4 * 32 * 64  # fp32 residual stream, one sequence of 32 tokens
+    n_stages = plan.pp * plan.chunks
+    total = sum(pipeline_held(plan, r).pipeline_buffers for r in range(plan.pp))
+    # Every stage but the first receives activations, every stage but the last gradients.
+    assert total == plan.n_microbatches * boundary * 2 * (n_stages - 1)
+
+
+@pytest.mark.parametrize("schedule", SPLIT)
+def test_the_memory_total_and_the_metrics_include_them(schedule: str) -> None:
+    plan = _plan(schedule)
+    est = estimate_memory(plan)
+    for rank, s in enumerate(est.per_rank):
+        held = pipeline_held(plan, rank)
+        assert s.pending_weight_grads == held.pending_weight_grads > 0
+        assert s.pipeline_buffers == held.pipeline_buffers > 0
+        parts = s.states + s.working_params + s.activations + s.transient
+        assert s.allocated == pytest.approx(
+            parts + held.pending_weight_grads + held.pipeline_buffers
+        )
+        assert s.breakdown()["pending_weight_grads"] == held.pending_weight_grads
+        want = expected_runtime_metrics(plan, rank)
+        assert want["pending_weight_grad_bytes"] == held.pending_weight_grads
+        assert want["pipeline_buffer_bytes"] == held.pipeline_buffers
+    # zbv at pp 4, m 8, rank 3 (stages 3 and 4, the V's bottom): measured 720,896 bytes.
+    if schedule == "zbv":
+        cpu = replace(DEFAULT_OPTIONS, kernels=act.RUNTIME_CPU)
+        assert pipeline_held(plan, 3, cpu) == (720_896, 262_144)
