@@ -35,6 +35,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -113,6 +116,39 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+class Block(NamedTuple):
+    """One trainer's block of consecutive steps in `interleaved_blocks`."""
+
+    name: str
+    step_s: list[float]  # wall time of each timed step (the block's first is not timed)
+    cpu_s: list[float]  # the process's CPU time (all threads) over each timed step
+    steps: list[int]  # the timed steps' indices (as the optimizer's timeline numbers them)
+    last: dict[str, Any]  # the block's last metrics row
+
+
+def interleaved_blocks(trainers: Mapping[str, Trainer], rounds: int, block: int) -> Iterator[Block]:
+    """Rounds of one block of `block` consecutive steps per trainer, in `trainers`' order.
+
+    Each trainer runs blocks of consecutive steps, so a step's uploads overlap its own next
+    forward (interleaving single steps would hide them under another trainer's step). The
+    blocks of a round run back to back, so they see about the same machine load; a figure is
+    taken per round (e.g. the block's fastest step) and then the median over rounds. A block's
+    first step, whose predecessor's tail ran under another block, is not timed.
+    """
+    for _ in range(rounds):
+        for name, t in trainers.items():
+            times, cpu, steps = [], [], []
+            row: dict[str, Any] = {}
+            for j in range(max(2, block)):
+                c0 = time.process_time()
+                row = t.train_step()
+                if j > 0:
+                    times.append(float(row["step_time_s"]))
+                    cpu.append(time.process_time() - c0)
+                    steps.append(t.step - 1)  # its index in the optimizer's timeline
+            yield Block(name, times, cpu, steps, row)
+
+
 def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     trainers = {m: _trainer(args, m, link_gbps, offload) for m in ("off", "serial", "overlap")}
     last_row: dict[str, dict] = {}
@@ -122,31 +158,19 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     for t in trainers.values():  # warm-up
         for _ in range(args.warmup):
             t.train_step()
-    # Each trainer runs blocks of consecutive steps, so a step's uploads overlap its own next
-    # forward (interleaving single steps would hide them under another trainer's step). The
-    # three blocks of a round run back to back, so they see about the same machine load, and
-    # each figure is taken per round (the block's fastest step) and then the median over
-    # rounds. A block's first step, whose predecessor's tail ran under another block, is not
-    # timed.
     block = max(2, args.block)
     per_round: dict[str, list[float]] = {m: [] for m in trainers}
     work_round: list[float] = []
     adam_round: list[float] = []
     timed: list[int] = []
-    for _ in range(args.rounds):
-        for mode, t in trainers.items():
-            times, steps = [], []
-            for j in range(block):
-                row = last_row[mode] = t.train_step()
-                if j > 0:
-                    times.append(row["step_time_s"])
-                    steps.append(t.step - 1)  # its index in the optimizer's timeline
-            per_round[mode].append(min(times))
-            if mode == "serial":
-                work_round.append(min(_offload_work_s(t, steps)))
-                adam_round.append(min(_phase_s(t, steps, "update")))
-            if mode == "overlap":
-                timed += steps
+    for b in interleaved_blocks(trainers, args.rounds, block):
+        last_row[b.name] = b.last
+        per_round[b.name].append(min(b.step_s))
+        if b.name == "serial":
+            work_round.append(min(_offload_work_s(trainers[b.name], b.steps)))
+            adam_round.append(min(_phase_s(trainers[b.name], b.steps, "update")))
+        if b.name == "overlap":
+            timed += b.steps
     trainers["overlap"].optimizer.synchronize()  # the last step's uploads, too
     ivs = trainers["overlap"].optimizer.timeline.intervals()
     done = set(timed)
