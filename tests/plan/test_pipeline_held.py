@@ -5,6 +5,7 @@ m 4 and pp 4 m 8 (docs/schedule.md, "Memory of the split schedules")."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,12 @@ from llmscale.plan import activations as act
 from llmscale.plan.memory import DEFAULT_OPTIONS, estimate_memory, pipeline_held, slice_args
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import expected_runtime_metrics
-from llmscale.plan.schedule import held_after_b_peak, schedule_ops
+from llmscale.plan.schedule import (
+    held_after_b_peak,
+    held_frontier_exact,
+    held_frontier_extended,
+    schedule_ops,
+)
 
 SPLIT = ("zero_bubble", "zbv", "dualpipev")
 UNSPLIT = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -97,3 +103,29 @@ def test_the_memory_total_and_the_metrics_include_them(schedule: str) -> None:
     if schedule == "zbv":
         cpu = replace(DEFAULT_OPTIONS, kernels=act.RUNTIME_CPU)
         assert pipeline_held(plan, 3, cpu) == (720_896, 262_144)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks"), [("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)]
+)
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_large_counts_extend_the_steady_state_exactly(schedule: str, chunks: int, pp: int) -> None:
+    """Past EXACT_HELD_MICROBATCHES the frontier comes from three small orders; at every count
+    where both exist it equals the whole order's (and 10^6 micro-batches answer at once)."""
+    checked = 0
+    for m in range(2 * pp, 72):
+        if schedule == "zero_bubble" and m % max(1, m // pp):
+            continue
+        for rank in range(pp):
+            ext = held_frontier_extended(schedule, pp, m, chunks, rank)
+            if ext is None:
+                continue
+            checked += 1
+            assert set(ext) == set(held_frontier_exact(schedule, pp, m, chunks, rank))
+    assert checked >= 10 * pp
+    m = 1_000_000 - 1_000_000 % pp
+    t0 = time.perf_counter()
+    n_split = held_after_b_peak(schedule, pp, m, chunks, 0, [0.0] * chunks, [1.0] * chunks)
+    assert time.perf_counter() - t0 < 1.0
+    if schedule != "dualpipev":
+        assert n_split == chunks * m  # every B split, every input gradient kept to the end

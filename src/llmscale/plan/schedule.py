@@ -576,13 +576,49 @@ def held_after_b_peak(
     return max((sum(n * w for n, w in zip(c, weights, strict=True)) for c in frontier), default=0.0)
 
 
+# Past this many micro-batches `_held_frontier` counts the order at three smaller counts and
+# extends their steady state (the search asks for up to 10^6 micro-batches; walking that order
+# takes minutes per rank).
+EXACT_HELD_MICROBATCHES = 256
+
+
+def _steady_period(schedule: str, pp: int, microbatches: int) -> tuple[int, int] | None:
+    """(m1, P): a smaller micro-batch count whose order is `microbatches`' with whole steady
+    periods of P micro-batches taken out (m - m1 a multiple of P), or None where the order has
+    no such form: interleaved zero bubble once its rounds hold pp micro-batches each (m >= pp^2,
+    m a multiple of pp), ZB-V and DualPipeV from 2pp + 2."""
+    if schedule == "zero_bubble":
+        if microbatches < pp * pp or microbatches % pp:
+            return None
+        period, m1 = pp, pp * max(pp, 4)
+    elif schedule in ("zbv", "dualpipev"):
+        period, m1 = 1, 2 * pp + 2
+    else:
+        return None
+    if microbatches < m1 + 3 * period:
+        return None
+    return m1, period
+
+
 @lru_cache(maxsize=1024)
 def _held_frontier(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
     """The counts (pending per chunk, then B done per chunk) after each split B of the order,
     only those no other count dominates: with weights >= 0 the peak is at one of them (the
-    search asks for thousands of plans; the frontier is a handful of points)."""
+    search asks for thousands of plans; the frontier is a handful of points). Large counts are
+    extended from smaller ones (`held_frontier_extended`)."""
+    if microbatches > EXACT_HELD_MICROBATCHES:
+        extended = held_frontier_extended(schedule, pp, microbatches, chunks, rank)
+        if extended is not None:
+            return extended
+    return held_frontier_exact(schedule, pp, microbatches, chunks, rank)
+
+
+def held_frontier_exact(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> tuple[tuple[int, ...], ...]:
+    """`_held_frontier` counted on the whole order."""
     pending, done = [0] * chunks, [0] * chunks
     points: set[tuple[int, ...]] = set()
     for chunk, step in split_backward_events(schedule, pp, microbatches, chunks, rank):
@@ -590,6 +626,41 @@ def _held_frontier(
         if step > 0:
             done[chunk] += 1
             points.add((*pending, *done))
+    return _undominated(points)
+
+
+def held_frontier_extended(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """`_held_frontier` from the orders of m1, m1 + P and m1 + 2P micro-batches
+    (`_steady_period`): another steady period leaves the points of the warm-up as they are
+    (A) and moves those of the cool-down by one vector d (more Bs done, as many pending), so
+    at m = m1 + kP the frontier is that of A and B + k d. None where the three orders do not
+    show that form (the caller then counts the whole order)."""
+    found = _steady_period(schedule, pp, microbatches)
+    if found is None:
+        return None
+    m1, period = found
+    fronts = [
+        set(held_frontier_exact(schedule, pp, m1 + j * period, chunks, rank)) for j in range(3)
+    ]
+    fixed = fronts[0] & fronts[1] & fronts[2]
+    moving = [sorted(f - fixed) for f in fronts]
+    if not moving[0]:
+        return _undominated(fixed) if all(not m for m in moving) else None
+    if not len(moving[0]) == len(moving[1]) == len(moving[2]):
+        return None
+    d = tuple(b - a for a, b in zip(moving[0][0], moving[1][0], strict=True))
+    for j in (1, 2):
+        want = sorted(tuple(a + j * s for a, s in zip(p, d, strict=True)) for p in moving[0])
+        if moving[j] != want:
+            return None
+    k = (microbatches - m1) // period
+    shifted = {tuple(a + k * s for a, s in zip(p, d, strict=True)) for p in moving[0]}
+    return _undominated(fixed | shifted)
+
+
+def _undominated(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     kept: list[tuple[int, ...]] = []
     for p in sorted(points, key=sum, reverse=True):  # a dominating point sorts first
         if not any(all(a >= b for a, b in zip(q, p, strict=True)) for q in kept):
