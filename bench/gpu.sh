@@ -6,5 +6,11 @@
 # parts and exits 0. Options: python -m llmscale.bench.gpu --help
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# LLMSCALE_PYTHON=python3: a Python that already has torch (e.g. a GPU host's CUDA build), with
+# the source tree on its path instead of this project's .venv (which pins the CPU build).
+if [ -n "${LLMSCALE_PYTHON:-}" ]; then
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+    exec "$LLMSCALE_PYTHON" -m llmscale.bench.gpu "$@"
+fi
 [ -x .venv/bin/python ] || make .venv/.installed
 exec .venv/bin/python -m llmscale.bench.gpu "$@"

@@ -14,7 +14,14 @@ Parts:
    (`plan.predict.predict_step_time` on the catalog GPU);
 2. the largest micro-batch that fits (recompute none and full): the planner's answer vs a search
    that trains 2 steps per size until CUDA runs out of memory;
-3. step time with the optimizer offloaded to the CPU (serial and overlapped) vs on the device.
+3. step time with the optimizer offloaded to the CPU (serial and overlapped) vs on the device;
+0. first, the catalog GPU's calibration (`gpus.toml`) next to the same quantities measured on the
+   device by the runtime's micro-benchmarks (`train.calibration.measure`, at the run's shape in
+   bf16): the model's GEMM rate, attention's share of the bf16 peak, the element-wise
+   bandwidth, the fixed cost of a micro-batch, the optimizer step. The MFU part then predicts
+   each step twice: from the catalog, and from those measured figures.
+
+Results are written after every part (a part that fails records its error and the rest go on).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from llmscale.model.config import get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_memory, predict_step_time
 from llmscale.plan.time import DEFAULT_TIME, TimeParams
+from llmscale.train.calibration import BENCH, cluster_from, linear_shapes, measure
 from llmscale.train.trainer import Trainer
 
 SKIP = (
@@ -125,6 +133,39 @@ def _hardware(args: argparse.Namespace) -> tuple[Cluster, TimeParams, str, float
     return cluster, params, "cpu (measured)", figures["gemm_bf16_flops"]
 
 
+def calibration_part(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    """The catalog's calibration of `cluster.gpu` vs the runtime's micro-benchmarks on the device
+    at the run's shape (bf16). Also the raw figures (`figures`), for `cluster_from`."""
+    model = get_preset(args.model)
+    device = torch.device(args.device)
+    figures = measure(model, args.micro_batch, args.seq, "bf16", device, (), BENCH)
+    gpu, cal = cluster.gpu, cluster.gpu.calibration
+    peak, tokens = gpu.peak_flops("bf16"), args.micro_batch * args.seq
+    shapes = linear_shapes(model)
+    flops = [2.0 * tokens * fan_in * fan_out for fan_in, fan_out in shapes]
+    catalog_s = sum(
+        f / (peak * cal.gemm_efficiency_at(tokens, fan_in, fan_out))
+        for f, (fan_in, fan_out) in zip(flops, shapes, strict=True)
+    )
+    rows = [
+        ("GEMM rate, the model's linears", "TFLOP/s", sum(flops) / catalog_s / 1e12,
+         figures["gemm_bf16_flops"] / 1e12),
+        ("GEMM share of the bf16 peak", "", sum(flops) / catalog_s / peak,
+         figures["gemm_bf16_flops"] / peak),
+        ("attention (causal SDPA fwd+bwd) share of the bf16 peak", "",
+         cal.attention_efficiency.value, figures["attention_flops"] / peak),
+        ("element-wise bandwidth", "TB/s", gpu.hbm_bandwidth * cal.hbm_efficiency.value / 1e12,
+         figures["bandwidth_bytes"] / 1e12),
+        ("fixed cost of a micro-batch", "ms", cal.microbatch_overhead_ms.value,
+         1000 * figures["fixed_s"]),
+        ("optimizer step (AdamW, all parameters)", "ms", None, 1000 * figures["optimizer_s"]),
+    ]  # fmt: skip
+    return {
+        "figures": figures,
+        "rows": [{"quantity": q, "unit": u, "catalog": c, "measured": m} for q, u, c, m in rows],
+    }
+
+
 def mfu_part(
     args: argparse.Namespace,
     work: Path,
@@ -132,8 +173,10 @@ def mfu_part(
     params: TimeParams,
     peak: float | None,
     budget: Budget,
+    measured: Cluster | None = None,
 ) -> list[dict[str, Any]]:
-    rows = []
+    """`measured`: the device as its micro-benchmarks describe it (a second prediction)."""
+    rows: list[dict[str, Any]] = []
     for mode in ("none", "selective", "full"):
         if budget.left < 30:
             rows.append({"recompute": mode, "skipped": "time budget spent"})
@@ -153,9 +196,15 @@ def mfu_part(
                 "predicted_mfu": pred.mfu,
                 "measured_step_time_s": got["step_time_s"],
                 "predicted_step_time_s": pred.seconds,
+                "predicted_step_time_measured_cal_s": (
+                    predict_step_time(cfg, measured, params).seconds if measured else None
+                ),
                 "tokens_per_s": got["tokens_per_s"],
+                "cuda_peak_bytes": got.get("cuda_peak_bytes"),
+                "predicted_peak_bytes": predict_memory(cfg).total,
             }
         )
+        print(f"mfu {mode}: {rows[-1]}", flush=True)
     return rows
 
 
@@ -216,7 +265,7 @@ def _largest_micro_batch(
 def offload_part(
     args: argparse.Namespace, work: Path, cluster: Cluster, params: TimeParams, budget: Budget
 ) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for label, extra in (
         ("on device", ["--optimizer.offload", "none"]),
         (
@@ -257,15 +306,33 @@ def markdown(results: dict[str, Any]) -> str:
             return f"{100 * v:.1f}%"
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
+    if "torch" in results:
+        lines += [f"{results.get('cuda_device_name')}, torch {results['torch']}", ""]
+    cal = results.get("calibration")
+    if isinstance(cal, dict) and "rows" in cal:
+        lines += [
+            "## Calibration: the catalog vs micro-benchmarks on this device (bf16)",
+            "",
+            "| quantity | unit | catalog | measured | measured / catalog |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in cal["rows"]:
+            c, m = r["catalog"], r["measured"]
+            ratio = f"{m / c:.2f}" if c else "-"
+            lines.append(f"| {r['quantity']} | {r['unit']} | {f(c)} | {f(m)} | {ratio} |")
+        lines.append("")
     lines += [
         "## MFU, bf16",
         "",
-        "| recompute | mbs | MFU measured | MFU predicted | step s measured | step s predicted |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| recompute | mbs | MFU measured | MFU predicted | step s measured | step s predicted "
+        "| step s predicted (measured calibration) | peak GiB measured | peak GiB predicted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results["mfu"]:
+    gib = 2.0**30
+    for r in _part_rows(results, "mfu", lines):
+        mp, pp = r.get("cuda_peak_bytes"), r.get("predicted_peak_bytes")
         lines.append(
-            f"| {r['recompute']} | {r.get('micro_batch_size', '-')} | {f(r.get('measured_mfu'), True)} | {f(r.get('predicted_mfu'), True)} | {f(r.get('measured_step_time_s'))} | {f(r.get('predicted_step_time_s'))} |"
+            f"| {r['recompute']} | {r.get('micro_batch_size', '-')} | {f(r.get('measured_mfu'), True)} | {f(r.get('predicted_mfu'), True)} | {f(r.get('measured_step_time_s'))} | {f(r.get('predicted_step_time_s'))} | {f(r.get('predicted_step_time_measured_cal_s'))} | {f(mp / gib if mp else None)} | {f(pp / gib if pp else None)} |"
         )
     if results.get("max_micro_batch"):
         lines += [
@@ -275,7 +342,7 @@ def markdown(results: dict[str, Any]) -> str:
             "| recompute | predicted | measured | first OOM |",
             "|---|---:|---:|---:|",
         ]
-        for r in results["max_micro_batch"]:
+        for r in _part_rows(results, "max_micro_batch", lines):
             lines.append(
                 f"| {r['recompute']} | {r['predicted']} | {r['measured']} | {f(r['first_oom'])} |"
             )
@@ -286,12 +353,21 @@ def markdown(results: dict[str, Any]) -> str:
         "| optimizer | step s measured | step s predicted | CUDA peak GiB |",
         "|---|---:|---:|---:|",
     ]
-    for r in results["offload"]:
+    for r in _part_rows(results, "offload", lines):
         peak = r.get("cuda_peak_bytes")
         lines.append(
             f"| {r['optimizer']} | {f(r.get('measured_step_time_s'))} | {f(r.get('predicted_step_time_s'))} | {f(peak / 2**30 if peak else None)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _part_rows(results: dict[str, Any], key: str, lines: list[str]) -> list[dict[str, Any]]:
+    """A part's rows; a failed part's error goes into `lines` instead."""
+    got = results.get(key, [])
+    if isinstance(got, dict):
+        lines.append(f"| {key} failed: {got.get('error')} |")
+        return []
+    return list(got)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,13 +417,37 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
     cluster, params, label, peak = _hardware(args)
     results["device"] = label
+    if args.device == "cuda":
+        results["cuda_device_name"] = torch.cuda.get_device_name()
+        results["torch"] = torch.__version__
     work = Path(tempfile.mkdtemp(prefix="llmscale-gpu-"))
-    results["mfu"] = mfu_part(args, work, cluster, params, peak, budget)
-    results["max_micro_batch"] = (
-        max_micro_batch_part(args, work, cluster, budget) if args.device == "cuda" else []
-    )
-    results["offload"] = offload_part(args, work, cluster, params, budget)
-    _write(out, results)
+    measured: list[Cluster] = []
+
+    def calibration() -> dict[str, Any]:
+        part = calibration_part(args, cluster)
+        name = f"{label} (measured)"
+        measured.append(cluster_from(part["figures"], get_preset(args.model), "bf16", name))
+        return part
+
+    parts: list[tuple[str, Any]] = [
+        ("calibration", calibration if args.device == "cuda" else None),
+        ("mfu", lambda: mfu_part(args, work, cluster, params, peak, budget, *measured[:1])),
+        ("max_micro_batch", lambda: max_micro_batch_part(args, work, cluster, budget)
+         if args.device == "cuda" else []),
+        ("offload", lambda: offload_part(args, work, cluster, params, budget)),
+    ]  # fmt: skip
+    for key, part in parts:
+        if part is None:
+            continue
+        t0 = time.monotonic()
+        print(f"{key}: starting ({budget.left:.0f} s of the budget left)", flush=True)
+        try:
+            results[key] = part()
+        except Exception as e:  # noqa: BLE001 - one part's failure must not lose the others
+            results[key] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{key}: failed: {results[key]['error']}", flush=True)
+        results.setdefault("part_seconds", {})[key] = round(time.monotonic() - t0, 1)
+        _write(out, results)
     print(markdown(results))
     return 0
 
