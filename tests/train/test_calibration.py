@@ -14,7 +14,7 @@ from llmscale.train.calibration import SOURCE, measured_cluster
 
 def test_measured_cluster_has_a_calibration_and_the_model_uses_it() -> None:
     model = get_preset("tiny")
-    cluster, figures = measured_cluster(model, 2 * 64, torch.device("cpu"), dtypes=("fp32",))
+    cluster, figures = measured_cluster(model, 2, 64, torch.device("cpu"), dtypes=("fp32",))
     cal = cluster.gpu.calibration
     assert figures["attention_flops"] > 0 and figures["fixed_s"] > 0
     assert cal.attention_efficiency.source == SOURCE and cal.attention_efficiency.value > 0
@@ -52,3 +52,21 @@ def test_elementwise_bandwidth_is_net_of_the_ops_fixed_cost(monkeypatch) -> None
     monkeypatch.undo()
     bw = calibration.elementwise_bandwidth_bytes_per_s(model, 2, 64, "bf16", dev, calibration.QUICK)
     assert 0 < bw < float("inf")
+
+
+def test_the_bench_device_is_measured_at_the_runs_shape(monkeypatch) -> None:
+    """Attention's cost per token grows with the sequence: 16 sequences of 128 tokens are not 8
+    of 256 (the token count alone once picked the model's longest sequence)."""
+    seen = []
+
+    def fake(model, micro_batch, seq_len, precision, device, dtypes=(), effort=None):
+        seen.append((micro_batch, seq_len))
+        rates = {f"gemm_{d}_flops": 1e9 for d in (precision, *dtypes)}
+        return {**rates, "attention_flops": 1e8, "bandwidth_bytes": 1e9, "fixed_s": 1e-3,
+                "optimizer_s": 1e-2}  # fmt: skip
+
+    monkeypatch.setattr(calibration, "measure", fake)
+    model = get_preset("small")
+    assert model.max_seq_len == 256
+    measured_cluster(model, 16, 128, torch.device("cpu"), dtypes=("fp32",))
+    assert seen == [(16, 128)]

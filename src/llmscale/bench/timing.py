@@ -37,7 +37,7 @@ def calibrated(
     device = resolve_device(opts.device)
     model = get_preset(opts.model)
     cluster, figures = measured_cluster(
-        model, micro_batch * opts.seq_len, device, precision=precision
+        model, micro_batch, opts.seq_len, device, precision=precision
     )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)

@@ -316,16 +316,17 @@ def display_name(device: torch.device) -> str:
 
 def measured_cluster(
     model: ModelConfig,
-    tokens: int,
+    micro_batch: int,
+    seq_len: int,
     device: torch.device,
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
     precision: str = "fp32",
 ) -> tuple[Cluster, dict[str, float]]:
-    """`llmscale bench`'s device: measured now (BENCH effort) for `tokens` a micro-batch; the
-    attention efficiency is `precision`'s. Also the raw figures."""
-    seq = min(model.max_seq_len, max(1, tokens))
-    micro = max(1, tokens // seq)
-    figures = measure(model, micro, seq, precision, device, dtypes, BENCH)
+    """`llmscale bench`'s device: measured now (BENCH effort) at the run's shape, `micro_batch`
+    sequences of `seq_len` tokens (attention's cost per token grows with the sequence, so the
+    shape, not only the token count); the attention efficiency is `precision`'s. Also the raw
+    figures."""
+    figures = measure(model, micro_batch, seq_len, precision, device, dtypes, BENCH)
     return cluster_from(figures, model, precision, display_name(device)), figures
 
 
