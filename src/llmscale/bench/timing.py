@@ -36,8 +36,11 @@ def calibrated(
     `precision`)."""
     device = resolve_device(opts.device)
     model = get_preset(opts.model)
+    # The run's dtype, and fp32 and bf16 (the GPU check's CPU mode reads the bf16 rate); fp16
+    # GEMMs run at a few GFLOP/s on a CPU and are measured only for fp16 runs.
+    dtypes = tuple(dict.fromkeys(("fp32", "bf16", precision)))
     cluster, figures = measured_cluster(
-        model, micro_batch, opts.seq_len, device, precision=precision
+        model, micro_batch, opts.seq_len, device, dtypes=dtypes, precision=precision
     )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
