@@ -172,35 +172,3 @@ def test_bad_settings_are_one_line_errors(args, field, tmp_path, capsys) -> None
                "--optimizer.offload", "lsp", *args])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert rc == 2 and field in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize("clip", ["1.0", "0"])  # updates after backward; during backward
-def test_device_worker_gives_the_serial_runs_bits(cfg_factory, clip: str) -> None:
-    """With overlap on a CPU host the projections run on the device worker (compressions in
-    backward, each decompression once its update is up); without, inline on the training
-    thread. Same arithmetic in a FIFO order: the same losses, weights and state, bit for bit
-    (both with one intra-op thread, so that the kernels themselves split the same way).
-    The refit at step 2 runs on the training thread between the worker's tasks."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        runs = {}
-        for overlap in ("true", "false"):
-            t = Trainer(
-                cfg_factory(
-                    *LSP, *REFIT, "--train.steps", "4", "--train.max_grad_norm", clip,
-                    "--optimizer.offload_overlap", overlap, run=f"overlap-{overlap}",
-                )
-            )  # fmt: skip
-            assert (t.optimizer.device_worker is not None) == (overlap == "true")
-            t.fit()
-            runs[overlap] = t
-        on, off = runs["true"], runs["false"]
-        assert [x["loss"] for x in _rows(on)] == [x["loss"] for x in _rows(off)]
-        for p, q in zip(on.model.parameters(), off.model.parameters(), strict=True):
-            assert torch.equal(p, q)
-            a, b = on.optimizer.state[p], off.optimizer.state[q]
-            for k in a:
-                assert torch.equal(a[k], b[k]), k
-    finally:
-        torch.set_num_threads(threads)

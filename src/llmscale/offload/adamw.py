@@ -32,12 +32,7 @@ With `lsp` (LSP-Offload, `offload.lsp`) the 2-D weights of the transformer block
 (`plan.lsp.is_lsp_matrix`) move through learned sparse projectors instead: in step 1 each
 gradient G is compressed on the device to P G Qᵀ (d x d) and that goes down; the host runs Adam
 on d x d moments; in step 2 the d x d update goes up, and in step 3 the unit's wait point
-decompresses it (Pᵀ U Q) into the weight before the forward reads it. On a CPU "device" with
-overlap those projections leave the training thread for the device worker
-(`engine.make_device_worker`): each compression runs there as its gradient arrives (the copy
-down follows it), each decompression as soon as its update is up (the wait point then waits for
-it), so they overlap backward and the forward of earlier units; FIFO, the same arithmetic, the
-same bits as inline. The first micro-step of
+decompresses it (Pᵀ U Q) into the weight before the forward reads it. The first micro-step of
 the first step, and of every `check_every`-th step, measures the reconstruction error of its
 gradient and (re)fits the projectors on it on the device when it exceeds `refit_threshold` (the
 first step always fits); a refit re-projects the host moments (the change of basis goes down).
@@ -56,15 +51,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from llmscale.offload.engine import (
-    DONE,
-    AllTickets,
-    DeferredTicket,
-    FutureTicket,
-    Ticket,
-    make_agents,
-    make_device_worker,
-)
+from llmscale.offload.engine import DONE, Ticket, make_agents
 from llmscale.offload.hooks import (
     ModelHooks,
     Unit,
@@ -186,12 +173,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.d2h, self.h2d, self.worker = make_agents(
             self.device, overlap, self.timeline, link_bytes_per_s
         )
-        # LSP-Offload's projections off the training thread (CPU "device" only: `engine`)
-        self.device_worker = make_device_worker(self.device, overlap) if lsp else None
-        agents = (self.d2h, self.h2d, self.worker, self.device_worker)
-        self._finalizer = weakref.finalize(
-            self, _close_agents, tuple(a for a in agents if a is not None)
-        )
+        self._finalizer = weakref.finalize(self, _close_agents, (self.d2h, self.h2d, self.worker))
 
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         by_name = dict(named)
@@ -366,40 +348,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
             unit.final_submitted = False  # its norms are stale; taken again at step time
         first = slot.micro == 0
         slot.micro += 1
-        # The last step's upload done (the forward waited for it unless this unit's modules never
-        # ran): its buffer is free, and an LSP matrix's update is in its weight before a check
-        # may refit the projectors. (Under offload_params nothing is uploaded from it.)
-        if self.params is None:
-            self.waits.wait_unit(unit)
-        # An LSP matrix's gradient goes down compressed (d x d fp32): on the device worker when
-        # there is one (not for FSDP2 row shards: their compression is a collective, which
-        # stays on the training thread, in the order of every rank's), else here.
-        compress_later = False
         if slot.lsp is not None:
             if first:
                 self._lsp_check(slot, unit, g)
-            compress_later = self.device_worker is not None and id(slot) not in self._lsp_rows
-            if not compress_later:
-                g = self._lsp_ops(slot).compress(g)
-        dst = self.host.download_buffer(
-            slot, torch.float32 if slot.lsp is not None else g.dtype, first
-        )
+            g = self._lsp_ops(slot).compress(g)  # d x d fp32: what goes down
+        dst = self.host.download_buffer(slot, g.dtype, first)
         direct = dst is slot.grad
-        # The buffer must be free: the last micro-step's host add done with it.
+        # The buffer must be free: the last step's upload out of it done (the forward waited for
+        # it unless this unit's modules never ran), the last micro-step's host add done with it.
+        # (Under offload_params nothing is uploaded from it.)
+        if self.params is None:
+            self.waits.wait_unit(unit)
         if slot.pending is not None and not slot.pending.done():
             t0 = self.timeline.stream_now()
             slot.pending.result()
             self.waits.compute(unit.name, "wait", t0, self.timeline.stream_now())
-        ticket: Ticket
-        if compress_later:
-            assert self.device_worker is not None
-            ticket = DeferredTicket(
-                self.device_worker.submit(
-                    self._compress_down, slot, g, dst, self._step_index, unit.name
-                )
-            )
-        else:
-            ticket = self.d2h.copy(dst, g, self._step_index, unit.name, "download")
+        ticket = self.d2h.copy(dst, g, self._step_index, unit.name, "download")
         del g
         slot.pending = self.worker.submit(
             self._accumulate, slot, ticket, first, direct, self._step_index
@@ -453,31 +417,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         assert slot.lsp is not None
         return self._lsp_rows.get(id(slot), slot.lsp.proj)
 
-    def _compress_down(
-        self, slot: HostSlot, g: torch.Tensor, dst: torch.Tensor, step: int, unit: str
-    ) -> Ticket:
-        """Device worker: compress `g` (P G Qᵀ) and copy it down into `dst`; the copy's ticket."""
-        return self.d2h.copy(dst, self._lsp_ops(slot).compress(g), step, unit, "download")
-
-    def _apply_slot(self, slot: HostSlot) -> None:
-        """Decompress the slot's uploaded update into its weight (W <- decay W + Pᵀ U Q)."""
-        assert slot.lsp is not None
-        rows = self._lsp_rows.get(id(slot))
-        if rows is not None:
-            rows.apply(slot.lsp, slot.local)  # this rank's rows of the update
-        else:
-            slot.lsp.apply(slot.local)
-
-    def _apply_when_up(self, slot: HostSlot, ticket: Ticket) -> None:
-        """Device worker: once the update's upload is done, apply it."""
-        ticket.wait()
-        self._apply_slot(slot)
-
     def _apply_lsp(self, unit: Unit) -> None:
-        """Apply the unit's uploaded LSP updates not applied yet (its upload is waited for)."""
+        """Decompress and apply the unit's uploaded LSP updates (its upload is waited for)."""
         for s in unit.slots:
             if s.lsp is not None and s.lsp.pending:
-                self._apply_slot(s)
+                rows = self._lsp_rows.get(id(s))
+                if rows is not None:
+                    rows.apply(s.lsp, s.local)  # this rank's rows of the update
+                else:
+                    s.lsp.apply(s.local)
 
     def norm_shard_count(self, p: torch.Tensor) -> int:
         """Into how many pieces the host gradient of `p` is split over the mesh, for the
@@ -589,7 +537,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         Under offload_params only the cast, into the host copy that the next fetch uploads.
         """
         ticket: Ticket = DONE
-        applied: Ticket = DONE  # the last decompression queued on the device worker
         if self.offload_params:
             t0 = time.perf_counter()
             self.host.cast_host_params(slots)
@@ -603,15 +550,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self.timeline.add(step, unit.name, "cast", "cpu", t0, _now())
             if s.lsp is not None:
                 ticket = self.h2d.copy(s.lsp.update_device, src, step, unit.name, "upload")
-                s.lsp.pending = True  # applied by the device worker, or by the unit's wait point
-                if self.device_worker is not None:
-                    applied = FutureTicket(
-                        self.device_worker.submit(self._apply_when_up, s, ticket)
-                    )
+                s.lsp.pending = True  # applied by the unit's wait point
             else:
                 ticket = self.h2d.copy(s.local, src, step, unit.name, "upload")
-        # (each queue is FIFO: its last task done means the unit's earlier ones are)
-        return ticket if applied is DONE else AllTickets([ticket, applied])
+        return ticket
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """End of the step: forget this step's gradient bookkeeping (host buffers are reused)."""

@@ -7,9 +7,7 @@ Two kinds of agent, each with a serial (FIFO) queue:
   so the same pipeline runs (and is tested) on a CPU-only host. `InlineCopier` copies at once on
   the calling thread: the no-overlap baseline.
 - a *host worker* for the CPU side of the update (accumulate, norms, Adam, cast): one thread,
-  or inline;
-- under LSP-Offload on a CPU "device" with overlap, a *device worker* (`make_device_worker`):
-  one thread for the device arithmetic of the projections, beside the training thread.
+  or inline.
 
 A copy returns a `Ticket`: `wait()` blocks the calling host thread until the copy is done;
 `wait_stream(also)` makes the current device stream, and the streams in `also`, wait for it (on
@@ -65,34 +63,6 @@ class FutureTicket:
 
     def wait_stream(self, also: Sequence[Any] = ()) -> None:
         self.future.result()  # the host waits: every stream after it is ordered
-
-
-class DeferredTicket:
-    """A copy that a task on another thread issues: `future` resolves to the copy's ticket."""
-
-    def __init__(self, future: cf.Future[Any]) -> None:
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result().wait()
-
-    def wait_stream(self, also: Sequence[Any] = ()) -> None:
-        self.future.result().wait_stream(also)
-
-
-class AllTickets:
-    """Done when each of `tickets` is: the ends of two FIFO queues (a copier and a worker)."""
-
-    def __init__(self, tickets: Sequence[Ticket]) -> None:
-        self.tickets = tickets
-
-    def wait(self) -> None:
-        for t in self.tickets:
-            t.wait()
-
-    def wait_stream(self, also: Sequence[Any] = ()) -> None:
-        for t in self.tickets:
-            t.wait_stream(also)
 
 
 class CudaTicket:
@@ -325,12 +295,10 @@ class ThreadWorker:
     cores belong to compute, which it overlaps, and oversubscribing them costs both.
     """
 
-    def __init__(
-        self, intra_op_threads: int | None = None, name: str = "llmscale-cpu-adam"
-    ) -> None:
+    def __init__(self, intra_op_threads: int | None = None) -> None:
         init = (torch.set_num_threads, (intra_op_threads,)) if intra_op_threads else (None, ())
         self._pool = cf.ThreadPoolExecutor(
-            1, thread_name_prefix=name, initializer=init[0], initargs=init[1]
+            1, thread_name_prefix="llmscale-cpu-adam", initializer=init[0], initargs=init[1]
         )
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
@@ -368,21 +336,6 @@ def make_agents(
         ThreadCopier("h2d", timeline, link_bytes_per_s, meter),
         ThreadWorker(intra_op_threads=1),
     )
-
-
-def make_device_worker(device: torch.device, overlap: bool) -> HostWorker | None:
-    """A thread for device work taken off the training thread, or None: keep it there.
-
-    LSP-Offload's projections (`offload.lsp`: a gradient's compression, an update's
-    decompression into its weight) are device arithmetic. On CUDA they are queued on the
-    compute stream, asynchronous to the host already (None). On a CPU "device" they would run on
-    the training thread, in its backward and before its forwards; with overlap a thread of their
-    own (one intra-op thread, FIFO) runs them beside it, as a second stream would, and the
-    copies and the wait points wait for its tasks. Without overlap, inline (None).
-    """
-    if overlap and device.type != "cuda":
-        return ThreadWorker(intra_op_threads=1, name="llmscale-device")
-    return None
 
 
 def issued_bytes(copiers: Sequence[Copier], worker: HostWorker) -> int:
