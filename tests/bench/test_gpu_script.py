@@ -84,3 +84,29 @@ def test_unknown_gpu_override_is_refused_before_any_work(tmp_path) -> None:
     assert "h300" in r.stderr and "h200" in r.stderr  # names the allowed catalog GPUs
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "gpu_results.json").exists()
+
+
+def test_calibration_part_puts_the_catalog_next_to_the_device() -> None:
+    """Part 0 (run on CUDA only) exercised on the CPU: the catalog column is the H200's own
+    calibration, the measured one the micro-benchmarks, and the table shows both."""
+    import argparse
+
+    from llmscale.plan.cluster import Cluster
+
+    args = argparse.Namespace(model="tiny", micro_batch=2, seq=32, device="cpu")
+    cluster = Cluster.of("h200")
+    part = gpu.calibration_part(args, cluster)
+    rows = {r["quantity"]: r for r in part["rows"]}
+    cal, peak = cluster.gpu.calibration, cluster.gpu.peak_flops("bf16")
+    share = rows["GEMM share of the bf16 peak"]
+    # Small GEMMs: below the large-GEMM efficiency, by the catalog's own shape rule.
+    assert 0 < share["catalog"] < cal.gemm_efficiency.value
+    assert rows["GEMM rate, the model's linears"]["catalog"] == pytest.approx(
+        share["catalog"] * peak / 1e12
+    )
+    attention = rows["attention (causal SDPA fwd+bwd) share of the bf16 peak"]
+    assert attention["catalog"] == cal.attention_efficiency.value
+    assert all(r["measured"] > 0 for r in part["rows"])
+    md = gpu.markdown({"model": "tiny", "device": "cpu", "calibration": part, "mfu": [],
+                       "offload": []})  # fmt: skip
+    assert "## Calibration: the catalog vs micro-benchmarks" in md

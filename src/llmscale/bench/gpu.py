@@ -9,17 +9,17 @@ calibrated by micro-benchmarks (what the tests use, on the tiny model); the larg
 search needs a memory limit and runs on CUDA only.
 
 Parts:
+0. (CUDA only) the catalog GPU's calibration (`gpus.toml`) next to the same quantities measured
+   on the device by the runtime's micro-benchmarks (`train.calibration.measure`, at the run's
+   shape in bf16): the model's GEMM rate, attention's share of the bf16 peak, the element-wise
+   bandwidth, the fixed cost of a micro-batch, the optimizer step;
 1. MFU of `llmscale train` in bf16 for recompute none / selective / full at one micro-batch size,
    measured (the trainer's own metric, against the catalog's dense bf16 peak) vs predicted
-   (`plan.predict.predict_step_time` on the catalog GPU);
+   (`plan.predict.predict_step_time` on the catalog GPU, and on the device as part 0 measured
+   it);
 2. the largest micro-batch that fits (recompute none and full): the planner's answer vs a search
    that trains 2 steps per size until CUDA runs out of memory;
-3. step time with the optimizer offloaded to the CPU (serial and overlapped) vs on the device;
-0. first, the catalog GPU's calibration (`gpus.toml`) next to the same quantities measured on the
-   device by the runtime's micro-benchmarks (`train.calibration.measure`, at the run's shape in
-   bf16): the model's GEMM rate, attention's share of the bf16 peak, the element-wise
-   bandwidth, the fixed cost of a micro-batch, the optimizer step. The MFU part then predicts
-   each step twice: from the catalog, and from those measured figures.
+3. step time with the optimizer offloaded to the CPU (serial and overlapped) vs on the device.
 
 Results are written after every part (a part that fails records its error and the rest go on).
 """
@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from llmscale.hardware.catalog import get_gpu, gpu_for_device_name
 from llmscale.model.config import get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_memory, predict_step_time
-from llmscale.plan.time import DEFAULT_TIME, TimeParams
+from llmscale.plan.time import DEFAULT_TIME, TimeParams, gemm_seconds
 from llmscale.train.calibration import BENCH, cluster_from, linear_shapes, measure
 from llmscale.train.trainer import Trainer
 
@@ -141,16 +142,13 @@ def calibration_part(args: argparse.Namespace, cluster: Cluster) -> dict[str, An
     figures = measure(model, args.micro_batch, args.seq, "bf16", device, (), BENCH)
     gpu, cal = cluster.gpu, cluster.gpu.calibration
     peak, tokens = gpu.peak_flops("bf16"), args.micro_batch * args.seq
-    shapes = linear_shapes(model)
-    flops = [2.0 * tokens * fan_in * fan_out for fan_in, fan_out in shapes]
-    catalog_s = sum(
-        f / (peak * cal.gemm_efficiency_at(tokens, fan_in, fan_out))
-        for f, (fan_in, fan_out) in zip(flops, shapes, strict=True)
-    )
+    shapes = [(tokens, fan_out, fan_in) for fan_in, fan_out in linear_shapes(model)]
+    flops = sum(2.0 * m * n * k for m, n, k in shapes)
+    catalog_rate = flops / gemm_seconds(shapes, peak, cal, None)
     rows = [
-        ("GEMM rate, the model's linears", "TFLOP/s", sum(flops) / catalog_s / 1e12,
+        ("GEMM rate, the model's linears", "TFLOP/s", catalog_rate / 1e12,
          figures["gemm_bf16_flops"] / 1e12),
-        ("GEMM share of the bf16 peak", "", sum(flops) / catalog_s / peak,
+        ("GEMM share of the bf16 peak", "", catalog_rate / peak,
          figures["gemm_bf16_flops"] / peak),
         ("attention (causal SDPA fwd+bwd) share of the bf16 peak", "",
          cal.attention_efficiency.value, figures["attention_flops"] / peak),
@@ -421,24 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         results["cuda_device_name"] = torch.cuda.get_device_name()
         results["torch"] = torch.__version__
     work = Path(tempfile.mkdtemp(prefix="llmscale-gpu-"))
-    measured: list[Cluster] = []
 
-    def calibration() -> dict[str, Any]:
-        part = calibration_part(args, cluster)
-        name = f"{label} (measured)"
-        measured.append(cluster_from(part["figures"], get_preset(args.model), "bf16", name))
-        return part
-
-    parts: list[tuple[str, Any]] = [
-        ("calibration", calibration if args.device == "cuda" else None),
-        ("mfu", lambda: mfu_part(args, work, cluster, params, peak, budget, *measured[:1])),
-        ("max_micro_batch", lambda: max_micro_batch_part(args, work, cluster, budget)
-         if args.device == "cuda" else []),
-        ("offload", lambda: offload_part(args, work, cluster, params, budget)),
-    ]  # fmt: skip
-    for key, part in parts:
-        if part is None:
-            continue
+    def run_part(key: str, part: Callable[[], Any]) -> None:
+        """Run one part, keep its result (or its error: the other parts still run), write."""
         t0 = time.monotonic()
         print(f"{key}: starting ({budget.left:.0f} s of the budget left)", flush=True)
         try:
@@ -448,6 +431,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: failed: {results[key]['error']}", flush=True)
         results.setdefault("part_seconds", {})[key] = round(time.monotonic() - t0, 1)
         _write(out, results)
+
+    measured = None
+    if args.device == "cuda":
+        run_part("calibration", lambda: calibration_part(args, cluster))
+        figures = results["calibration"].get("figures")
+        if figures is not None:
+            name = f"{label} (measured)"
+            measured = cluster_from(figures, get_preset(args.model), "bf16", name)
+    run_part("mfu", lambda: mfu_part(args, work, cluster, params, peak, budget, measured))
+    if args.device == "cuda":
+        run_part("max_micro_batch", lambda: max_micro_batch_part(args, work, cluster, budget))
+    else:
+        results["max_micro_batch"] = []
+    run_part("offload", lambda: offload_part(args, work, cluster, params, budget))
     print(markdown(results))
     return 0
 

@@ -243,7 +243,7 @@ def _linear_seconds(
     float8 linears) at the GPU's FP8 peak and its own calibrated efficiency."""
     cal = cluster.gpu.calibration
     if not plan.fp8_matmuls:
-        return _gemm_seconds(shapes, peak, cal, flat)
+        return gemm_seconds(shapes, peak, cal, flat)
     fp8_peak = cluster.gpu.peak_flops("fp8")
     return sum(2.0 * m * n * k / (fp8_peak * cal.fp8_gemm_efficiency_at(m, n, k))
                for m, n, k in shapes)  # fmt: skip
@@ -479,9 +479,11 @@ def compiled_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
     return (replicated + split) * tokens + weights
 
 
-def _gemm_seconds(
+def gemm_seconds(
     shapes: list[tuple[int, int, int]], peak: float, cal: Calibration, flat: float | None
 ) -> float:
+    """Seconds of GEMMs (M, N, K) at `peak` and the calibration's efficiency for each shape
+    (`flat`: one efficiency for all)."""
     total = 0.0
     for mm, n, k in shapes:
         eff = flat if flat is not None else cal.gemm_efficiency_at(mm, n, k)
@@ -534,7 +536,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     if rank == plan.head_rank:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
         head_mnk = (cp_tokens(plan), m.vocab_size // vocab_div, m.dim)
-        head = _gemm_seconds([head_mnk], peak, cal, flat)
+        head = gemm_seconds([head_mnk], peak, cal, flat)
         mat_f += head
         mat_b += 2 * head
         wgrad += head
