@@ -15,6 +15,8 @@ breaks here, with a name saying what it was for, not inside the pipeline's logic
 - `DTensor(local, DTensorSpec(...), requires_grad=False)` with `param._spec` and
   `torch.distributed.tensor._dtensor_spec`: wrap a host shard as a DTensor sharded like its
   parameter without moving it (`DTensor.from_local` would copy a CPU shard onto the mesh's device).
+- `tensor._version`: the tensor's version counter, bumped by every in-place write (a checkpoint
+  load's `copy_` included): tells a cache built from a tensor's values that they changed.
 - `torch.utils._python_dispatch.is_traceable_wrapper_subclass(t)`: a tensor subclass that wraps
   inner tensors (DTensor, a functional wrapper), whose storage is its inner tensors' (the
   saved-activation meters count those).
@@ -40,6 +42,11 @@ def graph_task_id() -> int:
 def in_backward() -> bool:
     """Whether this thread is inside a backward pass (e.g. a recomputed forward)."""
     return graph_task_id() != -1
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """`t`'s version counter: it changes whenever `t` (or a view of it) is written in place."""
+    return int(t._version)
 
 
 def at_end_of_backward(callback: Callable[[], None]) -> None:

@@ -44,9 +44,10 @@ def test_compress_and_decompress_are_the_dense_products() -> None:
 
 
 @pytest.mark.parametrize("shape", [(48, 20), (20, 48), (24, 24)])
-def test_both_product_orders_and_the_fused_apply_are_the_dense_products(shape) -> None:
-    """compress and decompress reduce the larger dimension first; `apply_update` folds the
-    decay and the step into the weight (fused in fp32): each against the dense reference."""
+def test_the_sparse_kernels_and_the_apply_are_the_dense_products(shape) -> None:
+    """The sparse kernels (embedding_bag) on wide, tall and square matrices, and the apply of
+    the decay and the step into the weight (one pass in fp32): each against the dense
+    reference."""
     (m, n), d, s = shape, 8, 3
     pr = Projectors.new(m, n, d, s, seed=4, device=CPU)
     p, q = dense(pr.p_rows, pr.p_vals, d), dense(pr.q_rows, pr.q_vals, d)
@@ -58,8 +59,30 @@ def test_both_product_orders_and_the_fused_apply_are_the_dense_products(shape) -
         for decay in (1.0, 0.99):
             w = w0.to(dtype)
             want = (w.float() * decay + p.T @ u @ q).to(dtype)
-            apply_update(pr.p, pr.q, d, u, w, decay)
+            apply_update(w, pr.decompress(u), decay)
             torch.testing.assert_close(w, want, rtol=tol, atol=tol)
+
+
+def test_rows_no_column_reaches_and_rewritten_rows_are_served() -> None:
+    """A row of P that no column reaches sums nothing (an empty bag); rows written in place (a
+    checkpoint load) or replaced rebuild the cached structure."""
+    m, n, d, s = 6, 40, 16, 2  # 12 non-zeros of P over 16 rows: some rows stay empty
+    pr = Projectors.new(m, n, d, s, seed=5, device=CPU)
+    g, u = _grad(m, n), torch.randn(d, d)
+
+    def check() -> None:
+        p, q = dense(pr.p_rows, pr.p_vals, d), dense(pr.q_rows, pr.q_vals, d)
+        torch.testing.assert_close(pr.compress(g), p @ g @ q.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pr.decompress(u), p.T @ u @ q, rtol=1e-5, atol=1e-5)
+
+    check()
+    other = Projectors.new(m, n, d, s, seed=6, device=CPU)
+    pr.p_rows.copy_(other.p_rows)  # in place, as a load
+    pr.p_vals.copy_(other.p_vals)
+    check()
+    pr.q_rows = other.q_rows.clone()  # a new tensor
+    pr.q_vals = other.q_vals.clone()
+    check()
 
 
 def test_fitting_lowers_the_reconstruction_error() -> None:

@@ -23,10 +23,13 @@ non-negative always). `reproject_moments` does that on the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+from llmscale.torch_internals import tensor_version
 
 FIT_STEPS = 25  # Adam steps per fit on the non-zero values
 FIT_LR = 0.25  # their learning rate, relative to the starting values' magnitude
@@ -55,11 +58,47 @@ def sketch_values(
 def dense(rows: torch.Tensor, vals: torch.Tensor, d: int) -> torch.Tensor:
     """The sparse projector as a dense d x k matrix (k = rows.shape[0]); differentiable in vals.
 
-    Built for each use and dropped: a transient of d x k fp32, the layout matmuls want (a loop
-    of s gathers and scatters is slower than one matmul at these sizes, on CPU and GPU).
+    For the fit (autograd through the values) and the change of basis, which run on checks
+    only; a transient of d x k fp32. The per-step products use `sketch` and `sketch_t`.
     """
     out = vals.new_zeros((rows.shape[0], d))
     return out.scatter_(1, rows.long(), vals).t()  # (scatter takes int64 indices: a transient)
+
+
+class RowBags(NamedTuple):
+    """A count-sketch matrix P (d x k), held column by column (rows, vals: k x s), grouped by its
+    d rows (P's CSR structure): row r's non-zeros are the flattened (rows, vals) at positions
+    `order[offsets[r]:offsets[r + 1]]`, in columns `cols` (same slice). It depends on the rows
+    only, which stay fixed: built once (`Projectors.bags` caches it), the values read through
+    `order` at each use."""
+
+    order: torch.Tensor  # int64, k * s
+    cols: torch.Tensor  # ROW_DTYPE, k * s
+    offsets: torch.Tensor  # ROW_DTYPE, d
+
+
+def row_bags(rows: torch.Tensor, d: int) -> RowBags:
+    flat = rows.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    cols = torch.div(order, rows.shape[1], rounding_mode="floor").to(ROW_DTYPE)
+    counts = torch.bincount(flat, minlength=d)
+    return RowBags(order, cols, (counts.cumsum(0) - counts).to(ROW_DTYPE))
+
+
+def sketch(vals: torch.Tensor, bags: RowBags, x: torch.Tensor) -> torch.Tensor:
+    """P X (d x n) for X (k x n, fp32): row r is the sum of P[r, j] X[j] over row r's non-zeros.
+
+    One weighted `embedding_bag` (a gather-and-sum kernel, on the CPU and on CUDA): s k n
+    multiply-adds, where the dense product takes d k n (d / s = 8 at the defaults).
+    """
+    w = vals.reshape(-1)[bags.order]
+    return F.embedding_bag(bags.cols, x, bags.offsets, mode="sum", per_sample_weights=w)
+
+
+def sketch_t(rows: torch.Tensor, vals: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pᵀ Y (k x n) for Y (d x n, fp32): row j is the sum of vals[j, i] Y[rows[j, i]] over i
+    (fixed bags of s: `embedding_bag` again, s k n multiply-adds)."""
+    return F.embedding_bag(rows, y, mode="sum", per_sample_weights=vals)
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -69,51 +108,29 @@ LossAndGrads = tuple[torch.Tensor, Sequence[torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor, bool], LossAndGrads]
 
 
-def compress_with(p: Pair, q: Pair, d: int, g: torch.Tensor) -> torch.Tensor:
-    """P G Qᵀ (d x d) in fp32.
+def compress_with(
+    p_vals: torch.Tensor, p_bags: RowBags, q_vals: torch.Tensor, q_bags: RowBags, g: torch.Tensor
+) -> torch.Tensor:
+    """P G Qᵀ (d x d, fp32): P G by rows of G, then Q (P G)ᵀ, transposed.
 
-    The larger of G's dimensions is reduced first: (P G) Qᵀ costs d m n + d² n multiply-adds,
-    P (G Qᵀ) d m n + d² m (a wide 256 x 768 matrix at d = 128: 22% fewer).
+    With P's columns a row block [a, b) of the matrix (`p_vals[a:b]` and its bags) and G that
+    block's rows, the block's part of the sum P G Qᵀ (`offload.lsp_shard`).
     """
-    g = g.float()
-    if g.shape[0] >= g.shape[1]:
-        return (dense(*p, d) @ g) @ dense(*q, d).t()
-    return dense(*p, d) @ (g @ dense(*q, d).t())
+    pg = sketch(p_vals, p_bags, g.float().contiguous())  # d x n
+    return sketch(q_vals, q_bags, pg.t().contiguous()).t().contiguous()
 
 
-def _decompress_factors(p: Pair, q: Pair, d: int, u: torch.Tensor) -> Pair:
-    """Two factors whose product is Pᵀ U Q, in the cheaper order: (Pᵀ U) and Q for m <= n
-    (m d² + m d n multiply-adds), else Pᵀ and (U Q) (d² n + m d n)."""
-    u = u.float()
-    if p[0].shape[0] <= q[0].shape[0]:
-        return dense(*p, d).t() @ u, dense(*q, d)
-    return dense(*p, d).t(), u @ dense(*q, d)
+def decompress_with(p: Pair, q: Pair, u: torch.Tensor) -> torch.Tensor:
+    """Pᵀ U Q (m x n, fp32) from (rows, vals) pairs: U Q = (Qᵀ Uᵀ)ᵀ, then Pᵀ (U Q). With p
+    a row block's (rows, vals), that block's rows of Pᵀ U Q."""
+    uq = sketch_t(*q, u.float().t().contiguous()).t().contiguous()  # d x n
+    return sketch_t(*p, uq)
 
 
-def decompress_with(p: Pair, q: Pair, d: int, u: torch.Tensor) -> torch.Tensor:
-    """Pᵀ U Q (m x n) in fp32."""
-    left, right = _decompress_factors(p, q, d, u)
-    return left @ right
-
-
-def apply_update(p: Pair, q: Pair, d: int, u: torch.Tensor, w: torch.Tensor, decay: float) -> None:
-    """W <- decay x W + Pᵀ U Q, in place. An fp32 W takes it in one fused `addmm_` (no m x n
-    temporary, one pass over W); a 16-bit W gets the fp32 product rounded to its dtype."""
-    left, right = _decompress_factors(p, q, d, u)
-    if w.dtype == torch.float32:
-        w.addmm_(left, right, beta=decay)
-        return
-    if decay != 1.0:
-        w.mul_(decay)
-    w.add_((left @ right).to(w.dtype))
-
-
-def relative_error_with(p: Pair, q: Pair, d: int, g: torch.Tensor) -> torch.Tensor:
-    """||Pᵀ P G Qᵀ Q − G|| / ||G|| (a 0-d fp32 tensor on the device)."""
-    g = g.float()
-    pd, qd = dense(*p, d), dense(*q, d)
-    r = pd.t() @ (pd @ g @ qd.t()) @ qd
-    return (r - g).norm() / g.norm().clamp_min(torch.finfo(torch.float32).tiny)
+def apply_update(w: torch.Tensor, update: torch.Tensor, decay: float) -> None:
+    """W <- decay x W + update, in place, in one pass computed in fp32 (a 16-bit W is rounded
+    once, at the end)."""
+    torch.add(update, w, alpha=decay, out=w)
 
 
 @dataclass(eq=False)
@@ -125,6 +142,9 @@ class Projectors:
     p_vals: torch.Tensor  # m x s, fp32
     q_rows: torch.Tensor  # n x s
     q_vals: torch.Tensor  # n x s
+    _bags: dict[tuple[str, int, int], tuple[tuple[int, int], RowBags]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @classmethod
     def new(cls, m: int, n: int, d: int, s: int, seed: int, device: torch.device) -> Projectors:
@@ -160,14 +180,29 @@ class Projectors:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors().values())
 
+    def bags(self, which: str, start: int = 0, stop: int | None = None) -> RowBags:
+        """The CSR structure of P (`which` "p") or Q ("q"), or of the columns [start, stop) of
+        P; built on first use and kept while the rows stay the same tensor, unwritten (a
+        checkpoint load writes them in place: its version changes)."""
+        rows = self.p_rows if which == "p" else self.q_rows
+        stop = rows.shape[0] if stop is None else stop
+        stamp = (rows.data_ptr(), tensor_version(rows))
+        hit = self._bags.get((which, start, stop))
+        if hit is None or hit[0] != stamp:
+            hit = self._bags[(which, start, stop)] = (stamp, row_bags(rows[start:stop], self.d))
+        return hit[1]
+
     def compress(self, g: torch.Tensor) -> torch.Tensor:
-        return compress_with(self.p, self.q, self.d, g)
+        return compress_with(self.p_vals, self.bags("p"), self.q_vals, self.bags("q"), g)
 
     def decompress(self, u: torch.Tensor) -> torch.Tensor:
-        return decompress_with(self.p, self.q, self.d, u)
+        return decompress_with(self.p, self.q, u)
 
     def relative_error(self, g: torch.Tensor) -> torch.Tensor:
-        return relative_error_with(self.p, self.q, self.d, g)
+        """||Pᵀ P G Qᵀ Q − G|| / ||G|| (a 0-d fp32 tensor on the device)."""
+        g = g.float()
+        r = self.decompress(self.compress(g))
+        return (r - g).norm() / g.norm().clamp_min(torch.finfo(torch.float32).tiny)
 
     @torch.no_grad()
     def fit(
@@ -272,8 +307,7 @@ class LspSlot:
     @torch.no_grad()
     def apply(self, weight: torch.Tensor) -> None:
         """W <- decay x W + Pᵀ U Q, on the device (the decoupled weight decay, then the step)."""
-        p = self.proj
-        apply_update(p.p, p.q, p.d, self.update_device, weight, self.decay)
+        apply_update(weight, self.proj.decompress(self.update_device), self.decay)
         self.pending = False
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -34,7 +34,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmscale.offload.lsp import FIT_LR, FIT_STEPS, LspSlot, Projectors, dense, fit_values
+from llmscale.offload.lsp import (
+    FIT_LR,
+    FIT_STEPS,
+    LspSlot,
+    Projectors,
+    apply_update,
+    compress_with,
+    decompress_with,
+    dense,
+    fit_values,
+)
 
 
 @dataclass(frozen=True)
@@ -95,22 +105,26 @@ class ShardedProjectors:
         a, b = self.rows.start, self.rows.stop
         return dense(self.proj.p_rows[a:b], vals[a:b], self.proj.d)
 
+    def _p_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This block's columns of P: (rows, vals) of matrix rows [a, b)."""
+        a, b = self.rows.start, self.rows.stop
+        return self.proj.p_rows[a:b], self.proj.p_vals[a:b]
+
     def compress(self, g: torch.Tensor) -> torch.Tensor:
         """P G Qᵀ (d x d fp32) of the whole gradient, from this rank's rows `g`."""
-        qd = dense(*self.proj.q, self.proj.d)
-        c = self._p_rows(self.proj.p_vals) @ g.float() @ qd.t()
+        pr = self.proj
+        p_bags = pr.bags("p", self.rows.start, self.rows.stop)
+        c = compress_with(self._p_block()[1], p_bags, pr.q_vals, pr.bags("q"), g)
         return _all_reduce(c, self.rows.group)
 
     def decompress(self, u: torch.Tensor) -> torch.Tensor:
         """This rank's rows of Pᵀ U Q."""
-        return self._p_rows(self.proj.p_vals).t() @ u.float() @ dense(*self.proj.q, self.proj.d)
+        return decompress_with(self._p_block(), self.proj.q, u)
 
     def relative_error(self, g: torch.Tensor) -> torch.Tensor:
         """||Pᵀ P G Qᵀ Q − G|| / ||G|| of the whole gradient (0-d, the same on every rank)."""
         g = g.float()
-        pd, qd = self._p_rows(self.proj.p_vals), dense(*self.proj.q, self.proj.d)
-        c = _all_reduce(pd @ g @ qd.t(), self.rows.group)
-        r = pd.t() @ c @ qd
+        r = self.decompress(self.compress(g))  # this rank's rows of the reconstruction
         sums = _all_reduce(torch.stack([((r - g) ** 2).sum(), (g * g).sum()]), self.rows.group)
         return sums[0].sqrt() / sums[1].sqrt().clamp_min(torch.finfo(torch.float32).tiny)
 
@@ -150,7 +164,5 @@ class ShardedProjectors:
     @torch.no_grad()
     def apply(self, lsp: LspSlot, weight: torch.Tensor) -> None:
         """`LspSlot.apply` on this rank's rows: W_r <- decay x W_r + (Pᵀ U Q)_r."""
-        if lsp.decay != 1.0:
-            weight.mul_(lsp.decay)
-        weight.add_(self.decompress(lsp.update_device).to(weight.dtype))
+        apply_update(weight, self.decompress(lsp.update_device), lsp.decay)
         lsp.pending = False
