@@ -169,7 +169,11 @@ def test_rows_are_int32_and_the_device_bytes_are_the_planners() -> None:
     pr = Projectors.new(m, n, d, s, seed=1, device=CPU)
     assert pr.p_rows.dtype == torch.int32 and pr.q_rows.dtype == torch.int32
     update = torch.zeros(d, d)
-    assert pr.nbytes + update.nbytes == device_bytes((m, n), d, s)
+    pr.compress(torch.randn(m, n))  # builds the regrouped projectors
+    assert pr.nbytes + pr.bags_nbytes + update.nbytes == device_bytes((m, n), d, s)
+    pr.bags("p", 0, 24)  # a rank's rows of two FSDP2 shards: its part of P only
+    pr._bags.pop(("p", 0, m))
+    assert pr.nbytes + pr.bags_nbytes + update.nbytes == device_bytes((m, n), d, s, dp_shard=2)
 
 
 @pytest.mark.slow  # three short runs with checkpoints
@@ -200,3 +204,41 @@ def test_a_checkpoint_with_int64_rows_resumes_bitwise(cfg_factory, monkeypatch) 
         a, b = full.optimizer.state[p], new.optimizer.state[q]
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressing_from_a_layers_factors_is_compressing_its_gradient(dtype) -> None:
+    """(P dYᵀ)(Q Xᵀ)ᵀ = P (dYᵀ X) Qᵀ, and the swapped layer's backward gives the input's and the
+    bias's gradients as F.linear's, handing (X, dY) over instead of the weight's."""
+    from torch import nn
+
+    from llmscale.offload.lsp_linear import install
+
+    m, n, tokens = 24, 40, 30
+    pr = Projectors.new(m, n, 8, 3, seed=7, device=CPU)
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(tokens, n, generator=g), torch.randn(tokens, m, generator=g)
+    torch.testing.assert_close(
+        pr.compress_factors(x.to(dtype), dy.to(dtype)),
+        pr.compress(dy.to(dtype).float().T @ x.to(dtype).float()),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    layer = nn.Linear(n, m, bias=True)
+    got: list[tuple[torch.Tensor, ...]] = []
+    swap = install(layer, lambda w, a, b: got.append((w, a, b)))
+    xs = torch.randn(2, 3, n, requires_grad=True)
+    ref_x = xs.detach().clone().requires_grad_(True)
+    up = torch.randn(2, 3, m)
+    layer(xs).backward(up)
+    assert layer.weight.grad is None and len(got) == 1
+    w, a, b = got[0]
+    assert w is layer.weight
+    torch.testing.assert_close(b.T @ a, up.reshape(-1, m).T @ xs.detach().reshape(-1, n))
+    db = layer.bias.grad.clone()
+    layer.bias.grad = None
+    swap.remove()  # the class's forward again: the ordinary gradients
+    torch.nn.functional.linear(ref_x, layer.weight, layer.bias).backward(up)
+    torch.testing.assert_close(xs.grad, ref_x.grad)
+    torch.testing.assert_close(db, layer.bias.grad)
+    assert layer.weight.grad is not None

@@ -172,3 +172,43 @@ def test_bad_settings_are_one_line_errors(args, field, tmp_path, capsys) -> None
                "--optimizer.offload", "lsp", *args])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert rc == 2 and field in err and "Traceback" not in err
+
+
+def test_the_factored_gradient_is_the_dense_one_compressed(cfg_factory, monkeypatch) -> None:
+    """One process: the blocks' linear layers hand (X, dY) to the optimizer, which compresses
+    (P dYᵀ)(Q Xᵀ)ᵀ without forming G, except on the micro-step that checks (here: fits and
+    refits) the projectors. The run equals one whose layers form G (the ordinary path) to
+    float rounding, and the ordinary compression runs only on the checks' micro-steps."""
+    from llmscale.offload import adamw, lsp
+
+    args = (*LSP, *REFIT, "--train.steps", "4")
+    calls = {"whole": 0, "factors": 0}
+    whole, factors = lsp.Projectors.compress, lsp.Projectors.compress_factors
+
+    def count(name: str, fn: Any) -> Any:
+        def wrapped(*a: Any) -> Any:
+            calls[name] += 1
+            return fn(*a)
+
+        return wrapped
+
+    monkeypatch.setattr(lsp.Projectors, "compress", count("whole", whole))
+    monkeypatch.setattr(lsp.Projectors, "compress_factors", count("factors", factors))
+    t = Trainer(cfg_factory(*args, run="factored"))
+    assert all(t.optimizer._factored(s) for s in t.optimizer.slots if s.lsp is not None)
+    t.fit()
+    # 7 matrices x 2 micro-steps x 4 steps. Steps 0 and 2 check on their first micro-step, from
+    # the whole gradient: step 0 fits, then compresses; step 2 measures the error (one
+    # compression), refits, then compresses
+    assert calls == {"whole": 7 * (1 + 2), "factors": 7 * (2 * 4 - 2)}
+    assert all(p.grad is None for p in t.model.parameters())
+    monkeypatch.setattr(adamw.OffloadedAdamW, "_factored", lambda self, slot: False)
+    ref = Trainer(cfg_factory(*args, run="whole"))
+    ref.fit()
+    got, want = _rows(t), _rows(ref)
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["offload_bytes_moved"] == b["offload_bytes_moved"]
+    for p, q in zip(t.model.parameters(), ref.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -252,6 +252,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 u.modules.append(mod)
                 self.hooks.before_forward(mod, self.waits.pre_forward, [u])
         self._update_order = at_root + [u for u in self.units if u not in at_root]
+        for mod in model.modules():
+            slot = self._slot_of.get(id(getattr(mod, "weight", None)))
+            if isinstance(mod, nn.Linear) and slot is not None and self._factored(slot):
+                self.hooks.swap_forward(mod, self._on_factors)
         self.hooks.before_forward(model, self.waits.pre_forward_root, at_root)
         self.hooks.after_forward(model, self.waits.post_forward_root)
         if self.offload_params:
@@ -264,6 +268,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             after_save=self._host_params_hook if self.offload_params else None,
         )
         return self
+
+    def _factored(self, slot: HostSlot) -> bool:
+        """Whether `slot`'s gradient is compressed from its layer's factors
+        (`offload.lsp_linear`): an LSP matrix held whole on this rank, as a plain tensor. Under
+        FSDP2 or replicate the gradient is reduced over ranks by FSDP2 first, and compressed
+        from that (row shards: `offload.lsp_shard`)."""
+        return (
+            slot.lsp is not None and id(slot) not in self._lsp_rows and not is_dtensor(slot.param)
+        )
 
     def _start_param_offload(self) -> None:
         """Take the host copies of the (cast) weights, then free their device storage."""
@@ -332,13 +345,31 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # ---- backward: gradient download and host accumulation ----------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         slot = self._slot_of[id(p)]
-        unit = self.units[slot.unit]
-        self.waits.close_interval(unit.name, "backward")
+        if p.grad is None and self._factored(slot):
+            return  # (autograd may run its hook with no gradient: `_on_factors` took it)
         assert p.grad is not None
         # Under TP autograd may leave a Partial (sequence-parallel norms) or Replicate
         # (vocab-parallel embedding) gradient: its parameter's layout first, as on the device.
         g = local_tensor(grad_like_param(p, p.grad))
         p.grad = None  # the device gradient lives only until its copy has read it
+        self._take_grad(slot, g)
+
+    def _on_factors(self, p: nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> None:
+        """An LSP matrix's gradient as its layer's input X and output gradient dY
+        (`offload.lsp_linear`): compressed from them, or, on a micro-step that checks the
+        projectors, formed whole (G = dYᵀ X, as autograd would) and taken as any gradient."""
+        slot = self._slot_of[id(p)]
+        assert slot.lsp is not None
+        if slot.micro == 0 and self._lsp_check_due(slot):
+            self._take_grad(slot, dy.t().mm(x))
+            return
+        self._take_grad(slot, slot.lsp.proj.compress_factors(x, dy), compressed=True)
+
+    def _take_grad(self, slot: HostSlot, g: torch.Tensor, compressed: bool = False) -> None:
+        """Download this micro-step's gradient `g` of `slot` (an LSP matrix's compressed here
+        unless `compressed` already) and queue its host accumulation."""
+        unit = self.units[slot.unit]
+        self.waits.close_interval(unit.name, "backward")
         if unit.final_submitted:
             if self.update_in_backward:
                 raise RuntimeError(
@@ -348,7 +379,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             unit.final_submitted = False  # its norms are stale; taken again at step time
         first = slot.micro == 0
         slot.micro += 1
-        if slot.lsp is not None:
+        if slot.lsp is not None and not compressed:
             if first:
                 self._lsp_check(slot, unit, g)
             g = self._lsp_ops(slot).compress(g)  # d x d fp32: what goes down
@@ -385,9 +416,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         before this step's update); at the first fit the moments are zero and stay so.
         """
         assert slot.lsp is not None and self.lsp is not None
-        done = int(slot.step.item())
-        if done % self.lsp.check_every:
+        if not self._lsp_check_due(slot):
             return
+        done = int(slot.step.item())
         lsp, step, ops = slot.lsp, self._step_index, self._lsp_ops(slot)
         if done > 0:
             self.d2h.copy(lsp.error, ops.relative_error(g), step, unit.name, "download").wait()
@@ -404,6 +435,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 for h, t in zip(host, (a, b), strict=True)
             ]
             self.worker.submit(self._reproject, slot, host, tickets)
+
+    def _lsp_check_due(self, slot: HostSlot) -> bool:
+        """Whether this step checks `slot`'s projectors: its step count a multiple of
+        `check_every` (the first step fits)."""
+        assert self.lsp is not None
+        return int(slot.step.item()) % self.lsp.check_every == 0
 
     @staticmethod
     def _reproject(slot: HostSlot, ab: list[torch.Tensor], tickets: list[Ticket]) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from llmscale.offload.engine import Ticket
 from llmscale.offload.host_adam import HostSlot
+from llmscale.offload.lsp_linear import Sink, install
 from llmscale.offload.params import ParamOffload, UnitParams
 from llmscale.offload.timeline import COMPUTE_LANE, TransferTimeline
 from llmscale.torch_internals import fsdp_gather_streams, in_backward
@@ -147,6 +148,10 @@ class ModelHooks:
         if after_save is not None:
             # (a partial: torch marks the hook object, which a bound method cannot carry)
             self._handles.append(model.register_state_dict_post_hook(functools.partial(after_save)))
+
+    def swap_forward(self, module: nn.Linear, sink: Sink) -> None:
+        """Run `module` through `offload.lsp_linear`'s compressed weight gradient."""
+        self._handles.append(install(module, sink))
 
     def remove(self) -> None:
         for h in self._handles:

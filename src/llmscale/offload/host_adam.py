@@ -313,7 +313,9 @@ class HostAdamW:
         }
         if lsp:
             # projectors (rows int32, values fp32) and the update's landing buffer
-            row["device_lsp_bytes"] = sum(x.proj.nbytes + x.update_device.nbytes for x in lsp)
+            row["device_lsp_bytes"] = sum(
+                x.proj.nbytes + x.proj.bags_nbytes + x.update_device.nbytes for x in lsp
+            )
         if host_params:
             row["host_param_bytes"] = on_host(
                 s.host_param

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from llmscale.torch_internals import tensor_version
 
@@ -66,33 +67,33 @@ def dense(rows: torch.Tensor, vals: torch.Tensor, d: int) -> torch.Tensor:
 
 
 class RowBags(NamedTuple):
-    """A count-sketch matrix P (d x k), held column by column (rows, vals: k x s), grouped by its
-    d rows (P's CSR structure): row r's non-zeros are the flattened (rows, vals) at positions
-    `order[offsets[r]:offsets[r + 1]]`, in columns `cols` (same slice). It depends on the rows
-    only, which stay fixed: built once (`Projectors.bags` caches it), the values read through
-    `order` at each use."""
+    """A count-sketch matrix P (d x k), held column by column (rows, vals: k x s), regrouped by
+    its d rows (P in CSR form): row r's non-zeros are `weights[offsets[r]:offsets[r + 1]]` in
+    columns `cols[...]` (the same slice). 8 B per non-zero and 4 B per row of P, kept on the
+    device next to the projector (`Projectors.bags`: rebuilt when the rows or values are
+    written, i.e. by a fit or a checkpoint load)."""
 
-    order: torch.Tensor  # int64, k * s
     cols: torch.Tensor  # ROW_DTYPE, k * s
     offsets: torch.Tensor  # ROW_DTYPE, d
+    weights: torch.Tensor  # fp32, k * s: the values in that order
 
 
-def row_bags(rows: torch.Tensor, d: int) -> RowBags:
+def row_bags(rows: torch.Tensor, vals: torch.Tensor, d: int) -> RowBags:
     flat = rows.reshape(-1)
     order = torch.argsort(flat, stable=True)
     cols = torch.div(order, rows.shape[1], rounding_mode="floor").to(ROW_DTYPE)
     counts = torch.bincount(flat, minlength=d)
-    return RowBags(order, cols, (counts.cumsum(0) - counts).to(ROW_DTYPE))
+    offsets = (counts.cumsum(0) - counts).to(ROW_DTYPE)
+    return RowBags(cols, offsets, vals.reshape(-1)[order])
 
 
-def sketch(vals: torch.Tensor, bags: RowBags, x: torch.Tensor) -> torch.Tensor:
+def sketch(bags: RowBags, x: torch.Tensor) -> torch.Tensor:
     """P X (d x n) for X (k x n, fp32): row r is the sum of P[r, j] X[j] over row r's non-zeros.
 
     One weighted `embedding_bag` (a gather-and-sum kernel, on the CPU and on CUDA): s k n
     multiply-adds, where the dense product takes d k n (d / s = 8 at the defaults).
     """
-    w = vals.reshape(-1)[bags.order]
-    return F.embedding_bag(bags.cols, x, bags.offsets, mode="sum", per_sample_weights=w)
+    return F.embedding_bag(bags.cols, x, bags.offsets, mode="sum", per_sample_weights=bags.weights)
 
 
 def sketch_t(rows: torch.Tensor, vals: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -108,16 +109,14 @@ LossAndGrads = tuple[torch.Tensor, Sequence[torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor, bool], LossAndGrads]
 
 
-def compress_with(
-    p_vals: torch.Tensor, p_bags: RowBags, q_vals: torch.Tensor, q_bags: RowBags, g: torch.Tensor
-) -> torch.Tensor:
+def compress_with(p_bags: RowBags, q_bags: RowBags, g: torch.Tensor) -> torch.Tensor:
     """P G Qᵀ (d x d, fp32): P G by rows of G, then Q (P G)ᵀ, transposed.
 
-    With P's columns a row block [a, b) of the matrix (`p_vals[a:b]` and its bags) and G that
-    block's rows, the block's part of the sum P G Qᵀ (`offload.lsp_shard`).
+    With `p_bags` those of P's columns [a, b) (a row block of the matrix) and G that block's
+    rows, the block's part of the sum P G Qᵀ (`offload.lsp_shard`).
     """
-    pg = sketch(p_vals, p_bags, g.float().contiguous())  # d x n
-    return sketch(q_vals, q_bags, pg.t().contiguous()).t().contiguous()
+    pg = sketch(p_bags, g.float().contiguous())  # d x n
+    return sketch(q_bags, pg.t().contiguous()).t().contiguous()
 
 
 def decompress_with(p: Pair, q: Pair, u: torch.Tensor) -> torch.Tensor:
@@ -125,6 +124,12 @@ def decompress_with(p: Pair, q: Pair, u: torch.Tensor) -> torch.Tensor:
     a row block's (rows, vals), that block's rows of Pᵀ U Q."""
     uq = sketch_t(*q, u.float().t().contiguous()).t().contiguous()  # d x n
     return sketch_t(*p, uq)
+
+
+def fp32_transposed(t: torch.Tensor) -> torch.Tensor:
+    """tᵀ, contiguous, in fp32 (one copy, whatever t's dtype)."""
+    out = torch.empty((t.shape[1], t.shape[0]), dtype=torch.float32, device=t.device)
+    return out.copy_(t.t())
 
 
 def apply_update(w: torch.Tensor, update: torch.Tensor, decay: float) -> None:
@@ -142,7 +147,7 @@ class Projectors:
     p_vals: torch.Tensor  # m x s, fp32
     q_rows: torch.Tensor  # n x s
     q_vals: torch.Tensor  # n x s
-    _bags: dict[tuple[str, int, int], tuple[tuple[int, int], RowBags]] = field(
+    _bags: dict[tuple[str, int, int], tuple[tuple[int, ...], RowBags]] = field(
         default_factory=dict, init=False, repr=False
     )
 
@@ -181,22 +186,35 @@ class Projectors:
         return sum(t.nbytes for t in self.tensors().values())
 
     def bags(self, which: str, start: int = 0, stop: int | None = None) -> RowBags:
-        """The CSR structure of P (`which` "p") or Q ("q"), or of the columns [start, stop) of
-        P; built on first use and kept while the rows stay the same tensor, unwritten (a
-        checkpoint load writes them in place: its version changes)."""
-        rows = self.p_rows if which == "p" else self.q_rows
+        """P (`which` "p") or Q ("q") regrouped by rows, or the columns [start, stop) of P;
+        built on first use and kept while the rows and values stay the same tensors, unwritten
+        (a fit or a checkpoint load writes them in place: their versions change)."""
+        rows, vals = (self.p_rows, self.p_vals) if which == "p" else (self.q_rows, self.q_vals)
         stop = rows.shape[0] if stop is None else stop
-        stamp = (rows.data_ptr(), tensor_version(rows))
+        stamp = tuple(f(t) for t in (rows, vals) for f in (Tensor.data_ptr, tensor_version))
         hit = self._bags.get((which, start, stop))
         if hit is None or hit[0] != stamp:
-            hit = self._bags[(which, start, stop)] = (stamp, row_bags(rows[start:stop], self.d))
+            built = row_bags(rows[start:stop], vals[start:stop], self.d)
+            hit = self._bags[(which, start, stop)] = (stamp, built)
         return hit[1]
 
+    @property
+    def bags_nbytes(self) -> int:
+        """Device bytes of the regrouped projectors built so far."""
+        return sum(t.nbytes for _, bags in self._bags.values() for t in bags)
+
     def compress(self, g: torch.Tensor) -> torch.Tensor:
-        return compress_with(self.p_vals, self.bags("p"), self.q_vals, self.bags("q"), g)
+        return compress_with(self.bags("p"), self.bags("q"), g)
 
     def decompress(self, u: torch.Tensor) -> torch.Tensor:
         return decompress_with(self.p, self.q, u)
+
+    def compress_factors(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """P G Qᵀ for the weight gradient G = dYᵀ X of a linear layer (X: T x n, dY: T x m),
+        without forming G: (P dYᵀ) (Q Xᵀ)ᵀ (`offload.lsp_linear`)."""
+        a = sketch(self.bags("p"), fp32_transposed(dy))  # d x T
+        b = sketch(self.bags("q"), fp32_transposed(x))  # d x T
+        return a @ b.t()
 
     def relative_error(self, g: torch.Tensor) -> torch.Tensor:
         """||Pᵀ P G Qᵀ Q − G|| / ||G|| (a 0-d fp32 tensor on the device)."""

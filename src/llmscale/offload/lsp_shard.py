@@ -113,8 +113,7 @@ class ShardedProjectors:
     def compress(self, g: torch.Tensor) -> torch.Tensor:
         """P G Qᵀ (d x d fp32) of the whole gradient, from this rank's rows `g`."""
         pr = self.proj
-        p_bags = pr.bags("p", self.rows.start, self.rows.stop)
-        c = compress_with(self._p_block()[1], p_bags, pr.q_vals, pr.bags("q"), g)
+        c = compress_with(pr.bags("p", self.rows.start, self.rows.stop), pr.bags("q"), g)
         return _all_reduce(c, self.rows.group)
 
     def decompress(self, u: torch.Tensor) -> torch.Tensor:

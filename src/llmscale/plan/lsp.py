@@ -7,8 +7,10 @@ Model (exact for the runtime, `offload/lsp.py`, `offload/host_adam.py`):
   d = min(lsp_dim, min(m, n) // 2) rows (at least 1) with s = min(lsp_nonzeros, d) non-zeros per
   column (`matrix_dims`). Everything else (embeddings, the head, norms, biases) takes the
   ZeRO-Offload path ("optimizer").
-- Device, per LSP matrix: the projectors' rows (int32) and values (fp32), (m + n) s x 8 B, and
-  the d x d fp32 buffer the update lands in. The weight itself stays in the working dtype; there
+- Device, per LSP matrix: the projectors' rows (int32) and values (fp32), (m + n) s x 8 B; the
+  same non-zeros regrouped by the projectors' rows for the sparse products (columns int32 and
+  values fp32, (m + n) s x 8 B, and 2 d row offsets int32; under FSDP2 P's for the rank's rows
+  only); and the d x d fp32 buffer the update lands in. The weight itself stays in the working dtype; there
   is no fp32 master anywhere (the device weight is the only copy). Transients (the compressed
   gradient, the dense projectors while compressing, decompressing or fitting) are not held.
 - Host, per LSP matrix: moments 2 x 4 d² (+ the 4 B step counter), the fp32 gradient 4 d², the
@@ -51,10 +53,13 @@ def matrix_dims(shape: Sequence[int], lsp_dim: int, lsp_nonzeros: int) -> tuple[
     return d, min(lsp_nonzeros, d)
 
 
-def device_bytes(shape: Sequence[int], d: int, s: int) -> int:
-    """Projector rows (int32) and values (fp32) of P and Q, and the d x d update buffer."""
+def device_bytes(shape: Sequence[int], d: int, s: int, dp_shard: int = 1) -> int:
+    """Projector rows (int32) and values (fp32) of P and Q; the same regrouped by rows for the
+    products (columns int32, values fp32, d row offsets int32 each), P's for the rank's rows
+    only (rank 0's ceil(m / dp_shard) under FSDP2); and the d x d update buffer."""
     m, n = shape
-    return (m + n) * s * (4 + 4) + 4 * d * d
+    held = min(m, -(-m // dp_shard))
+    return (m + n) * s * (4 + 4) + (held + n) * s * (4 + 4) + 2 * d * 4 + 4 * d * d
 
 
 def host_bytes(d: int, n_microbatches: int) -> dict[str, int]:
@@ -184,7 +189,7 @@ def lsp_memory(
     }
     for shape in sp.matrices:
         d, s = matrix_dims(shape, lsp_dim, lsp_nonzeros)
-        row["device_lsp_bytes"] += device_bytes(shape, d, s)
+        row["device_lsp_bytes"] += device_bytes(shape, d, s, dp_shard)
         for k, v in host_bytes(d, hooks).items():
             row[k] += v
     return row
