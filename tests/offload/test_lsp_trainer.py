@@ -212,3 +212,20 @@ def test_the_factored_gradient_is_the_dense_one_compressed(cfg_factory, monkeypa
         assert a["offload_bytes_moved"] == b["offload_bytes_moved"]
     for p, q in zip(t.model.parameters(), ref.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra", [("--train.recompute", "full"), ("--train.recompute", "selective_op"),
+              ("--train.compile", "true")],
+)  # fmt: skip
+def test_the_factored_gradient_composes(cfg_factory, monkeypatch, extra) -> None:
+    """Recomputed blocks (the swapped layers run again in backward) and compiled blocks (the
+    layers run plain F.linear inside the compiled graph: the ordinary gradient path) train
+    as the whole-gradient path does."""
+    from llmscale.offload import adamw
+
+    args = (*LSP, *REFIT, "--train.steps", "3", *extra)
+    got = Trainer(cfg_factory(*args, run="factored")).fit().losses
+    monkeypatch.setattr(adamw.OffloadedAdamW, "_factored", lambda self, slot: False)
+    want = Trainer(cfg_factory(*args, run="whole")).fit().losses
+    assert got == pytest.approx(want, rel=1e-5)
