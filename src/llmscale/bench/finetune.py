@@ -3,7 +3,7 @@
     llmscale bench --what finetune [--model small]
     python -m llmscale.bench.finetune [--model small] [--seq 128] [--pretrain-steps 40]
                                       [--steps 30] [--lsp-dim D] [--link-gbps 0 1 0.1]
-                                      [--rounds 4] [--block 3]
+                                      [--rounds 8] [--block 3]
 
 The model is first pretrained briefly on the embedded corpus (`checkpoint.enabled`, one
 checkpoint at the end). Each contender then starts from those weights (`checkpoint.init_from
@@ -61,7 +61,7 @@ LR = "3e-4"
 TAIL = 5  # the final loss: mean of the last TAIL steps
 TIMED = ("none", "optimizer", "lsp")  # the step-time comparison's modes (none: the reference)
 LINKS_GBPS = (0.0, 1.0, 0.1)  # simulated links of the step-time comparison (0: native copies)
-ROUNDS, BLOCK, WARMUP = 4, 3, 2  # its rounds, consecutive steps per block, warm-up steps
+ROUNDS, BLOCK, WARMUP = 8, 3, 2  # its rounds, consecutive steps per block, warm-up steps
 
 
 def contenders() -> list[str]:

@@ -18,6 +18,12 @@ the new ones by the change of basis A = P' Pᵀ (d x d), B = Q Q'ᵀ (d x d): M'
 M ≈ P G Qᵀ and G ≈ Pᵀ M Q), and the second moment, a mean of squares, by the element-wise squares
 of the same maps: V' = (A∘A) V (B∘B) (exact when each new coordinate draws on one old one, and
 non-negative always). `reproject_moments` does that on the host.
+
+The per-step products use the sparsity: each is a weighted `embedding_bag` sum (`sketch`,
+`sketch_t`: s multiply-adds per column and output column, not d), P's by its rows through the
+regrouping `Projectors.bags` keeps. `compress_factors` compresses a linear layer's gradient from
+its input and output gradient without forming it (`offload.lsp_linear`). The fit and the change
+of basis, on checks only, use dense projectors (`dense`: autograd through the values).
 """
 
 from __future__ import annotations
