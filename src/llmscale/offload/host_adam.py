@@ -111,19 +111,8 @@ class HostAdamW:
         master = host_empty(local, torch.float32, self.pin)
         master.copy_(local)
         needs_staging = self.working_dtype != torch.float32 or self.n_microbatches > 1
-        slot = HostSlot(
-            index=index,
-            name=name,
-            param=p,
-            unit=unit,
-            group=group,
-            master=master,
-            exp_avg=torch.zeros(local.shape, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(local.shape, dtype=torch.float32),
-            step=torch.zeros((), dtype=torch.float32),
-            grad=host_empty(local, torch.float32, self.pin),
-            staging=host_empty(local, self.working_dtype, self.pin) if needs_staging else None,
-        )
+        staging = self.working_dtype if needs_staging else None
+        slot = self._slot(index, name, p, unit, group, local.shape, master, staging)
         if self.offload_params:
             # fp32: the master is what is uploaded; else a host copy in the working dtype (filled
             # from the cast parameter in `attach`). Gradients download into `staging`, so
@@ -136,30 +125,46 @@ class HostAdamW:
         self, index: int, name: str, p: nn.Parameter, unit: int, group: int, proj: Projectors
     ) -> HostSlot:
         """Host buffers for an LSP matrix: d x d gradient, moments and update, no master."""
-        local = local_tensor(p).detach()
         d = proj.d
-        sub = torch.empty((d, d), dtype=torch.float32)
-        slot = HostSlot(
+        # compressed gradients are fp32: the first micro-step lands in `grad` directly
+        staging = torch.float32 if self.n_microbatches > 1 else None
+        none = torch.empty(0, dtype=torch.float32)  # no master: the device weight is the copy
+        slot = self._slot(index, name, p, unit, group, (d, d), none, staging)
+        slot.lsp = LspSlot(
+            proj=proj,
+            update_device=torch.zeros((d, d), dtype=torch.float32, device=slot.local.device),
+            update_host=host_empty(slot.grad, torch.float32, self.pin),
+            error=torch.full((), float("nan"), dtype=torch.float32),
+        )
+        return slot
+
+    def _slot(
+        self,
+        index: int,
+        name: str,
+        p: nn.Parameter,
+        unit: int,
+        group: int,
+        shape: Sequence[int],
+        master: torch.Tensor,
+        staging: torch.dtype | None,
+    ) -> HostSlot:
+        """A slot whose moments and fp32 gradient have `shape`, with a `staging` buffer of that
+        dtype (None: none)."""
+        grad = torch.empty(tuple(shape), dtype=torch.float32, pin_memory=self.pin)
+        return HostSlot(
             index=index,
             name=name,
             param=p,
             unit=unit,
             group=group,
-            master=torch.empty(0, dtype=torch.float32),  # none: the device weight is the copy
-            exp_avg=torch.zeros_like(sub),
-            exp_avg_sq=torch.zeros_like(sub),
+            master=master,
+            exp_avg=torch.zeros(grad.shape, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(grad.shape, dtype=torch.float32),
             step=torch.zeros((), dtype=torch.float32),
-            grad=host_empty(sub, torch.float32, self.pin),
-            # compressed gradients are fp32: the first micro-step lands in `grad` directly
-            staging=host_empty(sub, torch.float32, self.pin) if self.n_microbatches > 1 else None,
+            grad=grad,
+            staging=None if staging is None else host_empty(grad, staging, self.pin),
         )
-        slot.lsp = LspSlot(
-            proj=proj,
-            update_device=torch.zeros((d, d), dtype=torch.float32, device=local.device),
-            update_host=host_empty(sub, torch.float32, self.pin),
-            error=torch.full((), float("nan"), dtype=torch.float32),
-        )
-        return slot
 
     def download_buffer(self, slot: HostSlot, dtype: torch.dtype, first: bool) -> torch.Tensor:
         """Where this micro-step's gradient (in `dtype`) is copied down to.
