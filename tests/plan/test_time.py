@@ -300,3 +300,26 @@ def test_recomputed_blocks_dispatch_their_forward_again() -> None:
     assert dispatch(recompute="every_k", recompute_every_k=2) == pytest.approx(
         2 * per_mb * (1 + 2 / 4 / 3)
     )
+
+
+def test_lsp_offload_prices_its_own_bytes_and_host_adam() -> None:
+    """offload "lsp": the link carries the bytes LSP moves (the runtime's, predicted = measured:
+    d x d per block matrix) and the host AdamW steps the ZeRO path's parameters and the d x d
+    subspaces; ZeRO-Offload's full gradients and weights are not charged."""
+    from llmscale.plan.lsp import host_adam_numel
+    from llmscale.plan.offload_traffic import offload_traffic
+
+    base = dict(model=L7, seq_len=2048, micro_batch_size=2, global_batch_size=8)
+    lsp = Plan(**base, precision="bf16", offload="lsp")
+    zero = Plan(**base, precision="bf16", offload="optimizer")
+    t_lsp, t_zero = estimate_step_time(lsp, H200), estimate_step_time(zero, H200)
+    moved = offload_traffic(lsp, 0, DEFAULT_TIME.kernels)
+    assert moved is not None
+    numel = host_adam_numel(L7, lsp_dim=512, lsp_nonzeros=16)
+    transfers = moved.total / H200.host_link.bandwidth
+    host = DEFAULT_TIME.optimizer_bytes_per_param * numel / (DEFAULT_TIME.host_adam_GBps * 1e9)
+    want = (1 - DEFAULT_TIME.offload_overlap) * (transfers + host)
+    assert t_lsp.breakdown["optimizer"] == pytest.approx(want)
+    # Llama-2 7B's 4096-wide matrices at d = 512: an eighth of the bytes and far less host work
+    assert t_lsp.breakdown["optimizer"] < t_zero.breakdown["optimizer"] / 8
+    assert t_lsp.breakdown["matmul"] == t_zero.breakdown["matmul"]  # projections not priced

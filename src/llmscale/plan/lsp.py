@@ -160,6 +160,17 @@ def lsp_bytes_per_step(
     return LspTraffic(down, up)
 
 
+def host_adam_numel(
+    model: ModelConfig, *, lsp_dim: int, lsp_nonzeros: int, dp_shard: int = 1
+) -> int:
+    """Elements the host's AdamW steps on in one step of offload "lsp" on one rank: the ZeRO
+    path's (rank 0's FSDP2 shard) and a d x d subspace per LSP matrix."""
+    sp = one_process_split(model, dp_shard)
+    return sp.zero_numel + sum(
+        matrix_dims(shape, lsp_dim, lsp_nonzeros)[0] ** 2 for shape in sp.matrices
+    )
+
+
 def lsp_memory(
     model: ModelConfig,
     *,

@@ -66,7 +66,10 @@ per GPU, every number sourced); the training stack's facts from the plan's kerne
   discrete-event simulator of plan/schedule.py on per-stage costs, F, B and W apart.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
   optimizer bandwidth (`Calibration.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
-  `offload_overlap` hidden. Plus the GPU's fixed cost per step (`step_overhead_ms`).
+  `offload_overlap` hidden; under offload "lsp" the bytes it moves (`plan/offload_traffic.py`)
+  and the host AdamW over the ZeRO path's parameters and each block matrix's d x d subspace
+  (the device's projections are not priced). Plus the GPU's fixed cost per step
+  (`step_overhead_ms`).
 
 MFU counts model FLOPs (no recomputation, attention as Narayanan et al. count it) against the
 dense peak of the precision's dtype; HFU counts recomputation too.
@@ -85,7 +88,9 @@ from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
+from llmscale.plan.lsp import host_adam_numel
 from llmscale.plan.memory import plan_kernels, plan_rank_params
+from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time
 from llmscale.plan.schedule import simulate as simulate_schedule
@@ -775,9 +780,20 @@ def estimate_step_time(
     breakdown["dp_comm"] = dp_sync
     # Optimizer step.
     cal = cluster.gpu.calibration
+    lsp = offload_traffic(plan, 0, tparams.kernels) if plan.offload == "lsp" else None
     if plan.offload == "none":
         opt_bw = cluster.gpu.hbm_bandwidth * cal.optimizer_share
         opt = tparams.optimizer_bytes_per_param * worst_params / opt_bw
+    elif lsp is not None:
+        # LSP-Offload: what it moves (plan/offload_traffic.py: d x d per block matrix, the rest
+        # as ZeRO-Offload) and AdamW on the host over the ZeRO path's parameters and the d x d
+        # subspaces. The projections on the device are not priced.
+        numel = host_adam_numel(
+            m, lsp_dim=plan.lsp_dim, lsp_nonzeros=plan.lsp_nonzeros, dp_shard=plan.dp_shard
+        )
+        transfers = lsp.total / cluster.host_link.bandwidth
+        host = tparams.optimizer_bytes_per_param * numel / (tparams.host_adam_GBps * 1e9)
+        opt = (1 - tparams.offload_overlap) * (transfers + host)
     else:
         pb = DTYPE_BYTES[plan.precision]
         link = cluster.host_link.bandwidth
