@@ -5,8 +5,9 @@ autograd forms with T m n multiply-adds; LSP-Offload only keeps its compression
     C = P G Qᵀ = (P dYᵀ) (Q Xᵀ)ᵀ    (d x d),
 which the right-hand side gives without forming G: two count-sketches of the layer's output
 gradient and input (s T (m + n) multiply-adds, `offload.lsp.sketch`) and one d x T x d product.
-For the small model's matrices (256 to 768 wide, d = 64 to 128) at 512 tokens per micro-step that
-is half the time of the weight gradient alone, whose compression it also replaces.
+That is T d (m + n + d) multiply-adds at most against the weight gradient's T m n, whose
+compression it also replaces: a quarter at the paper's proportions (d = 512, 4096-wide), 0.75 to
+1.25 for the small model's matrices (d = half their smaller side; docs/offload.md measures it).
 
 `install(module, sink)` swaps the forward of an `nn.Linear` for `CompressedGradLinear`, an
 autograd function whose forward is `F.linear` and whose backward returns the input's (and the

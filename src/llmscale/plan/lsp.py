@@ -10,9 +10,10 @@ Model (exact for the runtime, `offload/lsp.py`, `offload/host_adam.py`):
 - Device, per LSP matrix: the projectors' rows (int32) and values (fp32), (m + n) s x 8 B; the
   same non-zeros regrouped by the projectors' rows for the sparse products (columns int32 and
   values fp32, (m + n) s x 8 B, and 2 d row offsets int32; under FSDP2 P's for the rank's rows
-  only); and the d x d fp32 buffer the update lands in. The weight itself stays in the working dtype; there
-  is no fp32 master anywhere (the device weight is the only copy). Transients (the compressed
-  gradient, the dense projectors while compressing, decompressing or fitting) are not held.
+  only); and the d x d fp32 buffer the update lands in. The weight itself stays in the working
+  dtype; there is no fp32 master anywhere (the device weight is the only copy). Transients (the
+  compressed gradient, the transposed layer input and output gradient of the factored
+  compression, the dense projectors while fitting) are not held.
 - Host, per LSP matrix: moments 2 x 4 d² (+ the 4 B step counter), the fp32 gradient 4 d², the
   update buffer 4 d², and with accumulation a 4 d² transfer buffer (compressed gradients are
   fp32); the rest as "optimizer".
