@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
         "llmscale.model.config",
     ),
     ("llmscale.hardware",),
+    ("llmscale.stack",),
     ("llmscale.plan",),
     ("llmscale.tensors", "llmscale.torch_internals", "llmscale.instrument"),
     ("llmscale.model",),
@@ -44,6 +45,7 @@ TORCH_FREE = (
     "llmscale.config",
     "llmscale.model.config",
     "llmscale.hardware",
+    "llmscale.stack",
     "llmscale.plan",
 )
 
