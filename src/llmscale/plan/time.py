@@ -699,7 +699,7 @@ def _fsdp_exposed(
         return collective(op, nbytes, plan.fsdp_shards, per_node, cluster.fabric).seconds
 
     ag = cost("all_gather", pb * unit_numel)
-    rs = cost("reduce_scatter", 4 * unit_numel)
+    rs = cost("reduce_scatter", tp_.stack.main_grad_bytes * unit_numel)
     eta = tp_.dp_overlap
     c_f, c_b = fwd / units, bwd / units
     res = param_residency(

@@ -79,6 +79,9 @@ class Stack:
     # the embedding on the last stage whose gradient is all-reduced with the first's once per
     # step (Megatron's embedding group; DeepSpeed's TiedLayerSpec).
     tied_under_pp: Literal["refuse", "copy_on_last_stage"] = "refuse"
+    # Bytes per parameter of the gradients accumulated unsharded until the step's reduce (fp32
+    # main gradients; 2 where a stack reduces in bf16: Megatron's grad_reduce_in_fp32 = False).
+    main_grad_bytes: int = 4
     allocator_overhead: float = 0.05  # the caching allocator's share over what is allocated
     device_reserve_GiB: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
     prefetch_blocks: int = 2  # FSDP units unsharded at once under reshard-after-forward
@@ -207,6 +210,8 @@ MEGATRON_CORE = Stack(
         sp_saves_gathered_input=False,  # SP inputs re-gathered in backward
         vocab_parallel=True,
         loss_parallel=True,  # vocab-parallel cross-entropy
+        fused_swiglu=True,  # bias_activation_fusion: BiasSwiGLUFunction keeps its input only
+        fp8_saves_casts=True,  # TransformerEngine's fp8 linears save their float8 inputs
     ),
     recompute=("none", "selective", "full", "every_k"),
     refusals=(("selective_op", "Megatron's selective recomputation is --recompute selective"),),
