@@ -293,3 +293,17 @@ def test_shard_truncated_while_training(prepared, tmp_path, fault_row) -> None:
         expected="one line naming the shard and both sizes, exit 2; not a silent SIGBUS",
         observed=str(e.value),
     )
+
+
+def test_ds19_negative_meta_vocab_is_named_as_such(prepared, tmp_path, capsys, fault_row) -> None:
+    ds = copy_of(prepared, tmp_path)
+    edit_meta(ds, lambda m: m.update(vocab_size=-5))
+    seen = train_refused(capsys, tmp_path, ds, "data.dataset meta.json vocab_size: got -5; "
+                         "allowed: >= 1")  # fmt: skip
+    fault_row(
+        fault="DS19: meta.json vocab_size -5",
+        command="edit DS/meta.json vocab_size; llmscale train --data.dataset DS",
+        expected="one line naming meta.json vocab_size and -5, exit 2 (was: model.vocab_size: "
+        "got 0, the wrong field and value)",
+        observed=seen,
+    )
