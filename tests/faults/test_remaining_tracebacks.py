@@ -95,3 +95,15 @@ def test_ev08_eval_on_data_of_another_tokenizer(tmp_path, capsys, fault_row) -> 
         "IndexError in the embedding)",
         observed=seen,
     )
+    # The same data under checkpoint.init_from: the model keeps the run's 264-id vocabulary.
+    seen = refused(capsys, ["train", "--checkpoint.init_from", str(run), "--data.dataset",
+                            str(bpe), "--job.run_dir", str(tmp_path / "run2"), "--train.steps",
+                            "1", "--data.seq_len", "16", "--metrics.progress", "false"],
+                   "data whose ids fit the model's vocabulary of 264 (this tokenizer has 300 ids")  # fmt: skip
+    fault_row(
+        fault="train --checkpoint.init_from a byte-level run on a BPE dataset of 300 ids",
+        command="llmscale train --checkpoint.init_from RUN --data.dataset BPE_DS",
+        expected="one line naming data.dataset and both vocabularies, exit 2 (was: IndexError "
+        "in the embedding)",
+        observed=seen,
+    )
