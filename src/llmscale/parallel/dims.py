@@ -80,6 +80,18 @@ def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> No
     heartbeat.start(store.clone(), rank, world_size, timeout_seconds, monitor_after)
 
 
+def job_store() -> Any:
+    """The job's store without the attempt's prefix (what every attempt of a job restarted by
+    torchrun's agent shares); None without a process group."""
+    if not dist.is_initialized():
+        return None
+    store = c10d._get_default_store()
+    # The process group's prefix, then the attempt's (rendezvous_store): the TCPStore under them.
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
 def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     """The job's c10d store (MASTER_ADDR:MASTER_PORT), keyed by torchrun's restart attempt.
 
