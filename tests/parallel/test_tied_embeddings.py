@@ -27,6 +27,8 @@ from parallel_harness import (
 )
 
 from llmscale.config import load_config
+from llmscale.hf.folder import read_llama_folder
+from llmscale.inference.export import export_run
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
@@ -57,6 +59,9 @@ RESUME2 = [
     {"name": "to_pp1_save", "run": "to_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.stop_after", "3"]},
     {"name": "from_pp1_load", "run": "from_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.resume", "true"]},
 ]  # fmt: skip
+# A tied Hugging Face folder (exported from the pp = 1 checkpoint of step 3) starts a pp = 2
+# run of 2 steps (dualpipev: the copy on pp rank 0 beside the embedding).
+FROM_HF = ("--train.steps", "2")
 
 pytestmark = pytest.mark.slow
 
@@ -114,8 +119,14 @@ def world2(tmp_path_factory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("tied2")
     # The pp = 1 checkpoint of step 3 that `from_pp1_load` resumes under pp = 2.
     _in_process(out / "from_pp1", *CKPT, "--checkpoint.stop_after", "3")
-    layouts = [{"name": n, "args": a} for n, a in WORLD2.items()] + RESUME2
+    hf = export_run(out / "from_pp1", out / "hf", step=3).out
+    init_hf = ("--checkpoint.init_from", f"hf:{hf}", *FROM_HF)
+    from_hf = {"name": "from_hf", "args": [*_p(pp=2, pp_schedule="dualpipev"), *init_hf]}
+    layouts = [{"name": n, "args": a} for n, a in WORLD2.items()] + [*RESUME2, from_hf]
     results = _run(2, out, layouts)
+    losses, params = _in_process(out / "from_hf_pp1", *init_hf)
+    results["from_hf_pp1"] = {"losses": losses, "params": params}
+    results["out"] = out
     # `to_pp1_save`'s pp = 2 checkpoint of step 3, resumed here under pp = 1.
     losses, params = _in_process(out / "to_pp1", *CKPT, "--checkpoint.resume", "true")
     results["to_pp1_load"] = {"losses": losses, "params": params}
@@ -169,3 +180,30 @@ def test_tied_checkpoint_reshards_between_pp2_and_pp1(world2, reference) -> None
         assert set(params) == set(reference["params"]), name
         for k, want in reference["params"].items():
             assert rel_error(params[k], want) < RTOL, (name, k)
+
+
+def test_tied_pp2_checkpoint_exports_a_tied_hf_folder(world2) -> None:
+    """The pp = 2 checkpoint of step 3 exports as a tied model holding the run's embedding."""
+    saved = world2["to_pp1_save"]["params"]  # the pp = 2 run's weights when it stopped at 3
+    out = world2["out"] / "hf_from_pp2"
+    export_run(world2["out"] / "to_pp1", out, step=3)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    model, sd = read_llama_folder(out)
+    assert model.tie_embeddings and COPY not in sd
+    assert torch.equal(sd[EMB], saved[EMB]) and torch.equal(sd[EMB], saved[COPY])
+
+
+def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
+    """`init_from hf:` a tied folder: the pp = 2 run (its copy loaded from the embedding) trains
+    like the pp = 1 run from the same folder."""
+    got, ref = world2["from_hf"], world2["from_hf_pp1"]
+    assert len(got["losses"]) == len(ref["losses"]) == 2
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert rel_error(a, b) < RTOL, (a, b)
+    for h in got["hashes"]:
+        assert h[EMB] == h[COPY]
+    params = dict(got["params"])
+    assert torch.equal(params.pop(COPY), params[EMB])
+    for k, want in ref["params"].items():
+        assert rel_error(params[k], want) < RTOL, k
