@@ -29,12 +29,16 @@ from parallel_harness import (
 from llmscale.config import load_config
 from llmscale.hf.folder import read_llama_folder
 from llmscale.inference.export import export_run
+from llmscale.plan import activations as act
+from llmscale.plan.memory import MemoryOptions
+from llmscale.plan.predict import expected_runtime_metrics
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
 TIED = ("--model.tie_embeddings", "true", "--model.n_layers", "8")
 EMB, COPY = "tok_embeddings.weight", "output.weight"
 CKPT = ("--checkpoint.enabled", "true", "--checkpoint.keep_last", "5")
+CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
 
 
 def _p(**degrees: Any) -> list[str]:
@@ -79,9 +83,10 @@ def _run(nproc: int, out: Path, layouts: list[dict[str, Any]]) -> dict[str, dict
         name = layout["name"]
         files = sorted(out.glob(f"{name}.stage*.pt"))
         assert files, f"{name}: no results written"
-        merged: dict[str, Any] = {"params": {}, "hashes": None}
+        merged: dict[str, Any] = {"params": {}, "hashes": None, "first_rows": []}
         for f in files:
             d = torch.load(f, weights_only=False)
+            merged["first_rows"].append(d["first_row"])  # by pp rank
             assert not set(d["params"]) & set(merged["params"]), name
             merged["params"].update(d["params"])
             if merged["hashes"] is None:
@@ -207,3 +212,20 @@ def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
     assert torch.equal(params.pop(COPY), params[EMB])
     for k, want in ref["params"].items():
         assert rel_error(params[k], want) < RTOL, k
+
+
+@pytest.mark.parametrize("name", ["tied_pp2_1f1b", "tied_pp2_zbv", "tied_pp2_fsdp2"])
+def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) -> None:
+    """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on pp rank
+    1, or 0 in a V; sharded under FSDP) equal the planner's expectation exactly."""
+    got = {**world2, **world4}[name]
+    args = {**WORLD2, **WORLD4}[name]
+    cfg = load_config(None, [*BASE, *TIED, *args])
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    copy_bytes = 4 * cfg.model.vocab_size * cfg.model.dim // cfg.parallel.dp_shard
+    for rank, row in enumerate(got["first_rows"]):
+        want = expected_runtime_metrics(cfg, rank=rank, options=CPU)
+        assert {k: row[k] for k in keys} == {k: want[k] for k in keys}, (name, rank)
+    # The copy is counted: the rank holding the last stage holds it beyond its layers.
+    last = 0 if "zbv" in name else 1
+    assert got["first_rows"][last]["param_bytes"] >= copy_bytes

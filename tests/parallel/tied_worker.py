@@ -6,7 +6,7 @@ SPEC: {"out": folder, "base": [overrides...], "layouts": [{"name", "args", "run"
 The rank holding pipeline stage s at data, tensor and context rank 0 writes OUT/NAME.stage{s}.pt:
 losses, validation loss, final parameters gathered to full tensors, and after every step the
 sha256 of the full embedding (`tok_embeddings.weight`) and of the last stage's copy
-(`output.weight`) where this rank's stages hold them.
+(`output.weight`) where this rank's stages hold them, and this rank's first metrics row.
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ def main() -> None:
         cfg = load_config(None, [*spec["base"], "--job.run_dir", str(run_dir), *layout["args"]])
         t = Trainer(cfg)
         hashes: list[dict[str, str]] = []
+        rows: list[dict] = []  # this rank's metrics rows (its own memory figures)
         step = t.train_step
 
-        def train_step(step=step, t=t, hashes=hashes):
+        def train_step(step=step, t=t, hashes=hashes, rows=rows):
             row = step()
+            rows.append(dict(row))
             hashes.append(tied_hashes(t))
             return row
 
@@ -65,6 +67,7 @@ def main() -> None:
                 "steps_done": result.steps_done,
                 "params": params,
                 "hashes": hashes,
+                "first_row": rows[0] if rows else None,
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         t.close()
