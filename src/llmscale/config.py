@@ -616,8 +616,13 @@ class JobConfig:
                 self.data.seq_len,
                 f"a multiple of 2 x parallel.cp = {2 * p.cp} (load-balanced ring attention)",
             )
-        if p.pp > 1 and m.tie_embeddings:
-            raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")
+        if p.pp > 1 and m.tie_embeddings and self.optimizer.offload != "none":
+            # The last stage's copy of the embedding is summed on the device before each step.
+            raise ConfigError(
+                "optimizer.offload",
+                self.optimizer.offload,
+                "none with parallel.pp > 1 and model.tie_embeddings",
+            )
         rule = microbatch_rule(p.pp_schedule, p.pp, self.n_microbatches)
         if rule is not None:
             raise ConfigError(

@@ -183,6 +183,7 @@ LLMSCALE = Stack(
     sharding="llmscale",
     elementwise="llmscale",
     grad_sync_once=True,
+    tied_under_pp="copy_on_last_stage",  # parallel/tied_embeddings.py
 )
 
 MEGATRON_2021 = Stack(

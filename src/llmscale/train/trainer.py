@@ -39,6 +39,7 @@ from llmscale.errors import ConfigError, ExitCode, JobStopped
 from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
+from llmscale.model.config import tied_copy
 from llmscale.model.transformer import build_model
 from llmscale.parallel import heartbeat
 from llmscale.parallel.data_parallel import set_gradient_sync
@@ -47,6 +48,7 @@ from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import check_runtime_support, parallelize
 from llmscale.parallel.pipeline import PipelineMemory, build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
+from llmscale.parallel.tied_embeddings import TiedEmbeddings, give_copies, store_once
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.data import (
@@ -127,9 +129,12 @@ class _AppState(Stateful):
         model_sd: dict[str, Any] = {}
         for part in self.t.model_parts:
             model_sd.update(get_model_state_dict(part))
+        optim_sd = self.t.optimizers.state_dict()
+        if self.t.tied is not None:  # one tensor: the copy's entries under the embedding's names
+            model_sd, optim_sd = store_once(model_sd), store_once(optim_sd)
         return {
             "model": model_sd,
-            "optim": self.t.optimizers.state_dict(),
+            "optim": optim_sd,
             "trainer": {
                 "step": self.t.step,
                 "data": self.t.train_stream.state.to_dict(),
@@ -141,10 +146,13 @@ class _AppState(Stateful):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        model_sd, optim_sd = state["model"], state["optim"]
+        if self.t.tied is not None:  # the copy takes the embedding's values
+            model_sd, optim_sd = give_copies(model_sd), give_copies(optim_sd)
         for part in self.t.model_parts:
             # Each part takes its own names from the union.
-            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        self.t.optimizers.load_state_dict(state["optim"])
+            set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+        self.t.optimizers.load_state_dict(optim_sd)
         tr = state["trainer"]
         self.t.step = int(tr["step"])
         self.t.train_stream.state = StreamState.from_dict(tr["data"])
@@ -209,6 +217,12 @@ class Trainer:
         # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here), and
         # the LR schedulers: one per model part, used as one.
         self.optimizers = build_optimizers(self.model_parts, cfg, self.dims)
+        # A tied embedding under a pipeline: the last stage's copy, its gradient summed with the
+        # embedding's before each step and counted once by the norm (parallel/tied_embeddings).
+        self.tied: TiedEmbeddings | None = None
+        if tied_copy(cfg.model, self.dims.pp):
+            self.tied = TiedEmbeddings.find(self.model_parts, self.dims)
+            self.optimizers.leave_out_of_norm(self.tied.copies)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
         self.autocast_mode = "fp32" if self.dims.reduces_grads else cfg.precision.mode
@@ -392,6 +406,8 @@ class Trainer:
         cfg = self.cfg
         opts = self.optimizers
         max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
+        if self.tied is not None:
+            self.tied.sum_grads_()  # before the norm: both copies hold the one-process gradient
         grad_norm, found_inf = opts.grad_norm(self.scaler.loss_scale)
         out: dict[str, Any] = {"lr": opts.lr}
         if self.step + 1 in cfg.precision.underflow_steps:
