@@ -828,7 +828,8 @@ def estimate_step_time(
     # embedding group); in a V both sit on one rank and nothing moves.
     if m.tie_embeddings and p > 1 and not plan.v_shape:
         vocab_div = plan.tp if tparams.kernels.splits_vocab(m, plan.tp) else 1
-        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div
+        # each rank's fp32 gradient (its FSDP shard under data-parallel sharding)
+        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div / plan.fsdp_shards
         per_node = 2 if plan.tp * plan.cp * plan.dp * (p - 1) < cluster.gpus_per_node else 1
         tied = collective("all_reduce", emb_bytes, 2, per_node, cluster.fabric).seconds
         breakdown["tied_embedding_comm"] = tied
