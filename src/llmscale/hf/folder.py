@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 from llmscale.data.prepared import byte_tokenizer
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
-from llmscale.hf.convert import from_hf_llama, hf_config, model_config_from_hf
-from llmscale.model.config import ModelConfig
+from llmscale.hf.convert import from_hf_llama, hf_config
+from llmscale.model.config import ModelConfig, from_hf_config
 from llmscale.model.transformer import build_model
 
 CONFIG = "config.json"
@@ -109,7 +109,9 @@ def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.
         raise ConfigError(field, src, f"a folder whose {CONFIG} is JSON") from None
     if not isinstance(raw, dict):
         raise ConfigError(field, src, f"a folder whose {CONFIG} is a JSON object")
-    cfg = model_config_from_hf(raw, src)
+    if raw.get("model_type") != "llama":
+        raise ConfigError(field, src, "a Llama folder (config.json model_type 'llama')")
+    cfg = from_hf_config(raw, field, src)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ConfigError(field, src, "a folder with model.safetensors (or its shards)")
