@@ -34,6 +34,7 @@ from llmscale.data.prepared import (
     PAD_TOKEN,
     TOKENIZER_FILE,
     byte_tokenizer,
+    document_ids,
     file_sha256,
     is_prepared,
     token_dtype,
@@ -475,9 +476,8 @@ def _encode_all(
         nonlocal batch, owners, size
         if not batch:
             return
-        encodings = tok.encode_batch_fast(batch, add_special_tokens=False)
-        for enc, (split, last) in zip(encodings, owners, strict=True):
-            ids = np.asarray(enc.ids, dtype=np.uint32)
+        for doc, (split, last) in zip(document_ids(tok, batch), owners, strict=True):
+            ids = np.asarray(doc, dtype=np.uint32)
             if last:
                 ids = np.append(ids, np.uint32(eos_id))
                 writers[split].documents += 1

@@ -215,3 +215,18 @@ def _to_gpt2(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.T
             out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t()
             out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def drop_vocab_padding(
+    cfg: ModelConfig, sd: dict[str, torch.Tensor], vocab: int
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`cfg` and llmscale's state dict `sd` cut to the tokenizer's `vocab` ids: the rows of the
+    embedding and of the output projection past it (the padding to a multiple of 64 x tp, never
+    in the data, never trained) are dropped, so that no probability lands on them."""
+    if vocab >= cfg.vocab_size:
+        return cfg, sd
+    out = dict(sd)
+    for name in ("tok_embeddings.weight", "output.weight"):
+        if name in out:
+            out[name] = out[name][:vocab]
+    return cfg.with_overrides(vocab_size=vocab), out
