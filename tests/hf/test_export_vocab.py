@@ -189,3 +189,40 @@ def test_bf16_halves_the_weights_and_shards_load_in_transformers(
         assert torch.equal(a, b)
         ours = run_model(padded_run)(x)[..., :300]
     assert float((ours - a).abs().max()) < 1e-5
+
+
+def test_ids_a_tokenizer_skips_are_suppressed(tmp_path: Path) -> None:
+    """A tokenizer file whose ids have holes (no token for 5 and 6): the rows cannot be
+    dropped, so generation_config.json suppresses them, and transformers never samples them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from llmscale.hf.folder import write_folder
+    from llmscale.model.config import get_preset
+    from llmscale.model.transformer import build_model
+
+    vocab = {ch: i for i, ch in enumerate("abcde")} | {"f": 7, "</s>": 8, "<pad>": 9}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    data = tmp_path / "data"
+    data.mkdir()
+    tok.save(str(data / "tokenizer.json"))
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 10, "eos_id": 8, "pad_id": 9}))
+    from hf_harness import run_config
+
+    cfg = run_config(tmp_path / "run")
+    cfg.data.dataset = str(data)
+    rt = run_tokenizer(cfg)
+    assert rt.holes() == [5, 6] and rt.encode("abf") == [0, 1, 7]
+    model = get_preset("tiny").with_overrides(vocab_size=10)
+    sd = build_model(model, seed=1).state_dict()
+    sd["output.weight"][5:7] += 5.0  # untrained rows that would be sampled most
+    out = write_folder(tmp_path / "hf", model, to_hf_state_dict(model, sd), rt.files,
+                       suppress_tokens=rt.holes())  # fmt: skip
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["suppress_tokens"] == [5, 6]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ids = hf_model(out).generate(
+            torch.tensor([[0, 1]] * 8), max_new_tokens=30, do_sample=True, min_new_tokens=30
+        )
+    assert not set(ids[:, 2:].flatten().tolist()) & {5, 6}
