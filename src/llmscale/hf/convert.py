@@ -9,8 +9,9 @@ What differs besides the names:
   and wk (and their biases) within each head turns one into the other (`_halves`/`_pairs`).
 - GPT-2 stores its linears as Conv1D, (in, out) rather than (out, in), and q, k and v as one
   fused c_attn matrix.
-Everything else (RMSNorm with its eps, SwiGLU as gate/up/down, untied or tied head, GQA) maps
-one to one.
+Everything else (RMSNorm with its eps, SwiGLU as gate/up/down, untied or tied head, GQA, RoPE
+scaling per frequency: `rope_parameters`) maps one to one. config.json is parsed by the torch-free
+`model.config.from_hf_config`, which the planner reads too.
 """
 
 from __future__ import annotations
