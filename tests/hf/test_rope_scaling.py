@@ -35,9 +35,10 @@ ROPE = {
 }
 
 
-def llama31_folder(folder: Path, kind: str) -> Path:
+def llama31_folder(folder: Path, kind: str, tied: bool = False) -> Path:
     return save_random_llama(
         folder,
+        tie_word_embeddings=tied,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
@@ -51,16 +52,22 @@ def logits_gap(model: torch.nn.Module, folder: Path, seq: int = 64) -> float:
         return float((model(x) - hf_model(folder)(x).logits).abs().max())
 
 
-@pytest.mark.parametrize("kind", ["llama3", "linear"])
-def test_scaled_rope_round_trips_through_training_and_export(kind: str, tmp_path: Path) -> None:
-    source = llama31_folder(tmp_path / "hf", kind)
+@pytest.mark.parametrize(
+    ("kind", "tied"),
+    [("llama3", False), ("linear", False), ("llama3", True)],
+    ids=["llama3.1", "linear", "llama3.2-tied"],
+)
+def test_scaled_rope_round_trips_through_training_and_export(
+    kind: str, tied: bool, tmp_path: Path
+) -> None:
+    source = llama31_folder(tmp_path / "hf", kind, tied)
     cfg, sd = read_llama_folder(source)
     assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_factor) == (
         kind,
         500000.0,
         ROPE[kind]["factor"],
     )
-    assert (cfg.n_heads, cfg.n_kv_heads) == (4, 2)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.tie_embeddings) == (4, 2, tied)
     model = build_model(cfg)
     model.load_state_dict(sd)
     assert logits_gap(model.eval(), source) < TOL  # measured 4.6e-6 (llama3), 5.2e-6 (linear)
