@@ -26,6 +26,7 @@ from llmscale.hf.folder import (
     write_folder,
 )
 from llmscale.inference.tokenizer import RunTokenizer, run_tokenizer
+from llmscale.paths import check_output_folder
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.weights import read_run_config, read_run_weights
 
@@ -58,6 +59,7 @@ def export_run(
     parse_shard_size(max_shard_size)  # refuse a bad size before reading weights
     if Path(out).exists() and not Path(out).is_dir():
         raise ConfigError("--out", str(out), "a folder (new, or one to overwrite), not a file")
+    check_output_folder("--out", out)  # before the weights are read, not after
     family = export_family(read_run_config(run_dir).model)  # refuse before reading weights
     run = read_run_weights(run_dir, step)
     tokenizer = run_tokenizer(run.cfg)
