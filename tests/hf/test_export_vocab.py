@@ -226,3 +226,19 @@ def test_ids_a_tokenizer_skips_are_suppressed(tmp_path: Path) -> None:
             torch.tensor([[0, 1]] * 8), max_new_tokens=30, do_sample=True, min_new_tokens=30
         )
     assert not set(ids[:, 2:].flatten().tolist()) & {5, 6}
+
+
+def test_export_flags_from_the_command_line(
+    padded_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+    args = ["export", str(padded_run), "--out", str(out)]
+    assert main([*args, "--dtype", "bf16", "--max-shard-size", "60KB"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert "vocabulary 300" in capsys.readouterr().err
+    for flag, value in (("--dtype", "fp16"), ("--max-shard-size", "5XB")):
+        assert main([*args, flag, value]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{flag}: got" in err, err
