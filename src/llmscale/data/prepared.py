@@ -335,6 +335,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
+def document_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of `texts` as training data holds them: no special tokens added around a text
+    (no BOS, whatever template the tokenizer file has), and special-token text in a text
+    encoded as text (`encode_special_tokens`). `data prepare` and generate's prompts use it."""
+    tok.encode_special_tokens = True
+    return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+
 def byte_tokenizer(vocab_size: int = 264) -> Tokenizer:
     """data/tokenizer.py's ByteTokenizer as a `tokenizers` Tokenizer: ids 0-255 are the bytes of
     the UTF-8 text, 256 <|bos|>, 257 <|endoftext|> (EOS), 258 <|pad|>, and the rest up to

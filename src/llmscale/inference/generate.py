@@ -60,5 +60,6 @@ def generate_text(
         seed=seed,
         eos_id=tok.eos_id,
         vocab_limit=tok.vocab_limit,
+        suppress=tok.holes(),
     )
     return Generated(text=tok.decode(ids + new), prompt_ids=ids, new_ids=new, step=run.step)
