@@ -134,3 +134,39 @@ def test_train_dry_run_and_bench_take_a_stack() -> None:
     r = _run("bench", "--what", "published", "--stack", "torchtitan")
     assert r.returncode == 0, r.stderr
     assert "torchtitan:" in r.stdout and "megatron-core:" not in r.stdout
+
+
+def test_plan_infer_roofline_and_dry_run_take_a_model_file_or_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--model NAME | FILE.toml | DIR: a custom [model] table and a Hugging Face folder's
+    config.json; the best plan's train command carries the shape; a bad file is one line."""
+    toml = tmp_path / "my-model.toml"
+    toml.write_text(
+        "[model]\nvocab_size = 50304\ndim = 2048\nn_layers = 24\nn_heads = 16\n"
+        "n_kv_heads = 4\nffn_dim = 5632\nmax_seq_len = 4096\n"
+    )
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+        "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }))  # fmt: skip
+    for spec in (str(toml), str(hf)):
+        r = _run("plan", "--model", spec, "--gpu", "h100", "--gpus", "8", "--seq", "4096",
+                 "--global-batch", "64", "--top", "1", "--json")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        (c,) = json.loads(r.stdout)["candidates"]
+        assert "--model.dim" in c["overrides"] and c["fits"]
+        assert _run("roofline", "--model", spec).returncode == 0
+        r = _run("infer", "--model", spec, "--gpu", "h100", "--gpus", "1", "--input-len", "256",
+                 "--output-len", "16")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    r = _run("train", "--model", str(hf), "--dry-run", "--gpu", "h100", "--data.seq_len", "1024")
+    assert r.returncode == 0 and "model custom" in r.stdout, r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\ndim = 64\n")
+    r = _run("plan", "--model", str(bad), "--gpus", "8")
+    assert r.returncode == 2 and "vocab_size" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert "FILE.toml" in _run("plan", "--help").stdout

@@ -75,3 +75,20 @@ def config_keys_help() -> str:
     from llmscale.config_docs import help_text
 
     return help_text()
+
+
+MODEL_HELP = (
+    "the model: a preset NAME (llmscale models), a FILE.toml holding a [model] table (with "
+    "`name`: that preset, its other keys overriding its shape; without: a custom shape, "
+    "vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim and max_seq_len required, the "
+    "rest defaulted), or a Hugging Face DIR holding config.json (Llama or GPT-2 style; "
+    "rope_scaling / rope_parameters read)"
+)
+
+
+def add_model_arg(p: argparse.ArgumentParser, default: str | None, **kwargs: Any) -> None:
+    """`--model NAME | FILE.toml | DIR`, one flag for every command that takes a model shape
+    (resolved by `config.load_model`)."""
+    more = f" (default {default})" if default else ""
+    p.add_argument("--model", default=default, metavar="NAME|FILE|DIR", help=MODEL_HELP + more,
+                   **kwargs)  # fmt: skip

@@ -7,6 +7,7 @@ import sys
 
 from llmscale.cli._args import (
     Parser,
+    add_model_arg,
     one_of,
 )
 from llmscale.cli.schedule import SCHEDULE_ALIASES
@@ -43,9 +44,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         "--tp 8 --pp 2 --dp-shard 4 --dp-replicate 1 --mbs 1 --recompute selective "
         "--schedule 1f1b --zero-stage 3 --sp --offload none",
     )
-    p.add_argument(
-        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
-    )
+    add_model_arg(p, "llama2-70b")
     p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")

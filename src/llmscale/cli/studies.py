@@ -6,6 +6,7 @@ import argparse
 
 from llmscale.cli._args import (
     Parser,
+    add_model_arg,
     one_of,
     show,
 )
@@ -29,9 +30,7 @@ def _add_roofline(sub: argparse._SubParsersAction[Parser]) -> None:
         epilog="Example: llmscale roofline --gpu h200 --model llama2-70b --batch 1 --seq 4096",
     )
     p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
-    p.add_argument(
-        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
-    )
+    add_model_arg(p, "llama2-70b")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's maximum)")
     p.add_argument("--precision", default="bf16", help=" | ".join(PRECISIONS) + " (default bf16)")
@@ -39,11 +38,11 @@ def _add_roofline(sub: argparse._SubParsersAction[Parser]) -> None:
 
 
 def _cmd_roofline(args: argparse.Namespace, overrides: list[str]) -> int:
+    from llmscale.config import load_model
     from llmscale.hardware.catalog import get_gpu
-    from llmscale.model.config import get_preset
     from llmscale.report.roofline_report import roofline_report
 
-    model, gpu = get_preset(args.model), get_gpu(args.gpu)
+    model, gpu = load_model(args.model), get_gpu(args.gpu)
     one_of("precision", args.precision, PRECISIONS)
     rep = roofline_report(
         model, gpu, args.batch, model.max_seq_len if args.seq is None else args.seq, args.precision
@@ -71,9 +70,7 @@ def _add_network(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (whole nodes)")
     p.add_argument("--gpu", default="h100", help="GPU name (default h100)")
-    p.add_argument(
-        "--model", default="llama2-70b", help="model preset for the plan (default llama2-70b)"
-    )
+    add_model_arg(p, "llama2-70b")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: GPUs)")
     p.add_argument(
@@ -83,11 +80,11 @@ def _add_network(sub: argparse._SubParsersAction[Parser]) -> None:
 
 
 def _cmd_network(args: argparse.Namespace, overrides: list[str]) -> int:
-    from llmscale.model.config import get_preset
+    from llmscale.config import load_model
     from llmscale.report.network_report import network_report
 
     rep = network_report(
-        get_preset(args.model), args.gpus, args.gpu, args.seq, args.global_batch, args.a2a_mb
+        load_model(args.model), args.gpus, args.gpu, args.seq, args.global_batch, args.a2a_mb
     )
     return show(rep.table, *rep.lines)
 
@@ -116,7 +113,7 @@ def _add_infer(sub: argparse._SubParsersAction[Parser]) -> None:
             "--output-len 128 --precision fp8   (NVIDIA's 1.9x H200/H100 case; docs/inference.md)"
         ),
     )
-    p.add_argument("--model", required=True, help="model preset (llmscale models)")
+    add_model_arg(p, None, required=True)
     p.add_argument("--gpu", required=True, help="GPU name (llmscale hw)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs serving (replicas x tp)")
     p.add_argument("--input-len", type=int, required=True, help="prompt tokens per sequence")
@@ -141,13 +138,13 @@ def _add_infer(sub: argparse._SubParsersAction[Parser]) -> None:
 def _cmd_infer(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from llmscale.model.config import get_preset
+    from llmscale.config import load_model
     from llmscale.plan.inference import INFER_PRECISIONS, predict
     from llmscale.report.inference_report import inference_report
 
     one_of("precision", args.precision, INFER_PRECISIONS)
     pred = predict(
-        get_preset(args.model), args.gpu, args.gpus, args.input_len, args.output_len,
+        load_model(args.model), args.gpu, args.gpus, args.input_len, args.output_len,
         args.precision, tp=args.tp, batch=args.batch, reserve=args.reserve, model_name=args.model,
     )  # fmt: skip
     if args.json:

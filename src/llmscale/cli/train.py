@@ -8,6 +8,7 @@ from typing import Any
 from llmscale.cli._args import (
     EpilogAsWritten,
     Parser,
+    add_model_arg,
     config_keys_help,
 )
 from llmscale.errors import ConfigError, UsageError
@@ -50,6 +51,11 @@ def _add_train(sub: argparse._SubParsersAction[Parser]) -> None:
         metavar="NAME",
         help="with --dry-run: predict for this catalog GPU (llmscale hw) instead of this "
         "machine's device",
+    )
+    add_model_arg(
+        p,
+        None,
+        dest="model_spec",
     )
     p.add_argument(
         "--stack",
@@ -113,6 +119,16 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError(
             f"--stack {args.stack} only applies with --dry-run --gpu NAME (train runs llmscale)"
         )
+    if args.model_spec is not None and not args.dry_run:
+        raise UsageError(
+            "--model only applies with --dry-run (train takes --model.name or [model])"
+        )
+    if args.model_spec is not None:  # the dry run of another shape: a TOML file or HF folder
+        from llmscale.config import load_model
+        from llmscale.model.config import model_overrides
+
+        shape = [w for o in model_overrides(load_model(args.model_spec)) for w in o.split(" ", 1)]
+        overrides = [*shape, *overrides]
     cfg = load_config(args.config, overrides)
     from llmscale.config import given_keys
     from llmscale.data.prepared import apply_dataset

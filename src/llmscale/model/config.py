@@ -587,6 +587,22 @@ def _preset(
 PRESETS: dict[str, ModelConfig] = {row[0]: _preset(*row) for row in _SHAPES}
 
 
+def model_overrides(model: ModelConfig) -> list[str]:
+    """`llmscale train` overrides that give `model`'s shape: its preset's name, then every field
+    that differs from that preset (a custom shape: from the defaults)."""
+    base = PRESETS.get(model.name, ModelConfig())
+    out = [f"--model.name {model.name}"]
+    for f in fields(model):
+        if f.name in ("name", "published_params", "published_source"):
+            continue
+        value = getattr(model, f.name)
+        if value != getattr(base, f.name):
+            out.append(
+                f"--model.{f.name} {str(value).lower() if isinstance(value, bool) else value}"
+            )
+    return out
+
+
 def get_preset(name: str) -> ModelConfig:
     """Return a preset by name, or raise ConfigError listing the known ones."""
     try:

@@ -33,7 +33,14 @@ from llmscale.config import (
     uses_fsdp_cpu_offload,
 )
 from llmscale.errors import ConfigError
-from llmscale.model.config import BlockMode, ModelConfig, block_recompute, split_layers, stage_ids
+from llmscale.model.config import (
+    BlockMode,
+    ModelConfig,
+    block_recompute,
+    model_overrides,
+    split_layers,
+    stage_ids,
+)
 from llmscale.plan.cache import memoize
 
 
@@ -204,7 +211,7 @@ class Plan(MeshDegrees):
 
     def overrides(self) -> list[str]:
         """`llmscale train` overrides that reproduce this plan."""
-        out = [f"--model.name {self.model.name}"]
+        out = model_overrides(self.model)
         for f in fields(self)[1:]:
             if f.name == "recompute_every_k" and self.recompute != "every_k":
                 continue

@@ -15,9 +15,10 @@ from llmscale.config import (
     V_SCHEDULES,
     ZERO_STAGES,
     Precision,
+    load_model,
 )
 from llmscale.errors import ConfigError, UsageError
-from llmscale.model.config import get_preset, pp_layers_problem
+from llmscale.model.config import ModelConfig, pp_layers_problem
 from llmscale.plan import memory as mem
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
@@ -73,7 +74,7 @@ class PlanReport(NamedTuple):
 
 
 def plan_report(
-    model: str,
+    model: str | ModelConfig,
     gpus: int,
     gpu: str,
     seq: int = 4096,
@@ -87,12 +88,13 @@ def plan_report(
     stack: str = "llmscale",
     compiled: bool = False,
 ) -> PlanReport:
-    """Search the layouts of preset `model` on `gpus` x `gpu` within `space`; keep the `top`
+    """Search the layouts of `model` (a shape, or a spec `config.load_model` reads: preset
+    NAME, FILE.toml or a Hugging Face DIR) on `gpus` x `gpu` within `space`; keep the `top`
     fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`;
     `stack` the training stack whose kernels, gathers and overlaps are modelled; `compiled`
     its blocks under torch.compile (fused element-wise kernels)."""
-    cfg = get_preset(model)
-    pp_layers_check(model, fixed or {})
+    cfg = model if isinstance(model, ModelConfig) else load_model(model)
+    pp_layers_check(cfg, fixed or {})
     cluster = Cluster.of(gpu, node=node, nic=nic)
     st = get_stack(stack)
     for mode in space.recompute:
@@ -111,7 +113,7 @@ def plan_report(
         memory_options=options, time_params=time_params(st, compiled=compiled),
     )  # fmt: skip
     inputs = {
-        "model": model, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
+        "model": model if isinstance(model, str) else cfg.name, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
         "stack": stack, "compiled": compiled, "fixed": fixed or {},
     }  # fmt: skip
@@ -247,15 +249,14 @@ def _pp_from_layers(stages: int, fixed: dict[str, Any]) -> None:
         fixed["chunks"] = chunks
 
 
-def pp_layers_check(model_name: str, fixed: dict[str, Any]) -> None:
+def pp_layers_check(model: ModelConfig, fixed: dict[str, Any]) -> None:
     """Raise ConfigError when --pp-layers does not sum to the model's layers."""
     if "pp_layers" not in fixed:
         return
-    model = get_preset(model_name)
     layers = _pp_layers(fixed["pp_layers"])
     problem = pp_layers_problem(layers, model.n_layers, len(layers))
     if problem:
-        raise ConfigError("pp_layers", fixed["pp_layers"], f"{problem} ({model_name})")
+        raise ConfigError("pp_layers", fixed["pp_layers"], f"{problem} ({model.name})")
 
 
 def _one(name: str, fixed: dict[str, Any], allowed: tuple[Any, ...]) -> None:
