@@ -133,6 +133,19 @@ def n_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> in
     return global_batch_size // (micro_batch_size * dp)
 
 
+def offload_problem(offload: str, cp: int, pp: int, tied: bool) -> str | None:
+    """What optimizer.offload must be instead for this layout (None when it can run): the
+    runtime's one rule, read by `train`, `train --dry-run` and the planner's search."""
+    if offload == "none":
+        return None
+    if cp > 1:
+        return "none with parallel.cp > 1 (not supported yet)"
+    if pp > 1 and tied:
+        # The last stage's copy of the embedding is summed on the device before each step.
+        return "none with parallel.pp > 1 and model.tie_embeddings"
+    return None
+
+
 def uses_fsdp_cpu_offload(offload: str, dp: int) -> bool:
     """`optimizer+params` under data parallelism is FSDP2's CPUOffloadPolicy (see JobConfig)."""
     return offload == "optimizer+params" and dp > 1
@@ -623,12 +636,15 @@ class JobConfig:
                 self.data.seq_len,
                 f"a multiple of 2 x parallel.cp = {2 * p.cp} (load-balanced ring attention)",
             )
-        if p.pp > 1 and m.tie_embeddings and self.optimizer.offload != "none":
-            # The last stage's copy of the embedding is summed on the device before each step.
+        why = offload_problem(self.optimizer.offload, p.cp, p.pp, m.tie_embeddings)
+        if why is not None:
+            raise ConfigError("optimizer.offload", self.optimizer.offload, why)
+        if t.compile and p.cp > 1:
             raise ConfigError(
-                "optimizer.offload",
-                self.optimizer.offload,
-                "none with parallel.pp > 1 and model.tie_embeddings",
+                "train.compile",
+                True,
+                "false with parallel.cp > 1 (ring attention's point-to-point exchange inside a"
+                " compiled block is not supported yet)",
             )
         rule = microbatch_rule(p.pp_schedule, p.pp, self.n_microbatches)
         if rule is not None:

@@ -141,3 +141,15 @@ def test_a_126_layer_model_interleaves_over_pp_16_without_pp_layers() -> None:
     space1, _ = fixed_space(8192, {"tp": 8, "pp": 16, "schedule": "1f1b"})
     one = search(model, 8192, cluster, 8192, 2048, top=1, space=space1).candidates[0]
     assert res.candidates[0].time.seconds < one.time.seconds
+
+
+def test_the_search_refuses_what_the_runtime_refuses() -> None:
+    """cp > 1 with optimizer offload: `train`, `train --dry-run` and the search read one rule
+    (config.offload_problem); the search says why it dropped those plans."""
+    from llmscale.config import offload_problem
+
+    space = SearchSpace(cp=2, offload=("optimizer",))
+    res = search(L70, 64, H200, 4096, 1024, top=3, space=space)
+    assert not res.candidates
+    assert any("offload with cp 2" in r for r in res.rejected)
+    assert offload_problem("optimizer", 2, 1, False) and not offload_problem("none", 2, 1, False)

@@ -85,23 +85,11 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     `train.compile` with tp > 1 off CUDA, or with cp > 1 (parallel/compile.py's
     `compile_problem`).
     """
-    if cfg.parallel.cp > 1 and cfg.optimizer.offload != "none":
-        raise ConfigError(
-            "optimizer.offload",
-            cfg.optimizer.offload,
-            "none with parallel.cp > 1 (not supported yet)",
-        )
+    # (cp > 1 with offload or compile: JobConfig.validate refuses them, for the dry run too.)
     if cfg.train.compile:
         why = compile_problem(cfg.parallel.tp, device)
         if why is not None:
             raise ConfigError("train.compile", True, f"false with tp > 1 here ({why})")
-        if cfg.parallel.cp > 1:
-            raise ConfigError(
-                "train.compile",
-                True,
-                "false with parallel.cp > 1 (ring attention's point-to-point exchange inside a"
-                " compiled block is not supported yet)",
-            )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:
