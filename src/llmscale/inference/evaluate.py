@@ -32,7 +32,8 @@ class Evaluation:
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Evaluation:
     base = read_run_config(run_dir)
-    step, _ = find_checkpoint(run_dir, base)
+    # The checkpoint the trainer below reads (through init_from): its notices are printed then.
+    step, _ = find_checkpoint(run_dir, base, say=lambda _: None)
     cfg = load_config(Path(run_dir) / "config.toml", overrides or [])
     cfg.parallel = ParallelSection()  # one process, whatever the run trained under
     cfg.optimizer = dataclasses.replace(cfg.optimizer, offload="none")

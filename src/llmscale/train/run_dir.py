@@ -34,8 +34,15 @@ from llmscale.config import JobConfig
 from llmscale.errors import ConfigError, UsageError
 from llmscale.instrument.pipeline import FILE_NAME as PIPELINE_TIMELINE
 from llmscale.plan.checkpoint_size import checkpoint_bytes
-from llmscale.train.checkpoint import Checkpointer, human_bytes, share_from_rank0
+from llmscale.train.checkpoint import (
+    Checkpointer,
+    Found,
+    human_bytes,
+    newest_intact,
+    share_from_rank0,
+)
 from llmscale.train.prediction import FILE_NAME as PREDICTION
+from llmscale.train.weights import check_resume_model
 
 LOCK_NAME = ".lock"
 METRICS = "metrics.jsonl"
@@ -252,6 +259,19 @@ def check_space(cfg: JobConfig, ckpt_dir: Path, start: int, kept: int, freed: in
     return needed
 
 
+def check_resume(cfg: JobConfig, chosen: Found) -> None:
+    """A resume continues its checkpoint: more steps to train, and the model it holds (a
+    changed shape would load partly, or not at all); one line each, before anything changes."""
+    if cfg.train.steps <= chosen.step:
+        raise ConfigError(
+            "train.steps",
+            cfg.train.steps,
+            f"more than {chosen.step}, the step of checkpoint {chosen.path} that --resume "
+            "continues (it is trained that far already)",
+        )
+    check_resume_model(chosen.path, cfg.model)
+
+
 def _decide(cfg: JobConfig, say: Any) -> RunFolder:
     """Rank 0's checks and decision; the lock is held when it returns."""
     run_dir = Path(cfg.job.run_dir)
@@ -289,18 +309,16 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
         kept, freed, chosen = 0, 0, None
         doomed: list[Path] = []
         if resume:
-            sel = checkpointer.select()
-            for d in sel.damaged:
-                say(out, f"skipping damaged checkpoint {d.path} ({d.problem})")
-            chosen = sel.chosen
-            if chosen is None and sel.damaged:
-                raise UsageError(
-                    f"no intact checkpoint in {ckpt_dir} to resume from: "
-                    + "; ".join(d.describe() for d in sel.damaged)
-                    + " (`llmscale ckpt verify` lists them; --overwrite starts again)"
-                )
+            chosen = newest_intact(
+                ckpt_dir,
+                lambda text: say(out, text),
+                purpose=" to resume from",
+                advice="; --overwrite starts again",
+            )
             if chosen is None:
                 say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0")
+            else:
+                check_resume(cfg, chosen)
             kept = min(len(checkpointer.checkpoints()), cfg.checkpoint.keep_last)
         elif overwrite:
             doomed = own_files(run_dir, ckpt_dir)
