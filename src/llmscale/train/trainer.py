@@ -538,7 +538,7 @@ class Trainer:
         resumed = cfg.checkpoint.resume and self.resume()
         if self.rank == 0:
             if resumed:
-                M.truncate_after(metrics_path, self.step)
+                M.truncate_after(metrics_path, self.step, notice)
             elif metrics_path.exists():
                 metrics_path.unlink()
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
