@@ -1,6 +1,6 @@
 """Published training runs, and the planner's prediction for each (bench/published.py).
 
-The rows live in `plan/data/published.toml` (each with its source). Every prediction uses the
+The rows live in `validation/data/published.toml` (each with its source). Every prediction uses the
 catalog's calibration of the GPU it ran on (one per GPU: hardware/data/gpus.toml) and the
 profile of the stack that ran it (plan/profiles.py), nothing per row:
 

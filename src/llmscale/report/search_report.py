@@ -19,10 +19,10 @@ from llmscale.config import (
 from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import get_preset, pp_layers_problem
 from llmscale.plan import memory as mem
-from llmscale.plan import report
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.profiles import get_profile
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
+from llmscale.report import report
 
 MEMORY_LEGEND = (
     "memory columns are the fullest GPU, GiB: states = params + grads + optimizer;\n"
