@@ -6,6 +6,7 @@ directions (`Optimizers.offload_bytes_moved`; docs/offload.md, "Bytes moved").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -80,10 +81,9 @@ class JsonlWriter:
     def close(self) -> None:
         if self._fh is not None:
             fh, self._fh = self._fh, None
-            try:
+            # The failed write's bytes, still buffered, fail again: write() said so already.
+            with contextlib.suppress(OSError):
                 fh.close()
-            except OSError:  # the failed write's bytes, still buffered: write() said so
-                pass
 
 
 class TensorBoardWriter:
