@@ -15,10 +15,10 @@ and what the caller adds: the trainer records the model's shape and the precisio
 fsyncs the files and the folder, renames it to step-000010 and fsyncs the parent. A folder
 without the suffix is therefore complete, and its manifest says what complete means: loading
 verifies it, so a checkpoint with flipped bytes, a truncated or missing file, a file the
-manifest does not list (or a manifest listing none), or no manifest is skipped (with a warning naming it) for the newest intact one. An interrupted save leaves only a
-.tmp folder, which is ignored and removed by the next save; a failed save (full disk,
-permissions) removes its .tmp, keeps the earlier checkpoints and stops the run with one line
-naming the last good step.
+manifest does not list (or a manifest listing none), or no manifest is skipped (with a warning
+naming it) for the newest intact one. An interrupted save leaves only a .tmp folder, which is
+ignored and removed by the next save; a failed save (full disk, permissions) removes its .tmp,
+keeps the earlier checkpoints and stops the run with one line naming the last good step.
 
 Only the newest `keep_last` checkpoints are kept, and never at the cost of the one just written:
 checkpoints with a higher step than the current one (an abandoned history, e.g. damaged ones
