@@ -76,22 +76,30 @@ def test_export_skips_a_damaged_checkpoint(run, tmp_path, capsys, case, damage, 
     )
 
 
-def test_export_of_a_garbage_checkpoint_is_one_line(run, tmp_path, capsys, fault_row) -> None:
+GARBAGE = {
+    "E07": ["export", "RUN", "--format", "hf", "--out", "OUT"],
+    "G19": ["generate", "RUN", "--prompt", "def "],
+    "EV09": ["eval", "RUN"],
+}
+
+
+@pytest.mark.parametrize("case", list(GARBAGE))
+def test_a_garbage_checkpoint_is_one_line(run, tmp_path, capsys, case, fault_row) -> None:
     ck = run / "checkpoints"
     shutil.rmtree(ck)
     (ck / "step-000002").mkdir(parents=True)
     (ck / "step-000002" / SHARD).write_bytes(bytes(range(256)) * 40)
     (ck / "step-000002" / ".metadata").write_bytes(b"\x80\x04garbage" * 30)
-    rc, out, err = run_cli(
-        capsys, ["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]
-    )
+    where = {"RUN": str(run), "OUT": str(tmp_path / "hf")}
+    rc, out, err = run_cli(capsys, [where.get(a, a) for a in GARBAGE[case]])
     line = one_line(err)
     assert rc == 2
     assert "no intact checkpoint" in line and "step-000002 (no manifest.json)" in line
     assert not (tmp_path / "hf").exists()
+    command = " ".join(GARBAGE[case]).replace("RUN", "R").replace("OUT", "DIR")
     fault_row(
-        fault="E07: export of a garbage checkpoint (random files, no manifest)",
-        command="llmscale export R --format hf --out DIR",
+        fault=f"{case}: {GARBAGE[case][0]} of a garbage checkpoint (random files, no manifest)",
+        command=f"llmscale {command}",
         expected="exit 2, one line naming the checkpoint and why",
         observed=f"exit {rc}: {line}",
     )
