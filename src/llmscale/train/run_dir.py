@@ -254,7 +254,12 @@ def check_owner(cfg: JobConfig) -> bool:
     owner = _owner(ckpt)
     if owner == str(run_dir):
         return False
-    held = sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else []
+    try:
+        held = sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else []
+    except OSError as e:
+        raise ConfigError(
+            "checkpoint.folder", cfg.checkpoint.folder, f"a folder this run can read ({e.strerror})"
+        ) from None
     if not held:
         return True
     whose = f"files of the run {owner}" if owner else "files this run did not write"
