@@ -92,7 +92,9 @@ def test_resume_of_an_old_checkpoint_with_another_shape_compares_weights(
     )
 
 
-def test_resume_with_steps_at_or_below_the_checkpoint_is_refused(run, capsys, fault_row) -> None:
+def test_resume_with_steps_at_or_below_the_checkpoint_is_refused(
+    run, capsys, monkeypatch, fault_row
+) -> None:
     before = snapshot(run)
     results = []
     for steps in (1, 2):
@@ -100,11 +102,21 @@ def test_resume_with_steps_at_or_below_the_checkpoint_is_refused(run, capsys, fa
         results.append((rc, one_line(err)))
     assert all(rc == 2 and "train.steps" in line and "step-000002" in line for rc, line in results)
     assert snapshot(run) == before
+    # A restarted attempt (--max-restarts) of a job that wrote its last checkpoint: done, exit 0.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    rc_restart, out_restart, err_restart = run_cli(capsys, train_args(run, "--resume", steps=2))
+    assert rc_restart == 0, err_restart
+    assert "resumed from step 2" in out_restart
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"] == [
+        1,
+        2,
+    ]
     fault_row(
         fault="K10: --resume with train.steps below (and at) the checkpoint's step 2",
         command=f"{CMD} --train.steps 1 (and 2)",
         expected="exit 2, one line: nothing to train",
-        observed=f"exit {results[0][0]}: {results[0][1]}",
+        observed=f"exit {results[0][0]}: {results[0][1]}; a restarted attempt at step 2 of 2: "
+        f"exit {rc_restart}, nothing trained",
     )
 
 

@@ -44,6 +44,7 @@ from llmscale.train.checkpoint import (
     newest_intact,
     share_from_rank0,
 )
+from llmscale.train.launch import restart_attempt
 from llmscale.train.prediction import FILE_NAME as PREDICTION
 from llmscale.train.weights import check_resume_model
 
@@ -322,8 +323,11 @@ def check_space(cfg: JobConfig, ckpt_dir: Path, start: int, kept: int, freed: in
 
 def check_resume(cfg: JobConfig, chosen: Found) -> None:
     """A resume continues its checkpoint: more steps to train, and the model it holds (a
-    changed shape would load partly, or not at all); one line each, before anything changes."""
-    if cfg.train.steps <= chosen.step:
+    changed shape would load partly, or not at all); one line each, before anything changes.
+    A restarted attempt (--max-restarts) of a job that had written its last checkpoint has
+    nothing left to train, and ends as that job would have."""
+    finished_job = restart_attempt() > 0 and cfg.train.steps == chosen.step
+    if cfg.train.steps <= chosen.step and not finished_job:
         raise ConfigError(
             "train.steps",
             cfg.train.steps,
