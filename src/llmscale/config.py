@@ -395,15 +395,17 @@ class CheckpointSection:
     keep_last: int = 2
     """Checkpoints kept on disk; older ones are deleted (never the run's newest)."""
     folder: str = "checkpoints"
-    """Folder under job.run_dir that holds the checkpoints."""
+    """Folder under job.run_dir that holds the checkpoints. A folder outside job.run_dir must be
+    new or empty (the run marks it as its own) or already this run's: another run's is refused."""
     resume: bool = False
     """Continue from the newest intact checkpoint in folder, or from step 0 when there is none
-    (llmscale train --resume)."""
+    (llmscale train --resume). Refused when train.steps is at or below its step, or when
+    [model] differs from the model it holds."""
     stop_after: int = 0
     """Stop after this step as if interrupted (0 = never); used to test resumption."""
     init_from: str = ""
     """Start a new run from existing weights: hf:DIR (a Hugging Face Llama folder) or RUN_DIR
-    (another run's newest checkpoint; weights only). The model's shape is then the source's, not
+    (another run's newest intact checkpoint; weights only). The model's shape is then the source's, not
     [model]'s. Ignored when the run resumes its own checkpoint."""
 
     def validate(self) -> None:

@@ -101,11 +101,13 @@ def test_training_starts_from_another_runs_weights(trained_run: Path, tmp_path: 
 
 def test_a_resumed_run_ignores_init_from(trained_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "ft"
-    args = ["--checkpoint.init_from", str(trained_run), "--train.steps", "1"]
-    with Trainer(run_config(run, *args)) as trainer:
+    args = ["--checkpoint.init_from", str(trained_run)]
+    with Trainer(run_config(run, *args, "--train.steps", "1")) as trainer:
         trainer.fit()
     own = run_model(run).state_dict()
-    with Trainer(run_config(run, *args, "--checkpoint.resume", "true")) as trainer:
+    # (a resume continues: train.steps above the checkpoint's step)
+    resumed = run_config(run, *args, "--train.steps", "2", "--checkpoint.resume", "true")
+    with Trainer(resumed) as trainer:
         assert not trainer.initialized_from  # its own checkpoint will be loaded instead
         assert trainer.resume() and trainer.step == 1
         assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in own.items())

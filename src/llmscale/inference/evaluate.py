@@ -34,7 +34,8 @@ class Evaluation:
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Evaluation:
     base = read_run_config(run_dir)
-    step, path = find_checkpoint(run_dir, base)
+    # The checkpoint the trainer below reads (through init_from): its notices are printed then.
+    step, path = find_checkpoint(run_dir, base, say=lambda _: None)
     cfg = load_config(Path(run_dir) / "config.toml", overrides or [])
     # Data from another tokenizer than the checkpoint's (--data.dataset): one line, not a loss
     # over meaningless ids or an index error in the embedding.

@@ -1,16 +1,24 @@
 """Distributed checkpoints with `torch.distributed.checkpoint` (DCP), written atomically and
 verified before use.
 
+Every command that reads a checkpoint goes through one reader here, `choose_checkpoint` (train
+--resume through `newest_intact`, export, generate, eval, checkpoint.init_from RUN_DIR, ckpt):
+it verifies each candidate against its manifest, falls back from a damaged newest checkpoint to
+the newest intact one with a one-line notice on stderr, and raises one line (exit 2) when none
+is intact or the step asked for is damaged. `Checkpointer.load` turns a DCP failure on a
+verified checkpoint into one line too.
+
 Layout: RUN_DIR/checkpoints/step-000010/ (DCP files, .metadata and manifest.json). Every rank
 writes into step-000010.tmp/; once all have finished, rank 0 writes manifest.json (the size and
-sha256 of every file, the step, the parallel layout it was saved under, the llmscale version),
+sha256 of every file, the step, the parallel layout it was saved under, the llmscale version,
+and what the caller adds: the trainer records the model's shape and the precision mode),
 fsyncs the files and the folder, renames it to step-000010 and fsyncs the parent. A folder
 without the suffix is therefore complete, and its manifest says what complete means: loading
-verifies it, so a checkpoint with flipped bytes, a truncated or missing file, or no manifest is
-skipped (with a warning naming it) for the newest intact one. An interrupted save leaves only a
-.tmp folder, which is ignored and removed by the next save; a failed save (full disk,
-permissions) removes its .tmp, keeps the earlier checkpoints and stops the run with one line
-naming the last good step.
+verifies it, so a checkpoint with flipped bytes, a truncated or missing file, a file the
+manifest does not list (or a manifest listing none), or no manifest is skipped (with a warning
+naming it) for the newest intact one. An interrupted save leaves only a .tmp folder, which is
+ignored and removed by the next save; a failed save (full disk, permissions) removes its .tmp,
+keeps the earlier checkpoints and stops the run with one line naming the last good step.
 
 Only the newest `keep_last` checkpoints are kept, and never at the cost of the one just written:
 checkpoints with a higher step than the current one (an abandoned history, e.g. damaged ones
@@ -29,15 +37,17 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from llmscale.errors import ExitCode, JobStopped
+from llmscale.errors import ConfigError, ExitCode, JobStopped, UsageError
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -95,14 +105,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(folder: Path, step: int, layout: dict[str, int] | None) -> dict[str, Any]:
-    """Hash (and fsync) every file of a written checkpoint folder, then write manifest.json."""
+def write_manifest(
+    folder: Path,
+    step: int,
+    layout: dict[str, int] | None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Hash (and fsync) every file of a written checkpoint folder, then write manifest.json
+    (with `extra`'s entries, e.g. the model's shape, beside the fixed ones)."""
     files: dict[str, dict[str, Any]] = {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != MANIFEST:
             size, digest = _hash_file(p, sync=True)
             files[p.name] = {"size": size, "sha256": digest}
     manifest = {
+        **(extra or {}),
         "format": 1,
         "step": step,
         "layout": layout or {},
@@ -127,19 +144,22 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def verify_checkpoint(folder: Path) -> str | None:
-    """None when every file the manifest lists is there, with its size and checksum; else why
-    not, in a few words (e.g. 'no manifest.json', '__0_0.distcp truncated: 1000 of 3624265 B')."""
+    """None when the manifest lists every file of the folder and each is there with its size
+    and checksum; else why not, in a few words (e.g. 'no manifest.json', '__0_0.distcp
+    truncated: 1000 of 3624265 B', 'manifest.json lists no files')."""
     if not (folder / MANIFEST).is_file():
         return f"no {MANIFEST}"
     try:
         manifest = read_manifest(folder)
-    except (OSError, ValueError) as e:
+        listed = {name: (int(e["size"]), str(e["sha256"])) for name, e in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} unreadable ({type(e).__name__})"
-    for name, entry in sorted(manifest["files"].items()):
+    if not listed:
+        return f"{MANIFEST} lists no files"
+    for name, (want, sha256) in sorted(listed.items()):
         path = folder / name
         if not path.is_file():
             return f"{name} missing"
-        want = int(entry["size"])
         have = path.stat().st_size
         if have != want:
             what = "truncated" if have < want else "too long"
@@ -148,8 +168,15 @@ def verify_checkpoint(folder: Path) -> str | None:
             _, digest = _hash_file(path)
         except OSError as e:
             return f"{name} unreadable ({e.strerror or type(e).__name__})"
-        if digest != entry["sha256"]:
+        if digest != sha256:
             return f"{name} corrupt: checksum mismatch"
+    # A manifest lists every file of its step: one that leaves a file out does not describe
+    # this folder (rewritten, or files added after the save).
+    unlisted = sorted(
+        p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in listed
+    )
+    if unlisted:
+        return f"{unlisted[0]} not listed in {MANIFEST}"
     return None
 
 
@@ -182,15 +209,20 @@ class Selection:
 class Checkpointer:
     """Saves, finds and verifies checkpoints under one folder.
 
-    `layout` (the parallel degrees and world size) is recorded in each manifest.
+    `layout` (the parallel degrees and world size) and `extra` are recorded in each manifest.
     """
 
     def __init__(
-        self, folder: str | Path, keep_last: int = 2, layout: dict[str, int] | None = None
+        self,
+        folder: str | Path,
+        keep_last: int = 2,
+        layout: dict[str, int] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.keep_last = keep_last
         self.layout = layout
+        self.extra = extra
 
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{step:06d}"
@@ -265,7 +297,7 @@ class Checkpointer:
 
     def _finish(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0, after every rank wrote: manifest, fsync, rename, prune."""
-        write_manifest(tmp, step, self.layout)
+        write_manifest(tmp, step, self.layout, self.extra)
         old = None
         if final.exists():  # re-saving a step (after a resume): swap, then drop the old one
             old = final.with_name(final.name + ".replaced.tmp")
@@ -296,10 +328,98 @@ class Checkpointer:
         return f"checkpoint of step {step} failed: {problem}; its .tmp was removed; {kept}"
 
     def load(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Fill `state` in place from a checkpoint (resharding to the current layout)."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
+        """Fill `state` in place from a checkpoint (resharding to the current layout).
+
+        A checkpoint that passed its manifest check but that DCP cannot read (written by
+        another torch, or holding other keys or shapes than `state` asks for) is one line.
+        """
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=str(path))
+        except torch.OutOfMemoryError:
+            raise
+        except (CheckpointException, RuntimeError, ValueError, AssertionError, KeyError) as e:
+            raise UsageError(
+                f"checkpoint {path} could not be read: {_first_line(e)} (`llmscale ckpt verify` "
+                "checks it against its manifest)"
+            ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception (a DCP rank's own failure when it wraps one)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+# ---- the reader -------------------------------------------------------------------------------
+
+
+def notice(text: str) -> None:
+    """A one-line notice on stderr, from rank 0 only (every rank reads the same folder)."""
+    if _rank() != 0 or os.environ.get("RANK", "0") != "0":
+        return
+    from rich.markup import escape
+
+    from llmscale.ui import console
+
+    console(stderr=True).print(f"[yellow]{escape(text)}[/]")
+
+
+def newest_intact(
+    folder: Path, say: Callable[[str], None] = notice, purpose: str = "", advice: str = ""
+) -> Found | None:
+    """The newest intact checkpoint under `folder` (None: there is none at all).
+
+    Each damaged one newer than it is named by `say`; when every checkpoint is damaged, a
+    UsageError naming them (`purpose`, e.g. " to resume from", ends its first clause; `advice`
+    is added to the closing parenthesis).
+    """
+    sel = Checkpointer(folder).select()
+    if sel.chosen is None and sel.damaged:
+        raise UsageError(
+            f"no intact checkpoint in {folder}{purpose}: "
+            + "; ".join(d.describe() for d in sel.damaged)
+            + f" (`llmscale ckpt verify` lists them{advice})"
+        )
+    for d in sel.damaged:
+        assert sel.chosen is not None
+        say(f"skipping damaged checkpoint {d.path} ({d.problem}): using {sel.chosen.path.name}")
+    return sel.chosen
+
+
+def choose_checkpoint(
+    folder: Path,
+    *,
+    source: str,
+    field: str = "RUN_DIR",
+    step: int | None = None,
+    say: Callable[[str], None] = notice,
+) -> Found:
+    """The checkpoint a command reads from `folder` (of the run `source`, named by `field` in
+    errors): the one of `step` when given (it must be intact), else the newest intact one."""
+    found = Checkpointer(folder).checkpoints()
+    if not found:
+        raise ConfigError(field, source, "a run with a checkpoint (none found)")
+    if step is None:
+        chosen = newest_intact(folder, say)
+        assert chosen is not None
+        return chosen
+    for f in found:
+        if f.step == step:
+            problem = verify_checkpoint(f.path)
+            if problem is not None:
+                raise ConfigError(
+                    "--step",
+                    step,
+                    f"an intact checkpoint ({f.path} is damaged: {problem}; `llmscale ckpt "
+                    "verify` lists the intact ones)",
+                )
+            return f
+    raise ConfigError("--step", step, " | ".join(str(f.step) for f in found))
 
 
 def _os_error_in(exc: BaseException) -> OSError | None:

@@ -6,15 +6,18 @@ directions (`Optimizers.offload_bytes_moved`; docs/offload.md, "Bytes moved").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from llmscale.errors import ExitCode, JobStopped
 from llmscale.tensors import tensor_bytes
 
 
@@ -64,13 +67,23 @@ class JsonlWriter:
     def write(self, row: dict[str, Any]) -> None:
         if self._fh is None:
             return
-        self._fh.write(json.dumps(_finite(row)) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(_finite(row)) + "\n")
+            self._fh.flush()
+        except OSError as e:
+            # A full disk: one line; the torn row it may leave is dropped by the next --resume.
+            raise JobStopped(
+                f"writing {self.path} failed: {e.strerror or e}; the checkpoints written so far "
+                "are kept: free space, then continue with --resume",
+                ExitCode.FAILURE,
+            ) from None
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            # The failed write's bytes, still buffered, fail again: write() said so already.
+            with contextlib.suppress(OSError):
+                fh.close()
 
 
 class TensorBoardWriter:
@@ -142,17 +155,62 @@ class RunWriter:
             self.tensorboard.close()
 
 
-def truncate_after(path: str | Path, step: int) -> None:
-    """Drop rows of steps after `step` (resuming from it redoes them)."""
+def truncate_after(path: str | Path, step: int, say: Callable[[str], None] | None = None) -> None:
+    """Drop the rows of steps after `step` (resuming from it redoes them) and a torn last line
+    (a full disk or a host crash cut it), naming the latter through `say`.
+
+    The file is repaired, never rewritten in place: the rows to drop are its tail (rows are
+    appended in step order), so it is cut at the first of them with one `truncate` call, and a
+    kill at any moment leaves every row before it. An unreadable line inside the file is kept.
+    Should rows of later steps come before kept ones (a file edited by hand), the kept rows go
+    to a new file that replaces the old one only once written (fsync, rename).
+    """
     p = Path(path)
     if not p.is_file():
         return
-    kept = [
-        line
-        for line in p.read_text().splitlines()
-        if line and json.loads(line).get("step", 0) <= step
+    data = p.read_bytes()
+    lines: list[tuple[int, bytes]] = []  # (offset, line without its newline)
+    at = 0
+    for raw in data.split(b"\n"):
+        lines.append((at, raw))
+        at += len(raw) + 1
+    rows: list[tuple[int, bytes, dict[str, Any] | None]] = []
+    for offset, raw in lines:
+        if not raw.strip(b" \t\r"):
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            row = None
+        rows.append((offset, raw, row if isinstance(row, dict) else None))
+    cut = len(data)
+    if rows and rows[-1][2] is None:  # a torn (or zeroed) last line
+        offset, raw, _ = rows.pop()
+        cut = offset
+        if say is not None:
+            say(f"{p}: dropped a torn last line ({len(raw)} B that are no JSON row)")
+    later = [
+        i for i, (_, _, row) in enumerate(rows) if row is not None and row.get("step", 0) > step
     ]
-    p.write_text("".join(line + "\n" for line in kept))
+    if later and all(r is None or r.get("step", 0) > step for _, _, r in rows[later[0] :]):
+        cut = rows[later[0]][0]
+    elif later:
+        kept = [raw for _, raw, r in rows if r is None or r.get("step", 0) <= step]
+        tmp = p.with_name(p.name + ".tmp")
+        with tmp.open("wb") as f:
+            f.write(b"".join(raw + b"\n" for raw in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        return
+    with p.open("r+b") as f:
+        if cut < len(data):
+            f.truncate(cut)
+        if cut and data[cut - 1 : cut] != b"\n":  # a complete last row without its newline
+            f.seek(cut)
+            f.write(b"\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -46,7 +46,8 @@ class DynamicLossScaler:
 
     def __init__(self, cfg: PrecisionSection, enabled: bool) -> None:
         self.enabled = enabled
-        self.scale = float(cfg.initial_scale) if enabled else 1.0
+        self.initial_scale = float(cfg.initial_scale)
+        self.scale = self.initial_scale if enabled else 1.0
         self.growth_factor = cfg.growth_factor
         self.backoff_factor = cfg.backoff_factor
         self.growth_interval = cfg.growth_interval
@@ -100,6 +101,11 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.skipped_steps = int(state["skipped_steps"])
+
+    def restart(self) -> None:
+        """Back to `initial_scale`, as at a run's start (a resume from a run without scaling)."""
+        self.scale = self.initial_scale if self.enabled else 1.0
+        self.growth_tracker = 0
 
 
 # ---- underflow report ---------------------------------------------------------------------

@@ -10,6 +10,9 @@ decision (so all ranks refuse alike):
   `--resume` (continue the newest intact checkpoint; none: start from step 0, with a notice, so
   the same command works under automatic restarts) or `--overwrite` (delete llmscale's own
   files of the earlier run first: metrics, checkpoints, prediction, timelines, plots);
+- checkpoints it does not own are never written or pruned: checkpoint.folder is inside the run
+  folder, or a folder outside that this run created and marked as its own (.llmscale-owner
+  names the run folder); another run's checkpoint folder is refused;
 - RUN_DIR/.lock (JSON: host, pid, start time) claims the folder; a second live run is refused
   with the holder named, and a lock whose holder is dead (same host, no such pid) is taken
   over with a notice. It is released at the end of the run, also on error.
@@ -34,10 +37,19 @@ from llmscale.config import JobConfig
 from llmscale.errors import ConfigError, UsageError
 from llmscale.instrument.pipeline import FILE_NAME as PIPELINE_TIMELINE
 from llmscale.plan.checkpoint_size import checkpoint_bytes
-from llmscale.train.checkpoint import Checkpointer, human_bytes, share_from_rank0
+from llmscale.train.checkpoint import (
+    Checkpointer,
+    Found,
+    human_bytes,
+    newest_intact,
+    share_from_rank0,
+)
+from llmscale.train.launch import restart_attempt
 from llmscale.train.prediction import FILE_NAME as PREDICTION
+from llmscale.train.weights import check_resume_model
 
 LOCK_NAME = ".lock"
+OWNER_NAME = ".llmscale-owner"  # in a checkpoint folder outside its run folder
 METRICS = "metrics.jsonl"
 # What a run (and `llmscale plot`) writes into its folder; --overwrite removes these only.
 OWN_FILES = (METRICS, PREDICTION, PIPELINE_TIMELINE, "config.toml", "loss.png", "timeline.png")
@@ -159,9 +171,13 @@ class RunFolder:
 
 
 def earlier_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
-    """What an earlier run left in `run_dir` that a new run would clobber ([] if nothing)."""
+    """What an earlier run left in `run_dir` that a new run would clobber ([] if nothing).
+
+    An empty metrics.jsonl is nothing: a run that stopped before its first step (bad data, a
+    crash) leaves one, and a rerun must not be refused for it."""
     found = []
-    if (run_dir / METRICS).exists():
+    metrics = run_dir / METRICS
+    if metrics.exists() and (not metrics.is_file() or metrics.stat().st_size > 0):
         found.append(METRICS)
     if ckpt_dir.is_dir():
         n = sum(1 for p in ckpt_dir.iterdir() if p.name.startswith("step-"))
@@ -218,6 +234,59 @@ def check_paths(cfg: JobConfig) -> None:
         raise ConfigError("job.run_dir", str(run_dir), f"a run folder ({METRICS} is a folder)")
 
 
+def _owner(ckpt_dir: Path) -> str | None:
+    """The run folder named by a checkpoint folder's owner mark (None: unmarked, unreadable)."""
+    try:
+        data = json.loads((ckpt_dir / OWNER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("run_dir") if isinstance(data, dict) else None
+
+
+def check_owner(cfg: JobConfig) -> bool:
+    """A run writes and prunes only checkpoints it owns: those in a folder inside its run
+    folder, or in one it created and marked (CKPT/.llmscale-owner names its run folder). True
+    when the folder is outside and new (or empty): this run is to mark it. Another run's folder,
+    or one of other files, is refused in one line, exit 2."""
+    run_dir = Path(cfg.job.run_dir).resolve()
+    ckpt = (run_dir / cfg.checkpoint.folder).resolve()
+    if ckpt.is_relative_to(run_dir):
+        return False
+    owner = _owner(ckpt)
+    if owner == str(run_dir):
+        return False
+    try:
+        held = sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else []
+    except OSError as e:
+        raise ConfigError(
+            "checkpoint.folder", cfg.checkpoint.folder, f"a folder this run can read ({e.strerror})"
+        ) from None
+    if not held:
+        return True
+    whose = f"files of the run {owner}" if owner else "files this run did not write"
+    held = [n for n in held if n != OWNER_NAME] or held
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    raise ConfigError(
+        "checkpoint.folder",
+        cfg.checkpoint.folder,
+        f"a folder inside the run folder, or a new one that this run marks as its own ({ckpt} "
+        f"holds {whose}: {shown}; a run writes and prunes only its own checkpoints)",
+    )
+
+
+def claim_checkpoint_folder(cfg: JobConfig) -> None:
+    """Create the checkpoint folder outside the run folder and mark it as this run's."""
+    run_dir = Path(cfg.job.run_dir).resolve()
+    ckpt = run_dir / cfg.checkpoint.folder
+    try:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / OWNER_NAME).write_text(json.dumps({"run_dir": str(run_dir)}) + "\n")
+    except OSError as e:
+        raise ConfigError(
+            "checkpoint.folder", cfg.checkpoint.folder, f"a folder that can be created ({e})"
+        ) from None
+
+
 def saves_in_run(cfg: JobConfig, start: int) -> int:
     """Checkpoints a run from step `start` writes (interval steps, and the last one)."""
     c, steps = cfg.checkpoint, cfg.train.steps
@@ -252,6 +321,22 @@ def check_space(cfg: JobConfig, ckpt_dir: Path, start: int, kept: int, freed: in
     return needed
 
 
+def check_resume(cfg: JobConfig, chosen: Found) -> None:
+    """A resume continues its checkpoint: more steps to train, and the model it holds (a
+    changed shape would load partly, or not at all); one line each, before anything changes.
+    A restarted attempt (--max-restarts) of a job that had written its last checkpoint has
+    nothing left to train, and ends as that job would have."""
+    finished_job = restart_attempt() > 0 and cfg.train.steps == chosen.step
+    if cfg.train.steps <= chosen.step and not finished_job:
+        raise ConfigError(
+            "train.steps",
+            cfg.train.steps,
+            f"more than {chosen.step}, the step of checkpoint {chosen.path} that --resume "
+            "continues (it is trained that far already)",
+        )
+    check_resume_model(chosen.path, cfg.model)
+
+
 def _decide(cfg: JobConfig, say: Any) -> RunFolder:
     """Rank 0's checks and decision; the lock is held when it returns."""
     run_dir = Path(cfg.job.run_dir)
@@ -259,6 +344,7 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
     if resume and overwrite:
         raise UsageError("--resume and --overwrite exclude each other: choose one")
     check_paths(cfg)
+    claim = check_owner(cfg)
     ckpt_dir = run_dir / cfg.checkpoint.folder
     earlier = earlier_run(run_dir, ckpt_dir)
     if earlier and not (resume or overwrite):
@@ -285,22 +371,22 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
             ) from None
         if notice:
             say(out, notice)
+        if claim:
+            claim_checkpoint_folder(cfg)
         checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last)
         kept, freed, chosen = 0, 0, None
         doomed: list[Path] = []
         if resume:
-            sel = checkpointer.select()
-            for d in sel.damaged:
-                say(out, f"skipping damaged checkpoint {d.path} ({d.problem})")
-            chosen = sel.chosen
-            if chosen is None and sel.damaged:
-                raise UsageError(
-                    f"no intact checkpoint in {ckpt_dir} to resume from: "
-                    + "; ".join(d.describe() for d in sel.damaged)
-                    + " (`llmscale ckpt verify` lists them; --overwrite starts again)"
-                )
+            chosen = newest_intact(
+                ckpt_dir,
+                lambda text: say(out, text),
+                purpose=" to resume from",
+                advice="; --overwrite starts again",
+            )
             if chosen is None:
                 say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0")
+            else:
+                check_resume(cfg, chosen)
             kept = min(len(checkpointer.checkpoints()), cfg.checkpoint.keep_last)
         elif overwrite:
             doomed = own_files(run_dir, ckpt_dir)

@@ -50,7 +50,7 @@ from llmscale.parallel.pipeline import PipelineMemory, build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.parallel.tied_embeddings import TiedEmbeddings, give_copies, store_once
 from llmscale.train import metrics as M
-from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.checkpoint import Checkpointer, notice, read_manifest
 from llmscale.train.data import (
     adopt_checkpoint_vocab,
     build_data,
@@ -74,7 +74,7 @@ from llmscale.train.precision import DynamicLossScaler, autocast, gradients, und
 from llmscale.train.prediction import write_run_prediction
 from llmscale.train.progress import StepReporter
 from llmscale.train.run_dir import open_run_folder
-from llmscale.train.weights import apply_init_from, with_source_model
+from llmscale.train.weights import apply_init_from, checkpoint_record, with_source_model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -263,6 +263,7 @@ class Trainer:
                 n: getattr(self.dims, n)
                 for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "world_size")
             },
+            extra=checkpoint_record(cfg),
         )
 
         seq = cfg.data.seq_len
@@ -323,7 +324,29 @@ class Trainer:
         )
         self.checkpointer.load(path, self.app_state())
         self.sha_kept = True
+        self._convert_precision(path)
         return True
+
+    def _convert_precision(self, path: Path) -> None:
+        """A checkpoint of another precision mode: its fp32 weights and optimizer state carry
+        over as they are (logged); fp16 from a run without loss scaling starts the scale at
+        precision.initial_scale, not at the 1.0 that run kept."""
+        mode = self.cfg.precision.mode
+        stored = read_manifest(path).get("precision")
+        if stored is None:  # written before manifests kept it: an fp16 scale is >= min_scale
+            unscaled = self.scaler.enabled and self.scaler.scale < self.cfg.precision.min_scale
+            stored = "fp32 or bf16" if unscaled else mode
+        if stored == mode:
+            return
+        text = (
+            f"precision: checkpoint {path.name} was trained in {stored}, this run trains in "
+            f"{mode}: its fp32 weights and optimizer state carry over"
+        )
+        if self.scaler.enabled and stored != "fp16":
+            self.scaler.restart()
+            text += f"; the loss scale starts at precision.initial_scale = {self.scaler.scale:g}"
+        if self.rank == 0:
+            notice(text)
 
     # ---- one optimizer step ---------------------------------------------------------------
     def forward_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -550,7 +573,7 @@ class Trainer:
         resumed = cfg.checkpoint.resume and self.resume()
         if self.rank == 0:
             if resumed:
-                M.truncate_after(metrics_path, self.step)
+                M.truncate_after(metrics_path, self.step, notice)
             elif metrics_path.exists():
                 metrics_path.unlink()
             (self.run_dir / "config.toml").write_text(to_toml(cfg))

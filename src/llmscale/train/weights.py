@@ -8,18 +8,22 @@ The rule for the model's shape: it is the source's (DIR/config.json, or RUN_DIR/
 A run that resumes from its own checkpoint ignores init_from.
 
 `read_run_weights` is the one reader of a run's checkpoint as a plain full state dict (export,
-generate, init_from RUN_DIR): DCP stores each shard with its global place, so a single process
-loads a checkpoint saved under any parallel layout into whole tensors.
+generate, eval and init_from RUN_DIR): it chooses the checkpoint through the checkpoint reader
+(`train.checkpoint.choose_checkpoint`: verified against its manifest, a damaged newest one
+skipped with a notice, one line when none is intact). DCP stores each shard with its global
+place, so a single process loads a checkpoint saved under any parallel layout into whole tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from llmscale.config import JobConfig, load_config
@@ -29,7 +33,7 @@ from llmscale.hf.folder import check_folder_data, read_llama_folder
 from llmscale.model.config import BYTE_VOCAB_SIZE, ModelConfig, value_name
 from llmscale.model.transformer import build_model
 from llmscale.parallel.materialize import copy_full_into
-from llmscale.train.checkpoint import Checkpointer
+from llmscale.train.checkpoint import Checkpointer, choose_checkpoint, notice, read_manifest
 
 HF_PREFIX = "hf:"
 
@@ -56,18 +60,16 @@ def read_run_config(run_dir: str | Path, field: str = "RUN_DIR") -> JobConfig:
 
 
 def find_checkpoint(
-    run_dir: str | Path, cfg: JobConfig, step: int | None = None, field: str = "RUN_DIR"
+    run_dir: str | Path,
+    cfg: JobConfig,
+    step: int | None = None,
+    field: str = "RUN_DIR",
+    say: Callable[[str], None] = notice,
 ) -> tuple[int, Path]:
-    """The newest complete checkpoint of the run (or the one of `step`)."""
-    found = Checkpointer(Path(run_dir) / cfg.checkpoint.folder).checkpoints()
-    if not found:
-        raise ConfigError(field, str(run_dir), "a run with a checkpoint (none found)")
-    if step is None:
-        return found[-1]
-    for s, path in found:
-        if s == step:
-            return s, path
-    raise ConfigError("--step", step, " | ".join(str(s) for s, _ in found))
+    """The newest intact checkpoint of the run (or the one of `step`, which must be intact)."""
+    return choose_checkpoint(
+        Path(run_dir) / cfg.checkpoint.folder, source=str(run_dir), field=field, step=step, say=say
+    )
 
 
 def read_run_weights(
@@ -159,3 +161,68 @@ def apply_init_from(parts: Sequence[nn.Module], cfg: JobConfig) -> bool:
         return False
     load_full_weights(parts, source_weights(ck.init_from))
     return True
+
+
+# ---- what a checkpoint was trained as ---------------------------------------------------------
+
+# The [model] keys that decide the weights' names, shapes or how they are read (the heads'
+# split); the others (rope_theta, norm_eps, init_std, max_seq_len under rope) may change.
+SHAPE_KEYS = (
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm", "mlp",
+    "pos_emb", "bias", "tie_embeddings",
+)  # fmt: skip
+_MODEL_FQN = "app.model."
+
+
+def checkpoint_record(cfg: JobConfig) -> dict[str, Any]:
+    """What the trainer adds to each checkpoint's manifest: the model's shape and precision."""
+    return {
+        "model": {k: getattr(cfg.model, k) for k in SHAPE_KEYS},
+        "precision": cfg.precision.mode,
+    }
+
+
+def _shapes_text(model: ModelConfig) -> str:
+    return ", ".join(
+        f"{k}={getattr(model, k)}" for k in ("dim", "n_layers", "n_heads", "vocab_size")
+    )
+
+
+def check_resume_model(path: Path, model: ModelConfig) -> None:
+    """One line (ConfigError, exit 2) when the checkpoint at `path` holds another model than
+    `model`, whichever way they differ: the keys its manifest records, then every weight's name
+    and shape (checkpoints written before the manifest kept the model have only those)."""
+    again = f"resume with the [model] checkpoint {path.name} was trained with; it is left as it is"
+    stored = read_manifest(path).get("model")
+    if isinstance(stored, dict):
+        diff = [k for k in SHAPE_KEYS if k in stored and stored[k] != getattr(model, k)]
+        if len(diff) == 1:
+            k = diff[0]
+            raise ConfigError(f"model.{k}", getattr(model, k), f"{stored[k]!r} ({again})")
+        if diff:
+            raise ConfigError(
+                "model",
+                ", ".join(f"{k}={getattr(model, k)}" for k in diff),
+                ", ".join(f"{k}={stored[k]}" for k in diff) + f" ({again})",
+            )
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    have = {
+        k[len(_MODEL_FQN) :]: tuple(getattr(v, "size", ()))
+        for k, v in entries.items()
+        if k.startswith(_MODEL_FQN)
+    }
+    want = {k: tuple(v.shape) for k, v in build_model(model, "meta").state_dict().items()}
+    if have == want:
+        return
+    changed = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    if changed:
+        k = changed[0]
+        why = f"holds {k} of shape {have[k]}, this model's is {want[k]}"
+    elif extra:
+        why = f"holds {len(extra)} weights this model lacks (e.g. {extra[0]})"
+    else:
+        why = f"lacks {len(missing)} weights this model has (e.g. {missing[0]})"
+    raise ConfigError(
+        "model", _shapes_text(model), f"the model of {path.name}, which {why}; {again}"
+    )
