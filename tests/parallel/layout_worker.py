@@ -43,14 +43,15 @@ class FirstStepEvents:
             ("all_reduce", "all_reduce"),
         ):
             self._wrap(dist, name, self._collective(getattr(dist, name), tag))
-        orig_sync = trainer_mod.set_gradient_sync
+        orig_controls = trainer_mod.apply_micro_batch_controls
 
-        def sync(parts, flag):
+        def controls(parts, zero_stage, shard, last):
+            flag = orig_controls(parts, zero_stage, shard, last)
             if self.active:
                 self.events.append(f"sync={flag}")
-            return orig_sync(parts, flag)
+            return flag
 
-        self._wrap(trainer_mod, "set_gradient_sync", sync)
+        self._wrap(trainer_mod, "apply_micro_batch_controls", controls)
         orig_step = trainer.train_step
 
         def first_step():
