@@ -14,14 +14,19 @@ and `micro_batch_controls` below; `predict_collectives` counts what they cause, 
 every metrics row carries (`param_allgathers`, `grad_reduces` and their bytes, per rank and
 optimizer step), so the planner and the runtime read one rule.
 
-Under a pipeline schedule torch 2.13's `PipelineStage` drives FSDP itself: every backward runs
-with resharding and gradient sync off, and one REDUCE_GRAD per stage at the end of the step
-reduce-scatters the accumulated gradients (one reduction per unit per step, whatever the zero
-stage: ZeRO-1's reduction). Parameters are gathered by the units' own forward hooks:
-zero 1 and 2 keep them from the first forward to the end of the step (one gather per unit per
-step), zero 3 reshards after every forward, so each forward gathers and the following backward
-gathers again unless it comes straight after the same stage's forward. `predict_collectives`
-counts this per schedule, from the schedule's own order of forwards and backwards.
+Under a pipeline schedule torch 2.13 drives FSDP itself (measured: pp 2 x dp_shard 2, every
+schedule, 2 and 4 chunks; `pipeline_gathers`):
+- gradients: `PipelineStage` runs every backward with gradient sync and reshard-after-backward
+  off, and one REDUCE_GRAD per stage at the end of the step reduce-scatters the accumulated
+  unsharded gradients: one reduction per unit per step whatever the zero stage (ZeRO-1's rule;
+  zero 2 and 3 do not reduce per micro-batch under a pipeline).
+- parameters: the multi-stage schedules unshard the next 3 stages a rank will compute on and
+  reshard the others (`_add_unshard_reshard`), so with at most 3 chunks per rank a stage is
+  gathered once and kept for the step under zero 1 and 2, and with 4 or more chunks stages are
+  evicted and re-gathered within the step (4 chunks, 4 micro-batches: 3 gathers per unit on
+  rank 0, about 2 on rank 1, instead of 1). Under zero 3 each forward reshards its stage; the
+  next backward gathers it again and keeps it until that stage's next forward: m + 1 gathers
+  per unit for m micro-batches under every schedule measured with 2 chunks.
 
 Torch-free: the planner imports it.
 """
@@ -29,6 +34,7 @@ Torch-free: the planner imports it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from llmscale.config import V_SCHEDULES, pipeline_chunks
@@ -115,31 +121,52 @@ def stage_units(
     return units
 
 
-def _pipeline_gathers(
-    zero_stage: int, order: list[tuple[int, str]], stage: int, microbatches: int
-) -> int:
-    """All-gathers per unit of `stage` in one step under a pipeline, from this rank's op order
-    (`order`: (stage, "F" | "B" | "W") in schedule order).
+# torch 2.13's `_add_unshard_reshard`: how many stages a multi-stage schedule keeps gathered.
+MAX_ACTIVE_STAGES = 3
 
-    zero 1/2: one. zero 3: each forward gathers; a backward gathers unless the stage's previous
-    op was its own forward with nothing resharded since (the stage stays gathered after a
-    backward: `PipelineStage` turns reshard-after-backward off until REDUCE_GRAD).
+
+def pipeline_gathers(zero_stage: int, order: Sequence[tuple[str, int]]) -> dict[int, int]:
+    """All-gathers per FSDP unit of each stage in one step under a pipeline schedule, from this
+    rank's compute order (`order`: (kind "F" | "B" | "W", stage) in the order the rank runs them).
+
+    What torch 2.13 does, replayed: before each op the schedule unshards the next
+    `MAX_ACTIVE_STAGES` distinct stages it will compute on and reshards the others
+    (`_add_unshard_reshard`; with at most 3 stages per rank nothing is ever resharded); a
+    forward gathers its stage if it is not gathered, and under zero 3 reshards it after; a
+    backward gathers it if needed and leaves it gathered (`PipelineStage` turns
+    reshard-after-backward off until the step's REDUCE_GRAD, which reshards). A W op needs no
+    parameters. An unshard of a gathered stage costs nothing.
     """
-    if zero_stage != 3:
-        return 1
-    gathered = False
-    count = 0
-    for s, op in order:
-        if s != stage:
-            continue
-        if op == "F":
-            if not gathered:
-                count += 1
-            gathered = False  # resharded after forward
-        elif op == "B":
-            if not gathered:
-                count += 1
-            gathered = True
+    gathered: dict[int, bool] = {}
+    count: dict[int, int] = {}
+
+    def gather(stage: int) -> None:
+        if not gathered.get(stage, False):
+            count[stage] = count.get(stage, 0) + 1
+            gathered[stage] = True
+
+    active: list[int] = []
+    for i, (kind, stage) in enumerate(order):
+        count.setdefault(stage, 0)
+        upcoming: list[int] = []
+        for _, s in order[i:]:
+            if s not in upcoming:
+                upcoming.append(s)
+                if len(upcoming) == MAX_ACTIVE_STAGES:
+                    break
+        for s in [s for s in active if s not in upcoming]:
+            active.remove(s)
+            gathered[s] = False
+        for s in upcoming:
+            if s not in active:
+                active.append(s)
+                gather(s)
+        if kind == "F":
+            gather(stage)
+            if reshard_after_forward(zero_stage):
+                gathered[stage] = False
+        elif kind == "B":
+            gather(stage)
     return count
 
 
@@ -153,17 +180,23 @@ def predict_collectives(
     schedule: str = "1f1b",
     chunks: int = 1,
     pp_rank: int = 0,
+    order: Sequence[tuple[str, int]] = (),
     pp_layers: list[int] | tuple[int, ...] = (),
     param_bytes: int = 4,
     reduce_bytes: int = 4,
-    order: list[tuple[int, str]] | None = None,
+    first_step: bool = False,
 ) -> Collectives:
-    """The four counts one rank (pipeline rank `pp_rank`) issues per optimizer step.
+    """The four counts pipeline rank `pp_rank` issues per optimizer step (any of its dp ranks).
 
-    `microbatches`: micro-batches per rank per step (accumulation, or the pipeline's). Under a
-    multi-stage zero-3 pipeline `order` is this rank's (stage, op) order from the schedule;
-    without it each stage's micro-batches are assumed to run F then B back to back
-    (GPipe-like gathers: 2 per micro-batch except the last forward's backward).
+    `microbatches`: micro-batches per rank per step (accumulation, or the pipeline's).
+    Without a pipeline: per unit, zero 1 one gather and one reduce-scatter, zero 2 one gather
+    and `microbatches` reduce-scatters, zero 3 two gathers (forward, backward) and one
+    reduce-scatter per micro-batch. Under a pipeline (`pp > 1`): one reduce-scatter per unit
+    (REDUCE_GRAD) and the gathers `pipeline_gathers` counts from `order`, this rank's compute
+    order (`plan.schedule.schedule_ops`, or torch's own); `first_step`: the run's first step,
+    whose shape inference runs one more forward per stage: one more gather per unit, exact under
+    zero 1 and 2 (measured, every schedule); under zero 3 the first step measured 1 to 2 more
+    per unit still, not modelled (pp 2 x dp_shard 2, 4 micro-batches: 30-39 against 24-36).
     `param_bytes`: the compute dtype's size (FSDP2 gathers in it); `reduce_bytes`: 4 (fp32).
     Zero when `dp_shard` is 1 (nothing is sharded).
     """
@@ -171,33 +204,24 @@ def predict_collectives(
         return Collectives()
     if zero_stage not in ZERO_STAGES_SHARDED:
         raise ValueError(f"zero_stage {zero_stage} with dp_shard {dp_shard} > 1")
+    per_unit: list[tuple[list[tuple[int, ...]], int, int]] = []  # (shapes, gathers, reduces)
     if pp <= 1:
-        units = stage_units(model, 0, 1, pp_layers)
-        gathers = 2 * microbatches if zero_stage == 3 else 1
+        gathers = 2 * microbatches if reshard_after_forward(zero_stage) else 1
         reduces = 1 if zero_stage == 1 else microbatches
-        per_unit = [(gathers, reduces)] * len(units)
+        per_unit = [(u, gathers, reduces) for u in stage_units(model, 0, 1, pp_layers)]
     else:
+        if not order:
+            raise ValueError("a pipeline's collectives need the rank's compute order")
         n_chunks = pipeline_chunks(schedule, chunks)
         n_stages = pp * n_chunks
-        mine = stage_ids(pp_rank, pp, n_chunks, v_shape=schedule in V_SCHEDULES)
-        units, per_unit = [], []
-        for s in mine:
-            stage_order = order
-            if stage_order is None:
-                stage_order = [(s, op) for _ in range(microbatches) for op in "F"] + [
-                    (s, "B") for _ in range(microbatches)
-                ]
-            g = _pipeline_gathers(zero_stage, stage_order, s, microbatches)
-            for u in stage_units(model, s, n_stages, pp_layers):
-                units.append(u)
-                per_unit.append((g, 1))
-    out = Collectives()
+        gathers_of = pipeline_gathers(zero_stage, order)
+        for s in stage_ids(pp_rank, pp, n_chunks, v_shape=schedule in V_SCHEDULES):
+            g = gathers_of.get(s, 0) + (1 if first_step else 0)
+            per_unit += [(u, g, 1) for u in stage_units(model, s, n_stages, pp_layers)]
     ag = rs = ag_b = rs_b = 0
-    for shapes, (g, r) in zip(units, per_unit, strict=True):
+    for shapes, g, r in per_unit:
         n = unit_numel(shapes, dp_shard)
-        ag += g
-        rs += r
+        ag, rs = ag + g, rs + r
         ag_b += g * n * param_bytes
         rs_b += r * n * reduce_bytes
-    out = Collectives(ag, rs, ag_b, rs_b)
-    return out
+    return Collectives(ag, rs, ag_b, rs_b)
