@@ -9,6 +9,7 @@ ranks, the first under zero 1 and 2 too. Losses equal one process to 1e-5 under 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,11 @@ def _rows(result: dict[str, Any], pp_rank: int) -> list[dict[str, Any]]:
     return payload["rows"]
 
 
+def _predicted(result: dict[str, Any]) -> dict[str, int]:
+    """The run's prediction.json collectives (pipeline rank 0, a step after the first)."""
+    return json.loads((result["run_dir"] / "prediction.json").read_text())["collectives"]
+
+
 def _counts(row: dict[str, Any]) -> tuple[int, ...]:
     return tuple(row[k] for k in KEYS)
 
@@ -93,6 +99,7 @@ def test_zero_stage_counts_equal_the_rule(z, world2) -> None:
     assert len(rows) == 3
     for row in rows:
         assert _counts(row) == tuple(want.values()), (z, row)
+    assert _predicted(world2[f"zero{z}"]) == want  # what prediction.json carries
     # The table itself, on the tiny model's 5 units (4 blocks and the root):
     assert (want["param_allgathers"], want["grad_reduces"]) == {
         1: (5, 5),
@@ -124,6 +131,7 @@ def test_zero_stage_counts_under_a_pipeline_equal_the_rule(z, world4, references
             assert _counts(row) == tuple(want.to_dict().values()), (z, pp_rank, step, row)
         # torch's REDUCE_GRAD: one reduce-scatter per unit per step, whatever the zero stage
         assert row["grad_reduces"] == 3
+    assert tuple(_predicted(result).values()) == _counts(_rows(result, 0)[-1])
 
 
 def test_uneven_interleaved_split_equals_one_process(world2, references) -> None:

@@ -40,8 +40,6 @@ from dataclasses import asdict, dataclass
 from llmscale.config import V_SCHEDULES, pipeline_chunks
 from llmscale.model.config import ModelConfig, split_layers, stage_ids
 
-ZERO_STAGES_SHARDED = (1, 2, 3)
-
 
 def reshard_after_forward(zero_stage: int) -> bool:
     """FSDP2's `reshard_after_forward` for every unit, the root included: zero 3 only."""
@@ -198,12 +196,11 @@ def predict_collectives(
     zero 1 and 2 (measured, every schedule); under zero 3 the first step measured 1 to 2 more
     per unit still, not modelled (pp 2 x dp_shard 2, 4 micro-batches: 30-39 against 24-36).
     `param_bytes`: the compute dtype's size (FSDP2 gathers in it); `reduce_bytes`: 4 (fp32).
-    Zero when `dp_shard` is 1 (nothing is sharded).
+    `dp_shard`: the ranks FSDP shards over (dp_shard x cp); zero when it is 1 (nothing is
+    sharded). zero_stage 0 (FSDP over cp alone) runs as 1.
     """
     if dp_shard <= 1:
         return Collectives()
-    if zero_stage not in ZERO_STAGES_SHARDED:
-        raise ValueError(f"zero_stage {zero_stage} with dp_shard {dp_shard} > 1")
     per_unit: list[tuple[list[tuple[int, ...]], int, int]] = []  # (shapes, gathers, reduces)
     if pp <= 1:
         gathers = 2 * microbatches if reshard_after_forward(zero_stage) else 1
