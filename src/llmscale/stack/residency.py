@@ -69,6 +69,14 @@ def micro_batch_controls(zero_stage: int, last: bool) -> MicroBatchControls:
     return MicroBatchControls(last, last)
 
 
+def holds_unsharded_grads(zero_stage: int, pp: int, microbatches: int) -> bool:
+    """FSDP keeps each unit's unsharded fp32 gradients across micro-batches, reduce-scattering
+    once at the step's end: under a pipeline whatever the zero stage (torch's REDUCE_GRAD),
+    and without one under zero 1 (0 where FSDP shards over cp alone) with more than one
+    micro-batch. The stage then also holds every unit's unsharded parameters until then."""
+    return pp > 1 or (zero_stage <= 1 and microbatches > 1)
+
+
 @dataclass(frozen=True)
 class Collectives:
     """Data-parallel collectives of one rank in one optimizer step.
