@@ -61,6 +61,7 @@ def run(opts: BenchOptions) -> SuiteResult:
         f"{ACCUM} ({opts.model}, seq {opts.seq_len}, micro-batch 1)",
     )
     table: list[list[str]] = []
+    load_before = os.getloadavg()
     for z in STAGES:
         cfg = job(opts, z)
         _launch(cfg)
@@ -91,11 +92,19 @@ def run(opts: BenchOptions) -> SuiteResult:
         ["zero stage", "all-gathers", "reduce-scatters", "step time (ms)"],
         table,
     )
-    res.notes.append(
+    load_after = os.getloadavg()
+    res.notes += [
         "Predicted collectives: stack/residency.py (the rule the runtime's switches come from); "
         "measured: counted from FSDP2's own collectives (parallel/data_parallel.py's "
-        "CollectiveCounter). Predicted step time: the planner's prediction.json for this "
-        "machine; its time model does not tell the zero stages' gathers apart yet (one "
-        "all-gather per micro-batch, two under zero 3)."
-    )
+        "CollectiveCounter), the last step's row of rank 0. Predicted step time: each run's "
+        "prediction.json (the planner on this machine's calibrated kernels; links not measured, "
+        "the h100 node's stand in, so the gathers and reduce-scatters cost it almost nothing); "
+        "its time model does not tell the zero stages' collectives apart yet.",
+        f"Load average (1, 5, 15 min) before {_load(load_before)}, after {_load(load_after)} on "
+        f"{os.cpu_count()} cores: measured step times include other work on the machine.",
+    ]
     return res
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return "/".join(f"{x:.1f}" for x in avg)
