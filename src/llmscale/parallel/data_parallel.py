@@ -41,13 +41,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
 
 from llmscale.stack.residency import Collectives, micro_batch_controls, reshard_after_forward
 from llmscale.tensors import DTYPES
+from llmscale.torch_internals import fsdp_default_comms
+
+_DefaultAllGather, _DefaultReduceScatter = fsdp_default_comms()
 
 
 class CollectiveCounter:
@@ -70,22 +69,35 @@ class CollectiveCounter:
         return Collectives(self.allgathers, self.reduces, self.allgather_bytes, self.reduce_bytes)
 
     def install(self, module: FSDPModule) -> None:
-        counter = self
+        module.set_custom_all_gather(_CountingAllGather(self))
+        module.set_custom_reduce_scatter(_CountingReduceScatter(self))
 
-        class _AllGather(DefaultAllGather):
-            def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:  # fmt: skip
-                counter.allgathers += 1
-                counter.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
-                return super().__call__(output_tensor, input_tensor, group, async_op)
 
-        class _ReduceScatter(DefaultReduceScatter):
-            def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:  # fmt: skip
-                counter.reduces += 1
-                counter.reduce_bytes += input_tensor.numel() * input_tensor.element_size()
-                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+class _CountingAllGather(_DefaultAllGather):  # type: ignore[misc, valid-type]
+    def __init__(self, counter: CollectiveCounter) -> None:
+        super().__init__()
+        self.counter = counter
 
-        module.set_custom_all_gather(_AllGather())
-        module.set_custom_reduce_scatter(_ReduceScatter())
+    # torch's parameter names: FSDP2 passes them as keywords
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False
+    ) -> Any:
+        self.counter.allgathers += 1
+        self.counter.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(_DefaultReduceScatter):  # type: ignore[misc, valid-type]
+    def __init__(self, counter: CollectiveCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        self.counter.reduces += 1
+        self.counter.reduce_bytes += input_tensor.numel() * input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
