@@ -4,9 +4,9 @@
     python -m llmscale.bench.published --markdown docs/planner-validation.md
     llmscale bench --what published                          # the same rows as a bench suite
 
-The rows, each with its source: src/llmscale/plan/data/published.toml. Each GPU has one
+The rows, each with its source: src/llmscale/validation/data/published.toml. Each GPU has one
 calibration (hardware/data/gpus.toml) and each training stack one profile (plan/profiles.py);
-nothing is fitted per row. See src/llmscale/plan/published.py for how each row is evaluated.
+nothing is fitted per row. See src/llmscale/validation/published.py for how each row is evaluated.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from llmscale.hardware.catalog import default_catalog
-from llmscale.plan.published import Row as Published
-from llmscale.plan.published import all_rows
 from llmscale.ui import console
+from llmscale.validation.published import Row as Published
+from llmscale.validation.published import all_rows
 
 if TYPE_CHECKING:
     from llmscale.bench.report import SuiteResult
@@ -83,7 +83,7 @@ def markdown(rows: list[Published]) -> str:
         "is fitted per row. Two numbers were fitted, each on one row named in its source: the",
         "A100's large-GEMM efficiency on Narayanan et al. Table 1 row 10, and the H100 96GB's on",
         "torchtitan's 8-GPU row (those two rows are therefore not predictions; every other row",
-        "is). The rows and their sources: `src/llmscale/plan/data/published.toml`.",
+        "is). The rows and their sources: `src/llmscale/validation/data/published.toml`.",
         "",
         f"{len(rows)} rows; ratio range {min(ratios):.3f} .. {max(ratios):.3f}; "
         f"{len(rows) - len(misses)} within 10%.",
