@@ -12,7 +12,6 @@ import pytest
 from llmscale.model.config import get_preset
 from llmscale.plan.schedule import schedule_ops
 from llmscale.stack.residency import (
-    holds_unsharded_grads,
     micro_batch_controls,
     pipeline_gathers,
     predict_collectives,
@@ -32,8 +31,6 @@ def test_micro_batch_controls_are_the_zero_table() -> None:
         2: [(True, False), (True, True)],
         3: [(True, True), (True, True)],
     }
-    assert holds_unsharded_grads(1, 1, 4) and not holds_unsharded_grads(2, 1, 4)
-    assert holds_unsharded_grads(3, 2, 4) and not holds_unsharded_grads(1, 1, 1)
 
 
 def test_unit_numel_pads_the_first_dimension() -> None:

@@ -35,7 +35,7 @@ from llmscale.config import (
 from llmscale.errors import ConfigError
 from llmscale.model.config import BlockMode, ModelConfig, block_recompute, split_layers, stage_ids
 from llmscale.plan.cache import memoize
-from llmscale.stack.residency import holds_unsharded_grads
+from llmscale.stack import LLMSCALE, param_residency
 
 
 def _cfg(key: str, default: Any = None, frozen: type | None = None) -> Any:
@@ -97,8 +97,14 @@ class Plan(MeshDegrees):
         """FSDP2 under a pipeline schedule (torch.distributed.pipelining turns off gradient
         sync and resharding after backward for every micro-batch, then reduce-scatters once at
         the step's end), or zero 1 accumulating without one: each stage keeps its unsharded
-        parameters and unsharded fp32 gradients until then (`stack.residency`)."""
-        return self.fsdp and holds_unsharded_grads(self.zero_stage, self.pp, self.n_microbatches)
+        parameters and unsharded fp32 gradients until then (the llmscale stack's
+        `param_residency`)."""
+        if not self.fsdp:
+            return False
+        res = param_residency(
+            LLMSCALE, zero_stage=self.zero_stage, pp=self.pp, n_microbatches=self.n_microbatches
+        )
+        return res.grads_unsharded
 
     @property
     def fp8_matmuls(self) -> bool:

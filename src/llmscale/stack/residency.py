@@ -9,10 +9,12 @@ transformer block one FSDP unit, the model or pipeline stage root a unit of the 
 | 2 | once per optimizer step, kept unsharded across micro-batches | reduce-scattered after every micro-batch into sharded accumulators | sharded |
 | 3 | in each micro-batch's forward and again in its backward | reduce-scattered after every micro-batch | sharded |
 
-The runtime (`parallel/data_parallel.py`) reads its FSDP2 switches from `reshard_after_forward`
-and `micro_batch_controls` below; `predict_collectives` counts what they cause, the four figures
-every metrics row carries (`param_allgathers`, `grad_reduces` and their bytes, per rank and
-optimizer step), so the planner and the runtime read one rule.
+The rule itself is the llmscale stack's `param_residency` (`stack/__init__.py`), which the
+planner's memory and time models read; the runtime (`parallel/data_parallel.py`) reads its
+FSDP2 switches from `reshard_after_forward` and `micro_batch_controls` below, derived from it;
+`predict_collectives` counts what they cause, the four figures every metrics row carries
+(`param_allgathers`, `grad_reduces` and their bytes, per rank and optimizer step), so the
+planner and the runtime read one rule.
 
 Under a pipeline schedule torch 2.13 drives FSDP itself (measured: pp 2 x dp_shard 2, every
 schedule, 2 and 4 chunks; `pipeline_gathers`):
@@ -39,11 +41,19 @@ from dataclasses import asdict, dataclass
 
 from llmscale.config import V_SCHEDULES, pipeline_chunks
 from llmscale.model.config import ModelConfig, split_layers, stage_ids
+from llmscale.stack import LLMSCALE, Residency, param_residency
+
+
+def _residency(zero_stage: int, pp: int = 1, microbatches: int = 2) -> Residency:
+    """The llmscale stack's gather and reduce rule (`stack.param_residency`, which the
+    planner's memory and time read too)."""
+    return param_residency(LLMSCALE, zero_stage=zero_stage, pp=pp, n_microbatches=microbatches)
 
 
 def reshard_after_forward(zero_stage: int) -> bool:
-    """FSDP2's `reshard_after_forward` for every unit, the root included: zero 3 only."""
-    return zero_stage == 3
+    """FSDP2's `reshard_after_forward` for every unit, the root included: where the rule
+    gathers again in backward (zero 3)."""
+    return _residency(zero_stage).gathers_per_microbatch == 2
 
 
 @dataclass(frozen=True)
@@ -62,19 +72,11 @@ def micro_batch_controls(zero_stage: int, last: bool) -> MicroBatchControls:
     zero 3: reduce and reshard every micro-batch. Plain data parallelism (`dp_shard = 1`,
     `replicate`) follows zero 1's reduction rule: one all-reduce per step.
     """
-    if zero_stage == 3:
-        return MicroBatchControls(True, True)
-    if zero_stage == 2:
-        return MicroBatchControls(True, last)
-    return MicroBatchControls(last, last)
-
-
-def holds_unsharded_grads(zero_stage: int, pp: int, microbatches: int) -> bool:
-    """FSDP keeps each unit's unsharded fp32 gradients across micro-batches, reduce-scattering
-    once at the step's end: under a pipeline whatever the zero stage (torch's REDUCE_GRAD),
-    and without one under zero 1 (0 where FSDP shards over cp alone) with more than one
-    micro-batch. The stage then also holds every unit's unsharded parameters until then."""
-    return pp > 1 or (zero_stage <= 1 and microbatches > 1)
+    res = _residency(zero_stage)
+    return MicroBatchControls(
+        requires_gradient_sync=last or not res.grads_per_step,
+        reshard_after_backward=last or res.gathers_per_microbatch > 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -211,8 +213,9 @@ def predict_collectives(
         return Collectives()
     per_unit: list[tuple[list[tuple[int, ...]], int, int]] = []  # (shapes, gathers, reduces)
     if pp <= 1:
-        gathers = 2 * microbatches if reshard_after_forward(zero_stage) else 1
-        reduces = 1 if zero_stage == 1 else microbatches
+        res = _residency(zero_stage, 1, microbatches)
+        gathers = res.gathers_per_microbatch * microbatches or 1
+        reduces = 1 if res.grads_per_step else microbatches
         per_unit = [(u, gathers, reduces) for u in stage_units(model, 0, 1, pp_layers)]
     else:
         if not order:
