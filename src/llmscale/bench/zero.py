@@ -97,9 +97,10 @@ def run(opts: BenchOptions) -> SuiteResult:
         "Predicted collectives: stack/residency.py (the rule the runtime's switches come from); "
         "measured: counted from FSDP2's own collectives (parallel/data_parallel.py's "
         "CollectiveCounter), the last step's row of rank 0. Predicted step time: each run's "
-        "prediction.json (the planner on this machine's calibrated kernels; links not measured, "
-        "the h100 node's stand in, so the gathers and reduce-scatters cost it almost nothing); "
-        "its time model does not tell the zero stages' collectives apart yet.",
+        "prediction.json (the planner on this machine's calibrated kernels; it charges each "
+        "stage's collectives (stack.param_residency) at the rates of the h100 node's links, "
+        "which stand in for the unmeasured local ones, so they cost it well under a "
+        "millisecond against seconds of CPU compute).",
         f"Load average (1, 5, 15 min) before {_load(load_before)}, after {_load(load_after)} on "
         f"{os.cpu_count()} cores: measured step times include other work on the machine.",
     ]
