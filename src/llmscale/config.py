@@ -616,8 +616,13 @@ class JobConfig:
                 self.data.seq_len,
                 f"a multiple of 2 x parallel.cp = {2 * p.cp} (load-balanced ring attention)",
             )
-        if p.pp > 1 and m.tie_embeddings:
-            raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")
+        if p.pp > 1 and m.tie_embeddings and self.optimizer.offload != "none":
+            # The last stage's copy of the embedding is summed on the device before each step.
+            raise ConfigError(
+                "optimizer.offload",
+                self.optimizer.offload,
+                "none with parallel.pp > 1 and model.tie_embeddings",
+            )
         rule = microbatch_rule(p.pp_schedule, p.pp, self.n_microbatches)
         if rule is not None:
             raise ConfigError(
@@ -675,6 +680,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def given_keys(path: str | Path | None, overrides: list[str] | None) -> set[str]:
+    """The `section.key`s a user set: in the --config file or as overrides (not defaults)."""
+    keys = {key for key, _ in parse_overrides(overrides or [])}
+    raw = _read_toml(Path(path)) if path is not None else {}
+    for section, table in raw.items():
+        if isinstance(table, dict):
+            keys.update(f"{section}.{k}" for k in table)
+    return keys
+
+
 def _read_toml(p: Path) -> dict[str, Any]:
     """The --config file's tables, or a UsageError saying why it cannot be read."""
     if p.is_dir():
@@ -694,6 +709,11 @@ def _read_toml(p: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config: {p} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested inline tables and arrays recursively
+        raise UsageError(
+            f"--config: {p} nests inline tables or arrays too deeply for the TOML reader; "
+            "allowed: a config of [section] tables of keys"
+        ) from None
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -721,7 +741,7 @@ def _parse_value(text: str) -> Any:
     """A TOML literal when it parses as one (20, 1e-3, true, [1, 2]), else the plain string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         return text
 
 

@@ -101,9 +101,11 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.gpu is not None and not args.dry_run:
         raise UsageError("--gpu only applies with --dry-run")
     cfg = load_config(args.config, overrides)
+    from llmscale.config import given_keys
     from llmscale.data.prepared import apply_dataset
 
-    apply_dataset(cfg)  # data.dataset: the vocabulary follows its tokenizer (dry run too)
+    # data.dataset: verified, and the vocabulary follows its tokenizer (dry run too)
+    apply_dataset(cfg, given_keys(args.config, overrides))
     if args.nproc_per_node is not None and not args.dry_run:
         return _launch_workers(args, cfg)
     from llmscale.train.trainer import resolve_device, run_training

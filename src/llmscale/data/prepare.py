@@ -39,6 +39,7 @@ from llmscale.data.prepared import (
     token_dtype,
 )
 from llmscale.errors import ConfigError, UsageError
+from llmscale.paths import folder_problem
 from llmscale.ui import console
 
 PIECE_BYTES = 1 << 20  # a document is encoded in pieces of about this size, cut at line ends
@@ -342,6 +343,12 @@ def prepare(
     if final.exists() and not (final.is_dir() and (is_prepared(final) or not any(final.iterdir()))):
         raise ConfigError(
             "--out", str(out), "a new folder, an empty one or an earlier prepared one"
+        )
+    # The folder is written beside itself (DIR.tmp-PID, then renamed): its parent must take it.
+    problem = folder_problem(final.absolute().parent)
+    if problem:
+        raise ConfigError(
+            "--out", str(out), f"a folder that can be created and written ({problem})"
         )
     least = {"bpe": 256 + len(BPE_SPECIALS), "bytes": 256 + len(BYTE_SPECIALS)}.get(tokenizer)
     if least is not None and vocab_size is not None and vocab_size < least:

@@ -15,6 +15,7 @@ from llmscale.errors import ConfigError
 from llmscale.hf.convert import export_family, to_hf_state_dict
 from llmscale.hf.folder import write_folder
 from llmscale.inference.tokenizer import run_tokenizer
+from llmscale.paths import check_output_folder
 from llmscale.train.weights import read_run_config, read_run_weights
 
 Format = Literal["hf"]
@@ -36,6 +37,7 @@ def export_run(
         raise ConfigError("--format", fmt, " | ".join(FORMATS))
     if Path(out).exists() and not Path(out).is_dir():
         raise ConfigError("--out", str(out), "a folder (new, or one to overwrite), not a file")
+    check_output_folder("--out", out)  # before the weights are read, not after
     family = export_family(read_run_config(run_dir).model)  # refuse before reading weights
     run = read_run_weights(run_dir, step)
     tokenizer = run_tokenizer(run.cfg)

@@ -362,6 +362,25 @@ def sp_embedding_scatter(model: ModelConfig, tp: int) -> bool:
     return vocab_parallel(model, tp) and model.pos_emb == "rope"
 
 
+# Tied embeddings under pipeline parallelism: the last stage cannot read the first stage's
+# embedding, so it keeps a copy of it as its own output projection (Megatron's scheme; DeepSpeed's
+# TiedLayerSpec), initialised from the embedding and kept equal to it (parallel/tied_embeddings.py).
+EMBEDDING_WEIGHT = "tok_embeddings.weight"
+TIED_HEAD_WEIGHT = "output.weight"
+
+
+def tied_copy(model: ModelConfig, pp: int) -> bool:
+    """Whether the last pipeline stage keeps a copy of the tied embedding (pp > 1, tied)."""
+    return pp > 1 and model.tie_embeddings
+
+
+def value_name(model: ModelConfig, name: str) -> str:
+    """The parameter whose value parameter `name` holds: `name` itself, except the last stage's
+    copy of a tied embedding, which holds the embedding's (its initial value, its checkpointed
+    value, its value in a Hugging Face folder)."""
+    return EMBEDDING_WEIGHT if model.tie_embeddings and name == TIED_HEAD_WEIGHT else name
+
+
 def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:
     """The split of the module owning parameter `param_name` ("layers.3.attention.wq.weight")."""
     module = param_name.rsplit(".", 1)[0]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscale.model.config import ModelConfig
+from llmscale.model.config import ModelConfig, value_name
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -172,8 +172,10 @@ class Transformer(nn.Module):
         scaled by 1/sqrt(2 * n_layers) as in GPT-2, so the residual stream's variance does not
         grow with depth; norms at 1, biases at 0. Each parameter draws from its own generator,
         seeded by (seed, name) (`param_seed`), so its value depends on nothing else: not on the
-        other parameters, the device, or which of them a pipeline stage or shard holds.
+        other parameters, the device, or which of them a pipeline stage or shard holds. The
+        last pipeline stage's copy of a tied embedding (`output.weight`) starts as the embedding.
         """
+        name = value_name(self.cfg, name)
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name:
             return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)

@@ -157,8 +157,12 @@ def block_tensors(
     def norm(tag: str) -> None:
         per_token.extend(norm_terms(model, tag, a, kernels))
 
+    fp8_casts = precision == "fp8" and kernels.fp8_saves_casts
+
     def linear_inputs(tag: str, names: tuple[str, ...]) -> None:
-        if a == 4:
+        if fp8_casts:  # one float8 cast of the shared input (TransformerEngine)
+            per_token.append((f"{tag} input (float8 cast)", 1 * d, "linear_in"))
+        elif a == 4:
             per_token.append((f"{tag} input ({', '.join(names)} share it)", 4 * d, "linear_in"))
         elif norm_output_fp32(model, a, kernels):
             for n in names:  # autocast casts each linear's input on its own
@@ -193,22 +197,26 @@ def block_tensors(
         per_token.append(("attention output (= wo input)", a * d, "tp"))
         if mode == "none":
             per_token.append(("log-sum-exp (fp32)", 4 * heads, "tp"))
+        if fp8_casts:
+            per_token.append(("wo input (float8 cast)", 1 * d, "tp"))
     if kernels.dropout:
         per_token.append(("attention residual dropout mask", 1 * d, "norm"))
     norm("ffn_norm")
     if model.gated:
         linear_inputs("w1/w3", ("w1", "w3"))
-        per_token += [
-            ("w1 output (silu input)", a * f, "tp"),
-            ("silu output", a * f, "tp"),
-            ("w3 output", a * f, "tp"),
-            ("w2 input (silu x w3)", a * f, "tp"),
-        ]
+        per_token += [("w1 output (silu input)", a * f, "tp"), ("w3 output", a * f, "tp")]
+        if not kernels.fused_swiglu:
+            per_token.append(("silu output", a * f, "tp"))
+        w2_in = 1 if fp8_casts else a
+        per_token.append(
+            ("w2 input (silu x w3)" + (", float8" if fp8_casts else ""), w2_in * f, "tp")
+        )
     else:
         linear_inputs("w1", ("w1",))
+        w2_in = 1 if fp8_casts else a
         per_token += [
             ("w1 output (gelu input)", a * f, "tp"),
-            ("w2 input (gelu output)", a * f, "tp"),
+            ("w2 input (gelu output)" + (", float8" if fp8_casts else ""), w2_in * f, "tp"),
         ]
     if kernels.dropout:
         per_token.append(("mlp residual dropout mask", 1 * d, "norm"))

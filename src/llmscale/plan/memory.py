@@ -271,7 +271,7 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         )
         blocks_live = rp.blocks if res.stage_unsharded else min(opt.prefetch_blocks, rp.blocks)
         if res.grads_unsharded:
-            grads_held = 4.0 * rp.numel
+            grads_held = float(opt.stack.main_grad_bytes * rp.numel)
         unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
     else:

@@ -36,6 +36,15 @@ class Kernels:
     # copies): the residual stream and an RMSNorm's output are in that dtype, so the linears
     # reading one norm output share one saved input instead of autocast casting it per linear.
     lowp_weights: bool = False
+    # The gated MLP's activation as one fused function (Megatron's bias-SwiGLU fusion): it keeps
+    # its input (w1's and w3's outputs) and recomputes silu in backward, so silu's output is not
+    # kept.
+    fused_swiglu: bool = False
+    # Under fp8, each linear saves its input as the float8 cast it multiplied
+    # (TransformerEngine), 1 byte per element, instead of the bf16 input (torchao's float8
+    # linears keep the bf16 input and cast again in backward); where the bf16 tensor is kept
+    # anyway (the attention output, for the attention's backward), the cast is kept beside it.
+    fp8_saves_casts: bool = False
 
     @classmethod
     def for_runtime(cls, model: ModelConfig, tp: int, device: str = "cuda") -> Kernels:

@@ -25,7 +25,7 @@ from torch import nn
 from llmscale.config import JobConfig, load_config
 from llmscale.errors import ConfigError
 from llmscale.hf.folder import read_llama_folder
-from llmscale.model.config import ModelConfig
+from llmscale.model.config import ModelConfig, value_name
 from llmscale.model.transformer import build_model
 from llmscale.parallel.materialize import copy_full_into
 from llmscale.train.checkpoint import Checkpointer
@@ -117,10 +117,13 @@ def load_full_weights(parts: Sequence[nn.Module], state_dict: dict[str, torch.Te
     (`distribute_tensor(..., src_data_rank=None)`, no communication), so any layout works.
     """
     for part in parts:
+        cfg: ModelConfig = part.cfg  # type: ignore[assignment]
         for name, p in part.named_parameters():
-            if name not in state_dict:
+            # A tied model's last pipeline stage: its copy takes the embedding's weights.
+            source = value_name(cfg, name)
+            if source not in state_dict:
                 raise ConfigError("checkpoint.init_from", name, "a source holding every weight")
-            full = state_dict[name]
+            full = state_dict[source]
             if tuple(full.shape) != tuple(p.shape):
                 raise ConfigError(
                     "checkpoint.init_from",
