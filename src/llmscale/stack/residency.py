@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from llmscale.config import V_SCHEDULES, pipeline_chunks
-from llmscale.model.config import ModelConfig, split_layers, stage_ids
+from llmscale.model.config import ModelConfig, split_layers, stage_ids, tied_copy
 from llmscale.stack import LLMSCALE, Residency, param_residency
 
 
@@ -114,7 +114,8 @@ def stage_units(
 ) -> list[list[tuple[int, ...]]]:
     """The FSDP units of pipeline stage `stage` of `n_stages` (1: the whole model), each a list
     of parameter shapes: one per block, then the root's (embedding on the first stage, final norm
-    and untied output projection on the last), left out when it holds no parameter."""
+    and output projection on the last: under a pipeline a tied embedding's copy), left out when
+    it holds no parameter."""
     groups = model.parameter_shapes()
     block = [s for _, s in groups["block"]]
     layers = split_layers(model.n_layers, n_stages, pp_layers)[stage]
@@ -124,6 +125,8 @@ def stage_units(
         root += [s for _, s in groups["embedding"]]
     if stage == n_stages - 1:
         root += [s for _, s in groups["head"]]
+        if tied_copy(model, n_stages):  # the last stage's copy of a tied embedding
+            root.append((model.vocab_size, model.dim))
     if root:
         units.append(root)
     return units
