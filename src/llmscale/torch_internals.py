@@ -12,6 +12,9 @@ breaks here, with a name saying what it was for, not inside the pipeline's logic
 - FSDP2's `module._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream / all_gather_stream`:
   the CUDA streams on which FSDP2 reads a module's shards for its all-gather (an upload must be
   waited for on them too).
+- FSDP2's `_fsdp_collectives.DefaultAllGather` / `DefaultReduceScatter`: the comms every unit
+  issues its all-gathers and reduce-scatters through, subclassed to count them (the hook that
+  installs a subclass, `set_custom_all_gather` / `set_custom_reduce_scatter`, is public).
 - `DTensor(local, DTensorSpec(...), requires_grad=False)` with `param._spec` and
   `torch.distributed.tensor._dtensor_spec`: wrap a host shard as a DTensor sharded like its
   parameter without moving it (`DTensor.from_local` would copy a CPU shard onto the mesh's device).
@@ -68,6 +71,18 @@ def fsdp_gather_streams(module: torch.nn.Module) -> list[Any]:
     ctx = getattr(get_state(), "_comm_ctx", None)
     streams = [getattr(ctx, a, None) for a in ("all_gather_copy_in_stream", "all_gather_stream")]
     return [st for st in streams if isinstance(st, torch.cuda.Stream)]
+
+
+def fsdp_default_comms() -> tuple[type, type]:
+    """FSDP2's default all-gather and reduce-scatter comm classes (constructed without
+    arguments; called as `(output, input, group, async_op)` and `(output, input, group, op,
+    async_op)`)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    return DefaultAllGather, DefaultReduceScatter
 
 
 def dtensor_like(param: Any, host: torch.Tensor) -> Any:

@@ -43,14 +43,15 @@ class FirstStepEvents:
             ("all_reduce", "all_reduce"),
         ):
             self._wrap(dist, name, self._collective(getattr(dist, name), tag))
-        orig_sync = trainer_mod.set_gradient_sync
+        orig_controls = trainer_mod.apply_micro_batch_controls
 
-        def sync(parts, flag):
+        def controls(parts, zero_stage, shard, last):
+            flag = orig_controls(parts, zero_stage, shard, last)
             if self.active:
                 self.events.append(f"sync={flag}")
-            return orig_sync(parts, flag)
+            return flag
 
-        self._wrap(trainer_mod, "set_gradient_sync", sync)
+        self._wrap(trainer_mod, "apply_micro_batch_controls", controls)
         orig_step = trainer.train_step
 
         def first_step():
@@ -81,6 +82,20 @@ class FirstStepEvents:
                 setattr(owner, name, orig)
 
 
+def _record_rows(trainer: Trainer) -> list[dict]:
+    """Every step's metrics row as this rank computed it (rank 0 alone writes metrics.jsonl)."""
+    rows: list[dict] = []
+    orig = trainer.train_step
+
+    def step():
+        row = orig()
+        rows.append(dict(row))
+        return row
+
+    trainer.train_step = step
+    return rows
+
+
 def main() -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -90,6 +105,7 @@ def main() -> None:
         cfg = load_config(None, [*spec["base"], "--job.run_dir", str(run_dir), *layout["args"]])
         t = Trainer(cfg)
         recorder = FirstStepEvents(t)
+        rows = _record_rows(t)
         result = t.fit()
         params = full_parameters(t.model_parts)
         d = t.dims
@@ -103,6 +119,7 @@ def main() -> None:
                 "events": recorder.events,
                 "activation_peak": t.activation_peak,  # the last step's (pipelines)
                 "first_row": recorder.first_row,
+                "rows": rows,  # this rank's metrics row of every step
                 # torch's own per-rank op order (multi-stage schedules), for the timeline tests
                 "torch_order": (
                     schedule_op_order(t.pp_schedule)

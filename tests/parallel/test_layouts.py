@@ -202,20 +202,26 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("name", "reduction"),
-    [("dp2", "all_reduce"), ("fsdp2_zero2", "reduce_scatter"), ("fsdp2_zero3", "reduce_scatter")],
+    ("name", "syncs", "reduction", "per_micro_batch"),
+    [
+        ("dp2", ["sync=False", "sync=True"], "all_reduce", 1),
+        ("fsdp2_zero2", ["sync=True"], "reduce_scatter", 2),
+        ("fsdp2_zero3", ["sync=True"], "reduce_scatter", 2),
+    ],
 )
-def test_accumulation_reduces_gradients_on_the_last_micro_step_only(
-    name, reduction, world2
+def test_accumulation_reduces_gradients_as_the_zero_stage_says(
+    name, syncs, reduction, per_micro_batch, world2
 ) -> None:
-    """2 micro-batches per rank: sync is off for the first, on for the last, which alone reduces.
+    """2 micro-batches per rank. Plain DP: sync off for the first, on for the last, which alone
+    all-reduces; zero 2 and 3 reduce-scatter after every micro-batch (stack.residency).
 
     One reduction per FSDP unit: 4 blocks and the root.
     """
     (events,) = world2[name]["stage_events"]
-    assert events[:2] == ["sync=False", "sync=True"], events
-    grads = events[2:]
-    assert grads == [reduction] * 5, events
+    got_syncs = [e for e in events if e.startswith("sync=")]
+    assert got_syncs == syncs * (2 // len(syncs)), events
+    grads = [e for e in events if not e.startswith("sync=")]
+    assert grads == [reduction] * 5 * per_micro_batch, events
 
 
 def test_hsdp_reduce_scatters_then_all_reduces_once_per_unit(world4) -> None:

@@ -14,6 +14,7 @@ from llmscale.config import load_config
 from llmscale.instrument import calibrate
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import predict_step_time, runtime_time_params
+from llmscale.stack.residency import Collectives
 from llmscale.train import calibration
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.prediction import (
@@ -187,7 +188,9 @@ def test_gpu_needs_dry_run(capsys) -> None:
 
 def _byte_keys(row: dict) -> set[str]:
     keys = {"offload_bytes_moved"}  # predicted by plan/offload_traffic.py
-    return keys | {k for k, v in row.items() if k.endswith("_bytes") and isinstance(v, int)}
+    traffic = set(Collectives().to_dict())  # prediction.json's "collectives", not memory
+    byte_valued = {k for k, v in row.items() if k.endswith("_bytes") and isinstance(v, int)}
+    return keys | (byte_valued - traffic)
 
 
 @pytest.mark.parametrize(
@@ -213,6 +216,7 @@ def test_every_run_writes_its_prediction(cache, tmp_path, capsys, extra) -> None
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     measured = rows[-1]
     assert set(pred["memory_bytes"]) == _byte_keys(measured)
+    assert pred["collectives"] == {k: measured[k] for k in Collectives().to_dict()}  # no FSDP
     exact = ("param_bytes", "grad_bytes", "optimizer_bytes", "host_master_bytes")
     for key in (*exact, "offload_bytes_moved"):
         assert pred["memory_bytes"][key] == measured[key], key  # byte-exact on the CPU

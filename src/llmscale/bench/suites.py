@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "compile": "llmscale.bench.compile",
     "finetune": "llmscale.bench.finetune",
     "cp": "llmscale.bench.cp",
+    "zero": "llmscale.bench.zero",
 }
 
 

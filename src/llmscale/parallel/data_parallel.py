@@ -5,10 +5,14 @@ then the model (or pipeline stage) root takes the rest: embeddings, final norm, 
 
 - dp_shard > 1: `fully_shard` over the dp_shard mesh; with dp_replicate > 1 as well, over the
   2-D (dp_replicate, dp_shard) mesh, i.e. HSDP: sharded within a group, all-reduced across groups.
-  zero_stage 3 reshards parameters after forward (all-gathered again for backward); 1 and 2 keep
-  them unsharded from forward to backward. The policy holds for every unit, the root included
-  (FSDP2's own default would keep the root unsharded), so memory is what the planner counts. FSDP2 always reduce-scatters gradients and shards the
-  optimizer state, so 1 and 2 are the same layout here (ZeRO-2).
+  The ZeRO stages follow `llmscale.stack.residency` (its table): zero 3 reshards parameters after
+  forward (all-gathered again for backward) and reduce-scatters after every micro-batch; zero 2
+  keeps them gathered across the step's micro-batches and reduce-scatters after each into the
+  sharded gradients; zero 1 keeps them gathered and accumulates unsharded gradients, reduced
+  once on the last micro-batch (`apply_micro_batch_controls`, called by the trainer before each
+  micro-batch). The forward policy holds for every unit, the root included (FSDP2's own default
+  would keep the root unsharded), so memory is what the planner counts. Every unit's
+  all-gathers and reduce-scatters go through counting comms (`CollectiveCounter`).
 - dp_shard = 1, dp_replicate > 1: torch's FSDP2-based `replicate` (parameters as replicated
   DTensors, gradients all-reduced) - the same hooks and `set_requires_gradient_sync` as FSDP, and
   what torch.distributed.pipelining knows how to drive; works on gloo and NCCL.
@@ -38,7 +42,62 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from llmscale.stack.residency import Collectives, micro_batch_controls, reshard_after_forward
 from llmscale.tensors import DTYPES
+from llmscale.torch_internals import fsdp_default_comms
+
+_DefaultAllGather, _DefaultReduceScatter = fsdp_default_comms()
+
+
+class CollectiveCounter:
+    """Counts the FSDP all-gathers and reduce-scatters this rank issues, and their bytes.
+
+    Installed as every unit's all-gather and reduce-scatter comm (FSDP2's
+    `set_custom_all_gather` / `set_custom_reduce_scatter`, which still issue torch's default
+    collectives); the trainer reads and clears it once per optimizer step. Bytes: an
+    all-gather's output (the unit's padded flat buffer, compute dtype) and a reduce-scatter's
+    input (its padded unsharded gradients, reduce dtype): see `Collectives`.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.allgathers = self.reduces = self.allgather_bytes = self.reduce_bytes = 0
+
+    def counts(self) -> Collectives:
+        return Collectives(self.allgathers, self.reduces, self.allgather_bytes, self.reduce_bytes)
+
+    def install(self, module: FSDPModule) -> None:
+        module.set_custom_all_gather(_CountingAllGather(self))
+        module.set_custom_reduce_scatter(_CountingReduceScatter(self))
+
+
+class _CountingAllGather(_DefaultAllGather):  # type: ignore[misc, valid-type]
+    def __init__(self, counter: CollectiveCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    # torch's parameter names: FSDP2 passes them as keywords
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False
+    ) -> Any:
+        self.counter.allgathers += 1
+        self.counter.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(_DefaultReduceScatter):  # type: ignore[misc, valid-type]
+    def __init__(self, counter: CollectiveCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        self.counter.reduces += 1
+        self.counter.reduce_bytes += input_tensor.numel() * input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
@@ -61,8 +120,10 @@ def apply_fsdp(
     zero_stage: int,
     precision: str,
     cpu_offload: bool = False,
+    counter: CollectiveCounter | None = None,
 ) -> None:
-    """Wrap each block, then the root, with fully_shard (shard=True) or replicate."""
+    """Wrap each block, then the root, with fully_shard (shard=True) or replicate; under
+    fully_shard, `counter` counts every unit's collectives."""
     # The root returns the logits, under TP a view of the all-gathered output; FSDP2 warns that
     # an in-place op on it would skip its backward hook. The trainer only reads them.
     warnings.filterwarnings(
@@ -73,12 +134,14 @@ def apply_fsdp(
     pin = dp_mesh.device_type == "cuda"
     off: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     if shard:
-        reshard = zero_stage == 3
+        reshard = reshard_after_forward(zero_stage)
 
         def wrap(m: nn.Module) -> None:
-            fully_shard(
+            unit = fully_shard(
                 m, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=off
             )
+            if counter is not None:
+                counter.install(unit)
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -95,3 +158,26 @@ def set_gradient_sync(parts: list[nn.Module], sync: bool) -> None:
     for part in parts:
         if isinstance(part, FSDPModule):
             part.set_requires_gradient_sync(sync)
+
+
+def apply_micro_batch_controls(
+    parts: list[nn.Module], zero_stage: int, shard: bool, last: bool
+) -> bool:
+    """Set FSDP2's gradient sync and reshard-after-backward for the next micro-batch (no
+    pipeline) as the zero stage says (`stack.residency.micro_batch_controls`); returns the sync
+    flag. Without sharding (`replicate`) zero 1's rule: one all-reduce per step."""
+    c = micro_batch_controls(zero_stage if shard else 1, last)
+    set_gradient_sync(parts, c.requires_gradient_sync)
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part.set_reshard_after_backward(c.reshard_after_backward)
+    return c.requires_gradient_sync
+
+
+def reshard_all(parts: list[nn.Module]) -> None:
+    """Free every unit's unsharded parameters (after an evaluation, whose forwards leave zero
+    1 and 2 units gathered), so the next step gathers as `stack.residency` counts."""
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()

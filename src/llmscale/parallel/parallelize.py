@@ -11,7 +11,7 @@ of any of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
 from llmscale.parallel.compile import apply_compile, compile_problem
 from llmscale.parallel.context_parallel import apply_cp
-from llmscale.parallel.data_parallel import apply_fsdp
+from llmscale.parallel.data_parallel import CollectiveCounter, apply_fsdp
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.float8 import convert_to_fp8, fp8_problem
 from llmscale.parallel.pipeline import pipeline_split
@@ -36,6 +36,8 @@ class ParallelModel:
     parts: list[nn.Module]
     stage_ids: list[int]  # pipeline stage index of each part ([0] without pipelining)
     n_stages: int
+    # FSDP's all-gathers and reduce-scatters on this rank (zero without dp_shard)
+    collectives: CollectiveCounter = field(default_factory=CollectiveCounter)
 
     @property
     def has_first_stage(self) -> bool:
@@ -54,6 +56,7 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
         n_stages = dims.pp * pipeline_chunks(p.pp_schedule, p.pp_chunks)
     else:
         parts, ids, n_stages = [model], [0], 1
+    counter = CollectiveCounter()
     for part in parts:
         if dims.tp > 1:
             apply_tp(part, dims.submesh("tp"), p.sequence_parallel)
@@ -70,8 +73,9 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
                 zero_stage=p.zero_stage,
                 precision=cfg.precision.mode,
                 cpu_offload=cfg.fsdp_cpu_offload,
+                counter=counter,
             )
-    return ParallelModel(list(parts), ids, n_stages)
+    return ParallelModel(list(parts), ids, n_stages, counter)
 
 
 def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:

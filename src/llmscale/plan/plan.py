@@ -42,6 +42,7 @@ from llmscale.model.config import (
     stage_ids,
 )
 from llmscale.plan.cache import memoize
+from llmscale.stack import LLMSCALE, param_residency
 
 
 def _cfg(key: str, default: Any = None, frozen: type | None = None) -> Any:
@@ -100,11 +101,17 @@ class Plan(MeshDegrees):
 
     @property
     def fsdp_holds_grads_across_microbatches(self) -> bool:
-        """FSDP2 under a pipeline schedule: torch.distributed.pipelining turns off gradient
+        """FSDP2 under a pipeline schedule (torch.distributed.pipelining turns off gradient
         sync and resharding after backward for every micro-batch, then reduce-scatters once at
-        the step's end (`PipelineStage.backward_maybe_with_nosync`, `_post_backward`), so each
-        stage keeps its unsharded parameters and unsharded fp32 gradients until then."""
-        return self.fsdp and self.pp > 1
+        the step's end), or zero 1 accumulating without one: each stage keeps its unsharded
+        parameters and unsharded fp32 gradients until then (the llmscale stack's
+        `param_residency`)."""
+        if not self.fsdp:
+            return False
+        res = param_residency(
+            LLMSCALE, zero_stage=self.zero_stage, pp=self.pp, n_microbatches=self.n_microbatches
+        )
+        return res.grads_unsharded
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -164,6 +171,7 @@ class Plan(MeshDegrees):
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
             self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
             self.v_shape, self.lsp_dim, self.lsp_nonzeros,
+            self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
             # lsp's host transfer buffers: gradient hooks per step (plan.lsp.hooks_per_step)
             (self.n_microbatches, self.dp_replicate) if self.offload == "lsp" else None,
         )  # fmt: skip

@@ -7,6 +7,8 @@ Every run's rank 0 writes `RUN_DIR/prediction.json` before training:
      "memory_bytes": {...},        # every byte-valued key of the metrics rows, same names
      "step_time_s": 0.21,          # predicted seconds per optimizer step
      "step_breakdown_s": {...},    # where the time goes (plan/time.py)
+     "collectives": {...},         # FSDP all-gathers, reduce-scatters and their bytes per step
+                                   # of pipeline rank 0 (stack/residency.py; null under tp > 1)
      "not_modelled": null}         # or why the planner could not predict this layout
 
 and the end-of-run summary prints each prediction next to what the run measured (rank 0's
@@ -41,6 +43,7 @@ from llmscale.plan.predict import (
     runtime_options,
     runtime_time_params,
 )
+from llmscale.plan.schedule import schedule_ops
 from llmscale.plan.time import StepTime, estimate_step_time, time_params
 from llmscale.stack import (
     Stack,
@@ -49,6 +52,8 @@ from llmscale.stack import (
     schedule_problem,
     tied_pipeline_problem,
 )
+from llmscale.stack.residency import predict_collectives
+from llmscale.tensors import DTYPES
 from llmscale.train.calibration import cached_cluster
 from llmscale.train.memcheck import check_memory
 
@@ -104,6 +109,7 @@ class RunPrediction:
     memory: MemoryEstimate | None = None  # every pipeline rank, at the step's peak
     step: StepTime | None = None
     not_modelled: str | None = None
+    collectives: dict[str, int] | None = None  # per step after the first (stack/residency)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -113,6 +119,7 @@ class RunPrediction:
             "memory_bytes": self.memory_bytes,
             "step_time_s": self.step_time_s,
             "step_breakdown_s": self.step_breakdown_s,
+            "collectives": self.collectives,
             "not_modelled": self.not_modelled,
         }
 
@@ -140,11 +147,45 @@ def layout(plan: Plan) -> dict[str, Any]:
     return out
 
 
+def run_collectives(plan: Plan, rank: int = 0) -> dict[str, int] | None:
+    """The metrics rows' four collective counts the stack's rule predicts for pipeline `rank`
+    in a step after the first (`stack.residency.predict_collectives`); None under tp > 1,
+    whose DTensor shards the rule does not size, or for a schedule `plan.schedule` cannot
+    order."""
+    if plan.tp > 1:
+        return None
+    order: list[tuple[str, int]] = []
+    if plan.pp > 1:
+        try:
+            ops = schedule_ops(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks)
+        except ConfigError:  # a schedule the planner does not order: not predicted
+            return None
+        order = [(op.kind, op.stage) for op in ops[rank]]
+    return predict_collectives(
+        plan.model,
+        dp_shard=plan.fsdp_shards,
+        zero_stage=plan.zero_stage,
+        microbatches=plan.n_microbatches,
+        pp=plan.pp,
+        schedule=plan.pp_schedule,
+        chunks=plan.pp_chunks,
+        pp_rank=rank,
+        order=order,
+        pp_layers=plan.pp_layers,
+        param_bytes=DTYPES[plan.precision].itemsize,
+    ).to_dict()
+
+
 def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPrediction:
     """The planner's prediction for `cfg` on `hardware`; a layout it does not model is said so
     (`not_modelled`), with what it could predict."""
     plan = Plan.from_job(cfg)
-    base: dict[str, Any] = {"hardware": hardware.info, "plan": layout(plan), "rank": rank}
+    base: dict[str, Any] = {
+        "hardware": hardware.info,
+        "plan": layout(plan),
+        "rank": rank,
+        "collectives": run_collectives(plan, rank),
+    }
     try:
         memory_bytes = runtime_metric_bytes(plan, rank, hardware.device)
         memory = estimate_memory(plan, runtime_options(plan, hardware.device))

@@ -42,7 +42,7 @@ from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
 from llmscale.model.config import tied_copy
 from llmscale.model.transformer import build_model
 from llmscale.parallel import heartbeat
-from llmscale.parallel.data_parallel import set_gradient_sync
+from llmscale.parallel.data_parallel import apply_micro_batch_controls, reshard_all
 from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed, job_store
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import check_runtime_support, parallelize
@@ -355,8 +355,10 @@ class Trainer:
         Returns the global batch's mean loss (the same on every rank) and the activation bytes
         saved by one micro-batch's forward on this rank. Each micro-batch's loss is divided by the
         number of micro-batches, so k micro-steps of b sequences leave the same gradient as one
-        step of k*b. Under data parallelism gradients are reduced on the last micro-step only;
-        under pipeline parallelism the micro-batches are the pipeline's.
+        step of k*b. Under data parallelism the zero stage decides, before each micro-batch,
+        whether its gradients are reduced and its parameters resharded after backward
+        (`stack.residency`: zero 1 and plain DP reduce on the last micro-step only); under
+        pipeline parallelism the micro-batches are the pipeline's.
         """
         if self.pp_schedule is not None:
             return self._forward_backward_pipeline(batch)
@@ -370,7 +372,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.dims.reduces_grads:
-                set_gradient_sync(self.model_parts, i == accum - 1)
+                zero, shard = cfg.parallel.zero_stage, self.dims.fsdp
+                apply_micro_batch_controls(self.model_parts, zero, shard, i == accum - 1)
             # A micro-batch of its own (a copy on CPU too): autograd keeps the token ids until
             # backward, and they should not hold on to the whole batch.
             mb = mb.to(self.device, non_blocking=True, copy=True)
@@ -454,11 +457,14 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         self.optimizers.begin_step_traffic()
+        self.parallel.collectives.reset()
         batch = self.train_stream.next_batch(cfg.train.global_batch_size)
         loss, act_bytes = self.forward_backward(batch)
         row: dict[str, Any] = self.optimizer_step()
         row.update(self.optimizers.memory())  # param_bytes, optimizer_bytes, device_*, host_*
         row["offload_bytes_moved"] = self.optimizers.offload_bytes_moved()  # both directions
+        # FSDP's all-gathers and reduce-scatters of this step, counted (stack.residency)
+        row.update(self.parallel.collectives.counts().to_dict())
         row["activation_bytes"] = act_bytes
         if self.activation_peak is not None:  # pipelines: the schedule's micro-batches in flight
             row["activation_peak_bytes"] = self.activation_peak
@@ -523,6 +529,7 @@ class Trainer:
                     )
             if self.dims.holds_loss():  # one rank per replica: the last stage's first TP rank
                 total += part
+        reshard_all(self.model_parts)  # zero 1 and 2 forwards leave their units gathered
         self.dims.all_reduce_sum(total)
         return float(total[0] / total[1])
 
