@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llmscale.config import DTYPE_BYTES, JobConfig
+from llmscale.errors import ConfigError
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.lsp import lsp_memory
@@ -40,7 +41,9 @@ from llmscale.plan.memory import (
 )
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
+from llmscale.plan.schedule import schedule_ops
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams, estimate_step_time
+from llmscale.stack.residency import predict_collectives
 
 
 def as_plan(job: JobConfig | Plan) -> Plan:
@@ -221,3 +224,32 @@ def _lsp_ledger(plan: Plan) -> dict[str, int]:
         dp_replicate=plan.dp_replicate,
         dp_shard=plan.dp_shard,
     )
+
+
+def plan_collectives(plan: Plan, rank: int = 0) -> dict[str, int] | None:
+    """The metrics rows' four collective counts the stack's rule predicts for pipeline `rank`
+    in a step after the first (`stack.residency.predict_collectives`); None under tp > 1,
+    whose DTensor shards the rule does not size, or for a schedule `plan.schedule` cannot
+    order."""
+    if plan.tp > 1:
+        return None
+    order: list[tuple[str, int]] = []
+    if plan.pp > 1:
+        try:
+            ops = schedule_ops(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks)
+        except ConfigError:  # a schedule the planner does not order: not predicted
+            return None
+        order = [(op.kind, op.stage) for op in ops[rank]]
+    return predict_collectives(
+        plan.model,
+        dp_shard=plan.fsdp_shards,
+        zero_stage=plan.zero_stage,
+        microbatches=plan.n_microbatches,
+        pp=plan.pp,
+        schedule=plan.pp_schedule,
+        chunks=plan.pp_chunks,
+        pp_rank=rank,
+        order=order,
+        pp_layers=plan.pp_layers,
+        param_bytes=DTYPE_BYTES[plan.precision],
+    ).to_dict()

@@ -11,6 +11,7 @@ from rich.table import Table
 from llmscale.hardware.catalog import Catalog, GiB
 from llmscale.plan.memory import MemoryEstimate, RankMemory
 from llmscale.plan.plan import Plan
+from llmscale.plan.predict import plan_collectives
 from llmscale.plan.roofline import Roofline
 from llmscale.plan.search import Candidate, SearchResult
 
@@ -235,12 +236,24 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _collectives(c: Candidate, stack: str) -> dict[str, Any]:
+    """The llmscale runtime's four collective counts per step on pipeline rank 0, as its
+    metrics rows carry them (`plan.predict.plan_collectives`; None where not predicted);
+    another stack's plans carry none."""
+    if stack != "llmscale":
+        return {}
+    return {"collectives": plan_collectives(c.plan, 0)}
+
+
 def search_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
     return {
         "inputs": inputs,
         "search": {"evaluated": result.evaluated, "feasible": result.feasible,
                    "seconds": result.seconds},
-        "candidates": [candidate_json(c) for c in result.shown],
+        "candidates": [
+            {**candidate_json(c), **_collectives(c, inputs.get("stack", "llmscale"))}
+            for c in result.shown
+        ],
         "why": result.why_none(),
     }  # fmt: skip
 

@@ -121,9 +121,10 @@ def param_residency(stack: Stack, *, zero_stage: int, pp: int, n_microbatches: i
             if pp > 1:
                 # torch.distributed.pipelining: PipelineStage turns off gradient sync and
                 # resharding after backward for every micro-batch and reduces once at the step's
-                # end; under zero 3 each F reshards its stage and B gathers it again
-                # (parallel/pipeline.py).
-                return Residency(2 if zero_stage == 3 else 0, True, True, True)
+                # end; under zero 3 each F reshards its stage and the next B gathers it again,
+                # kept until the next F: m + 1 gathers per step, about one per micro-batch
+                # (measured; stack/residency.pipeline_gathers has the exact counts).
+                return Residency(1 if zero_stage == 3 else 0, True, True, True)
             if zero_stage == 3:
                 return Residency(2, False, False, False)
             if zero_stage == 2:  # DeepSpeed ZeRO-2: sharded accumulators

@@ -39,11 +39,11 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import MemoryEstimate, estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import (
+    plan_collectives,
     runtime_metric_bytes,
     runtime_options,
     runtime_time_params,
 )
-from llmscale.plan.schedule import schedule_ops
 from llmscale.plan.time import StepTime, estimate_step_time, time_params
 from llmscale.stack import (
     Stack,
@@ -52,8 +52,6 @@ from llmscale.stack import (
     schedule_problem,
     tied_pipeline_problem,
 )
-from llmscale.stack.residency import predict_collectives
-from llmscale.tensors import DTYPES
 from llmscale.train.calibration import cached_cluster
 from llmscale.train.memcheck import check_memory
 
@@ -147,35 +145,6 @@ def layout(plan: Plan) -> dict[str, Any]:
     return out
 
 
-def run_collectives(plan: Plan, rank: int = 0) -> dict[str, int] | None:
-    """The metrics rows' four collective counts the stack's rule predicts for pipeline `rank`
-    in a step after the first (`stack.residency.predict_collectives`); None under tp > 1,
-    whose DTensor shards the rule does not size, or for a schedule `plan.schedule` cannot
-    order."""
-    if plan.tp > 1:
-        return None
-    order: list[tuple[str, int]] = []
-    if plan.pp > 1:
-        try:
-            ops = schedule_ops(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks)
-        except ConfigError:  # a schedule the planner does not order: not predicted
-            return None
-        order = [(op.kind, op.stage) for op in ops[rank]]
-    return predict_collectives(
-        plan.model,
-        dp_shard=plan.fsdp_shards,
-        zero_stage=plan.zero_stage,
-        microbatches=plan.n_microbatches,
-        pp=plan.pp,
-        schedule=plan.pp_schedule,
-        chunks=plan.pp_chunks,
-        pp_rank=rank,
-        order=order,
-        pp_layers=plan.pp_layers,
-        param_bytes=DTYPES[plan.precision].itemsize,
-    ).to_dict()
-
-
 def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPrediction:
     """The planner's prediction for `cfg` on `hardware`; a layout it does not model is said so
     (`not_modelled`), with what it could predict."""
@@ -184,7 +153,7 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
         "hardware": hardware.info,
         "plan": layout(plan),
         "rank": rank,
-        "collectives": run_collectives(plan, rank),
+        "collectives": plan_collectives(plan, rank),
     }
     try:
         memory_bytes = runtime_metric_bytes(plan, rank, hardware.device)
