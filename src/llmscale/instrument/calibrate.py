@@ -172,8 +172,18 @@ class LoadMeter:
 
     def other_load_cores(self) -> float:
         """Cores other processes used on average since the start (this one process alone)."""
-        wall, busy, own = self.stop()
-        return max(0.0, (busy - own) / wall) if wall > 0 else 0.0
+        return other_load_cores(*self.stop())
+
+
+MIN_LOAD_WINDOW_S = 0.5  # the kernel counts CPU time in ticks of 10 ms: shorter says nothing
+
+
+def other_load_cores(wall: float, busy: float, own: float) -> float:
+    """Cores the machine's other processes used on average over `wall` seconds in which it was
+    busy `busy` CPU-seconds, `own` of them ours; NaN (unknown) over too short a window."""
+    if wall < MIN_LOAD_WINDOW_S:
+        return math.nan
+    return max(0.0, (busy - own) / wall)
 
 
 # ---- the per-machine cache ------------------------------------------------------------------

@@ -58,7 +58,8 @@ def one_token(plan: Plan) -> Plan:
 
 def gloo_cluster(cluster: Cluster, plan: Plan, costs: SharedCoreCosts) -> Cluster:
     """`cluster` whose links are the measured gloo all-reduce, as the planner's ring all-reduce
-    over tp ranks reads them (2 (n - 1) latencies and 2 (n - 1) / n of the bytes per link)."""
+    over tp ranks reads them (2 (n - 1) latencies and 2 (n - 1) / n of the bytes per link):
+    exact for tp = 2; over more ranks the planner may price a tree, lower in latency."""
     n = max(plan.tp, 2)
     link = Link(
         name="gloo",

@@ -173,7 +173,7 @@ def measure(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> SharedC
         allreduce_latency_s=latency,
         allreduce_bytes_per_s=rate,
         step_overhead_s=overhead,
-        other_load_cores=max(0.0, (busy - own) / wall) if wall > 0 else 0.0,
+        other_load_cores=calibrate.other_load_cores(wall, busy, own),
         measured_at=time.time(),
     )
 
