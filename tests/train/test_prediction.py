@@ -304,11 +304,12 @@ def test_the_calibration_line_says_its_age_and_load() -> None:
         "measured_at": 1000.0, "other_load_cores": 0.5, "oversubscription": 2.0,
         "allreduce_latency_s": 5e-4, "allreduce_bytes_per_s": 1.5e9, "step_overhead_s": 0.25,
     }  # fmt: skip
-    hw["shared_cores_warning"] = "busy"
     assert calibration_line(hw, 1000.0 + 3 * 86400) == (
         "calibration: measured 3 days ago, other processes' load 0.12 cores; ranks sharing "
         "cores measured 3 days ago, load 0.50 cores (oversubscription x2.00, gloo all-reduce "
-        "500 us + 1.50 GB/s, step overhead 250 ms); warning: busy"
+        "500 us + 1.50 GB/s, step overhead 250 ms); warning: measured while other processes "
+        "used more than 0.25 cores (twice, when it was measured): the prediction carries that "
+        "load"
     )
     assert calibration_line({"display": "H100"}, 0.0) == ""  # a catalog GPU: no line
     pred = RunPrediction(hardware=hw, plan={}, rank=0, memory_bytes={}, step_time_s=0.5)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from llmscale.config import JobConfig
+from llmscale.instrument.calibrate import BUSY_CORES
 from llmscale.ui import console
 
 if TYPE_CHECKING:
@@ -131,9 +132,12 @@ def calibration_line(hardware: dict[str, Any], now: float) -> str:
             f"{shared['allreduce_bytes_per_s'] / 1e9:.2f} GB/s, step overhead "
             f"{1e3 * shared['step_overhead_s']:.0f} ms)"
         )
-    warnings = [w for w in (cal.get("warning"), hardware.get("shared_cores_warning")) if w]
-    if warnings:
-        text += "; warning: " + "; ".join(warnings)
+    loads = [cal["other_load_cores"], *([shared["other_load_cores"]] if shared else [])]
+    if any(load > BUSY_CORES for load in loads):  # NaN (unknown) is not busy
+        text += (
+            f"; warning: measured while other processes used more than {BUSY_CORES} cores "
+            "(twice, when it was measured): the prediction carries that load"
+        )
     return text
 
 
