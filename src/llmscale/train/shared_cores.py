@@ -25,6 +25,7 @@ measurement taken while others used more than a quarter of a core is taken again
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -40,7 +41,7 @@ from llmscale.parallel.dims import ParallelDims
 from llmscale.plan.plan import Plan
 from llmscale.plan.shared_cores import SharedCoreCosts, overhead_seq_len
 
-VERSION = 1
+VERSION = 2  # 2: the step's bookkeeping (activation meter, ledgers) in the overhead
 MESSAGE_BYTES = (4 * 2**10, 1 * 2**20)  # all-reduce sizes: latency-bound, bandwidth-bound
 OVERSUB_GEMM = 192  # n of the n x n fp32 GEMM timed alone and on every rank at once
 OVERSUB_REPEATS = 40
@@ -117,6 +118,7 @@ def allreduce_alpha_beta(dims: ParallelDims) -> tuple[float, float]:
 def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> float:
     """Median seconds of an optimizer step of the run's parallelized model on micro-batches of
     one-token sequences (`overhead_seq_len`), on every rank at once (the slowest rank's)."""
+    from llmscale.instrument.activations import ActivationMeter
     from llmscale.model.transformer import build_model
     from llmscale.parallel.data_parallel import set_gradient_sync
     from llmscale.parallel.materialize import materialize
@@ -133,18 +135,25 @@ def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.devi
     tokens = torch.zeros((cfg.train.micro_batch_size, seq + 1), dtype=torch.long, device=device)
     n_mb = cfg.n_microbatches
 
-    def step() -> None:
+    def step() -> None:  # the trainer's train_step, its per-step bookkeeping included
+        opts.begin_step_traffic()
+        meter = ActivationMeter(parts, pipelined=False) if cfg.metrics.activation_memory else None
         for i in range(n_mb):
             if dims.reduces_grads:
                 set_gradient_sync(parts, i == n_mb - 1)
+            counting = meter.counting() if meter is not None and i == 0 else None
             with loss_context(cfg.model, dims.tp):
-                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+                with counting or contextlib.nullcontext():
+                    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
                 (loss / n_mb).backward()
         loss_sum = dims.global_mean_loss(loss.detach())
         norm, _ = opts.grad_norm(None)
         opts.clip_(norm, cfg.train.max_grad_norm or math.inf)
+        opts.grad_memory()
         opts.step()
         opts.zero_grad()
+        opts.memory()
+        opts.offload_bytes_moved()
         float(loss_sum)
 
     step()
