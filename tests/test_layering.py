@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("llmscale.hardware",),
     ("llmscale.stack",),
     ("llmscale.plan",),
+    ("llmscale.validation", "llmscale.report"),
     ("llmscale.tensors", "llmscale.torch_internals", "llmscale.instrument"),
     ("llmscale.model",),
     ("llmscale.data",),
@@ -47,6 +48,8 @@ TORCH_FREE = (
     "llmscale.hardware",
     "llmscale.stack",
     "llmscale.plan",
+    "llmscale.validation",
+    "llmscale.report",
 )
 
 

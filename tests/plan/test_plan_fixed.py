@@ -12,7 +12,7 @@ from llmscale.model.config import get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES
 from llmscale.plan.search import search
-from llmscale.plan.search_report import fixed_space
+from llmscale.report.search_report import fixed_space
 
 L70 = get_preset("llama2-70b")
 H200 = Cluster.of("h200")

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from llmscale.cli import main
 from llmscale.errors import ConfigError
-from llmscale.plan.gantt import text_gantt
 from llmscale.plan.schedule import (
     DeadlockError,
     Op,
@@ -24,6 +23,7 @@ from llmscale.plan.schedule import (
     simulate,
     simulate_orders,
 )
+from llmscale.report.gantt import text_gantt
 
 FAST = settings(max_examples=60, deadline=None)
 pps = st.integers(1, 8)
@@ -386,7 +386,7 @@ def test_cli_non_integer_pp_is_an_argparse_error(capsys):
 
 def test_schedule_and_gantt_import_neither_torch_nor_matplotlib():
     code = (
-        "import sys, llmscale.plan.schedule, llmscale.plan.gantt; "
+        "import sys, llmscale.plan.schedule, llmscale.report.gantt; "
         "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -157,7 +157,7 @@ def gpu_demand(
 ) -> tuple[float, str]:
     """Tokens/s one data-parallel rank's loader must deliver in the planner's fastest plan for
     `model` on `gpus` x `gpu` (global batch 256 sequences), and the plan in words."""
-    from llmscale.plan.search_report import plan_report
+    from llmscale.report.search_report import plan_report
 
     best = plan_report(model, gpus, gpu, seq=seq, global_batch=256, top=1).result.candidates[0]
     dp = best.plan.dp

@@ -40,7 +40,6 @@ from llmscale.parallel.timeline import (
     step_stats,
 )
 from llmscale.plan import activations as act
-from llmscale.plan.gantt import draw_gantts_png
 from llmscale.plan.memory import (
     MemoryOptions,
     inflight_units,
@@ -49,6 +48,7 @@ from llmscale.plan.memory import (
 )
 from llmscale.plan.predict import as_plan
 from llmscale.plan.schedule import Op, SimResult, bubble_fraction, schedule_ops, simulate
+from llmscale.report.gantt import draw_gantts_png
 from llmscale.train.metrics import read_jsonl
 
 SUITE = "pipeline"

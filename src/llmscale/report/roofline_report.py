@@ -9,7 +9,8 @@ from rich.table import Table
 from llmscale.config import Precision
 from llmscale.hardware.catalog import GPU
 from llmscale.model.config import ModelConfig
-from llmscale.plan import report, roofline
+from llmscale.plan import roofline
+from llmscale.report import report
 
 
 class RooflineReport(NamedTuple):

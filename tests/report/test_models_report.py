@@ -1,5 +1,5 @@
 from llmscale.model.config import PRESETS, get_preset
-from llmscale.plan.models_report import COLUMNS, model_row, models_table
+from llmscale.report.models_report import COLUMNS, model_row, models_table
 
 
 def test_every_preset_has_a_row_with_its_counts() -> None:

@@ -7,7 +7,7 @@ from typing import NamedTuple
 from rich.table import Table
 
 from llmscale.plan.inference import ServingPrediction
-from llmscale.plan.report import gib as _gib
+from llmscale.report.report import gib as _gib
 
 
 class InferenceReport(NamedTuple):

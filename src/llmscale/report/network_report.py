@@ -15,10 +15,11 @@ from rich.table import Table
 
 from llmscale.errors import ConfigError
 from llmscale.model.config import ModelConfig
-from llmscale.plan import network, report
+from llmscale.plan import network
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import search
 from llmscale.plan.time import estimate_step_time
+from llmscale.report import report
 
 # The all-to-all overhead of rail-only over a fat-tree that Wang et al. 2023 report.
 PUBLISHED_A2A_OVERHEAD = "+8.2% to +11.2%"

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from llmscale.errors import ConfigError
-from llmscale.plan.gantt import text_gantt
 from llmscale.plan.schedule import (
     Costs,
     SimResult,
     bubble_fraction,
     peak_inflight_closed_form,
 )
+from llmscale.report.gantt import text_gantt
 
 # The closed form of each schedule's bubble (plan.schedule.bubble_fraction), as printed; the
 # zero-bubble ones give idle time per rank with chunk costs F, B (input gradient), W.

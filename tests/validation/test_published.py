@@ -9,7 +9,8 @@ import pytest
 from llmscale.bench.published import COMMAND, markdown
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import default_catalog
-from llmscale.plan.published import (
+from llmscale.plan.time import DEFAULT_TIME
+from llmscale.validation.published import (
     DATA,
     MEGATRON_2021_RUNTIME,
     Row,
@@ -18,7 +19,6 @@ from llmscale.plan.published import (
     load_rows,
     narayanan_2021,
 )
-from llmscale.plan.time import DEFAULT_TIME
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -57,8 +57,8 @@ def test_one_parameter_set_for_every_row() -> None:
 
 
 def test_the_rows_ship_with_the_package() -> None:
-    # Package data (pyproject's package-data), not test data: found beside plan/published.py.
-    assert DATA.is_file() and DATA.parent == SRC / "llmscale" / "plan" / "data"
+    # Package data (pyproject's package-data), not test data: found beside validation/published.py.
+    assert DATA.is_file() and DATA.parent == SRC / "llmscale" / "validation" / "data"
     assert load_rows() == load_rows(DATA)
 
 

@@ -11,9 +11,9 @@ import pytest
 from llmscale.cli import main
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import default_catalog
-from llmscale.plan import claims
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.network import design
+from llmscale.validation import claims
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "results.json"

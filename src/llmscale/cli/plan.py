@@ -1,0 +1,152 @@
+"""The plan: the fastest layouts that fit, searched or fixed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llmscale.cli._args import (
+    Parser,
+    one_of,
+)
+from llmscale.cli.schedule import SCHEDULE_ALIASES
+from llmscale.config import (
+    OFFLOAD_MODES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+)
+from llmscale.paths import check_image_file
+from llmscale.stack import STACK_NAMES, stacks_help
+
+# ---- plan ---------------------------------------------------------------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search parallel layouts: the fastest plans that fit, with memory and step time",
+        description=(
+            "Enumerate tp x pp x dp (replicated, FSDP-sharded or hybrid) with micro-batch size, "
+            "recompute mode, ZeRO stage, pipeline schedule and chunks, sequence parallelism and "
+            "offload; keep those whose divisibility holds (tp <= GPUs per node and divides the "
+            "heads, kv heads and ffn_dim; pp divides the layers; the global batch divides by "
+            "micro-batch x dp) and whose fullest GPU fits; rank by predicted step time. Memory "
+            "is per GPU (docs/memory-model.md), time from plan/time.py (docs/planner.md). "
+            "Each layout flag given (--tp ... --offload) fixes that dimension and the search "
+            "runs over the rest; with all fixed it evaluates exactly that plan. When nothing "
+            "fits, the closest plans are shown flagged (#!) with why, and the exit code is 1."
+        ),
+        epilog="Examples: llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 "
+        "--global-batch 1024 --top 10 --png plans.png; one fixed layout: llmscale plan --gpus 64 "
+        "--tp 8 --pp 2 --dp-shard 4 --dp-replicate 1 --mbs 1 --recompute selective "
+        "--schedule 1f1b --zero-stage 3 --sp --offload none",
+    )
+    p.add_argument(
+        "--model", default="llama2-70b", help="model preset (llmscale models; default llama2-70b)"
+    )
+    p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument(
+        "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
+    )
+    p.add_argument("--precision", default="bf16", help=" | ".join(PRECISIONS) + " (default bf16)")
+    p.add_argument("--node", help="node shape (default: the GPU's; llmscale hw)")
+    p.add_argument("--nic", help="NIC link (default: the node's; e.g. ib-xdr)")
+    p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
+    p.add_argument("--png", help="also draw the top plans' memory as stacked bars to this PNG")
+    p.add_argument("--json", action="store_true", help="print JSON on standard output, only")
+    p.add_argument("--wide", action="store_true", help="every column (default: 100 columns)")
+    p.add_argument(
+        "--stack",
+        choices=STACK_NAMES,
+        default="llmscale",
+        metavar="NAME",
+        help="the training software whose kernels, gathers, overlaps and overheads are modelled "
+        f"(default llmscale). {stacks_help()}",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the blocks compiled with torch.compile (train.compile): fused element-wise kernels",
+    )
+    fix = p.add_argument_group("fix a dimension (default: searched)")
+    for flag, name in (
+        ("--tp", "tensor-parallel degree"),
+        ("--pp", "pipeline-parallel degree"),
+        ("--dp-shard", "FSDP shards"),
+        ("--dp-replicate", "data-parallel replicas"),
+        ("--cp", "context-parallel degree (ring attention; gpus = pp x dp x cp x tp)"),
+        ("--mbs", "micro-batch size"),
+        ("--every-k", "recompute one block in k (implies --recompute every_k)"),
+        ("--chunks", "model chunks per pp rank (> 1: interleaved_1f1b, zero_bubble; V: 2)"),
+    ):
+        fix.add_argument(flag, type=int, help=name)  # fmt: skip
+    fix.add_argument("--recompute", help=" | ".join(RECOMPUTE_MODES))
+    fix.add_argument("--schedule", help=" | ".join(PP_SCHEDULES) + " (alias: interleaved)")
+    fix.add_argument(
+        "--pp-layers",
+        help="layers per pipeline stage, e.g. 31,32,32,31 (sets --pp; summing to "
+        "the model's layers)",
+    )
+    fix.add_argument("--zero-stage", type=int, help=" | ".join(map(str, ZERO_STAGES)))
+    fix.add_argument(
+        "--sp", action=argparse.BooleanOptionalAction, help="sequence parallelism on or off"
+    )
+    fix.add_argument("--offload", help=" | ".join(OFFLOAD_MODES))
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from llmscale.report import report
+    from llmscale.report.search_report import (
+        FIXABLE,
+        MEMORY_LEGEND,
+        NARROW_LEGEND,
+        fixed_space,
+        plan_report,
+    )
+    from llmscale.ui import console
+
+    one_of("precision", args.precision, PRECISIONS)
+    png = check_image_file("--png", args.png) if args.png else None
+    given = {k: getattr(args, k) for k in FIXABLE}
+    if given["schedule"] is not None:
+        given["schedule"] = SCHEDULE_ALIASES.get(given["schedule"], given["schedule"])
+    space, fixed = fixed_space(args.gpus, given)
+    rep = plan_report(
+        args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
+        node=args.node, nic=args.nic, space=space, fixed=fixed, stack=args.stack,
+        compiled=args.compile,
+    )  # fmt: skip
+    why = rep.result.why_none()
+    if png and rep.result.shown:
+        report.memory_png(rep.result, png)
+    if args.json:
+        print(json.dumps(rep.json(), indent=2))
+    else:
+        out = console()
+        out.print(rep.headline())
+        if rep.result.shown:
+            out.print(report.search_table(rep.result, wide=args.wide))
+        if rep.result.candidates:
+            out.print(rep.best_command())
+        if rep.result.shown:
+            out.print(MEMORY_LEGEND if args.wide else NARROW_LEGEND)
+        for line in rep.unfit_lines():
+            out.print(line)
+        if png and rep.result.shown:
+            out.print(f"wrote {png}")
+    if why:
+        sys.stderr.write(f"llmscale plan: {why}\n")
+        return 1
+    return 0
+
+
+def add(sub: argparse._SubParsersAction[Parser]) -> None:
+    """Register this family's commands."""
+    _add_plan(sub)
