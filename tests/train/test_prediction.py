@@ -292,7 +292,7 @@ def test_the_load_is_the_machines_busy_time_less_ours() -> None:
     # 3 CPU-seconds busy over 2 s of wall time, 1 of them ours: others used 1 core
     assert calibrate.other_load_cores(2.0, 3.0, 1.0) == 1.0
     assert calibrate.other_load_cores(2.0, 1.0, 1.5) == 0.0  # ticks: never below zero
-    assert math.isnan(calibrate.other_load_cores(0.1, 3.0, 1.0))  # too short to say
+    assert math.isnan(calibrate.other_load_cores(0.1, 3.0, 1.0))  # too short to say (ticks)
 
 
 def test_the_calibration_line_says_its_age_and_load() -> None:

@@ -175,7 +175,7 @@ class LoadMeter:
         return other_load_cores(*self.stop())
 
 
-MIN_LOAD_WINDOW_S = 0.5  # the kernel counts CPU time in ticks of 10 ms: shorter says nothing
+MIN_LOAD_WINDOW_S = 0.2  # the kernel counts CPU time in ticks of 10 ms: shorter says little
 
 
 def other_load_cores(wall: float, busy: float, own: float) -> float:
