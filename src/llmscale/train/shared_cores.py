@@ -41,10 +41,10 @@ from llmscale.parallel.dims import ParallelDims
 from llmscale.plan.plan import Plan
 from llmscale.plan.shared_cores import SharedCoreCosts, overhead_seq_len
 
-VERSION = 2  # 2: the step's bookkeeping (activation meter, ledgers) in the overhead
+VERSION = 3  # 3: a workload long enough to overlap; 2: the step's bookkeeping (activation meter, ledgers) in the overhead
 MESSAGE_BYTES = (4 * 2**10, 8 * 2**20)  # all-reduce sizes: latency-bound, bandwidth-bound
 OVERSUB_GEMM = 192  # n of the n x n fp32 GEMM timed alone and on every rank at once
-OVERSUB_REPEATS = 40
+OVERSUB_SECONDS = 0.1  # the GEMM workload's length alone
 STEP_REPEATS = 6  # one-token steps timed (after one untimed); the median
 
 
@@ -68,27 +68,33 @@ def _agree(dims: ParallelDims, value: float, op: Any = None) -> float:
 
 
 def oversubscription(dims: ParallelDims) -> float:
-    """Time of a fixed GEMM workload on every rank at once over rank 0's time alone."""
+    """Time of a fixed GEMM workload on every rank at once over rank 0's time alone. The
+    workload lasts `OVERSUB_SECONDS` alone, so that the ranks' runs overlap (a shorter one
+    finishes before the last rank leaves the barrier)."""
     a = torch.randn(OVERSUB_GEMM, OVERSUB_GEMM)
     b = torch.randn(OVERSUB_GEMM, OVERSUB_GEMM)
 
-    def work() -> float:
+    def work(n: int) -> float:
         start = time.perf_counter()
-        for _ in range(OVERSUB_REPEATS):
+        for _ in range(n):
             a @ b
         return time.perf_counter() - start
 
-    work()
+    n = 8
+    if dims.rank == 0:
+        while work(n) < OVERSUB_SECONDS:
+            n *= 2
+    n = int(_agree(dims, float(n)))
     alone = math.inf
     for _ in range(3):
         dist.barrier()
         if dims.rank == 0:
-            alone = min(alone, work())
+            alone = min(alone, work(n))
         dist.barrier()
     together = math.inf
     for _ in range(3):
         dist.barrier()
-        together = min(together, _agree(dims, work()))  # the slowest rank of each round
+        together = min(together, _agree(dims, work(n)))  # the slowest rank of each round
     alone = _agree(dims, alone if dims.rank == 0 else 0.0)
     return max(1.0, together / alone)
 
