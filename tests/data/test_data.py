@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from llmscale.data.corpus import is_val_file, load_corpus, stdlib_source_dir
+from llmscale.data.corpus import is_val_file, list_files, load_corpus, stdlib_source_dir
 from llmscale.data.stream import PackedStream
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
@@ -23,8 +23,26 @@ def test_stdlib_corpus_is_present_and_split_by_file(tmp_path) -> None:
     assert c.n_train_files + c.n_val_files == 30
     assert c.n_val_files > 0 and len(c.val) > 0
     assert c.train.dtype == np.uint16
-    # The split is by file name (CRC32), so it is the same on every machine.
-    assert is_val_file("abc.py", 0.2) == is_val_file("abc.py", 0.2)
+    # The split is by file name (CRC32), so it is the same on every machine: checked against
+    # a CRC-32 written out bit by bit here (the standard's check value 0xCBF43926 first).
+    assert _crc32(b"123456789") == 0xCBF43926
+    names = ["abc.py", "os.py", "json/__init__.py", "a.py", "re.py", "x.py", "ünï.py"]
+    split = [_crc32(n.encode()) % 10_000 < 2_000 for n in names]
+    assert [is_val_file(n, 0.2) for n in names] == split
+    assert split == [False, True, False, True, True, False, False]
+    files = list_files(c.root, "**/*.py", 30)
+    hand = sum(_crc32(str(f.relative_to(c.root)).encode()) % 10_000 < 2_000 for f in files)
+    assert c.n_val_files == hand
+
+
+def _crc32(data: bytes) -> int:
+    """CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), bit by bit."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
 
 
 def test_missing_folder_and_empty_glob_name_the_field(tmp_path) -> None:

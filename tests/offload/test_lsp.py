@@ -134,8 +134,50 @@ def test_moments_move_by_the_change_of_basis() -> None:
     exp_avg, exp_avg_sq = m_old.clone(), v_old.clone()
     reproject_moments(exp_avg, exp_avg_sq, a, b)
     torch.testing.assert_close(exp_avg, p1 @ (p0.T @ m_old @ q0) @ q1.T, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(exp_avg_sq, (a * a) @ v_old @ (b * b), rtol=1e-5, atol=1e-5)
     assert (exp_avg_sq >= 0).all()
+
+
+def test_the_second_moment_moves_as_the_variance_of_the_moved_coordinates() -> None:
+    """V' = (A∘A) V (B∘B) is the variance of A X B for X with independent zero-mean entries of
+    variance V: checked against that definition by sampling (not the formula restated), and
+    exactly on a signed permutation, where the squares move with the coordinates."""
+    d = 5
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(d, d, generator=g), torch.randn(d, d, generator=g)
+    v = torch.rand(d, d, generator=g) + 0.1
+    samples = 200_000
+    x = torch.randn(samples, d, d, generator=g, dtype=torch.float64) * v.double().sqrt()
+    empirical = ((a.double() @ x @ b.double()) ** 2).mean(0)
+    exp_avg, exp_avg_sq = torch.zeros(d, d), v.clone()
+    reproject_moments(exp_avg, exp_avg_sq, a, b)
+    # 200,000 samples: a relative standard error of sqrt(2 / 200,000) = 0.3%
+    torch.testing.assert_close(exp_avg_sq.double(), empirical, rtol=0.02, atol=0)
+    perm = torch.eye(d)[torch.randperm(d, generator=g)] * torch.tensor([1.0, -1, 1, -1, -1])
+    exp_avg, exp_avg_sq = v.clone(), v.clone()
+    reproject_moments(exp_avg, exp_avg_sq, perm, perm.T)
+    torch.testing.assert_close(exp_avg_sq, (perm.abs() @ v @ perm.abs().T), rtol=0, atol=1e-6)
+    torch.testing.assert_close(exp_avg_sq, exp_avg.abs())  # V's entries, moved with their signs
+
+
+@pytest.mark.parametrize(("m", "n", "d", "s"), [(48, 20, 8, 3), (96, 64, 16, 8), (30, 30, 6, 6)])
+def test_the_projectors_start_as_a_norm_preserving_sketch(m, n, d, s) -> None:
+    """The count-sketch start: each column's s non-zeros are ±sqrt(d / (k s)), so every column of
+    P (d x k) has squared norm d / k exactly and trace(P Pᵀ) = d: P Pᵀ is the identity in
+    expectation (a random projection). Independent of the code's formula: norms summed by hand.
+
+    Catches: the square root dropped from the init scale (`offload/lsp.sketch_values`): the
+    column norms are then d / (k s) instead of sqrt of it, and trace(P Pᵀ) = d² / (k s).
+    """
+    pr = Projectors.new(m, n, d, s, seed=2, device=CPU)
+    for rows, vals, k in ((pr.p_rows, pr.p_vals, m), (pr.q_rows, pr.q_vals, n)):
+        p = dense(rows, vals, d).double()
+        assert p.shape == (d, k)
+        torch.testing.assert_close((p * p).sum(0), torch.full((k,), d / k, dtype=torch.float64))
+        assert float(torch.trace(p @ p.T)) == pytest.approx(d, rel=1e-6)
+        # E[|P x|²] = |x|² for a random x: within a few % over 2,000 draws
+        x = torch.randn(k, 2000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        ratio = float(((p @ x) ** 2).sum() / (x**2).sum() * k / d)
+        assert ratio == pytest.approx(1.0, rel=0.05)
 
 
 def test_which_matrices_and_their_sizes() -> None:

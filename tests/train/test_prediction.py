@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from llmscale.train.prediction import (
     RunPrediction,
     local_hardware,
 )
-from llmscale.train.progress import comparison_lines, measured_step_time
+from llmscale.train.progress import calibration_line, comparison_lines, measured_step_time
 from llmscale.train.trainer import run_training
 
 CPU = torch.device("cpu")
@@ -256,3 +258,65 @@ def test_the_summary_puts_predicted_next_to_measured() -> None:
     assert comparison_lines(unknown, times, last) == [
         "predicted vs measured: not modelled (parallel.cp: got 2)"
     ]
+
+
+# ---- the calibration's age and load ----------------------------------------------------------
+
+
+def _loads(monkeypatch: pytest.MonkeyPatch, loads: list[float]) -> None:
+    """Each calibration sees the next of `loads` as the other processes' load."""
+    it = iter(loads)
+    monkeypatch.setattr(calibrate.LoadMeter, "other_load_cores", lambda self: next(it))
+
+
+@pytest.mark.parametrize(
+    ("loads", "measures", "kept", "warned"),
+    [
+        ([0.1], 1, 0.1, False),  # quiet: measured once
+        ([0.9, 0.2], 2, 0.2, False),  # busy, then quiet: the second is kept
+        ([0.9, 1.5], 2, 0.9, True),  # busy twice: the quieter one, with a warning
+    ],
+)
+def test_a_calibration_on_a_busy_machine_is_measured_again(
+    tmp_path, monkeypatch, loads, measures, kept, warned
+) -> None:
+    calls = _counting_measure(monkeypatch)
+    _loads(monkeypatch, loads)
+    figures, now, when = calibration.cached_record(TINY, 2, 16, "fp32", CPU, tmp_path)
+    assert now and len(calls) == measures
+    assert when.other_load_cores == kept and bool(when.warning) == warned
+    assert abs(when.measured_at - time.time()) < 60
+    # the cache keeps when and under what load; a read returns them
+    again, now, read = calibration.cached_record(TINY, 2, 16, "fp32", CPU, tmp_path)
+    assert not now and again == figures and len(calls) == measures
+    assert (read.measured_at, read.other_load_cores) == (when.measured_at, kept)
+
+
+def test_the_load_is_the_machines_busy_time_less_ours() -> None:
+    # 3 CPU-seconds busy over 2 s of wall time, 1 of them ours: others used 1 core
+    assert calibrate.other_load_cores(2.0, 3.0, 1.0) == 1.0
+    assert calibrate.other_load_cores(2.0, 1.0, 1.5) == 0.0  # ticks: never below zero
+    assert math.isnan(calibrate.other_load_cores(0.1, 3.0, 1.0))  # too short to say (ticks)
+
+
+def test_the_calibration_line_says_its_age_and_load() -> None:
+    hw = {"calibration": {"measured_at": 1000.0, "other_load_cores": 0.12, "warning": ""}}
+    assert calibration_line(hw, 1000.0 + 300) == (
+        "calibration: measured 5 min ago, other processes' load 0.12 cores"
+    )
+    hw["shared_cores"] = {
+        "measured_at": 1000.0, "other_load_cores": 0.5, "oversubscription": 2.0,
+        "allreduce_latency_s": 5e-4, "allreduce_bytes_per_s": 1.5e9, "step_overhead_s": 0.25,
+    }  # fmt: skip
+    assert calibration_line(hw, 1000.0 + 3 * 86400) == (
+        "calibration: measured 3 days ago, other processes' load 0.12 cores; ranks sharing "
+        "cores measured 3 days ago, load 0.50 cores (oversubscription x2.00, gloo all-reduce "
+        "500 us + 1.50 GB/s, step overhead 250 ms); warning: measured while other processes "
+        "used more than 0.25 cores (twice, when it was measured): the prediction carries that "
+        "load"
+    )
+    assert calibration_line({"display": "H100"}, 0.0) == ""  # a catalog GPU: no line
+    pred = RunPrediction(hardware=hw, plan={}, rank=0, memory_bytes={}, step_time_s=0.5)
+    lines = comparison_lines(pred, [1.0, 0.5], {})
+    assert lines[2].split()[-1] == "1.00"  # the step's ratio stays the row's last field
+    assert lines[-1].startswith("calibration: measured ")  # now: its own line, last

@@ -127,6 +127,66 @@ def measured_cluster(
     return dataclasses.replace(template, gpu=measured_gpu(display, gemm_flops, bandwidth_bytes))
 
 
+# ---- the machine's load while measuring -------------------------------------------------------
+
+# A calibration taken while other processes used more than this many cores on average is taken
+# again (train/calibration.py, train/shared_cores.py): on a 2-core machine a quarter of a core
+# is a tenth of it, enough to move the fastest-of-trials figures by that much.
+BUSY_CORES = 0.25
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _busy_seconds() -> float | None:
+    """Seconds every CPU of the machine spent busy since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class LoadMeter:
+    """Wall time, the machine's busy CPU time and this process's CPU time since it started:
+    the others' load is (busy - ours) / wall, in cores (ours: the sum over a job's ranks)."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.busy = _busy_seconds()
+        self.own = time.process_time()
+
+    def stop(self) -> tuple[float, float, float]:
+        """(wall s, machine busy s, this process's CPU s); busy is 0 where unknown."""
+        busy = _busy_seconds()
+        spent = busy - self.busy if busy is not None and self.busy is not None else 0.0
+        return time.perf_counter() - self.wall, spent, time.process_time() - self.own
+
+    def other_load_cores(self) -> float:
+        """Cores other processes used on average since the start (this one process alone)."""
+        return other_load_cores(*self.stop())
+
+
+MIN_LOAD_WINDOW_S = 0.2  # the kernel counts CPU time in ticks of 10 ms: shorter says little
+
+
+def other_load_cores(wall: float, busy: float, own: float) -> float:
+    """Cores the machine's other processes used on average over `wall` seconds in which it was
+    busy `busy` CPU-seconds, `own` of them ours; NaN (unknown) over too short a window."""
+    if wall < MIN_LOAD_WINDOW_S:
+        return math.nan
+    return max(0.0, (busy - own) / wall)
+
+
 # ---- the per-machine cache ------------------------------------------------------------------
 
 

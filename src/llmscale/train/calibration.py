@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -364,6 +365,16 @@ def read_figures(path: Path, key: dict[str, str]) -> dict[str, float] | None:
     return figures
 
 
+@dataclass(frozen=True)
+class Measured:
+    """When the cached figures were measured, and the load other processes put on the machine
+    meanwhile (cores on average; `calibrate.BUSY_CORES` and above is a busy machine)."""
+
+    measured_at: float  # unix time
+    other_load_cores: float
+    warning: str = ""  # a machine that stayed busy through a second measurement
+
+
 def cached_figures(
     model: ModelConfig,
     micro_batch: int,
@@ -374,23 +385,73 @@ def cached_figures(
 ) -> tuple[dict[str, float], bool]:
     """This machine's figures for the shape: from the cache, or measured (QUICK) and cached.
     Also whether they were measured now."""
+    figures, measured_now, _ = cached_record(model, micro_batch, seq_len, precision, device, folder)
+    return figures, measured_now
+
+
+def cached_record(
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+    folder: Path | None = None,
+) -> tuple[dict[str, float], bool, Measured]:
+    """`cached_figures`, with when and under what load they were measured. A measurement taken
+    while other processes used more than `calibrate.BUSY_CORES` is taken again, once; if the
+    machine stays busy the quieter one is kept, with a warning."""
     key = cache_key(device, model, micro_batch, seq_len, precision)
     path = calibrate.cache_path(key, folder)
     found = read_figures(path, key)
     if found is not None:
-        return found, False
-    figures = measure(model, micro_batch, seq_len, precision, device, effort=QUICK)
-    payload: dict[str, Any] = {"version": VERSION, "key": key, "source": SOURCE, "figures": figures}
+        return found, False, _read_measured(path)
+
+    def once() -> tuple[dict[str, float], Measured]:
+        meter = calibrate.LoadMeter()
+        figures = measure(model, micro_batch, seq_len, precision, device, effort=QUICK)
+        return figures, Measured(time.time(), meter.other_load_cores())
+
+    figures, when = once()
+    if when.other_load_cores > calibrate.BUSY_CORES:
+        figures, when = min((figures, when), once(), key=lambda fw: fw[1].other_load_cores)
+        if when.other_load_cores > calibrate.BUSY_CORES:
+            when = dataclasses.replace(
+                when,
+                warning=f"the calibration ran while other processes used "
+                f"{when.other_load_cores:.2f} cores (twice measured): its rates carry that load",
+            )
+    payload: dict[str, Any] = {
+        "version": VERSION,
+        "key": key,
+        "source": SOURCE,
+        "figures": figures,
+        "measured_at": when.measured_at,
+        "other_load_cores": when.other_load_cores,
+    }
     calibrate.write_json(path, payload)
-    return figures, True
+    return figures, True, when
 
 
-def cached_cluster(plan: Plan, device: torch.device) -> tuple[Cluster, dict[str, float]]:
-    """The measured device for a run of `plan` (one tensor-parallel rank's micro-batch)."""
-    figures, _ = cached_figures(
+def _read_measured(path: Path) -> Measured:
+    """The record's time and load; a file written before they were kept: its mtime, load NaN."""
+    try:
+        data = json.loads(path.read_text())
+        return Measured(float(data["measured_at"]), float(data["other_load_cores"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return Measured(path.stat().st_mtime, math.nan)
+        except OSError:
+            return Measured(math.nan, math.nan)
+
+
+def cached_cluster(plan: Plan, device: torch.device) -> tuple[Cluster, dict[str, float], Measured]:
+    """The measured device for a run of `plan` (one tensor-parallel rank's micro-batch), its
+    figures and when they were measured."""
+    figures, _, when = cached_record(
         plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, device
     )
-    return cluster_from(figures, plan.model, plan.precision, display_name(device)), figures
+    cluster = cluster_from(figures, plan.model, plan.precision, display_name(device))
+    return cluster, figures, when
 
 
 # ---- context parallelism: the runtime's ring blocks -------------------------------------------

@@ -23,6 +23,7 @@ per machine and shape, then cached): the same figures `llmscale bench` predicts 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -43,6 +44,12 @@ from llmscale.plan.predict import (
     runtime_metric_bytes,
     runtime_options,
     runtime_time_params,
+)
+from llmscale.plan.shared_cores import (
+    SharedCoreCosts,
+    gloo_cluster,
+    one_token,
+    shared_cores_step,
 )
 from llmscale.plan.time import StepTime, estimate_step_time, time_params
 from llmscale.stack import (
@@ -66,6 +73,7 @@ class Hardware:
     device: str  # the runtime's kernels: "cuda" or "cpu"
     measured: bool  # the GEMM rate and bandwidth were micro-benchmarked here
     info: dict[str, Any] = field(default_factory=dict)
+    shared: SharedCoreCosts | None = None  # ranks sharing a CPU's cores (measured), if any
 
 
 def catalog_hardware(gpu: str) -> Hardware:
@@ -82,7 +90,7 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
         known = gpu_for_device_name(torch.cuda.get_device_name(device))
         if known is not None:
             return catalog_hardware(known.name)
-    cluster, figures = cached_cluster(plan, device)
+    cluster, figures, when = cached_cluster(plan, device)
     info = {
         "name": "measured",
         "display": cluster.gpu.display,
@@ -90,8 +98,24 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
         "and shape)",
         "figures": figures,
         "links": "not measured: the h100 node's stand in",
+        "calibration": {
+            "measured_at": when.measured_at,
+            "other_load_cores": when.other_load_cores,
+            "warning": when.warning,
+        },
     }
     return Hardware(cluster, "cpu" if device.type == "cpu" else "cuda", measured=True, info=info)
+
+
+def with_shared_cores(hardware: Hardware, costs: SharedCoreCosts, warnings: list[str]) -> Hardware:
+    """`hardware` for a multi-process CPU run: the ranks' measured costs of sharing the cores
+    and gloo's link (train/shared_cores.py), priced by plan/shared_cores.py."""
+    info = dict(hardware.info)
+    info["shared_cores"] = dataclasses.asdict(costs)
+    info["links"] = "gloo over loopback, measured (train/shared_cores.py)"
+    if warnings:
+        info["shared_cores_warning"] = " ".join(warnings)
+    return replace(hardware, info=info, shared=costs)
 
 
 @dataclass(frozen=True)
@@ -161,16 +185,26 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
     except ConfigError as e:
         return RunPrediction(**base, memory_bytes={}, step_time_s=None, not_modelled=str(e))
     params = runtime_time_params(plan, hardware.device, compiled=cfg.train.compile)
+    seconds: float | None = None
+    breakdown: dict[str, float] = {}
     try:
-        step: StepTime | None = estimate_step_time(plan, hardware.cluster, params)
+        if hardware.shared is not None:
+            cluster = gloo_cluster(hardware.cluster, plan, hardware.shared)
+            step: StepTime | None = estimate_step_time(plan, cluster, params)
+            one = estimate_step_time(one_token(plan), cluster, params, validate=False)
+            assert step is not None
+            seconds, breakdown = shared_cores_step(step, one, hardware.shared)
+        else:
+            step = estimate_step_time(plan, hardware.cluster, params)
+            seconds, breakdown = step.seconds, dict(step.breakdown)
         reason = None
     except ConfigError as e:
         step, reason = None, str(e)
     return RunPrediction(
         **base,
         memory_bytes=memory_bytes,
-        step_time_s=step.seconds if step else None,
-        step_breakdown_s=dict(step.breakdown) if step else {},
+        step_time_s=seconds if step else None,
+        step_breakdown_s=breakdown if step else {},
         memory=memory,
         step=step,
         not_modelled=reason,
@@ -178,10 +212,17 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
 
 
 def write_run_prediction(
-    cfg: JobConfig, device: torch.device, run_dir: str | Path
+    cfg: JobConfig,
+    device: torch.device,
+    run_dir: str | Path,
+    shared: tuple[SharedCoreCosts, list[str]] | None = None,
 ) -> RunPrediction:
-    """Rank 0 at the start of a run: predict for its own device and write RUN_DIR/prediction.json."""
-    prediction = predict_run(cfg, local_hardware(device, Plan.from_job(cfg)))
+    """Rank 0 at the start of a run: predict for its own device and write RUN_DIR/prediction.json
+    (a multi-process CPU run: with its ranks' `shared` costs and their warnings)."""
+    hardware = local_hardware(device, Plan.from_job(cfg))
+    if shared is not None:
+        hardware = with_shared_cores(hardware, *shared)
+    prediction = predict_run(cfg, hardware)
     prediction.write(run_dir)
     return prediction
 

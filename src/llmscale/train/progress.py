@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from llmscale.config import JobConfig
+from llmscale.instrument.calibrate import BUSY_CORES
 from llmscale.ui import console
 
 if TYPE_CHECKING:
@@ -87,7 +90,55 @@ def comparison_lines(
         got = last.get(key)
         if pred or got:
             line(key, pred, got, human_bytes)
+    calibration = calibration_line(prediction.hardware, time.time())
+    if calibration:
+        out.append(calibration)
     return out
+
+
+def _age(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "at an unknown time"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h ago"
+    return f"{seconds / 86400:.0f} days ago"
+
+
+def _load(cores: float) -> str:
+    return "unknown" if not math.isfinite(cores) else f"{cores:.2f} cores"
+
+
+def calibration_line(hardware: dict[str, Any], now: float) -> str:
+    """The measured device's age and the load other processes put on the machine while it was
+    measured (and the ranks' shared-cores figures): one line, '' for a catalog device."""
+    cal = hardware.get("calibration")
+    if not cal:
+        return ""
+    text = (
+        f"calibration: measured {_age(now - cal['measured_at'])}, other processes' load "
+        f"{_load(cal['other_load_cores'])}"
+    )
+    shared = hardware.get("shared_cores")
+    if shared:
+        text += (
+            f"; ranks sharing cores measured {_age(now - shared['measured_at'])}, load "
+            f"{_load(shared['other_load_cores'])} (oversubscription "
+            f"x{shared['oversubscription']:.2f}, gloo all-reduce "
+            f"{1e6 * shared['allreduce_latency_s']:.0f} us + "
+            f"{shared['allreduce_bytes_per_s'] / 1e9:.2f} GB/s, step overhead "
+            f"{1e3 * shared['step_overhead_s']:.0f} ms)"
+        )
+    loads = [cal["other_load_cores"], *([shared["other_load_cores"]] if shared else [])]
+    if any(load > BUSY_CORES for load in loads):  # NaN (unknown) is not busy
+        text += (
+            f"; warning: measured while other processes used more than {BUSY_CORES} cores "
+            "(twice, when it was measured): the prediction carries that load"
+        )
+    return text
 
 
 class StepReporter:

@@ -50,6 +50,7 @@ from llmscale.parallel.pipeline import PipelineMemory, build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
 from llmscale.parallel.tied_embeddings import TiedEmbeddings, give_copies, store_once
 from llmscale.train import metrics as M
+from llmscale.train import shared_cores
 from llmscale.train.checkpoint import Checkpointer, notice, read_manifest
 from llmscale.train.data import (
     adopt_checkpoint_vocab,
@@ -584,9 +585,14 @@ class Trainer:
             elif metrics_path.exists():
                 metrics_path.unlink()
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
-        # The planner's expectation, next to what the run measures (train/prediction.py).
+        # The planner's expectation, next to what the run measures (train/prediction.py); ranks
+        # sharing a CPU's cores first measure what that costs, all at once (train/shared_cores).
+        shared = None
+        if shared_cores.applies(cfg, self.dims, self.device):
+            costs, warnings = shared_cores.cached_costs(cfg, self.dims, self.device)
+            shared = (costs, warnings) if costs is not None else None
         prediction = (
-            write_run_prediction(cfg, self.device, self.run_dir) if self.rank == 0 else None
+            write_run_prediction(cfg, self.device, self.run_dir, shared) if self.rank == 0 else None
         )
         tb_dir = self.run_dir / "tensorboard" if cfg.metrics.tensorboard else None
         writer = M.RunWriter(metrics_path, tb_dir, self.rank == 0, self.step if resumed else 0)

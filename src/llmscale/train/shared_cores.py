@@ -1,0 +1,251 @@
+"""Ranks sharing a CPU's cores: what a multi-process CPU run costs beyond one process's kernels.
+
+One process's kernels are micro-benchmarked by train/calibration.py (GEMM rate, element-wise
+bandwidth, attention, one token's dispatch, the optimizer). `llmscale train` on a CPU with
+several ranks (the demo: 4 ranks, dp_shard 2 x tp 2, over gloo on 2 cores) also pays for:
+
+- *oversubscription*: the ranks' kernels share the cores. A fixed GEMM workload is timed on
+  rank 0 alone, then on every rank at once; the ratio (`oversubscription`) scales the
+  token-proportional compute (about world / cores when the ranks outnumber the cores);
+- *gloo collectives over loopback*: all-reduces over the tensor-parallel group, every group at
+  once as in a step, at a small and a large message (`allreduce_latency_s` and
+  `allreduce_bytes_per_s`, alpha-beta): the link the planner prices tp's activation
+  all-reduces on;
+- *the per-step overhead*: a step of the run's own parallelized model (parallelize, the run's
+  optimizer, the loss under tensor parallelism) on one token per micro-batch, every rank at
+  once (`step_overhead_s`): dispatch, DTensor and FSDP2 bookkeeping, the parameter all-gathers
+  and gradient reduce-scatters (their size does not depend on the tokens), the gradient-norm
+  and loss reductions and the optimizer step, under the oversubscription they run in.
+
+plan/shared_cores.py composes them with the planner's step. The figures are cached next to the
+single-process ones (instrument/calibrate.py's folder), with when they were measured and the
+load other processes put on the machine meanwhile (`instrument.calibrate.LoadMeter`); a
+measurement taken while others used more than a quarter of a core is taken again, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmscale.config import JobConfig
+from llmscale.instrument import calibrate
+from llmscale.parallel.dims import ParallelDims
+from llmscale.plan.plan import Plan
+from llmscale.plan.shared_cores import SharedCoreCosts, overhead_seq_len
+
+VERSION = 3  # 3: a workload long enough to overlap; 2: the step's bookkeeping (activation meter, ledgers) in the overhead
+MESSAGE_BYTES = (4 * 2**10, 8 * 2**20)  # all-reduce sizes: latency-bound, bandwidth-bound
+OVERSUB_GEMM = 192  # n of the n x n fp32 GEMM timed alone and on every rank at once
+OVERSUB_SECONDS = 0.1  # the GEMM workload's length alone
+STEP_REPEATS = 6  # one-token steps timed (after one untimed); the median
+
+
+def applies(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> bool:
+    """A multi-process CPU run this module measures: one model part (no pipeline), no context
+    parallelism, no host offload (their step is priced by the planner alone)."""
+    return (
+        device.type == "cpu"
+        and dims.world_size > 1
+        and dims.pp == 1
+        and dims.cp == 1
+        and cfg.optimizer.offload == "none"
+        and not cfg.fsdp_cpu_offload
+    )
+
+
+def _agree(dims: ParallelDims, value: float, op: Any = None) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def oversubscription(dims: ParallelDims) -> float:
+    """Time of a fixed GEMM workload on every rank at once over rank 0's time alone. The
+    workload lasts `OVERSUB_SECONDS` alone, so that the ranks' runs overlap (a shorter one
+    finishes before the last rank leaves the barrier)."""
+    a = torch.randn(OVERSUB_GEMM, OVERSUB_GEMM)
+    b = torch.randn(OVERSUB_GEMM, OVERSUB_GEMM)
+
+    def work(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            a @ b
+        return time.perf_counter() - start
+
+    n = 8
+    if dims.rank == 0:
+        while work(n) < OVERSUB_SECONDS:
+            n *= 2
+    n = int(_agree(dims, float(n)))
+    alone = math.inf
+    for _ in range(3):
+        dist.barrier()
+        if dims.rank == 0:
+            alone = min(alone, work(n))
+        dist.barrier()
+    together = math.inf
+    for _ in range(3):
+        dist.barrier()
+        together = min(together, _agree(dims, work(n)))  # the slowest rank of each round
+    alone = _agree(dims, alone if dims.rank == 0 else 0.0)
+    return max(1.0, together / alone)
+
+
+def allreduce_alpha_beta(dims: ParallelDims) -> tuple[float, float]:
+    """(latency s, bytes/s) of an all-reduce of fp32 over the tp group (else the whole world),
+    all groups at once: t(S) = latency + S / rate from the two `MESSAGE_BYTES`."""
+    group = dims.submesh("tp").get_group() if dims.tp > 1 else dist.group.WORLD
+    times = []
+    for nbytes in MESSAGE_BYTES:
+        buf = torch.zeros(nbytes // 4)
+        dist.all_reduce(buf, group=group)
+        best = math.inf
+        iters = 20 if nbytes < 2**20 else 5
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(buf, group=group)
+            best = min(best, _agree(dims, (time.perf_counter() - start) / iters))
+        times.append(best)
+    (s0, s1), (t0, t1) = MESSAGE_BYTES, times
+    if t1 <= 1.1 * t0:  # the machine's noise hid the bytes' time: all of the large one's, bytes
+        return t0, s1 / t1
+    rate = (s1 - s0) / (t1 - t0)
+    return max(t0 - s0 / rate, 1e-7), rate
+
+
+def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> float:
+    """Median seconds of an optimizer step of the run's parallelized model on micro-batches of
+    one-token sequences (`overhead_seq_len`), on every rank at once (the slowest rank's)."""
+    from llmscale.instrument.activations import ActivationMeter
+    from llmscale.model.transformer import build_model
+    from llmscale.parallel.data_parallel import set_gradient_sync
+    from llmscale.parallel.materialize import materialize
+    from llmscale.parallel.parallelize import parallelize
+    from llmscale.parallel.tensor_parallel import loss_context
+    from llmscale.train.optim import build_optimizers
+    from llmscale.train.trainer import lm_loss
+
+    parts = parallelize(build_model(cfg.model, "meta"), dims, cfg).parts
+    materialize(parts, device, cfg.job.seed)
+    (model,) = parts
+    opts = build_optimizers(parts, cfg, dims)
+    seq = overhead_seq_len(Plan.from_job(cfg))
+    tokens = torch.zeros((cfg.train.micro_batch_size, seq + 1), dtype=torch.long, device=device)
+    n_mb = cfg.n_microbatches
+
+    def step() -> None:  # the trainer's train_step, its per-step bookkeeping included
+        opts.begin_step_traffic()
+        meter = ActivationMeter(parts, pipelined=False) if cfg.metrics.activation_memory else None
+        for i in range(n_mb):
+            if dims.reduces_grads:
+                set_gradient_sync(parts, i == n_mb - 1)
+            counting = meter.counting() if meter is not None and i == 0 else None
+            with loss_context(cfg.model, dims.tp):
+                with counting or contextlib.nullcontext():
+                    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+                (loss / n_mb).backward()
+        loss_sum = dims.global_mean_loss(loss.detach())
+        norm, _ = opts.grad_norm(None)
+        opts.clip_(norm, cfg.train.max_grad_norm or math.inf)
+        opts.grad_memory()
+        opts.step()
+        opts.zero_grad()
+        opts.memory()
+        opts.offload_bytes_moved()
+        float(loss_sum)
+
+    step()
+    times = []
+    for _ in range(STEP_REPEATS):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(_agree(dims, time.perf_counter() - start))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> SharedCoreCosts:
+    """Every figure, on every rank at once (a collective call), with the machine's load."""
+    meter = calibrate.LoadMeter()
+    over = oversubscription(dims)
+    latency, rate = allreduce_alpha_beta(dims)
+    overhead = step_overhead_seconds(cfg, dims, device)
+    wall, busy, own = meter.stop()
+    # every rank's own CPU time is ours: the rest of the machine's busy time is the others'
+    own = _agree(dims, own, dist.ReduceOp.SUM)
+    wall = _agree(dims, wall)
+    return SharedCoreCosts(
+        oversubscription=over,
+        allreduce_latency_s=latency,
+        allreduce_bytes_per_s=rate,
+        step_overhead_s=overhead,
+        other_load_cores=calibrate.other_load_cores(wall, busy, own),
+        measured_at=time.time(),
+    )
+
+
+def cache_key(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> dict[str, str]:
+    shape = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True)
+    layout = {n: getattr(dims, n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    return {
+        **calibrate.machine_key(device),
+        "what": "shared cores",
+        "version": str(VERSION),
+        "cores": str(calibrate.cpu_cores()),
+        "model": shape,
+        "layout": json.dumps(layout, sort_keys=True),
+        "n_microbatches": str(cfg.n_microbatches),
+        "precision": cfg.precision.mode,
+        "optimizer": json.dumps(dataclasses.asdict(cfg.optimizer), sort_keys=True),
+    }
+
+
+def _read(path: Any, key: dict[str, str]) -> SharedCoreCosts | None:
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        return SharedCoreCosts(**{k: float(v) for k, v in data["costs"].items()})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cached_costs(
+    cfg: JobConfig, dims: ParallelDims, device: torch.device
+) -> tuple[SharedCoreCosts | None, list[str]]:
+    """This run's costs on rank 0 (None elsewhere), from the cache or measured and cached: a
+    collective call, every rank of a multi-process CPU run makes it. A measurement taken while
+    other processes used more than `calibrate.BUSY_CORES` is taken again, once; if the machine
+    stays busy the quieter one is used, with a warning (the second item)."""
+    key = cache_key(cfg, dims, device)
+    path = calibrate.cache_path(key)
+    found = _read(path, key) if dims.rank == 0 else None
+    if _agree(dims, 1.0 if found is not None else 0.0):  # rank 0 has them: no one measures
+        return found, []
+    costs = measure(cfg, dims, device)
+    warnings: list[str] = []
+    if costs.other_load_cores > calibrate.BUSY_CORES:
+        again = measure(cfg, dims, device)
+        costs = min(costs, again, key=lambda c: c.other_load_cores)
+        if costs.other_load_cores > calibrate.BUSY_CORES:
+            warnings.append(
+                f"calibration of the ranks sharing cores: other processes used "
+                f"{costs.other_load_cores:.2f} cores while it ran (twice measured): the "
+                "predicted step time carries that load"
+            )
+    if dims.rank != 0:
+        return None, []
+    payload = {"version": VERSION, "key": key, "costs": dataclasses.asdict(costs)}
+    calibrate.write_json(path, payload)
+    return costs, warnings
