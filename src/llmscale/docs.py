@@ -1,0 +1,452 @@
+"""Every figure in README.md and docs/ that comes from a run, rendered, never typed: `make docs`.
+
+A rendered block sits between `<!-- generated: NAME -->` and `<!-- end: NAME -->` (a whole
+generated file has no markers). Each block is rendered from `docs/results/results.json` (what
+`make results` measured), from the planner, or from the command whose output it shows, with the
+same renderer as that command: `llmscale plan`'s (`cli.plan.plan_output`), `llmscale claims`'
+(`validation.claims.to_markdown`), `llmscale bench --what published`'s
+(`bench.published.markdown`). Nothing is re-measured but the plan search's own seconds.
+
+    python -m llmscale.docs            # rewrite every stale block (make docs)
+    python -m llmscale.docs --check    # exit 1 naming each stale block (tests/test_docs.py)
+
+Search timings depend on the machine and its load: they are masked when comparing, so a block
+whose other figures are current keeps its recorded timing, and a block rewritten for another
+reason gets freshly measured ones (`bench/plan_speed.py`'s `time_search`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import re
+import sys
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from rich.console import Console
+
+from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
+from llmscale.validation.claims import Claim, Results, check_claims, to_markdown
+
+# A search's wall or CPU seconds, as `plan` and this module print them ("0.92 s").
+TIMING = re.compile(r"\b\d+\.\d+ s\b")
+DEMO_PLAN = (
+    "llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 --global-batch 1024 --top 5"
+)
+
+
+class Context:
+    """What the renderers read, each computed once: the results, the claims, the plan search.
+    `measure`: time the plan searches (else their seconds read 0.00, to be masked)."""
+
+    def __init__(self, results: Path = RESULTS_JSON, measure: bool = True) -> None:
+        self.results_path = results
+        self.measure = measure
+
+    @cached_property
+    def results(self) -> Results:
+        return Results(self.results_path)
+
+    @cached_property
+    def claims(self) -> list[Claim]:
+        return check_claims(self.results_path)
+
+    def claim(self, starts: str) -> Claim:
+        return next(c for c in self.claims if c.claim.startswith(starts))
+
+    def rows(self, suite: str, quantity: str) -> dict[str, dict[str, Any]]:
+        return self.results.rows(suite, quantity)
+
+
+def _text(*parts: Any) -> str:
+    """Rich renderables as a pipe sees them (`ui.console()`: 200 columns, no colour)."""
+    buf = io.StringIO()
+    con = Console(file=buf, width=200, highlight=False, soft_wrap=True, color_system=None)
+    for p in parts:
+        con.print(p)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+# ---- the planner ------------------------------------------------------------------------------
+
+
+def plan_demo(ctx: Context) -> str:
+    """README: the plan `make demo` ends with, as `llmscale plan` prints it."""
+    return _plan_demo()
+
+
+@functools.cache
+def _plan_demo() -> str:
+    """One search per process: the planner's inputs do not change while it runs."""
+    from llmscale.cli.plan import plan_output
+    from llmscale.report.search_report import plan_report
+
+    rep = plan_report("llama2-70b", 64, "h200", 4096, 1024, "bf16", 5)
+    return f"```text\n$ {DEMO_PLAN}\n{_text(*plan_output(rep))}\n```"
+
+
+def _search_seconds(ctx: Context, name: str, gpu: str, gpus: int, batch: int) -> float:
+    from llmscale.bench.plan_speed import time_search
+
+    return time_search(name, gpu, gpus, batch).cpu if ctx.measure else 0.0
+
+
+def plan_speed(ctx: Context) -> str:
+    """README: how long the largest 70B search takes (CPU seconds, cold)."""
+    s = _search_seconds(ctx, "llama2-70b", "h200", 4096, 4096)
+    return (
+        f"70B on 4,096 H200s in {s:.2f} s of CPU time, cold (`bench/plan_speed.py`; measured "
+        "by `make docs`)"
+    )
+
+
+def plan_speed_cases(ctx: Context) -> str:
+    """docs/planner.md: every case of bench/plan_speed.py, CPU seconds, cold."""
+    from llmscale.bench.plan_speed import CASES
+
+    parts = []
+    for name, gpu, gpus, batch in CASES:
+        s = _search_seconds(ctx, name, gpu, gpus, batch)
+        parts.append(f"{name} on {gpus:,} {gpu.upper()}s (batch {batch:,}) {s:.2f} s")
+    return "CPU time of a cold search, measured by `make docs` on this machine: " + "; ".join(parts)
+
+
+def megatron_ratios(ctx: Context) -> str:
+    """README: the time model against Narayanan et al. 2021, Table 1."""
+    from llmscale.validation.published import narayanan_rows
+
+    rows = narayanan_rows()
+    ratios = [r.ratio for r in rows]
+    return (
+        f"predicted/published TFLOP/s per GPU is {min(ratios):.3f}–{max(ratios):.3f} for all "
+        f"{len(rows)} rows"
+    )
+
+
+def serving_ratio(ctx: Context) -> str:
+    """README: the serving model's H200/H100 ratio at NVIDIA's batches (claims' row)."""
+    fig = ctx.claim("H200 runs Llama 2 70B").figure
+    m = re.match(r"x(\d+\.\d+)", fig)
+    assert m, fig
+    return f"H200 / H100 = {m.group(1)} predicted"
+
+
+def claims_summary(ctx: Context) -> str:
+    """README: the claims' verdict counts and the rows that do not hold, from `claims`."""
+    rows = ctx.claims
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    fails = [r.claim for r in rows if r.verdict == "does not hold here"]
+    under = ctx.claim("31% of gradient values").figure.split(" cast")[0]
+    acc = ctx.claim("accumulation cuts").figure
+    m = re.search(r": (-?\d+\.\d+)% less", acc)
+    accum = (
+        "not measured"
+        if m is None
+        else (f"{float(m.group(1)):.1f}% faster" if float(m.group(1)) >= 0 else
+              f"{-float(m.group(1)):.1f}% slower")
+    )  # fmt: skip
+    rail = ctx.claim("rail-only").figure.split(" (")[0]
+    return (
+        f"{len(rows)} claims: "
+        + ", ".join(f"{n} {v}" for v, n in counts.items())
+        + f". Not holding here: {'; '.join(fails)} (fp16 underflow {under} here; accumulation "
+        f"{accum} here); rail-only {rail}"
+    )
+
+
+# ---- measured vs predicted --------------------------------------------------------------------
+
+
+def _ratios(rows: dict[str, dict[str, Any]]) -> list[float]:
+    return [r["predicted"] / r["measured"] for r in rows.values() if r.get("measured")]
+
+
+def _within(ratios: list[float]) -> str:
+    return f"{100 * max(abs(r - 1) for r in ratios):.1f}%"
+
+
+def _range(values: list[float]) -> str:
+    lo, hi = f"{min(values):.3f}", f"{max(values):.3f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _when(ctx: Context, suite: str) -> str:
+    at = (ctx.results.suite(suite) or {}).get("measured_at", "")
+    return at[:10] or "undated"
+
+
+def measured_vs_predicted(ctx: Context) -> str:
+    """README's table: each row's figures from results.json (`make results`)."""
+    rows: list[tuple[str, str]] = []
+    mem = ctx.results.suite("memory") or {}
+    states = [
+        r for r in mem.get("rows", [])
+        if r["quantity"] != "activations" and r["predicted"] is not None
+    ]  # fmt: skip
+    if states:
+        exact = all(r["measured"] == r["predicted"] for r in states)
+        rows.append((
+            "parameters, gradients, optimizer states, host bytes under offload",
+            ("exact, to the byte" if exact else f"within {_within(_ratios({str(i): r for i, r in enumerate(states)}))}")
+            + f" ({len(states)} rows: fp32, bf16, offload; FSDP2 in the tests)",
+        ))  # fmt: skip
+    act = ctx.rows("memory", "activations")
+    if act:
+        rows.append((
+            "saved activations, every recompute mode (selective_op too) and micro-batch",
+            f"within {_within(_ratios(act))} in {len(act)} configurations (goal 3%); 2-rank TP, "
+            "SP and 1F1B layouts in the tests",
+        ))  # fmt: skip
+    rec = ctx.rows("recompute", "step time / none")
+    if rec:
+        parts = [
+            f"{k.split('=')[1]} x{r['predicted']:.3f} predicted, x{r['measured']:.3f} measured"
+            for k, r in sorted(rec.items(), key=lambda kv: -kv[1]["predicted"])
+        ]
+        rows.append((
+            "recomputation's step-time cost",
+            "; ".join(parts) + f" (each within {_within(_ratios(rec))})",
+        ))  # fmt: skip
+    bub = ctx.rows("pipeline", "bubble (simulator)")
+    pair = [bub.get(f"pp=2 1f1b m={m}") for m in (2, 4)]
+    if all(pair):
+        order = all(r["note"].startswith("order = simulator") for r in bub.values())
+        rows.append((
+            "pipeline bubble, pp=2 1F1B m=2/4",
+            f"{pair[0]['predicted']:.1f}/{pair[1]['predicted']:.1f}% simulated, "  # type: ignore[index]
+            f"{pair[0]['measured']:.1f}/{pair[1]['measured']:.1f}% measured; op order "  # type: ignore[index]
+            + ("equal to the simulator's in every run" if order else "differs from the simulator's in some runs"),
+        ))  # fmt: skip
+    fl = ctx.rows("pipeline", "activations in flight, stage 0")
+    if fl:
+        r = _ratios(fl)
+        rows.append((
+            "pipeline activations in flight (stage 0), GPipe / 1F1B / interleaved, pp=2 and 4",
+            f"pred/meas {_range(r)} in all {len(fl)} configurations (planner: "
+            "in-flight units × one micro-batch)",
+        ))  # fmt: skip
+    st = ctx.rows("time", "step time")
+    if st:
+
+        def rr(k: str) -> str:
+            return f"{st[k]['predicted'] / st[k]['measured']:.3f}" if k in st else "-"
+
+        rows.append((
+            "step time on the CPU",
+            f"pred/meas fp32 {rr('fp32 mbs=4')} / {rr('fp32 mbs=16')} (micro-batch 4 / 16), "
+            f"bf16 {rr('bf16 mbs=4')} / {rr('bf16 mbs=16')} in `make results` "
+            f"({_when(ctx, 'time')}). The device is micro-benchmarked on the runtime's own "
+            "kernels at the run's shape (`train/calibration.py`); a busy machine moves single "
+            "rows",
+        ))  # fmt: skip
+    from llmscale.validation.published import all_rows
+
+    pub = all_rows()
+    pr = [p.ratio for p in pub]
+    rows.append((
+        "published runs (Narayanan 2021, Korthikanti 2022, torchtitan H100)",
+        f"{sum(p.within for p in pub)} of {len(pub)} rows within 10% ({min(pr):.3f} .. "
+        f"{max(pr):.3f}): [docs/planner-validation.md](docs/planner-validation.md)",
+    ))  # fmt: skip
+    comp = ctx.rows("compile", "step time")
+    ctime = ctx.rows("compile", "compile time (first step - steady)")
+    if comp:
+
+        def speed(p: str, key: str) -> str:
+            e, c = comp.get(f"{p} mbs=4 eager"), comp.get(f"{p} mbs=4 compiled")
+            return f"x{e[key] / c[key]:.2f}" if e and c else "-"
+
+        cold = " / ".join(
+            f"{ctime[k]['measured']:.0f} s" for k in ("fp32 mbs=4", "bf16 mbs=4") if k in ctime
+        )
+        rows.append((
+            "`train.compile`, small model, mbs 4 × 128 tokens",
+            f"steady step eager/compiled measured {speed('fp32', 'measured')} (fp32) and "
+            f"{speed('bf16', 'measured')} (bf16), predicted {speed('fp32', 'predicted')} / "
+            f"{speed('bf16', 'predicted')} (each step within {_within(_ratios(comp))}; the planner "
+            "fuses the element-wise bytes but does not model the CPU's per-op dispatch a "
+            f"compiled block saves); cold compile {cold} ({_when(ctx, 'compile')})",
+        ))  # fmt: skip
+    cp = ctx.rows("cp", "step time")
+    cpr = ctx.rows("cp", "step time ratio")
+    if cp and cpr:
+        ratio = next(iter(cpr.values()))
+        base, ring = cp.get("dp_replicate=2, b=2"), cp.get("cp=2, b=4")
+        rows.append((
+            "context parallelism, cp=2 vs dp_replicate=2 on 2 CPU ranks (`--what cp`)",
+            f"cp/baseline ratio pred/meas {ratio['predicted'] / ratio['measured']:.2f} (median "
+            "over repetitions); step time pred/meas "
+            + (f"{base['predicted'] / base['measured']:.2f} (baseline) and " if base else "")
+            + (f"{ring['predicted'] / ring['measured']:.2f} (cp=2)" if ring else "")
+            + f" ({_when(ctx, 'cp')}): the per-rank calibration does not capture two processes "
+            "sharing 2 cores; the runtime's ring priced from its own micro-benchmarked blocks "
+            "and a measured gloo link ([docs/parallel.md](docs/parallel.md#context-parallelism))",
+        ))  # fmt: skip
+    acc = ctx.rows("accum", "step time")
+    if acc:
+        grads = ctx.results.table("accum", "gradient equivalence")
+        worst = max(float(r[1]) for r in grads[1]) if grads else float("nan")
+        acts = _ratios(ctx.rows("accum", "activations"))
+        exact = bool(acts) and all(a == 1 for a in acts)
+        rows.append((
+            "accumulation " + " vs ".join(k.replace("b=", "b=").replace(" k=", "×") for k in acc),
+            "step time pred/meas "
+            + " / ".join(f"{r['predicted'] / r['measured']:.3f}" for r in acc.values())
+            + f"; gradients equal to {worst:.0e}; activations scale with the micro-batch "
+            + ("exactly" if exact else f"within {_within(acts)}"),
+        ))  # fmt: skip
+    moved = ctx.rows("finetune", "bytes moved per step")
+    loss = ctx.rows("finetune", "final loss (last 5)")
+    t = ctx.results.suite_rows("finetune-time", "step time (median)")
+    if moved.get("lsp") and moved.get("optimizer"):
+        lsp, opt = moved["lsp"], moved["optimizer"]
+        exact = all(r["measured"] == r["predicted"] for r in moved.values() if r["predicted"])
+        links = ("native", "1 GB/s", "0.1 GB/s")
+        speeds = [
+            f"{t[f'lsp @ {k}']['measured'] / t[f'optimizer @ {k}']['measured']:.2f} ({k})"
+            for k in links
+            if f"lsp @ {k}" in t and f"optimizer @ {k}" in t
+        ]
+        dl = loss["lsp"]["measured"] / loss["optimizer"]["measured"] - 1 if loss else float("nan")
+        rows.append((
+            "LSP-Offload vs ZeRO-Offload, fine-tuning the small model (`--what finetune`)",
+            f"bytes moved per step measured {'=' if exact else '≠'} predicted "
+            f"({lsp['measured'] / 1e6:.2f} MB vs {opt['measured'] / 1e6:.1f} MB: "
+            f"{lsp['measured'] / opt['measured']:.2f}x); final loss {dl:+.2%}; step time "
+            f"lsp/optimizer {', '.join(speeds)} "
+            "([docs/offload.md](docs/offload.md#lsp-offload-offload--lsp))",
+        ))  # fmt: skip
+    lines = ["| what | predicted vs measured |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+# ---- the blocks -------------------------------------------------------------------------------
+
+
+class Block(NamedTuple):
+    """A rendered part of a file: `name` None renders the whole file. `timed`: holds search
+    timings (masked when comparing)."""
+
+    file: str
+    name: str | None
+    render: Callable[[Context], str]
+    timed: bool = False
+
+
+def _claims_md(ctx: Context) -> str:
+    return to_markdown(ctx.claims, "docs/results/results.json")
+
+
+def _planner_validation(ctx: Context) -> str:
+    from llmscale.bench.published import markdown
+    from llmscale.validation.published import all_rows
+
+    return markdown(all_rows())
+
+
+BLOCKS: tuple[Block, ...] = (
+    Block("README.md", "plan-demo", plan_demo, timed=True),
+    Block("README.md", "megatron-ratios", megatron_ratios),
+    Block("README.md", "plan-speed", plan_speed, timed=True),
+    Block("README.md", "serving-ratio", serving_ratio),
+    Block("README.md", "claims-summary", claims_summary),
+    Block("README.md", "measured-vs-predicted", measured_vs_predicted),
+    Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
+    Block("docs/claims.md", None, _claims_md),
+    Block("docs/planner-validation.md", None, _planner_validation),
+)
+
+
+def _span(text: str, name: str) -> tuple[int, int]:
+    """Where block `name`'s content starts and ends in `text` (between its markers)."""
+    begin, end = f"<!-- generated: {name} (make docs) -->", f"<!-- end: {name} -->"
+    i = text.find(begin)
+    j = text.find(end, i + len(begin)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        raise ValueError(f"no '{begin}' ... '{end}' markers")
+    return i + len(begin), j
+
+
+def _content(text: str, b: Block) -> str:
+    if b.name is None:
+        return text
+    i, j = _span(text, b.name)
+    return text[i:j]
+
+
+def _wrap(b: Block, rendered: str, inline: bool) -> str:
+    """The content between the markers: on lines of its own unless the markers are inline."""
+    return rendered if inline else f"\n{rendered}\n"
+
+
+def _masked(text: str, b: Block) -> str:
+    return TIMING.sub("<timed>", text) if b.timed else text
+
+
+def stale(root: Path = SOURCE_ROOT, ctx: Context | None = None) -> list[str]:
+    """`file: block` of each block whose text differs from its rendering (timings masked)."""
+    ctx = ctx or Context(root / "docs" / "results" / "results.json", measure=False)
+    out = []
+    for b in BLOCKS:
+        text = (root / b.file).read_text()
+        have = _content(text, b)
+        want = _wrap(b, b.render(ctx), inline=not have.startswith("\n"))
+        if b.name is None:
+            want = b.render(ctx)
+        if _masked(have, b) != _masked(want, b):
+            out.append(f"{b.file}: {b.name or 'the whole file'}")
+    return out
+
+
+def write(root: Path = SOURCE_ROOT) -> list[str]:
+    """Rewrite every stale block (timed ones measured afresh); returns what changed."""
+    check = Context(root / "docs" / "results" / "results.json", measure=False)
+    measure = Context(root / "docs" / "results" / "results.json", measure=True)
+    measure.__dict__["claims"] = check.claims  # computed once
+    changed = []
+    for b in BLOCKS:
+        path = root / b.file
+        text = path.read_text()
+        have = _content(text, b)
+        inline = b.name is not None and not have.startswith("\n")
+        want = b.render(check) if b.name is None else _wrap(b, b.render(check), inline)
+        if _masked(have, b) == _masked(want, b):
+            continue
+        if b.timed:
+            want = _wrap(b, b.render(measure), inline)
+        if b.name is None:
+            path.write_text(want)
+        else:
+            i, j = _span(text, b.name)
+            path.write_text(text[:i] + want + text[j:])
+        changed.append(f"{b.file}: {b.name or 'the whole file'}")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m llmscale.docs",
+        description="Render every figure of README.md and docs/ from results.json, the planner "
+        "and the commands (make docs); --check: exit 1 when a block is stale.",
+    )
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for s in bad:
+            print(f"stale: {s} (run make docs)", file=sys.stderr)
+        return 1 if bad else 0
+    for s in write():
+        print(f"wrote {s}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
