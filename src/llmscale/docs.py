@@ -160,6 +160,69 @@ def claims_summary(ctx: Context) -> str:
     )
 
 
+def roofline_training(ctx: Context) -> str:
+    """README: Llama 2 70B's training step against the H200's ridge point (`llmscale roofline
+    --gpu h200 --model llama2-70b --batch 1 --seq 4096`)."""
+    from llmscale.hardware.catalog import default_catalog
+    from llmscale.model.config import get_preset
+    from llmscale.plan import roofline
+
+    r = roofline.training(get_preset("llama2-70b"), default_catalog().gpu("h200"), 1, 4096)
+    return (
+        f"training on an H200 does {r.intensity:,.0f} FLOP per byte against a ridge point of "
+        f"{r.ridge:,.0f}: {r.bound}"
+    )
+
+
+def fp16_underflow(ctx: Context) -> str:
+    """README: the precision suite's fp16 underflow table, medians over the seeds."""
+    t = ctx.results.table("precision", "fp16 gradient underflow")
+    if t is None:
+        return "not measured yet (make results)"
+    head, rows = t
+    by = {r[0]: dict(zip(head, r, strict=True)) for r in rows}
+    r0 = by["2^0"]
+    return (
+        f"**{r0['cast: underflow']} vanish unscaled ({r0['fp16 backward: underflow']} with the "
+        f"backward itself in fp16), {by['2^3']['cast: underflow']} at 2^3, "
+        f"{by['2^15']['cast: underflow']} at 2^15** (runs {r0['cast: range']} unscaled; "
+        f"measured {_when(ctx, 'precision')})"
+    )
+
+
+def serving_table(ctx: Context) -> str:
+    """docs/inference.md: H100 vs H200 serving Llama 2 70B, as `llmscale infer` predicts it."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan import inference
+
+    model = get_preset("llama2-70b")
+    cases = [
+        ("1 GPU, fp8, 2048 in / 128 out, NVIDIA's batches 8 and 32", 1, 2048, 128, "fp8", (8, 32)),
+        ("1 GPU, fp8, 2048 / 128, the largest batch that fits", 1, 2048, 128, "fp8", None),
+        ("8 GPUs, fp8, 1024 / 294 (MLPerf-shaped), best tp", 8, 1024, 294, "fp8", None),
+        ("8 GPUs, bf16, 1024 / 294, best tp", 8, 1024, 294, "bf16", None),
+    ]
+    lines = ["| case | H100 | H200 | H200 / H100 |", "|---|---|---|---|"]
+    for i, (name, gpus, inp, out, prec, batches) in enumerate(cases):
+        p = [
+            inference.predict(model, g, gpus, inp, out, prec, batch=batches[k] if batches else None)
+            for k, g in enumerate(("h100", "h200"))
+        ]
+        if batches is None:
+            name += (
+                f" ({'tp' if gpus > 1 else 'batch'} "
+                + " and ".join(str(x.tp if gpus > 1 else x.batch) for x in p)
+                + ")"
+            )
+        ratio = f"{p[1].tokens_per_s / p[0].tokens_per_s:.2f}"
+        lines.append(
+            f"| {name} | {p[0].tokens_per_s:,.0f} tok/s | {p[1].tokens_per_s:,.0f} tok/s | "
+            + (f"**{ratio}** (NVIDIA: 1.9)" if i == 0 else ratio)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 # ---- measured vs predicted --------------------------------------------------------------------
 
 
@@ -355,10 +418,13 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "plan-demo", plan_demo, timed=True),
     Block("README.md", "megatron-ratios", megatron_ratios),
     Block("README.md", "plan-speed", plan_speed, timed=True),
+    Block("README.md", "roofline-training", roofline_training),
+    Block("README.md", "fp16-underflow", fp16_underflow),
     Block("README.md", "serving-ratio", serving_ratio),
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
+    Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/claims.md", None, _claims_md),
     Block("docs/planner-validation.md", None, _planner_validation),
 )
