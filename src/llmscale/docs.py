@@ -129,10 +129,8 @@ def megatron_ratios(ctx: Context) -> str:
 
 def serving_ratio(ctx: Context) -> str:
     """README: the serving model's H200/H100 ratio at NVIDIA's batches (claims' row)."""
-    fig = ctx.claim("H200 runs Llama 2 70B").figure
-    m = re.match(r"x(\d+\.\d+)", fig)
-    assert m, fig
-    return f"H200 / H100 = {m.group(1)} predicted"
+    ratio = ctx.claim("H200 runs Llama 2 70B").rule.claim[0].figure
+    return f"H200 / H100 = {ratio:.2f} predicted"
 
 
 def claims_summary(ctx: Context) -> str:
@@ -142,14 +140,12 @@ def claims_summary(ctx: Context) -> str:
     for r in rows:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
     fails = [r.claim for r in rows if r.verdict == "does not hold here"]
-    under = ctx.claim("31% of gradient values").figure.split(" cast")[0]
-    acc = ctx.claim("accumulation cuts").figure
-    m = re.search(r": (-?\d+\.\d+)% less", acc)
+    u = ctx.claim("31% of gradient values").rule.claim[0].figure
+    under = "not measured" if u is None else f"{u:.2%}"
+    cut = ctx.claim("accumulation cuts").rule.claim[0].figure
     accum = (
-        "not measured"
-        if m is None
-        else (f"{float(m.group(1)):.1f}% faster" if float(m.group(1)) >= 0 else
-              f"{-float(m.group(1)):.1f}% slower")
+        "not measured" if cut is None
+        else f"{cut:.1%} faster" if cut >= 0 else f"{-cut:.1%} slower"
     )  # fmt: skip
     rail = ctx.claim("rail-only").figure.split(" (")[0]
     return (
