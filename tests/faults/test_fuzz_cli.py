@@ -167,7 +167,9 @@ PLAN = {
     "--zero-stage": ints(),
     "--offload": st.one_of(st.sampled_from(["none", "optimizer", "optimizer+params"]), TEXT),
     "--pp-layers": TEXT,
-    "--profile": st.one_of(st.sampled_from(["llmscale", "megatron", "torchtitan"]), TEXT),
+    "--stack": st.one_of(
+        st.sampled_from(["llmscale", "megatron-2021", "megatron-core", "torchtitan"]), TEXT
+    ),
 }
 
 

@@ -85,21 +85,32 @@ def test_bad_names_exit_2_with_one_line(args: list[str], needle: str) -> None:
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_profile_changes_what_is_modelled() -> None:
-    """One fixed layout under each training stack's profile: the same plan, other kernels and
-    time parameters, so other predictions; an unknown profile is one line and exit 2."""
+def test_stack_changes_what_is_modelled() -> None:
+    """One fixed layout under each training stack: the same plan, other kernels, gathers and
+    overlaps, so other predictions; an unknown stack is one line and exit 2."""
     layout = ["--tp", "8", "--pp", "1", "--dp-shard", "8", "--dp-replicate", "1", "--mbs", "1",
               "--recompute", "full", "--zero-stage", "3", "--sp", "--offload", "none"]  # fmt: skip
     base = ["plan", "--model", "llama2-70b", "--gpu", "h100", "--gpus", "64", "--seq", "4096",
             "--global-batch", "512", "--json", *layout]  # fmt: skip
     got = {}
-    for profile in ("llmscale", "megatron", "torchtitan"):
-        r = _run(*base, "--profile", profile)
+    for stack in ("llmscale", "megatron-2021", "megatron-core", "torchtitan"):
+        r = _run(*base, "--stack", stack)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
-        assert out["inputs"]["profile"] == profile
+        assert out["inputs"]["stack"] == stack
         (c,) = out["candidates"]
-        got[profile] = (c["step_time"]["seconds"], c["memory_bytes"]["worst_stage"]["total"])
-    assert len(set(got.values())) == 3
-    r = _run(*base, "--profile", "deepspeed")
+        got[stack] = (c["step_time"]["seconds"], c["memory_bytes"]["worst_stage"]["total"])
+    assert len(set(got.values())) == 4
+    r = _run(*base, "--stack", "deepspeed")
     assert r.returncode == 2 and "deepspeed" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_stack_refuses_a_recompute_policy_it_cannot_run() -> None:
+    """`selective` is the attention core in every stack; torchtitan's selective AC is op SAC,
+    so it refuses `selective` naming its own equivalent."""
+    base = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--seq", "4096",
+            "--global-batch", "64", "--json", "--stack", "torchtitan"]  # fmt: skip
+    r = _run(*base, "--recompute", "selective")
+    assert r.returncode == 2 and "selective_op" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert _run(*base, "--recompute", "selective_op").returncode == 0

@@ -19,7 +19,7 @@ from llmscale.config import (
     ZERO_STAGES,
 )
 from llmscale.paths import check_image_file
-from llmscale.plan.profiles import PROFILE_NAMES
+from llmscale.stack import STACK_NAMES, stacks_help
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -66,13 +66,12 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--json", action="store_true", help="print JSON on standard output, only")
     p.add_argument("--wide", action="store_true", help="every column (default: 100 columns)")
     p.add_argument(
-        "--profile",
-        choices=PROFILE_NAMES,
+        "--stack",
+        choices=STACK_NAMES,
         default="llmscale",
-        help="whose kernels and memory behaviour to model: llmscale (this runtime, the "
-        "default), megatron (Megatron-LM as Narayanan 2021 and Korthikanti 2022 ran it: "
-        "vocab-parallel loss, selective recompute of the attention core) or torchtitan "
-        "(FSDP2, flash SDPA, op-level selective checkpointing)",
+        metavar="NAME",
+        help="the training software whose kernels, gathers, overlaps and overheads are modelled "
+        f"(default llmscale). {stacks_help()}",
     )
     p.add_argument(
         "--compile",
@@ -139,7 +138,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     space, fixed = fixed_space(args.gpus, given)
     rep = plan_report(
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
-        node=args.node, nic=args.nic, space=space, fixed=fixed, profile=args.profile,
+        node=args.node, nic=args.nic, space=space, fixed=fixed, stack=args.stack,
         compiled=args.compile,
     )  # fmt: skip
     why = rep.result.why_none()

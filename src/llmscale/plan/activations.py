@@ -43,10 +43,14 @@ from typing import ParamSpec
 
 from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig, loss_parallel, op_sac_saves_matmul, vocab_parallel
+from llmscale.model.config import ModelConfig, op_sac_saves_matmul
 from llmscale.plan.cache import memoize
+from llmscale.stack.kernels import ATTENTION_KERNELS as ATTENTION_KERNELS
+from llmscale.stack.kernels import MEGATRON_2021 as MEGATRON_2021
+from llmscale.stack.kernels import RUNTIME as RUNTIME
+from llmscale.stack.kernels import RUNTIME_CPU as RUNTIME_CPU
+from llmscale.stack.kernels import Kernels as Kernels
 
-ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
 BLOCK_MODES = ("none", "selective", "selective_op", "full")
 FUSED_ATTENTION = ("flash", "efficient")  # kernels that keep out + log-sum-exp, no s x s
 # Row-parallel matmuls: under tp their local output is a partial sum of the full width.
@@ -54,78 +58,9 @@ ROW_PARALLEL = ("wo", "w2")
 _P = ParamSpec("_P")
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """The implementation facts that decide what is saved (not the model's shape)."""
-
-    device: str = "cuda"  # cuda | cpu: RMSNorm fused (input + rstd) or composite (+ normed x)
-    attention: str = "auto"  # auto: flash for bf16/fp16 (and on CPU), else efficient or math
-    dropout: bool = False
-    residual_fp32: bool = True  # autocast keeps the residual stream in the fp32 param dtype
-    sp_saves_gathered_input: bool = True  # DTensor SP: linear inputs saved whole, not split
-    # Embedding, head and logits split over tp: None = as the llmscale runtime does
-    # (`model.config.vocab_parallel`: untied models split them); True / False to force.
-    vocab_parallel: bool | None = None
-    # The loss's log-softmax split over tp too (Megatron's vocab-parallel cross-entropy); None =
-    # as the runtime (`model.config.loss_parallel`: wherever the head is vocabulary-parallel).
-    loss_parallel: bool | None = None
-    # The forward's weights are already bf16/fp16 (FSDP2's param_dtype, offloaded working
-    # copies): the residual stream and an RMSNorm's output are in that dtype, so the linears
-    # reading one norm output share one saved input instead of autocast casting it per linear.
-    lowp_weights: bool = False
-
-    @classmethod
-    def for_runtime(cls, model: ModelConfig, tp: int, device: str = "cuda") -> Kernels:
-        """The llmscale runtime's kernel facts for `model` at tensor-parallel degree `tp` on
-        `device` ("cuda" or "cpu"): the one description of the runtime that every caller uses."""
-        return cls(
-            device="cpu" if device == "cpu" else "cuda",
-            vocab_parallel=vocab_parallel(model, tp),
-            loss_parallel=loss_parallel(model, tp),
-        )
-
-    def splits_vocab(self, model: ModelConfig, tp: int) -> bool:
-        """Are the embedding, the output projection and the logits split over `tp` ranks?"""
-        if tp == 1:
-            return False
-        return vocab_parallel(model, tp) if self.vocab_parallel is None else self.vocab_parallel
-
-    def splits_logits(self, model: ModelConfig, tp: int) -> bool:
-        """Does the loss run on the logits split over `tp` ranks (not gathered first)?"""
-        if tp == 1:
-            return False
-        return loss_parallel(model, tp) if self.loss_parallel is None else self.loss_parallel
-
-    def attention_kernel(self, model: ModelConfig, precision: str) -> str:
-        if self.attention not in ATTENTION_KERNELS:
-            raise ConfigError("kernels.attention", self.attention, " | ".join(ATTENTION_KERNELS))
-        if self.attention != "auto":
-            return self.attention
-        if self.device == "cpu" or precision != "fp32":
-            return "flash"
-        # fp32 on CUDA: no flash kernel; the memory-efficient one has no GQA, so GQA -> math.
-        return "math" if model.n_kv_heads < model.n_heads else "efficient"
-
-
 # What one micro-batch on one tensor-parallel rank is, as `block_tensors` and `head_tensors`
 # take it: model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels.
 SliceArgs = tuple[ModelConfig, int, int, Precision, int, bool, Kernels]
-
-# The llmscale runtime on CUDA and on the CPU, for any model (vocabulary split as it decides);
-# `Kernels.for_runtime(model, tp, device)` gives the same facts resolved for one model.
-RUNTIME = Kernels()
-RUNTIME_CPU = Kernels(device="cpu")
-# Megatron-LM as Korthikanti et al. and Narayanan et al. ran it: fp16 activations throughout,
-# dropout after attention probabilities and both residual branches, softmax materialised,
-# sequence-parallel inputs re-gathered in backward, vocabulary-parallel embedding and LM head.
-MEGATRON_2021 = Kernels(
-    attention="materialized",
-    dropout=True,
-    residual_fp32=False,
-    sp_saves_gathered_input=False,
-    vocab_parallel=True,
-    loss_parallel=True,
-)
 
 
 @dataclass(frozen=True)
@@ -222,8 +157,12 @@ def block_tensors(
     def norm(tag: str) -> None:
         per_token.extend(norm_terms(model, tag, a, kernels))
 
+    fp8_casts = precision == "fp8" and kernels.fp8_saves_casts
+
     def linear_inputs(tag: str, names: tuple[str, ...]) -> None:
-        if a == 4:
+        if fp8_casts:  # one float8 cast of the shared input (TransformerEngine)
+            per_token.append((f"{tag} input (float8 cast)", 1 * d, "linear_in"))
+        elif a == 4:
             per_token.append((f"{tag} input ({', '.join(names)} share it)", 4 * d, "linear_in"))
         elif norm_output_fp32(model, a, kernels):
             for n in names:  # autocast casts each linear's input on its own
@@ -258,22 +197,26 @@ def block_tensors(
         per_token.append(("attention output (= wo input)", a * d, "tp"))
         if mode == "none":
             per_token.append(("log-sum-exp (fp32)", 4 * heads, "tp"))
+        if fp8_casts:
+            per_token.append(("wo input (float8 cast)", 1 * d, "tp"))
     if kernels.dropout:
         per_token.append(("attention residual dropout mask", 1 * d, "norm"))
     norm("ffn_norm")
     if model.gated:
         linear_inputs("w1/w3", ("w1", "w3"))
-        per_token += [
-            ("w1 output (silu input)", a * f, "tp"),
-            ("silu output", a * f, "tp"),
-            ("w3 output", a * f, "tp"),
-            ("w2 input (silu x w3)", a * f, "tp"),
-        ]
+        per_token += [("w1 output (silu input)", a * f, "tp"), ("w3 output", a * f, "tp")]
+        if not kernels.fused_swiglu:
+            per_token.append(("silu output", a * f, "tp"))
+        w2_in = 1 if fp8_casts else a
+        per_token.append(
+            ("w2 input (silu x w3)" + (", float8" if fp8_casts else ""), w2_in * f, "tp")
+        )
     else:
         linear_inputs("w1", ("w1",))
+        w2_in = 1 if fp8_casts else a
         per_token += [
             ("w1 output (gelu input)", a * f, "tp"),
-            ("w2 input (gelu output)", a * f, "tp"),
+            ("w2 input (gelu output)" + (", float8" if fp8_casts else ""), w2_in * f, "tp"),
         ]
     if kernels.dropout:
         per_token.append(("mlp residual dropout mask", 1 * d, "norm"))

@@ -31,7 +31,7 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
 
 - FSDP2 under pipelining (dp_shard > 1, pp > 1): torch's schedules turn gradient sync and
   resharding after backward off for every micro-batch and reduce-scatter once at the step's end
-  (`Plan.fsdp_holds_grads_across_microbatches`), so at the end of the last backward a stage
+  (`stack.param_residency`), so at the end of the last backward a stage
   holds every unit's unsharded parameters (param_dtype, `working_params`, whatever the
   zero_stage) and its unsharded fp32 gradients (`grads`: 4 B per TP-local parameter instead of
   the shard; the sharded gradients only replace them unit by unit as they are reduced).
@@ -86,6 +86,7 @@ from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import held_after_b_peak, inflight_units
+from llmscale.stack import LLMSCALE, Stack, param_residency
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -99,6 +100,7 @@ __all__ = [
     "estimate_memory",
     "head_inflight",
     "inflight_units",
+    "memory_options",
     "pipeline_held",
     "PipelineHeld",
     "param_window",
@@ -115,12 +117,26 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """Modelling choices that are not part of the plan, each with its default stated once."""
+    """What the memory model reads besides the plan: the training stack (when parameters are
+    gathered, what the pipeline keeps) and the facts of it that a caller may replace (a
+    measured device's kernels). Build one with `memory_options(stack)`."""
 
     kernels: act.Kernels = act.RUNTIME
-    allocator_overhead: float = 0.05
-    device_reserve_GiB: float = 1.5
-    prefetch_blocks: int = 2
+    allocator_overhead: float = LLMSCALE.allocator_overhead
+    device_reserve_GiB: float = LLMSCALE.device_reserve_GiB
+    prefetch_blocks: int = LLMSCALE.prefetch_blocks
+    stack: Stack = LLMSCALE
+
+
+def memory_options(stack: Stack, kernels: act.Kernels | None = None) -> MemoryOptions:
+    """The memory model's options for `stack` (`kernels`: a measured device's instead)."""
+    return MemoryOptions(
+        kernels=stack.kernels if kernels is None else kernels,
+        allocator_overhead=stack.allocator_overhead,
+        device_reserve_GiB=stack.device_reserve_GiB,
+        prefetch_blocks=stack.prefetch_blocks,
+        stack=stack,
+    )
 
 
 DEFAULT_OPTIONS = MemoryOptions()
@@ -250,10 +266,12 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
     grads_held: float | None = None  # FSDP2 + PP: unsharded gradients until the step's end
     if plan.fsdp:
         shard = float(rp.shard_numel)
-        blocks_live = min(opt.prefetch_blocks, rp.blocks) if plan.zero_stage == 3 else rp.blocks
-        if plan.fsdp_holds_grads_across_microbatches:
-            blocks_live = rp.blocks
-            grads_held = 4.0 * rp.numel
+        res = param_residency(
+            opt.stack, zero_stage=plan.zero_stage, pp=plan.pp, n_microbatches=plan.n_microbatches
+        )
+        blocks_live = rp.blocks if res.stage_unsharded else min(opt.prefetch_blocks, rp.blocks)
+        if res.grads_unsharded:
+            grads_held = float(opt.stack.main_grad_bytes * rp.numel)
         unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
     else:
@@ -407,7 +425,8 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     if rank == 0:
         emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
         total += embedding_inflight(plan) * emb * cp_share(plan)
-    if rank == plan.head_rank and plan.pp > 1 and plan.pp_schedule == "1f1b":
+    torch_1f1b = opt.stack.pipeline == "torch" and plan.pp_schedule == "1f1b"
+    if rank == plan.head_rank and plan.pp > 1 and torch_1f1b:
         # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one
         # runs forward on the last stage; its graph keeps every checkpointed region's inputs
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
@@ -516,7 +535,7 @@ def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -
 
 
 def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
-    if plan.pp == 1:
+    if plan.pp == 1 or opt.stack.pipeline == "freed":  # Megatron frees each output once sent
         return PipelineHeld(0.0, 0.0)
     args = slice_args(plan, opt.kernels)
     share = cp_share(plan)

@@ -50,6 +50,7 @@ from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
+from llmscale.stack import LLMSCALE, Stack, tied_pipeline_problem
 
 MULTI_CHUNK = LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES  # schedules that need pp > 1
 
@@ -173,7 +174,12 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
 
 
 def _layouts(
-    model: ModelConfig, gpus: int, cluster: Cluster, space: SearchSpace, rejected: dict[str, None]
+    model: ModelConfig,
+    gpus: int,
+    cluster: Cluster,
+    space: SearchSpace,
+    rejected: dict[str, None],
+    stack: Stack = LLMSCALE,
 ) -> Iterator[tuple[int, int, int]]:
     """(tp, pp, dp) layouts of `gpus` (cp x tp x pp x dp = gpus); why others were dropped goes
     into `rejected` (in order). A pp that does not divide n_layers splits them unevenly."""
@@ -184,7 +190,7 @@ def _layouts(
     rest = gpus // cp  # the GPUs of one context-parallel rank's layouts
     tps = [space.tp] if space.tp is not None else _divisors(min(rest, gpn))
     for tp in tps:
-        why = _tp_rule(model, rest, gpn, tp)
+        why = _tp_rule(model, rest, gpn, tp, stack)
         if why:
             rejected[why + (f" (after cp {cp})" if cp > 1 else "")] = None
             continue
@@ -200,21 +206,26 @@ def _layouts(
                 rejected[f"pp {pp} > n_layers {model.n_layers}"] = None
             elif space.pp_layers and len(space.pp_layers) % pp:
                 rejected[f"pp {pp} does not divide the {len(space.pp_layers)} pp_layers"] = None
-            elif pp > 1 and model.tie_embeddings:
-                rejected[f"pp {pp} > 1 with tied embeddings ({model.name})"] = None
+            elif tied := tied_pipeline_problem(stack, model.tie_embeddings, pp):
+                rejected[f"pp {pp}: {tied} ({model.name})"] = None
             elif pp == 1 and len(space.schedules) == 1 and space.schedules[0] in MULTI_CHUNK:
                 rejected[f"{space.schedules[0]} needs pp > 1"] = None
             else:
                 yield tp, pp, rest // (tp * pp)
 
 
-def _tp_rule(model: ModelConfig, gpus: int, gpus_per_node: int, tp: int) -> str | None:
-    """Why tensor-parallel degree `tp` cannot run (None when it can)."""
+def _tp_rule(
+    model: ModelConfig, gpus: int, gpus_per_node: int, tp: int, stack: Stack = LLMSCALE
+) -> str | None:
+    """Why tensor-parallel degree `tp` cannot run (None when it can). A stack that always
+    splits the vocabulary pads it to a multiple of tp (Megatron's make-vocab-size-divisible-by);
+    the runtime splits it only untied, and then tp must divide it."""
     if gpus % tp:
         return f"tp {tp} does not divide {gpus} GPUs"
     if tp > gpus_per_node:
         return f"tp {tp} > {gpus_per_node} GPUs per node"
-    names = ("n_heads", "n_kv_heads", "ffn_dim") + (() if model.tie_embeddings else ("vocab_size",))
+    split = not model.tie_embeddings and stack.kernels.vocab_parallel is None
+    names = ("n_heads", "n_kv_heads", "ffn_dim") + (("vocab_size",) if split else ())
     for name in names:  # the vocabulary is split too unless tied (the runtime's rule)
         if getattr(model, name) % tp:
             return f"tp {tp} does not divide {name} {getattr(model, name)}"
@@ -296,7 +307,7 @@ def search(
         recs.remove("every_k")
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
-    layouts = _layouts(model, gpus, cluster, space, rejected)
+    layouts = _layouts(model, gpus, cluster, space, rejected, time_params.stack)
     if space.cp > 1 and seq_len % (2 * space.cp):  # load-balanced ring attention's rule
         rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None
         layouts = iter(())

@@ -94,6 +94,7 @@ from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time
 from llmscale.plan.schedule import simulate as simulate_schedule
+from llmscale.stack import LLMSCALE, Stack, param_residency
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
 ELEMENTWISE_MODELS = ("llmscale", "torchtitan", "saved")
@@ -128,9 +129,6 @@ class TimeParams:
     # off on all but the last micro-batch, as the llmscale runtime does); False: every one.
     grad_sync_once: bool = True
     step_overhead: bool = True  # add the GPU's fixed per-step cost
-    # What recompute = "selective" recomputes: the attention core (llmscale, Megatron) or, "op",
-    # torchtitan's op-level SAC (every other matmul and the element-wise ops; plan/profiles.py).
-    selective_policy: str = "attention_core"
     # How element-wise traffic is counted: "llmscale" (this runtime's eager ops,
     # `runtime_eager_block_bytes`), "torchtitan" (its eager Llama without torch.compile:
     # composite RMSNorm, complex RoPE in fp32, silu and mul apart; `eager_block_bytes`) or
@@ -140,9 +138,33 @@ class TimeParams:
     # ops run as the fused kernels torch.compile generates (`compiled_block_bytes`), instead of
     # one kernel per eager op; the head and loss stay eager; "saved" is fused already.
     compiled: bool = False
+    # Tensor-parallel collectives run beside the GEMMs they feed (Megatron-Core's TP
+    # communication overlap): exposed only where they outlast them.
+    tp_overlap_gemm: bool = False
+    # The training stack: when parameters are gathered and gradients reduced
+    # (`stack.param_residency`). The fields above that a stack sets come from it through
+    # `time_params(stack)`.
+    stack: Stack = LLMSCALE
 
 
 DEFAULT_TIME = TimeParams()
+
+
+def time_params(
+    stack: Stack, kernels: act.Kernels | None = None, compiled: bool = False
+) -> TimeParams:
+    """The time model's parameters for `stack` (`kernels`: a measured device's instead)."""
+    return TimeParams(
+        dp_overlap=stack.dp_overlap,
+        p2p_scatter_gather=stack.p2p_scatter_gather,
+        optimizer_bytes_per_param=stack.optimizer_bytes_per_param,
+        kernels=stack.kernels if kernels is None else kernels,
+        grad_sync_once=stack.grad_sync_once,
+        elementwise=stack.elementwise,
+        compiled=compiled,
+        tp_overlap_gemm=stack.tp_overlap_gemm,
+        stack=stack,
+    )
 
 
 @dataclass(frozen=True)
@@ -526,11 +548,8 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         attn_b = 2.5 * attn_f
     mat_f = n_blocks * (gemm_block + attn_f)
     mat_b = n_blocks * (2 * gemm_block + attn_b) + n_full * (gemm_block + attn_f)
-    # Op-level selective checkpointing: this runtime's selective_op, or a stack whose
-    # "selective" is that policy (torchtitan's profile).
-    op_sac = plan.recompute == "selective_op" or (
-        plan.recompute == "selective" and tp_.selective_policy == "op"
-    )
+    # Op-level selective checkpointing (selective_op: torchtitan's op policy).
+    op_sac = plan.recompute == "selective_op"
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
         shapes = block_gemms(plan)
         redo = [g for i, g in enumerate(shapes) if not op_sac_saves_matmul(i)]
@@ -594,6 +613,9 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         else:
             one = collective("all_reduce", nbytes, tp, tp, cluster.fabric).seconds
         exposed = (1 - tp_.tp_overlap) * one
+        if tp_.tp_overlap_gemm:  # each region's collective runs beside that region's GEMMs
+            region_gemm = gemm_block / TP_REGIONS_PER_BLOCK
+            exposed = _overlapped(exposed, region_gemm, tp_.dp_overlap)
         tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
         tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
     loss_f = _loss_comm_seconds(plan, rank, cluster, kern)
@@ -677,20 +699,31 @@ def _fsdp_exposed(
         return collective(op, nbytes, plan.fsdp_shards, per_node, cluster.fabric).seconds
 
     ag = cost("all_gather", pb * unit_numel)
-    rs = cost("reduce_scatter", 4 * unit_numel)
+    rs = cost("reduce_scatter", tp_.stack.main_grad_bytes * unit_numel)
     eta = tp_.dp_overlap
     c_f, c_b = fwd / units, bwd / units
-    ag_b = ag if plan.zero_stage == 3 else 0.0
-    gather = ag + (units - 1) * _overlapped(ag, c_f, eta)
+    res = param_residency(
+        tp_.stack, zero_stage=plan.zero_stage, pp=plan.pp, n_microbatches=plan.n_microbatches
+    )
+    ag_b = ag if res.gathers_per_microbatch == 2 else 0.0
+    gather_f = ag + (units - 1) * _overlapped(ag, c_f, eta)
     bwd_plain = ag_b + (units - 1) * _overlapped(ag_b, c_b, eta) if ag_b else 0.0
-    gather += bwd_plain
     # With gradient sync, backward's all-gathers and reduce-scatters share the link and the
     # same compute window (the next unit's backward).
     bwd_sync = ag_b + rs + (units - 1) * _overlapped(ag_b + rs, c_b, eta)
     scatter = bwd_sync - bwd_plain
-    if tp_.grad_sync_once:
-        return gather, scatter
-    return gather + scatter, 0.0
+    per_micro, per_step = bwd_plain, 0.0
+    # Gathered once per step: the first micro-batch's forward gathers (behind its compute) and
+    # the stage stays unsharded until the step's end.
+    if res.gathers_per_microbatch == 0:
+        per_step += gather_f
+    else:
+        per_micro += gather_f
+    if res.grads_per_step:
+        per_step += scatter
+    else:
+        per_micro += scatter
+    return per_micro, per_step
 
 
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
@@ -778,6 +811,16 @@ def estimate_step_time(
             dp_sync = n_mb * _overlapped(ar.seconds, slow.bwd, tparams.dp_overlap)
     dp_sync += slow.sync
     breakdown["dp_comm"] = dp_sync
+    # Tied embeddings under a pipeline (a stack that keeps a copy on the last stage): the two
+    # stages' embedding gradients all-reduced once per step, after the flush (Megatron's
+    # embedding group); in a V both sit on one rank and nothing moves.
+    if m.tie_embeddings and p > 1 and not plan.v_shape:
+        vocab_div = plan.tp if tparams.kernels.splits_vocab(m, plan.tp) else 1
+        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div
+        per_node = 2 if plan.tp * plan.cp * plan.dp * (p - 1) < cluster.gpus_per_node else 1
+        tied = collective("all_reduce", emb_bytes, 2, per_node, cluster.fabric).seconds
+        breakdown["tied_embedding_comm"] = tied
+        dp_sync += tied
     # Optimizer step.
     cal = cluster.gpu.calibration
     lsp = offload_traffic(plan, 0, tparams.kernels) if plan.offload == "lsp" else None

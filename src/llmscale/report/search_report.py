@@ -20,9 +20,10 @@ from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import get_preset, pp_layers_problem
 from llmscale.plan import memory as mem
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.profiles import get_profile
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
+from llmscale.plan.time import time_params
 from llmscale.report import report
+from llmscale.stack import get_stack, recompute_problem
 
 MEMORY_LEGEND = (
     "memory columns are the fullest GPU, GiB: states = params + grads + optimizer;\n"
@@ -83,32 +84,30 @@ def plan_report(
     nic: str | None = None,
     space: SearchSpace = DEFAULT_SPACE,
     fixed: dict[str, Any] | None = None,
-    profile: str = "llmscale",
+    stack: str = "llmscale",
     compiled: bool = False,
 ) -> PlanReport:
     """Search the layouts of preset `model` on `gpus` x `gpu` within `space`; keep the `top`
     fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`;
-    `profile` the training stack whose kernels and memory behaviour are modelled; `compiled`
+    `stack` the training stack whose kernels, gathers and overlaps are modelled; `compiled`
     its blocks under torch.compile (fused element-wise kernels)."""
     cfg = get_preset(model)
     pp_layers_check(model, fixed or {})
     cluster = Cluster.of(gpu, node=node, nic=nic)
-    prof = get_profile(profile)
-    # llmscale's own kernels depend on the layout (vocab-parallel under tp): the default
-    # options derive them per plan; another stack's are fixed facts of that stack.
-    options = (
-        mem.DEFAULT_OPTIONS
-        if profile == "llmscale"
-        else replace(mem.DEFAULT_OPTIONS, kernels=prof.kernels)
-    )
+    st = get_stack(stack)
+    for mode in space.recompute:
+        if len(space.recompute) == 1 and (problem := recompute_problem(st, mode)):
+            raise ConfigError("recompute", mode, problem)
+    space = replace(space, recompute=tuple(r for r in space.recompute if r in st.recompute))
+    options = mem.memory_options(st)
     res = search(
         cfg, gpus, cluster, seq, global_batch, precision, top, space=space,
-        memory_options=options, time_params=replace(prof.time, compiled=compiled),
+        memory_options=options, time_params=time_params(st, compiled=compiled),
     )  # fmt: skip
     inputs = {
         "model": model, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
-        "profile": profile, "compiled": compiled, "fixed": fixed or {},
+        "stack": stack, "compiled": compiled, "fixed": fixed or {},
     }  # fmt: skip
     return PlanReport(res, inputs)
 

@@ -3,6 +3,260 @@
 A *stack* is one training software's behaviour (kernels, what each recompute policy saves, when
 parameters are gathered and gradients reduced, which traffic overlaps compute, its per-step
 overheads), kept apart from the model (shape), the system (GPUs and links, rates measured on
-bare hardware) and the layout (tp, pp, dp, micro-batch, schedule). The planner reads a stack;
-the llmscale runtime is one stack among them and reads its own rules from here.
+bare hardware) and the layout (tp, pp, dp, micro-batch, schedule). The planner's memory and time
+models both read one `Stack`; the llmscale runtime is one stack among them (`LLMSCALE`), and its
+predicted = measured tests are that stack's conformance tests.
+
+Each rule on which stacks differ is a small function here (`param_residency`, `recompute_problem`,
+`tied_pipeline_problem`), called by the memory and the time model alike, so the two cannot
+disagree about it. The records themselves are data: `llmscale plan --stack NAME` picks one, and
+`STACKS` generates that flag's help.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from llmscale.errors import ConfigError
+from llmscale.stack.kernels import MEGATRON_2021 as MEGATRON_2021_KERNELS
+from llmscale.stack.kernels import RUNTIME, Kernels
+
+__all__ = [
+    "LLMSCALE",
+    "MEGATRON_2021",
+    "MEGATRON_CORE",
+    "STACKS",
+    "STACK_NAMES",
+    "TORCHTITAN",
+    "Kernels",
+    "Residency",
+    "Stack",
+    "get_stack",
+    "recompute_problem",
+    "param_residency",
+    "stacks_help",
+    "tied_pipeline_problem",
+]
+
+# When a data-parallel-sharded stage's parameters are gathered and its gradients reduced; each
+# policy is one branch of `param_residency`.
+Sharding = Literal["llmscale", "fsdp2_default", "megatron"]
+Elementwise = Literal["llmscale", "torchtitan", "saved"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stack:
+    """One training stack's facts, each stated once (see the module docstring)."""
+
+    name: str
+    summary: str  # one line: `--stack` help
+    source: str  # where the facts come from (repository at a commit, paper)
+    kernels: Kernels
+    # Recompute policies it can run, in the runtime's names (config.Recompute): "selective" is
+    # always the attention core; a policy it lacks is refused with `refusals`' line.
+    recompute: tuple[str, ...]
+    refusals: tuple[tuple[str, str], ...] = ()  # (policy, what to use instead)
+    sharding: Sharding
+    # How element-wise HBM traffic is counted (plan/time.py): this runtime's eager ops,
+    # torchtitan's eager Llama, or fused kernels ("saved": passes over the saved bytes).
+    elementwise: Elementwise
+    # Data-parallel gradients of replicas reduced once per step (no_sync on all but the last
+    # micro-batch) rather than after every micro-batch.
+    grad_sync_once: bool
+    # Share of a data-parallel collective's time hidden when it runs beside compute (0: the
+    # stack does not overlap it: Megatron 2021 all-reduces after the pipeline flush).
+    dp_overlap: float = 0.85
+    # Tensor-parallel collectives run beside the GEMMs they feed (Megatron-Core's TP
+    # communication overlap, TransformerEngine userbuffers): exposed only past the GEMMs.
+    tp_overlap_gemm: bool = False
+    p2p_scatter_gather: bool = False  # pipeline sends split over the TP ranks (Megatron 2021)
+    optimizer_bytes_per_param: float = 28.0  # AdamW foreach, fp32: read p g m v, write p m v
+    # torch.distributed.pipelining keeps a receive buffer pair per micro-batch and 1F1B holds
+    # one micro-batch more ("torch"); Megatron frees each output once sent ("freed").
+    pipeline: Literal["torch", "freed"] = "torch"
+    # Tied embedding and output projection under pipeline parallelism: refused, or a copy of
+    # the embedding on the last stage whose gradient is all-reduced with the first's once per
+    # step (Megatron's embedding group; DeepSpeed's TiedLayerSpec).
+    tied_under_pp: Literal["refuse", "copy_on_last_stage"] = "refuse"
+    # Bytes per parameter of the gradients accumulated unsharded until the step's reduce (fp32
+    # main gradients; 2 where a stack reduces in bf16: Megatron's grad_reduce_in_fp32 = False).
+    main_grad_bytes: int = 4
+    allocator_overhead: float = 0.05  # the caching allocator's share over what is allocated
+    device_reserve_GiB: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
+    prefetch_blocks: int = 2  # FSDP units unsharded at once under reshard-after-forward
+
+    def on(self, **changes: object) -> Stack:
+        """This stack with some facts replaced (a measured device's kernels, say)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Residency:
+    """When a stage's parameters are gathered and its gradients reduced (data-parallel
+    sharding: FSDP2, ZeRO, Megatron's distributed optimizer), the one rule memory and time read.
+
+    gathers_per_microbatch: 0 = once per optimizer step (kept unsharded across micro-batches),
+    1 = in each micro-batch's forward, 2 = in its forward and again in its backward.
+    grads_per_step: gradients reduced (reduce-scattered) once per step, else per micro-batch.
+    stage_unsharded: every block of the stage is unsharded from its forward to its backward
+    (else a prefetch window of blocks). grads_unsharded: unsharded fp32 gradients are held
+    until the step's reduce (else sharded accumulators).
+    """
+
+    gathers_per_microbatch: int
+    grads_per_step: bool
+    stage_unsharded: bool
+    grads_unsharded: bool
+
+
+def param_residency(stack: Stack, *, zero_stage: int, pp: int, n_microbatches: int) -> Residency:
+    """The stack's gather and reduce rule for a sharded data-parallel layout."""
+    match stack.sharding:
+        case "llmscale":
+            if pp > 1:
+                # torch.distributed.pipelining: PipelineStage turns off gradient sync and
+                # resharding after backward for every micro-batch and reduces once at the step's
+                # end; under zero 3 each F reshards its stage and B gathers it again
+                # (parallel/pipeline.py).
+                return Residency(2 if zero_stage == 3 else 0, True, True, True)
+            if zero_stage == 3:
+                return Residency(2, False, False, False)
+            if zero_stage == 2:  # DeepSpeed ZeRO-2: sharded accumulators
+                return Residency(0, False, True, False)
+            # ZeRO-1 (Megatron's distributed optimizer): accumulated unsharded, one reduce.
+            return Residency(0, True, True, n_microbatches > 1)
+        case "fsdp2_default":
+            # torchtitan's fsdp_reshard_after_forward "default": reshard after forward unless
+            # pipelined ("to avoid per-microbatch all-gathers"); under PP, PipelineStage's
+            # no-sync backward as above. zero 1/2 read as its "never".
+            if pp > 1:
+                return Residency(0, True, True, True)
+            if zero_stage == 3:
+                return Residency(2, False, False, False)
+            return Residency(1, False, True, False)
+        case "megatron":
+            if zero_stage == 1:
+                # The distributed optimizer: parameters all-gathered once per step (overlapped
+                # with the first forward), fp32 main gradients accumulated in an unsharded buffer
+                # and reduce-scattered once (overlapped with the last backward).
+                return Residency(0, True, True, True)
+            if zero_stage == 2:  # Megatron FSDP "optim_grads"
+                return Residency(0, False, True, False)
+            return Residency(2, False, False, False)  # Megatron FSDP "optim_grads_params"
+    raise ConfigError("stack.sharding", stack.sharding, "llmscale | fsdp2_default | megatron")
+
+
+def recompute_problem(stack: Stack, recompute: str) -> str | None:
+    """Why `stack` cannot run recompute policy `recompute` (None when it can)."""
+    if recompute in stack.recompute:
+        return None
+    instead = dict(stack.refusals).get(recompute)
+    allowed = " | ".join(stack.recompute)
+    return f"{allowed} under --stack {stack.name}" + (f" ({instead})" if instead else "")
+
+
+def tied_pipeline_problem(stack: Stack, tied: bool, pp: int) -> str | None:
+    """Why `stack` cannot pipeline a model with tied embeddings (None when it can)."""
+    if tied and pp > 1 and stack.tied_under_pp == "refuse":
+        return f"pp 1 with tied embeddings under --stack {stack.name}"
+    return None
+
+
+LLMSCALE = Stack(
+    name="llmscale",
+    summary="this project's runtime, described by the facts it calls itself (the default)",
+    source="src/llmscale (model/config.py's TP and recompute tables, config.py's schedules)",
+    kernels=RUNTIME,
+    recompute=("none", "selective", "selective_op", "full", "every_k"),
+    sharding="llmscale",
+    elementwise="llmscale",
+    grad_sync_once=True,
+)
+
+MEGATRON_2021 = Stack(
+    name="megatron-2021",
+    summary="Megatron-LM as Narayanan et al. 2021 and Korthikanti et al. 2022 ran it: fp16, "
+    "dropout, a materialised s x s softmax, DP all-reduce after the flush",
+    source="Narayanan et al. 2021 (arXiv:2104.04473); Korthikanti et al. 2022 (arXiv:2205.05198)",
+    kernels=MEGATRON_2021_KERNELS,
+    recompute=("none", "selective", "full", "every_k"),
+    refusals=(("selective_op", "Megatron's selective recomputation is --recompute selective"),),
+    sharding="megatron",
+    elementwise="saved",  # fused kernels: bias-GeLU, masked softmax, bias-dropout-add
+    grad_sync_once=True,
+    dp_overlap=0.0,
+    p2p_scatter_gather=True,
+    # Megatron's fp16 optimizer per parameter: unscale and inf-check the fp32 main gradient
+    # (read 4, write 4), its norm (read 4), Adam (read p g m v, write p m v: 28), copy the fp32
+    # master into the fp16 weight (read 4, write 2).
+    optimizer_bytes_per_param=46.0,
+    pipeline="freed",
+    tied_under_pp="copy_on_last_stage",
+)
+
+MEGATRON_CORE = Stack(
+    name="megatron-core",
+    summary="Megatron-Core / NeMo 2 as run today: flash attention, no dropout, bf16, "
+    "distributed optimizer (--dp-shard N --zero-stage 1) with overlapped grad and param sync, "
+    "TP communication overlap",
+    source="NVIDIA/Megatron-LM megatron/core (TransformerConfig, DistributedDataParallelConfig: "
+    "overlap_grad_reduce, overlap_param_gather, use_distributed_optimizer; tp_comm_overlap); "
+    "NeMo 2 Llama pretraining recipes",
+    kernels=Kernels(
+        attention="flash",  # TransformerEngine fused attention (cuDNN / flash)
+        dropout=False,  # Llama-family recipes: attention and hidden dropout 0
+        residual_fp32=False,  # fp32_residual_connection off by default
+        sp_saves_gathered_input=False,  # SP inputs re-gathered in backward
+        vocab_parallel=True,
+        loss_parallel=True,  # vocab-parallel cross-entropy
+        fused_swiglu=True,  # bias_activation_fusion: BiasSwiGLUFunction keeps its input only
+        fp8_saves_casts=True,  # TransformerEngine's fp8 linears save their float8 inputs
+    ),
+    recompute=("none", "selective", "full", "every_k"),
+    refusals=(("selective_op", "Megatron's selective recomputation is --recompute selective"),),
+    sharding="megatron",
+    elementwise="saved",  # TransformerEngine's fused norm-linear, bias-activation, RoPE
+    grad_sync_once=True,
+    tp_overlap_gemm=True,
+    # bf16 distributed Adam over the shard: grad norm (read 4), Adam (read p g m v 16, write p
+    # m v 12), the bf16 parameter written back (2).
+    optimizer_bytes_per_param=34.0,
+    pipeline="freed",
+    tied_under_pp="copy_on_last_stage",
+)
+
+TORCHTITAN = Stack(
+    name="torchtitan",
+    summary="PyTorch's torchtitan: FSDP2 (reshard after forward unless pipelined), op-level "
+    "SAC, loss parallel, optional compile and Float8",
+    source="pytorch/torchtitan models/llama3/infra/parallelize.py (apply_fsdp, _op_sac_save_list, "
+    "apply_tp loss_parallel), config/job_config.py",
+    kernels=Kernels(residual_fp32=False, vocab_parallel=True, loss_parallel=True),
+    recompute=("none", "selective_op", "full", "every_k"),
+    refusals=(
+        (
+            "selective",
+            "torchtitan's selective AC is --recompute selective_op (op) or every_k (layer)",
+        ),
+    ),
+    sharding="fsdp2_default",
+    elementwise="torchtitan",
+    grad_sync_once=False,
+)
+
+STACKS: dict[str, Stack] = {s.name: s for s in (LLMSCALE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
+STACK_NAMES = tuple(STACKS)
+
+
+def get_stack(name: str) -> Stack:
+    """The stack called `name`, or a ConfigError listing them."""
+    try:
+        return STACKS[name]
+    except KeyError:
+        raise ConfigError("stack", name, " | ".join(STACK_NAMES)) from None
+
+
+def stacks_help() -> str:
+    """`--stack`'s help: every stack's one line."""
+    return "; ".join(f"{s.name}: {s.summary}" for s in STACKS.values())

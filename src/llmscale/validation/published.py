@@ -2,20 +2,20 @@
 
 The rows live in `validation/data/published.toml` (each with its source). Every prediction uses the
 catalog's calibration of the GPU it ran on (one per GPU: hardware/data/gpus.toml) and the
-profile of the stack that ran it (plan/profiles.py), nothing per row:
+stack that ran it (`llmscale.stack`), nothing per row:
 
 - Narayanan et al. 2021, Table 1 and Korthikanti et al. 2022, Table 5 / Fig. 1: Megatron-LM on
-  DGX A100 80GB (profile "megatron": fp16, dropout, materialised softmax, vocabulary-parallel
+  DGX A100 80GB (stack "megatron-2021": fp16, dropout, materialised softmax, vocabulary-parallel
   head and loss, pipeline sends scattered over tensor-parallel ranks, the data-parallel
   all-reduce after the flush, 18 B of states per parameter).
-- torchtitan (December 2024): Llama 3.1 8B under FSDP2 on H100 96GB (profile "torchtitan":
-  op-level selective checkpointing; its memory is states + the op-SAC activations + the loss).
+- torchtitan (December 2024): Llama 3.1 8B under FSDP2 on H100 96GB (stack "torchtitan":
+  FSDP2 resharding after forward, op-level selective checkpointing).
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,12 @@ from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig, get_preset
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.memory import MemoryOptions, estimate_memory
+from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
-from llmscale.plan.profiles import get_profile, op_sac_block_bytes
-from llmscale.plan.time import TimeParams, estimate_step_time
+from llmscale.plan.time import TimeParams, estimate_step_time, time_params
+from llmscale.stack import MEGATRON_2021, TORCHTITAN
 
-MEGATRON_2021_RUNTIME = get_profile("megatron").time
-TORCHTITAN = get_profile("torchtitan")
+MEGATRON_2021_RUNTIME = time_params(MEGATRON_2021)
 A100 = ("a100-80g", "dgx-a100")
 H100_96G = ("h100-96g", "hgx-h100-96g")
 SEQ_LEN = 2048
@@ -193,9 +192,9 @@ def _layout(p: Plan) -> str:
 def korthikanti_2022(path: str | Path = DATA) -> list[Row]:
     """Table 5 iteration times and Fig. 1 per-GPU memory of Korthikanti et al. 2022."""
     _, rows = load_rows(path, "korthikanti2022")
-    prof = get_profile("megatron")
+    params = time_params(MEGATRON_2021)
     cluster = Cluster.of(*A100)
-    opts = MemoryOptions(kernels=prof.kernels)
+    opts = memory_options(MEGATRON_2021)
     out = []
     for row in rows:
         case, src = f"GPT {row['params_billion']}B", str(row["source"])
@@ -204,7 +203,7 @@ def korthikanti_2022(path: str | Path = DATA) -> list[Row]:
             ("selective", True, "sp_selective_s", "iteration s, SP + selective"),
         ):
             plan = korthikanti_plan(row, recompute, sp)
-            step = estimate_step_time(plan, cluster, prof.time, validate=False)
+            step = estimate_step_time(plan, cluster, params, validate=False)
             out.append(Row(case, _layout(plan), what, float(row[key]), step.seconds, src))
         full = korthikanti_plan(row, "none", False)
         # Fig. 1 counts the transformer layers' states (18 B x 12 l h^2 / (t p)): a middle
@@ -231,38 +230,18 @@ def torchtitan_plan(row: dict[str, Any]) -> Plan:
         seq_len=int(row["seq_len"]),
         micro_batch_size=local,
         global_batch_size=local * gpus,
-        recompute="selective",
+        recompute="selective_op",  # torchtitan's selective AC, op policy
         precision="bf16",
         dp_shard=gpus,
     )
-
-
-def torchtitan_memory_bytes(plan: Plan, opts: MemoryOptions) -> float:
-    """Peak reserved bytes under torchtitan's op-level SAC: the planner's states, working
-    parameters and transients for the plan, with the blocks' activations as op-SAC keeps them
-    (`op_sac_block_bytes`) plus the head's and the embedding's."""
-    none = replace(plan, recompute="none")
-    pieces = estimate_memory(none, opts, validate=False).per_rank[0]
-    m = plan.model
-    block = op_sac_block_bytes(m, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp)
-    per_block = pieces.activations - m.n_layers * _block_none(plan, opts)
-    acts = m.n_layers * block + per_block
-    allocated = pieces.allocated - pieces.activations + acts
-    return allocated * (1 + opts.allocator_overhead)
-
-
-def _block_none(plan: Plan, opts: MemoryOptions) -> float:
-    from llmscale.plan.memory import block_bytes
-
-    return block_bytes(replace(plan, recompute="none"), "none", opts.kernels)
 
 
 def torchtitan_2024(path: str | Path = DATA) -> list[Row]:
     """torchtitan's Llama 3.1 8B on H100 96GB: tokens/s per GPU and peak memory."""
     _, rows = load_rows(path, "torchtitan2024")
     cluster = Cluster.of(*H100_96G)
-    opts = MemoryOptions(kernels=TORCHTITAN.kernels)
-    params = TORCHTITAN.time
+    opts = memory_options(TORCHTITAN)
+    params = time_params(TORCHTITAN)
     out = []
     for row in rows:
         plan = torchtitan_plan(row)
@@ -272,7 +251,7 @@ def torchtitan_2024(path: str | Path = DATA) -> list[Row]:
         tps = plan.micro_batch_size * plan.seq_len / step.seconds
         out.append(Row(case, layout, "tokens/s per GPU", float(row["tokens_per_s_per_gpu"]),
                        tps, src))  # fmt: skip
-        mem = torchtitan_memory_bytes(plan, opts) / GiB
+        mem = estimate_memory(plan, opts, validate=False).total / GiB
         out.append(Row(case, layout, "GiB peak memory", float(row["memory_GiB"]), mem, src))
     return out
 

@@ -1,0 +1,238 @@
+"""Published training runs of today's stacks (Megatron-Core, torchtitan) against the planner.
+
+The rows live in `validation/data/runs.toml`, each with its source (repository at a commit,
+table and row) and an `assume` string for what the source leaves unsaid; runs_sources.md
+beside it describes every source. Each row is driven as a user drives `llmscale plan`: the
+published layout fixed, the stack that ran it (`--stack`), the GPU from the catalog; nothing is
+fitted per row. A row's `role` says whether a value was fitted on it (`calibration`) or it is
+only compared with (`validation`): errors are reported over validation rows only.
+
+Throughput is compared as the source gives it (tokens/s per GPU, else model TFLOP/s per GPU,
+else MFU), memory as the peak GiB torchtitan logs (max reserved), and every row's layout must be
+predicted to fit (it ran).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from llmscale.config import PP_SCHEDULES, Precision, Recompute
+from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import GiB
+from llmscale.model.config import ModelConfig, get_preset
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.memory import estimate_memory, memory_options
+from llmscale.plan.plan import Plan
+from llmscale.plan.time import estimate_step_time, time_params
+from llmscale.stack import STACKS, Stack
+
+RUNS = Path(__file__).parent / "data" / "runs.toml"
+ROLES = ("calibration", "validation")
+# Rows of a stack the planner has no record of (the Llama 3 paper's own stack): listed, not
+# scored.
+UNMODELLED = ("meta-llama3",)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One published run next to the planner's prediction."""
+
+    id: str
+    stack: str
+    role: str
+    layout: str
+    quantity: str  # what the throughput figure is: tokens/s/GPU, TFLOP/s/GPU or MFU
+    published: float
+    predicted: float
+    memory_published: float | None  # GiB
+    memory_predicted: float  # GiB
+    fits: bool
+    source: str
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.published
+
+    @property
+    def error(self) -> float:
+        """|predicted / published - 1| of the throughput."""
+        return abs(self.ratio - 1)
+
+    @property
+    def memory_ratio(self) -> float | None:
+        if self.memory_published is None:
+            return None
+        return self.memory_predicted / self.memory_published
+
+
+def load_runs(path: str | Path = RUNS) -> list[dict[str, Any]]:
+    """The rows of runs.toml, each checked for a source and a role."""
+    with open(path, "rb") as f:
+        rows: list[dict[str, Any]] = tomllib.load(f)["run"]
+    for row in rows:
+        rid = row.get("id", "?")
+        if not str(row.get("source", "")).strip():
+            raise ConfigError(f"run {rid}.source", row.get("source"), "a citation")
+        if row.get("role") not in ROLES:
+            raise ConfigError(f"run {rid}.role", row.get("role"), " | ".join(ROLES))
+    return rows
+
+
+def _model(row: dict[str, Any]) -> ModelConfig:
+    spec = row["model"]
+    model = get_preset(spec) if isinstance(spec, str) else ModelConfig(name=row["id"], **spec)
+    seq = int(row["seq_len"])
+    return model if seq <= model.max_seq_len else replace(model, max_seq_len=seq)
+
+
+def _recompute(text: str, n_layers: int) -> tuple[Recompute, int]:
+    """The runtime's name for a row's recompute (and every_k's k): `full:N-layers` (Megatron's
+    --recompute-num-layers N, block method) as one block in every n_layers // N."""
+    if text.startswith("full:"):
+        n = int(text.split(":")[1].split("-")[0])
+        return "every_k", max(1, n_layers // n)
+    if text == "full_every_2nd_layer":
+        return "every_k", 2
+    if text in ("none", "selective", "selective_op", "full"):
+        return text, 2  # type: ignore[return-value]
+    raise ConfigError("recompute", text, "none | selective | selective_op | full | full:N-layers")
+
+
+def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
+    """The Plan of a published row, its stack, and whether its blocks are compiled."""
+    stack = STACKS[row["stack"]]
+    model = _model(row)
+    tp, pp, cp, dp = (int(row[k]) for k in ("tp", "pp", "cp", "dp"))
+    vp = int(row.get("vp", 1) or 1)
+    recompute, k = _recompute(str(row.get("recompute", "none")), model.n_layers)
+    sharded = bool(row.get("fsdp")) or bool(row.get("distributed_optimizer"))
+    zero = 3 if row.get("fsdp") else (1 if sharded else 0)
+    schedule = str(row.get("schedule") or ("interleaved_1f1b" if vp > 1 else "1f1b"))
+    if schedule not in PP_SCHEDULES:
+        raise ConfigError(f"run {row['id']}.schedule", schedule, " | ".join(PP_SCHEDULES))
+    precision: Precision = "fp8" if row.get("precision") == "fp8" else "bf16"
+    plan = Plan(
+        model=model,
+        seq_len=int(row["seq_len"]),
+        micro_batch_size=int(row.get("micro_batch", 1)),
+        global_batch_size=int(row["global_batch"]),
+        precision=precision,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp_shard=dp if sharded else 1,
+        dp_replicate=1 if sharded else dp,
+        zero_stage=zero,
+        recompute=recompute,
+        recompute_every_k=k,
+        pp_schedule=schedule,
+        pp_chunks=vp,
+        sequence_parallel=bool(row.get("sp", tp > 1)),
+    )
+    if row.get("async_tp"):  # torchtitan's micro-pipelined TP collectives
+        stack = stack.on(tp_overlap_gemm=True)
+    if row.get("grad_reduce_in_fp32") is False:  # Megatron's bf16 main gradients
+        stack = stack.on(main_grad_bytes=2)
+    return plan, stack, bool(row.get("compile"))
+
+
+def _layout(plan: Plan) -> str:
+    dp = f"dp_shard {plan.dp_shard} zero {plan.zero_stage}" if plan.fsdp else f"dp {plan.dp}"
+    v = f" v{plan.chunks}" if plan.chunks > 1 else ""
+    cp = f" cp{plan.cp}" if plan.cp > 1 else ""
+    return (
+        f"t{plan.tp} p{plan.pp}{v}{cp} {dp}, mbs {plan.micro_batch_size}, "
+        f"gbs {plan.global_batch_size}, seq {plan.seq_len}, {plan.recompute}, {plan.precision}"
+    )
+
+
+def evaluate(row: dict[str, Any]) -> RunResult:
+    """One row's prediction, as `llmscale plan --stack ... <layout>` makes it."""
+    plan, stack, compiled = run_plan(row)
+    cluster = Cluster.of(str(row["gpu"]))
+    step = estimate_step_time(plan, cluster, time_params(stack, compiled=compiled), validate=False)
+    mem = estimate_memory(plan, memory_options(stack), validate=False)
+    world = plan.world_size
+    if "tokens_per_s_per_gpu" in row:
+        quantity, published = "tokens/s per GPU", float(row["tokens_per_s_per_gpu"])
+        predicted = step.tokens_per_s / world
+    elif "tflops_per_gpu" in row:
+        quantity, published = "TFLOP/s per GPU", float(row["tflops_per_gpu"])
+        predicted = step.model_flops_per_gpu / 1e12
+    else:
+        quantity, published, predicted = "MFU", float(row["mfu"]), step.mfu
+    mem_pub = row.get("memory_GiB")
+    return RunResult(
+        id=str(row["id"]),
+        stack=stack.name,
+        role=str(row["role"]),
+        layout=_layout(plan),
+        quantity=quantity,
+        published=published,
+        predicted=predicted,
+        memory_published=None if mem_pub is None else float(mem_pub),
+        memory_predicted=mem.total / GiB,
+        fits=mem.fits(cluster.gpu),
+        source=str(row["source"]),
+    )
+
+
+def all_results(path: str | Path = RUNS) -> list[RunResult]:
+    """Every scored row (a modelled stack) with its prediction."""
+    return [evaluate(r) for r in load_runs(path) if r["stack"] not in UNMODELLED]
+
+
+@dataclass(frozen=True)
+class StackSummary:
+    """Errors over one stack's validation rows."""
+
+    stack: str
+    rows: int
+    median_error: float
+    worst_error: float
+    within_10: int
+    memory_rows: int
+    memory_worst_error: float
+    fit: int
+
+    @property
+    def line(self) -> str:
+        mem = (
+            f"memory worst |error| {self.memory_worst_error:.0%} over {self.memory_rows} rows"
+            if self.memory_rows
+            else "no published memory"
+        )
+        return (
+            f"{self.stack}: {self.rows} validation rows, throughput median |error| "
+            f"{self.median_error:.1%}, worst {self.worst_error:.1%}, {self.within_10} within 10%; "
+            f"{mem}; {self.fit} of {self.rows} predicted to fit"
+        )
+
+
+def summarise(results: list[RunResult]) -> list[StackSummary]:
+    """Per stack, over validation rows only."""
+    out = []
+    for name in sorted({r.stack for r in results}):
+        rows = [r for r in results if r.stack == name and r.role == "validation"]
+        if not rows:
+            continue
+        errs = [r.error for r in rows]
+        mem = [abs(m - 1) for r in rows if (m := r.memory_ratio) is not None]
+        out.append(
+            StackSummary(
+                stack=name,
+                rows=len(rows),
+                median_error=statistics.median(errs),
+                worst_error=max(errs),
+                within_10=sum(e <= 0.10 for e in errs),
+                memory_rows=len(mem),
+                memory_worst_error=max(mem) if mem else math.nan,
+                fit=sum(r.fits for r in rows),
+            )
+        )
+    return out

@@ -1,0 +1,157 @@
+"""Stacks: what each training stack does, stated once and read by memory and time alike."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmscale.errors import ConfigError
+from llmscale.model.config import get_preset, op_sac_saves_matmul
+from llmscale.plan import activations as act
+from llmscale.plan.cluster import Cluster
+from llmscale.plan.memory import DEFAULT_OPTIONS, block_bytes, estimate_memory, memory_options
+from llmscale.plan.plan import Plan
+from llmscale.plan.time import DEFAULT_TIME, eager_block_bytes, estimate_step_time, time_params
+from llmscale.stack import (
+    LLMSCALE,
+    MEGATRON_2021,
+    MEGATRON_CORE,
+    STACK_NAMES,
+    TORCHTITAN,
+    get_stack,
+    param_residency,
+    recompute_problem,
+    stacks_help,
+    tied_pipeline_problem,
+)
+
+L8 = get_preset("llama3-8b")
+L70 = get_preset("llama2-70b")
+H100 = Cluster.of("h100")
+
+
+def test_the_four_stacks() -> None:
+    assert STACK_NAMES == ("llmscale", "megatron-2021", "megatron-core", "torchtitan")
+    assert time_params(LLMSCALE) == DEFAULT_TIME  # the runtime's own declarations
+    assert memory_options(LLMSCALE) == DEFAULT_OPTIONS
+    assert MEGATRON_2021.kernels == act.MEGATRON_2021
+    with pytest.raises(ConfigError, match="llmscale | megatron-2021 | megatron-core | torchtitan"):
+        get_stack("deepspeed")
+    for name in STACK_NAMES:
+        assert name in stacks_help() and get_stack(name).source
+
+
+def test_selective_means_the_attention_core_everywhere() -> None:
+    assert recompute_problem(LLMSCALE, "selective") is None
+    assert recompute_problem(MEGATRON_CORE, "selective") is None
+    why = recompute_problem(TORCHTITAN, "selective")
+    assert why is not None and "selective_op" in why
+    assert "selective" in (recompute_problem(MEGATRON_CORE, "selective_op") or "")
+
+
+@pytest.mark.parametrize(
+    ("stack", "zero", "pp", "m", "want"),
+    [
+        # The llmscale runtime (issue table in docs/parallel.md; PipelineStage under pp).
+        (LLMSCALE, 1, 1, 4, (0, True, True, True)),
+        (LLMSCALE, 1, 1, 1, (0, True, True, False)),
+        (LLMSCALE, 2, 1, 4, (0, False, True, False)),
+        (LLMSCALE, 3, 1, 4, (2, False, False, False)),
+        (LLMSCALE, 1, 2, 4, (0, True, True, True)),
+        (LLMSCALE, 3, 2, 4, (2, True, True, True)),
+        # torchtitan: reshard after forward unless pipelined.
+        (TORCHTITAN, 3, 1, 4, (2, False, False, False)),
+        (TORCHTITAN, 3, 4, 4, (0, True, True, True)),
+        # Megatron-Core's distributed optimizer: one gather and one reduce per step.
+        (MEGATRON_CORE, 1, 1, 8, (0, True, True, True)),
+        (MEGATRON_CORE, 1, 8, 8, (0, True, True, True)),
+    ],
+)
+def test_param_residency(stack, zero, pp, m, want) -> None:  # type: ignore[no-untyped-def]
+    r = param_residency(stack, zero_stage=zero, pp=pp, n_microbatches=m)
+    assert (
+        r.gathers_per_microbatch,
+        r.grads_per_step,
+        r.stage_unsharded,
+        r.grads_unsharded,
+    ) == want
+
+
+def test_gathered_once_per_step_costs_one_gather_per_step() -> None:
+    """Megatron-Core's distributed optimizer gathers a stage once per step, FSDP2 resharding
+    after forward (torchtitan without a pipeline) in every micro-batch's forward and backward:
+    with 16 micro-batches the first pays its gathers 16 times, the other once, and the memory
+    model keeps the whole stage unsharded under the first rule only."""
+    plan = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=16 * 8,
+                dp_shard=8, tp=8, zero_stage=1, recompute="full", sequence_parallel=True)  # fmt: skip
+    once = estimate_step_time(plan, H100, time_params(MEGATRON_CORE), validate=False)
+    every = estimate_step_time(
+        replace(plan, zero_stage=3), H100, time_params(TORCHTITAN), validate=False
+    )
+    assert every.breakdown["fsdp_comm"] > 10 * once.breakdown.get("fsdp_comm", 0.0)
+    whole = estimate_memory(plan, memory_options(MEGATRON_CORE), validate=False).worst
+    window = estimate_memory(
+        replace(plan, zero_stage=3), memory_options(TORCHTITAN), validate=False
+    ).worst
+    assert whole.working_params > 10 * window.working_params
+
+
+def test_distributed_optimizer_states_are_megatrons_6_plus_12_over_d() -> None:
+    """bf16 parameters and fp32 main gradients unsharded (2 + 4 B), the fp32 master and both
+    moments sharded over dp (12 B / d): Megatron-Core's distributed optimizer."""
+    plan = Plan(model=L8, seq_len=4096, micro_batch_size=1, global_batch_size=64, dp_shard=8,
+                zero_stage=1)  # fmt: skip
+    mem = estimate_memory(plan, memory_options(MEGATRON_CORE), validate=False).worst
+    n = L8.num_params()
+    states = mem.params + mem.grads + mem.optimizer + mem.working_params
+    assert states == pytest.approx((6 + 12 / 8) * n, rel=0.01)
+
+
+def test_megatron_frees_pipeline_buffers() -> None:
+    plan = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, tp=8, pp=4,
+                pp_schedule="1f1b")  # fmt: skip
+    torch_ = estimate_memory(plan, memory_options(LLMSCALE.on(kernels=MEGATRON_CORE.kernels)),
+                             validate=False).per_rank[1]  # fmt: skip
+    freed = estimate_memory(plan, memory_options(MEGATRON_CORE), validate=False).per_rank[1]
+    assert torch_.pipeline_buffers > 0 and freed.pipeline_buffers == 0
+
+
+def test_tp_comm_overlap_hides_tensor_parallel_traffic() -> None:
+    plan = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=1, tp=8,
+                sequence_parallel=True, recompute="full")  # fmt: skip
+    exposed = estimate_step_time(plan, H100, replace(time_params(MEGATRON_CORE),
+                                 tp_overlap_gemm=False), validate=False)  # fmt: skip
+    hidden = estimate_step_time(plan, H100, time_params(MEGATRON_CORE), validate=False)
+    assert hidden.breakdown["tp_comm"] < 0.5 * exposed.breakdown["tp_comm"]
+
+
+def test_tied_pipelines() -> None:
+    assert tied_pipeline_problem(TORCHTITAN, True, 2) is not None
+    assert tied_pipeline_problem(MEGATRON_CORE, True, 2) is None
+    assert tied_pipeline_problem(TORCHTITAN, False, 2) is None
+
+
+def test_op_sac_saves_every_other_matmul() -> None:
+    # wq, wk, wv, wo, w1, w3, w2: torchtitan saves the 1st, 3rd, 5th and 7th mm outputs.
+    saved = tuple(op_sac_saves_matmul(i) for i in range(len(L8.block_matmuls())))
+    assert saved == (True, False, True, False, True, False, True)
+    d, kv, f = 4096, 1024, 14336
+    per_token = 2 * d + 2 * (d + kv + f + d) + 2 * d + 4 * 32
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=2, global_batch_size=2)
+    assert block_bytes(plan, "selective_op", TORCHTITAN.kernels) == per_token * 2 * 8192
+
+
+def test_op_sac_recomputes_more_than_the_attention_core() -> None:
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=1, global_batch_size=1,
+                recompute="selective")  # fmt: skip
+    core = estimate_step_time(plan, H100)
+    op = estimate_step_time(replace(plan, recompute="selective_op"), H100, time_params(TORCHTITAN))
+    assert op.breakdown["matmul"] > core.breakdown["matmul"]
+
+
+def test_eager_elementwise_traffic() -> None:
+    plan = Plan(model=L8, seq_len=2048, micro_batch_size=1, global_batch_size=1)
+    d, kv, f = 4096, 1024, 14336
+    per_token = 2 * 36 * d + 2 * 6 * d + 20 * (d + kv) + 4 * (d + kv) + 10 * f
+    assert eager_block_bytes(plan) == per_token * 2048
