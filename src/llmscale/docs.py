@@ -219,6 +219,133 @@ def serving_table(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+# ---- the pipeline bench -----------------------------------------------------------------------
+
+
+def _pipeline(ctx: Context) -> dict[str, dict[str, dict[str, Any]]]:
+    """{config: {quantity: row}} of the pipeline suite, in the suite's order."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in (ctx.results.suite("pipeline") or {}).get("rows", []):
+        out.setdefault(r["config"], {})[r["quantity"]] = r
+    return out
+
+
+def pipeline_configs(ctx: Context) -> str:
+    """docs/pipeline-bench.md: which configurations the suite ran (make results)."""
+    runs = _pipeline(ctx)
+    groups: dict[str, list[str]] = {}
+    for config in runs:
+        head, m = config.rsplit(" m=", 1)
+        groups.setdefault(head, []).append(m)
+    listed = "; ".join(f"{head} m={', '.join(ms)}" for head, ms in groups.items())
+    return f"{len(runs)} configurations in `make results`' run: {listed}"
+
+
+def pipeline_results(ctx: Context) -> str:
+    """docs/pipeline-bench.md's results: the suite's rows and op times, and what they say."""
+    runs = _pipeline(ctx)
+    suite = ctx.results.suite("pipeline") or {}
+    t = ctx.results.table("pipeline", "measured op times")
+    if not runs or t is None:
+        return "Not measured yet: `make results`."
+    head, op_rows = t
+    ops = {r[0]: dict(zip(head, r, strict=True)) for r in op_rows}
+
+    def idle(c: str) -> float:
+        return float(ops[c]["idle, inputs ready"].rstrip("%"))
+
+    lines = [
+        f"From `make results` (`llmscale bench --what pipeline`), measured "
+        f"{suite.get('measured_at', 'undated')}. " + " ".join(suite.get("notes", [])),
+        "",
+        "| configuration | measured | simulated | closed form | replayed | idle, inputs ready "
+        "| makespan measured | makespan simulated | order |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c, q in runs.items():
+        sim, closed, span = q["bubble (simulator)"], q["bubble (closed form)"], q["makespan"]
+        order = "= simulator" if sim["note"].startswith("order = simulator") else "differs"
+        lines.append(
+            f"| {c} | {sim['measured']:.1f}% | {sim['predicted']:.1f}% | "
+            f"{closed['predicted']:.1f}% | {ops[c]['bubble, replayed']} | "
+            f"{ops[c]['idle, inputs ready']} | {1e3 * span['measured']:.0f} ms | "
+            f"{1e3 * span['predicted']:.0f} ms | {order} |"
+        )
+    lines += [
+        "",
+        "Measured op times (ms, mean per stage) fed to the simulator, from the same run:",
+        "",
+        "| configuration | forward | backward | p2p wait |",
+        "|---|---:|---:|---:|",
+        *(f"| {c} | {o['forward']} | {o['backward']} | {o['p2p wait']} |" for c, o in ops.items()),
+    ]
+    same = [c for c, q in runs.items() if q["bubble (simulator)"]["note"].startswith("order =")]
+    gap = {c: q["bubble (simulator)"]["measured"] - q["bubble (simulator)"]["predicted"]
+           for c, q in runs.items()}  # fmt: skip
+
+    def rng(cs: list[str], f: Callable[[str], float], unit: str) -> str:
+        vals = [f(c) for c in cs if c in runs]
+        return f"{min(vals):.1f}-{max(vals):.1f}{unit}" if vals else "-"
+
+    pp2 = [c for c in runs if c.startswith("pp=2")]
+    pp4 = [c for c in runs if c.startswith("pp=4")]
+    inter2 = [c for c in pp2 if "interleaved" in c]
+    f1b2 = [c for c in pp2 if " 1f1b " in c]
+    lines += [
+        "",
+        "### Reading it",
+        "",
+        f"- **Order.** In {len(same)} of {len(runs)} configurations every rank ran its ops in "
+        "exactly the order `schedule_ops` gives (`tests/plan/test_schedule_torch.py` checks "
+        "those lists against torch's own; `tests/bench/test_bench_pipeline.py` that no op "
+        "starts before its inputs).",
+    ]
+    a, b = runs.get("pp=2 1f1b m=2"), runs.get("pp=2 1f1b m=4")
+    if a and b:
+        sa, sb = a["bubble (simulator)"], b["bubble (simulator)"]
+        lines.append(
+            f"- **pp = 2, 1F1B at small m.** m = 2 and m = 4: bubble {sa['predicted']:.1f} vs "
+            f"{sa['measured']:.1f}% and {sb['predicted']:.1f} vs {sb['measured']:.1f}% "
+            f"(simulated vs measured), makespan {1e3 * a['makespan']['predicted']:.0f} vs "
+            f"{1e3 * a['makespan']['measured']:.0f} ms and {1e3 * b['makespan']['predicted']:.0f} "
+            f"vs {1e3 * b['makespan']['measured']:.0f} ms; idle with inputs ready "
+            f"{rng(f1b2, idle, '%')} for pp = 2 1F1B."
+        )
+    if "pp=2 1f1b m=8" in runs:
+        c = "pp=2 1f1b m=8"
+        lines.append(
+            "- **The replay.** Where measured exceeds simulated by more than the idle column, "
+            "ops varied: the replay (every op its own time) keeps that variation, the per-stage "
+            f"means do not; e.g. {c}: {ops[c]['bubble, replayed']} replayed, "
+            f"{runs[c]['bubble (simulator)']['predicted']:.1f}% simulated, "
+            f"{runs[c]['bubble (simulator)']['measured']:.1f}% measured. A slow op on the "
+            "critical path delays every rank; a fast one elsewhere gives nothing back."
+        )
+    if inter2:
+        best = {}
+        for m in ("4", "8"):
+            cs = [c for c in pp2 if c.endswith(f" m={m}") and any(
+                k in c for k in (" gpipe ", " 1f1b ", "interleaved"))]  # fmt: skip
+            if cs:
+                best[m] = min(cs, key=lambda c: runs[c]["bubble (simulator)"]["measured"])
+        lines.append(
+            "- **Interleaving pays a per-op cost the simulator does not model** (Python between "
+            "ops whose inputs are there; twice the ops of 1F1B): idle with inputs ready "
+            f"{rng(inter2, idle, '%')} for pp = 2 interleaved against {rng(f1b2, idle, '%')} for "
+            f"1F1B, measured bubble {rng(inter2, gap.__getitem__, ' points')} above the "
+            "simulated one. Smallest measured bubble at pp = 2 among GPipe, 1F1B and "
+            "interleaved: " + ", ".join(f"m = {m}: {c}" for m, c in best.items()) + "."
+        )
+    if pp4:
+        lines.append(
+            "- **pp = 4 on 2 cores is contention, not pipelining.** Four ranks share two cores: "
+            f"idle with inputs ready {rng(pp4, idle, '%')}, measured bubbles "
+            f"{rng(pp4, gap.__getitem__, ' points')} above simulated. Read these rows as a "
+            "check of order and dependencies, not of timing."
+        )
+    return "\n".join(lines)
+
+
 # ---- measured vs predicted --------------------------------------------------------------------
 
 
@@ -421,6 +548,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
     Block("docs/inference.md", "serving-table", serving_table),
+    Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
+    Block("docs/pipeline-bench.md", "pipeline-results", pipeline_results),
     Block("docs/claims.md", None, _claims_md),
     Block("docs/planner-validation.md", None, _planner_validation),
 )
