@@ -346,6 +346,58 @@ def pipeline_results(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+def cp_results(ctx: Context) -> str:
+    """docs/parallel.md: the cp suite of `make results`."""
+    cp, ratio = ctx.rows("cp", "step time"), ctx.rows("cp", "step time ratio")
+    base, ring = cp.get("dp_replicate=2, b=2"), cp.get("cp=2, b=4")
+    if not (base and ring and ratio):
+        return "The cp suite has not been measured yet (`make results`)."
+    r = next(iter(ratio.values()))
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:.0f}"
+
+    return (
+        f"In `make results`' run ({ctx.results.when('cp')}): baseline {ms(base['measured'])} ms "
+        f"measured vs {ms(base['predicted'])} ms predicted "
+        f"({base['predicted'] / base['measured']:.2f}), cp=2 {ms(ring['measured'])} vs "
+        f"{ms(ring['predicted'])} ms ({ring['predicted'] / ring['measured']:.2f}), ratio "
+        f"cp/baseline {r['measured']:.2f} vs {r['predicted']:.2f} "
+        f"({r['predicted'] / r['measured']:.2f})"
+    )
+
+
+def _lsp_figures(ctx: Context) -> str | None:
+    """The finetune suite: lsp against ZeRO-Offload's bytes, loss and step time per link."""
+    moved = ctx.rows("finetune", "bytes moved per step")
+    loss = ctx.rows("finetune", "final loss (last 5)")
+    t = ctx.results.suite_rows("finetune-time", "step time (median)")
+    if not (moved.get("lsp") and moved.get("optimizer")):
+        return None
+    lsp, opt = moved["lsp"], moved["optimizer"]
+    exact = all(r["measured"] == r["predicted"] for r in moved.values() if r["predicted"])
+    speeds = [
+        f"{t[f'lsp @ {k}']['measured'] / t[f'optimizer @ {k}']['measured']:.2f} ({k})"
+        for k in ("native", "1 GB/s", "0.1 GB/s")
+        if f"lsp @ {k}" in t and f"optimizer @ {k}" in t
+    ]
+    dl = loss["lsp"]["measured"] / loss["optimizer"]["measured"] - 1 if loss else float("nan")
+    return (
+        f"bytes moved per step measured {'=' if exact else '≠'} predicted "
+        f"({lsp['measured'] / 1e6:.2f} MB vs {opt['measured'] / 1e6:.1f} MB: "
+        f"{lsp['measured'] / opt['measured']:.2f}x); final loss {dl:+.2%}; step time "
+        f"lsp/optimizer {', '.join(speeds)}"
+    )
+
+
+def lsp_results(ctx: Context) -> str:
+    """docs/offload.md: the finetune suite of `make results`."""
+    lsp = _lsp_figures(ctx)
+    if lsp is None:
+        return "The finetune suite has not been measured yet (`make results`)."
+    return f"In `make results`' latest run ({ctx.results.when('finetune')}), lsp against optimizer: {lsp}"
+
+
 # ---- measured vs predicted --------------------------------------------------------------------
 
 
@@ -487,26 +539,11 @@ def measured_vs_predicted(ctx: Context) -> str:
             + f"; gradients equal to {worst:.0e}; activations scale with the micro-batch "
             + ("exactly" if exact else f"within {_within(acts)}"),
         ))  # fmt: skip
-    moved = ctx.rows("finetune", "bytes moved per step")
-    loss = ctx.rows("finetune", "final loss (last 5)")
-    t = ctx.results.suite_rows("finetune-time", "step time (median)")
-    if moved.get("lsp") and moved.get("optimizer"):
-        lsp, opt = moved["lsp"], moved["optimizer"]
-        exact = all(r["measured"] == r["predicted"] for r in moved.values() if r["predicted"])
-        links = ("native", "1 GB/s", "0.1 GB/s")
-        speeds = [
-            f"{t[f'lsp @ {k}']['measured'] / t[f'optimizer @ {k}']['measured']:.2f} ({k})"
-            for k in links
-            if f"lsp @ {k}" in t and f"optimizer @ {k}" in t
-        ]
-        dl = loss["lsp"]["measured"] / loss["optimizer"]["measured"] - 1 if loss else float("nan")
+    lsp = _lsp_figures(ctx)
+    if lsp:
         rows.append((
             "LSP-Offload vs ZeRO-Offload, fine-tuning the small model (`--what finetune`)",
-            f"bytes moved per step measured {'=' if exact else '≠'} predicted "
-            f"({lsp['measured'] / 1e6:.2f} MB vs {opt['measured'] / 1e6:.1f} MB: "
-            f"{lsp['measured'] / opt['measured']:.2f}x); final loss {dl:+.2%}; step time "
-            f"lsp/optimizer {', '.join(speeds)} "
-            "([docs/offload.md](docs/offload.md#lsp-offload-offload--lsp))",
+            f"{lsp} ([docs/offload.md](docs/offload.md#lsp-offload-offload--lsp))",
         ))  # fmt: skip
     lines = ["| what | predicted vs measured |", "|---|---|"]
     lines += [f"| {a} | {b} |" for a, b in rows]
@@ -548,6 +585,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
     Block("docs/inference.md", "serving-table", serving_table),
+    Block("docs/parallel.md", "cp-results", cp_results),
+    Block("docs/offload.md", "lsp-results", lsp_results),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
     Block("docs/pipeline-bench.md", "pipeline-results", pipeline_results),
     Block("docs/claims.md", None, _claims_md),
