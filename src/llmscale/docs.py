@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from rich.console import Console
 
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
-from llmscale.validation.claims import Claim, Results, check_claims, to_markdown
+from llmscale.validation.claims import Claim, Results, check_claims, results_notice, to_markdown
 
 # A search's wall or CPU seconds, as `plan` and this module print them ("0.92 s").
 TIMING = re.compile(r"\b\d+\.\d+ s\b")
@@ -151,8 +151,8 @@ def claims_summary(ctx: Context) -> str:
     return (
         f"{len(rows)} claims: "
         + ", ".join(f"{n} {v}" for v, n in counts.items())
-        + f". Not holding here: {'; '.join(fails)} (fp16 underflow {under} here; accumulation "
-        f"{accum} here); rail-only {rail}"
+        + f". Not holding here: {'; '.join(fails) or 'none'} (fp16 underflow {under} here; "
+        f"accumulation {accum} here); rail-only {rail}"
     )
 
 
@@ -675,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if bad else 0
     for s in write():
         print(f"wrote {s}")
+    notice = results_notice(RESULTS_JSON)
+    if notice:  # as `llmscale claims` says it: the figures are rendered from the file as it is
+        print(f"llmscale docs: note: {notice}", file=sys.stderr)
     return 0
 
 
