@@ -147,7 +147,7 @@ def test_doctored_measurements_change_every_measured_verdict(tmp_path: Path) -> 
     assert by["loss-scale factors o"] == "holds with a caveat"
     # The why is the checks written out, from the figures.
     row = next(r for r in fake if r.claim.startswith("activation checkpointing"))
-    assert "extra step time measured 200.0% is not within 30% of 33.0%" in row.why
+    assert "extra step time measured: 200.0% is not within 30% of 33.0%" in row.why
 
 
 def test_rule_verdicts() -> None:
@@ -162,7 +162,7 @@ def test_rule_verdicts() -> None:
     assert claims.Rule((bad,), restates=True).verdict() == "does not hold here"
     assert claims.Check("d", 1.5, 1.0, "at least").passes() is True
     assert claims.Check("d", 0.5, 1.0, "at least").passes() is False
-    assert "caveat: b 2 is not within 50% of 1" in claims.Rule((ok,), (bad,)).why()
+    assert "caveat: b: 2 is not within 50% of 1" in claims.Rule((ok,), (bad,)).why()
 
 
 def test_same_verdicts_from_any_directory(

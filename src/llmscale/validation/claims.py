@@ -55,6 +55,7 @@ DEFAULT_RESULTS = RESULTS_JSON
 NOT_MEASURED = "not measured yet"
 
 Compare = Literal["within", "at least", "at most"]
+YES_NO = "yes/no"  # a Check's fmt for a condition that is true (1) or false (0)
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,14 @@ class Check:
         ok = self.passes()
         if ok is None:
             return f"{self.name}: {NOT_MEASURED}"
+        if self.fmt == YES_NO:
+            return f"{self.name}: {'yes' if self.figure else 'no'}"
         fig, pub = self.fmt.format(self.figure), self.fmt.format(self.published)
         if self.compare == "within":
             how = f"within {self.tolerance:.0%} of" if self.tolerance else "equal to"
         else:
             how = self.compare
-        return f"{self.name} {fig} {'is' if ok else 'is not'} {how} {pub}"
+        return f"{self.name}: {fig} {'is' if ok else 'is not'} {how} {pub}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -848,10 +851,10 @@ def zero_offload(cat: Catalog, res: Results) -> list[Claim]:
             (Check("share of the transfer time hidden", hidden, 0.8, "at least", fmt="{:.1%}"),),
             (
                 Check(
-                    "runs measured on an accelerator rather than a CPU host (1 yes, 0 no)",
+                    "measured on an accelerator rather than a CPU host",
                     None if hidden is None else float(not on_cpu),
                     1,
-                    fmt="{:g}",
+                    fmt=YES_NO,
                 ),
             ),
         ),  # fmt: skip
