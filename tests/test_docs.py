@@ -47,6 +47,7 @@ def test_a_changed_result_makes_its_block_stale(tmp_path: Path) -> None:
     stale = docs.stale(root)
     assert "README.md: measured-vs-predicted" in stale  # the recompute row
     assert "docs/claims.md: the whole file" in stale  # claims' recompute row
+    assert "docs/results.md: the whole file" in stale  # make results' page of the same file
 
 
 def test_timings_alone_do_not_make_a_block_stale(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ generated file has no markers). Each block is rendered from `docs/results/result
 `make results` measured), from the planner, or from the command whose output it shows, with the
 same renderer as that command: `llmscale plan`'s (`cli.plan.plan_output`), `llmscale claims`'
 (`validation.claims.to_markdown`), `llmscale bench --what published`'s
-(`bench.published.markdown`). Nothing is re-measured but the plan search's own seconds.
+(`bench.published.markdown`), `make results`' page (`bench.report.markdown`). Nothing is re-measured but the plan search's own seconds.
 
     python -m llmscale.docs            # rewrite every stale block (make docs)
     python -m llmscale.docs --check    # exit 1 naming each stale block (tests/test_docs.py)
@@ -574,6 +574,32 @@ def _planner_validation(ctx: Context) -> str:
     return markdown(all_rows())
 
 
+def _results_md(ctx: Context) -> str:
+    """docs/results.md from results.json with `make results`' own renderer (bench.report
+    .markdown); its header (the command, date and machine of that run, which results.json does
+    not hold) is kept as `make results` wrote it."""
+    import dataclasses
+
+    from llmscale.bench.report import Row, SuiteResult, markdown
+
+    page = ctx.results_path.parent.parent / "results.md"
+    text = page.read_text() if page.is_file() else "# Measured vs predicted\n"
+    header = text[: text.index("\n## ")] if "\n## " in text else text.rstrip("\n")
+    fields = {f.name for f in dataclasses.fields(Row)}
+    suites = [
+        SuiteResult(
+            name, s["title"],
+            rows=[Row(**{k: v for k, v in r.items() if k in fields}) for r in s["rows"]],
+            figures=[Path(f) for f in s["figures"]],
+            tables={k: (v["header"], v["rows"]) for k, v in s["tables"].items()},
+            notes=s["notes"],
+        )
+        for name, s in ctx.results.data.items()
+        if isinstance(s, dict)
+    ]  # fmt: skip
+    return markdown(suites, header=header, base=Path("docs"))
+
+
 BLOCKS: tuple[Block, ...] = (
     Block("README.md", "plan-demo", plan_demo, timed=True),
     Block("README.md", "megatron-ratios", megatron_ratios),
@@ -590,6 +616,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
     Block("docs/pipeline-bench.md", "pipeline-results", pipeline_results),
     Block("docs/claims.md", None, _claims_md),
+    Block("docs/results.md", None, _results_md),
     Block("docs/planner-validation.md", None, _planner_validation),
 )
 
