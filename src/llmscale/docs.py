@@ -29,7 +29,9 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 
+from llmscale.cli.plan import plan_output
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
+from llmscale.report.search_report import PlanReport
 from llmscale.validation.claims import Claim, Results, check_claims, results_notice, to_markdown
 
 # A search's wall or CPU seconds, as `plan` and this module print them ("0.92 s").
@@ -76,17 +78,21 @@ def _text(*parts: Any) -> str:
 
 def plan_demo(ctx: Context) -> str:
     """README: the plan `make demo` ends with, as `llmscale plan` prints it."""
-    return _plan_demo()
+    return f"```text\n$ {DEMO_PLAN}\n{_text(*plan_output(_demo_search(), wide=False))}\n```"
+
+
+def plan_demo_wide(ctx: Context) -> str:
+    """docs/planner.md: the same search with every column (`--wide`)."""
+    out = _text(*plan_output(_demo_search(), wide=True))
+    return f"```text\n$ {DEMO_PLAN} --wide\n{out}\n```"
 
 
 @functools.cache
-def _plan_demo() -> str:
+def _demo_search() -> PlanReport:
     """One search per process: the planner's inputs do not change while it runs."""
-    from llmscale.cli.plan import plan_output
     from llmscale.report.search_report import plan_report
 
-    rep = plan_report("llama2-70b", 64, "h200", 4096, 1024, "bf16", 5)
-    return f"```text\n$ {DEMO_PLAN}\n{_text(*plan_output(rep))}\n```"
+    return plan_report("llama2-70b", 64, "h200", 4096, 1024, "bf16", 5)
 
 
 def _search_seconds(ctx: Context, name: str, gpu: str, gpus: int, batch: int) -> float:
@@ -609,6 +615,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "serving-ratio", serving_ratio),
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
+    Block("docs/planner.md", "plan-demo-wide", plan_demo_wide, timed=True),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/parallel.md", "cp-results", cp_results),
