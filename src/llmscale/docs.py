@@ -225,6 +225,31 @@ def serving_table(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+def _run(argv: list[str]) -> str:
+    """What `llmscale ARGV` prints on stdout through a pipe (its own renderer)."""
+    import contextlib
+
+    from llmscale.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    if rc != 0:
+        raise RuntimeError(f"llmscale {' '.join(argv)} exited {rc}")
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").splitlines())
+
+
+def commands(*lines: str) -> Callable[[Context], str]:
+    """A block of `$ llmscale ...` lines, each followed by what it prints."""
+
+    def render(ctx: Context) -> str:
+        parts = [f"$ {line}\n{_run(line.split()[1:])}" for line in lines]
+        return "```text\n" + "\n\n".join(parts) + "\n```"
+
+    render.__doc__ = "; ".join(lines)
+    return render
+
+
 # ---- the pipeline bench -----------------------------------------------------------------------
 
 
@@ -616,6 +641,24 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
     Block("docs/planner.md", "plan-demo-wide", plan_demo_wide, timed=True),
+    Block("docs/planner.md", "hw-compare", commands("llmscale hw --compare nvlink5 pcie5")),
+    Block(
+        "docs/planner.md", "roofline", commands("llmscale roofline --gpu h200 --model llama2-70b")
+    ),
+    Block("docs/planner.md", "network", commands("llmscale network --gpus 4096 --gpu h100")),
+    Block(
+        "docs/schedule.md",
+        "schedule-1f1b",
+        commands(
+            "llmscale schedule --pp 4 --microbatches 8",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2",
+        ),
+    ),
+    Block(
+        "docs/schedule.md",
+        "schedule-zbv",
+        commands("llmscale schedule --pp 4 --microbatches 8 --schedule zbv"),
+    ),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/parallel.md", "cp-results", cp_results),
