@@ -225,15 +225,17 @@ def serving_table(ctx: Context) -> str:
     return "\n".join(lines)
 
 
-def _run(argv: list[str]) -> str:
-    """What `llmscale ARGV` prints on stdout through a pipe (its own renderer)."""
+@functools.cache
+def _run(argv: tuple[str, ...]) -> str:
+    """What `llmscale ARGV` prints on stdout through a pipe (its own renderer); once per
+    process, as the demo's search (these commands read no results)."""
     import contextlib
 
     from llmscale.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(argv)
+        rc = main(list(argv))
     if rc != 0:
         raise RuntimeError(f"llmscale {' '.join(argv)} exited {rc}")
     return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").splitlines())
@@ -243,7 +245,7 @@ def commands(*lines: str) -> Callable[[Context], str]:
     """A block of `$ llmscale ...` lines, each followed by what it prints."""
 
     def render(ctx: Context) -> str:
-        parts = [f"$ {line}\n{_run(line.split()[1:])}" for line in lines]
+        parts = [f"$ {line}\n{_run(tuple(line.split()[1:]))}" for line in lines]
         return "```text\n" + "\n\n".join(parts) + "\n```"
 
     render.__doc__ = "; ".join(lines)
