@@ -431,6 +431,25 @@ def lsp_results(ctx: Context) -> str:
     return f"In `make results`' latest run ({ctx.results.when('finetune')}), lsp against optimizer: {lsp}"
 
 
+def inflight_table(ctx: Context) -> str:
+    """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
+    rows = ctx.rows("pipeline", "activations in flight, stage 0")
+    scheds = ("gpipe", "1f1b", "interleaved v=2", "zero_bubble v=2", "zbv", "dualpipev")
+    lines = ["| | " + " | ".join(scheds) + " |", "|---|" + "---:|" * len(scheds)]
+    for pp, m in ((2, 4), (4, 8)):
+        cells = [rows.get(f"pp={pp} {s} m={m}") for s in scheds]
+        if not any(cells):
+            continue
+        lines.append(
+            f"| pp {pp}, m {m}, measured | "
+            + " | ".join(f"{c['measured'] / 2**20:.2f} MiB" if c else "-" for c in cells)
+            + " |"
+        )
+        lines.append(f"| pp {pp}, m {m}, pred/meas | " + " | ".join(
+            f"{c['predicted'] / c['measured']:.3f}" if c else "-" for c in cells) + " |")  # fmt: skip
+    return "\n".join(lines) if len(lines) > 2 else "Not measured yet: `make results`."
+
+
 # ---- measured vs predicted --------------------------------------------------------------------
 
 
@@ -663,6 +682,7 @@ BLOCKS: tuple[Block, ...] = (
     ),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
     Block("docs/inference.md", "serving-table", serving_table),
+    Block("docs/schedule.md", "inflight-table", inflight_table),
     Block("docs/parallel.md", "cp-results", cp_results),
     Block("docs/offload.md", "lsp-results", lsp_results),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
