@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import tomllib
 import types
@@ -18,7 +19,13 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from llmscale.errors import ConfigError, UsageError
-from llmscale.model.config import ModelConfig, get_preset, pp_layers_problem
+from llmscale.model.config import (
+    PRESETS,
+    ModelConfig,
+    from_hf_config,
+    get_preset,
+    pp_layers_problem,
+)
 from llmscale.paths import folder_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
@@ -616,8 +623,13 @@ class JobConfig:
                 self.data.seq_len,
                 f"a multiple of 2 x parallel.cp = {2 * p.cp} (load-balanced ring attention)",
             )
-        if p.pp > 1 and m.tie_embeddings:
-            raise ConfigError("model.tie_embeddings", True, "false when parallel.pp > 1")
+        if p.pp > 1 and m.tie_embeddings and self.optimizer.offload != "none":
+            # The last stage's copy of the embedding is summed on the device before each step.
+            raise ConfigError(
+                "optimizer.offload",
+                self.optimizer.offload,
+                "none with parallel.pp > 1 and model.tie_embeddings",
+            )
         rule = microbatch_rule(p.pp_schedule, p.pp, self.n_microbatches)
         if rule is not None:
             raise ConfigError(
@@ -675,6 +687,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def given_keys(path: str | Path | None, overrides: list[str] | None) -> set[str]:
+    """The `section.key`s a user set: in the --config file or as overrides (not defaults)."""
+    keys = {key for key, _ in parse_overrides(overrides or [])}
+    raw = _read_toml(Path(path)) if path is not None else {}
+    for section, table in raw.items():
+        if isinstance(table, dict):
+            keys.update(f"{section}.{k}" for k in table)
+    return keys
+
+
 def _read_toml(p: Path) -> dict[str, Any]:
     """The --config file's tables, or a UsageError saying why it cannot be read."""
     if p.is_dir():
@@ -694,6 +716,11 @@ def _read_toml(p: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config: {p} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested inline tables and arrays recursively
+        raise UsageError(
+            f"--config: {p} nests inline tables or arrays too deeply for the TOML reader; "
+            "allowed: a config of [section] tables of keys"
+        ) from None
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -721,7 +748,7 @@ def _parse_value(text: str) -> Any:
     """A TOML literal when it parses as one (20, 1e-3, true, [1, 2]), else the plain string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         return text
 
 
@@ -754,6 +781,60 @@ def _model_from_table(table: dict[str, Any]) -> ModelConfig:
             raise ConfigError(f"model.{key}", value, "a key of [model]: " + ", ".join(hints))
         overrides[key] = _coerce(f"model.{key}", value, hints[key])
     return base.with_overrides(**overrides) if overrides else base
+
+
+# Keys a [model] table without `name` must give: the shape of no preset.
+CUSTOM_MODEL_KEYS = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "max_seq_len",
+)
+
+
+def load_model(spec: str, field: str = "--model") -> ModelConfig:
+    """A model shape from a preset NAME, a FILE.toml holding a [model] table, or a Hugging Face
+    DIR holding config.json (`model.config.from_hf_config`); ConfigError naming what is wrong.
+
+    In the TOML table, `name` picks a preset whose shape the other keys override; without it the
+    shape is custom: CUSTOM_MODEL_KEYS are required and every other key takes its default.
+    """
+    p = Path(spec)
+    if spec in PRESETS or not (p.exists() or spec.endswith(".toml")):
+        return get_preset(spec)
+    if p.is_dir():
+        try:
+            raw = json.loads((p / "config.json").read_text())
+        except OSError:
+            raise ConfigError(field, spec, "a Hugging Face folder holding config.json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(field, spec, f"a folder whose config.json is JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(field, spec, "a folder whose config.json is a JSON object")
+        return from_hf_config(raw, field, spec)
+    try:
+        table = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(field, spec, f"a readable TOML file ({e.strerror or e})") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(field, spec, f"a TOML file ({e})") from None
+    model = table.get("model")
+    if not isinstance(model, dict):
+        raise ConfigError(field, spec, "a TOML file holding a [model] table")
+    if "name" not in model:
+        missing = [k for k in CUSTOM_MODEL_KEYS if k not in model]
+        if missing:
+            raise ConfigError(
+                f"model.{missing[0]}",
+                spec,
+                "a value: a [model] table without name (a custom shape) gives "
+                + ", ".join(CUSTOM_MODEL_KEYS),
+            )
+        model = {"name": "custom", **model}
+    return _model_from_table(model)
 
 
 # Keys that were renamed or replaced: a config still using one gets the new name in its error.

@@ -20,6 +20,17 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_JSON = SOURCE_ROOT / "docs" / "results" / "results.json"
 
 
+def cache_dir() -> Path:
+    """The per-user cache of measurements and checks: `$LLMSCALE_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/llmscale`, else `~/.cache/llmscale` (nothing in it is needed: a missing or
+    unwritable cache only costs the work again)."""
+    explicit = os.environ.get("LLMSCALE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmscale"
+
+
 def _nearest_existing(path: Path) -> Path:
     """`path` or the closest ancestor of it that exists (what creating `path` would write in)."""
     p = path.absolute()

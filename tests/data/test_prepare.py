@@ -14,6 +14,7 @@ from llmscale.cli import main
 from llmscale.data import prepare as P
 from llmscale.data.prepared import (
     byte_tokenizer,
+    document_ids,
     load_meta,
     padded_vocab_size,
     token_dtype,
@@ -201,3 +202,24 @@ def test_vocab_padding_and_dtype() -> None:
     assert padded_vocab_size(300, 1) == 320 and padded_vocab_size(300, 2) == 384
     assert padded_vocab_size(320, 1) == 320 and padded_vocab_size(50257, 1) == 50304
     assert token_dtype(65536) == "uint16" and token_dtype(65537) == "uint32"
+
+
+def test_a_huge_document_gets_the_ids_of_its_whole_text(tmp_path, monkeypatch) -> None:
+    """BPE over a regex pre-tokenizer: pieces cut at line ends would split "\\n    " runs that
+    the whole text keeps in one token; pieces cut where the pre-tokenizer splits do not."""
+    import textwrap
+
+    from tokenizers import Tokenizer
+
+    src = Path(textwrap.__file__).read_text()
+    text = (src + "\n\n\n    <|endoftext|> text\n") * 3
+    (tmp_path / "big.py").write_text(text)
+    bpe = P.prepare([str(tmp_path / "big.py")], tmp_path / "tok", "bpe", vocab_size=400,
+                    val_fraction=0.0, progress=False)  # fmt: skip
+    tok = Tokenizer.from_file(str(bpe.out / "tokenizer.json"))
+    whole = document_ids(tok, [text])[0] + [bpe.meta["eos_id"]]
+    monkeypatch.setattr(P, "PIECE_BYTES", 1000)  # ~200 pieces
+    r = P.prepare([str(tmp_path / "big.py")], tmp_path / "o", str(bpe.out / "tokenizer.json"),
+                  val_fraction=0.0, progress=False)  # fmt: skip
+    ids = np.fromfile(r.out / "train-00000.bin", dtype=r.meta["dtype"]).tolist()
+    assert len(ids) == len(whole) and ids == whole

@@ -56,6 +56,17 @@ def test_padded_ids_are_never_generated() -> None:
         assert len(new) == 40 and max(new) < 100
 
 
+def test_suppressed_ids_are_never_generated() -> None:
+    """Ids a tokenizer file skips (`RunTokenizer.holes`): the ones sampled most, suppressed."""
+    model = build_model(get_preset("tiny"), seed=1)
+    with torch.no_grad():
+        model.output.weight[[7, 9]] *= 30  # type: ignore[index,union-attr]
+    free = generate(model, list(b"hello"), 40, temperature=1.0, seed=2)
+    assert {7, 9} & set(free)  # they would come out
+    new = generate(model, list(b"hello"), 40, temperature=1.0, seed=2, suppress=[7, 9])
+    assert len(new) == 40 and not {7, 9} & set(new)
+
+
 @pytest.mark.parametrize("which", ["trained_run", "llama_run"])
 def test_greedy_text_equals_transformers_generate(
     which: str, request: pytest.FixtureRequest, tmp_path: Path

@@ -68,7 +68,14 @@ def _p(**degrees: object) -> list[str]:
             "train.global_batch_size",
             "micro_batch_size x dp = 2 x 4 = 8",
         ),
-        (2, _p(pp=2) + ["--model.tie_embeddings", "true"], "model.tie_embeddings", "pp > 1"),
+        # Tied embeddings run under pp > 1 (the last stage's copy, summed on the device), not
+        # with an offloaded optimizer.
+        (
+            2,
+            _p(pp=2) + ["--model.tie_embeddings", "true", "--optimizer.offload", "optimizer"],
+            "optimizer.offload",
+            "none with parallel.pp > 1 and model.tie_embeddings",
+        ),
         # Explicit layers per pipeline stage (issue 12): one entry per stage, each positive,
         # summing to the model's layers.
         (2, _p(pp=2) + ["--parallel.pp_layers", "[1, 2]"], "parallel.pp_layers", "got 3"),

@@ -114,3 +114,23 @@ def test_a_stack_refuses_a_recompute_policy_it_cannot_run() -> None:
     assert r.returncode == 2 and "selective_op" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert _run(*base, "--recompute", "selective_op").returncode == 0
+
+
+def test_train_dry_run_and_bench_take_a_stack() -> None:
+    """`train --dry-run --gpu NAME --stack NAME` predicts the job under that stack's rules; a
+    policy the stack lacks is one line; `train` itself runs llmscale only; `bench --what
+    published --stack NAME` keeps that stack's rows."""
+    job = ["train", "--model.name", "llama3-8b", "--parallel.dp_shard", "8",
+           "--parallel.zero_stage", "1", "--train.micro_batch_size", "1",
+           "--train.global_batch_size", "64", "--data.seq_len", "4096", "--dry-run",
+           "--gpu", "h100"]  # fmt: skip
+    r = _run(*job, "--stack", "megatron-core")
+    assert r.returncode == 0, r.stderr
+    assert "--stack megatron-core" in r.stdout and "step time:" in r.stdout
+    r = _run(*job, "--stack", "torchtitan", "--train.recompute", "selective")
+    assert r.returncode == 2 and "selective_op" in r.stderr
+    r = _run("train", "--stack", "torchtitan")
+    assert r.returncode == 2 and "--dry-run" in r.stderr
+    r = _run("bench", "--what", "published", "--stack", "torchtitan")
+    assert r.returncode == 0, r.stderr
+    assert "torchtitan:" in r.stdout and "megatron-core:" not in r.stdout

@@ -27,7 +27,7 @@ def test_constraints_hold_for_every_plan(result) -> None:
         p = c.plan
         assert p.world_size == 64
         assert p.tp <= 8 and L70.n_heads % p.tp == 0 and L70.n_kv_heads % p.tp == 0
-        assert L70.n_layers % (p.pp * p.chunks) == 0
+        assert p.pp * p.chunks <= L70.n_layers  # uneven splits allowed (stage_layer_counts)
         assert p.global_batch_size % (p.micro_batch_size * p.dp) == 0
         p.validate()  # the runtime's own rules
         # Fits, with the allocator overhead and the device reserve, on every stage.
@@ -65,7 +65,7 @@ def test_space_restricts_options() -> None:
     assert {c.plan.offload for c in r.candidates} == {"none"}
 
 
-def test_interleaved_plans_have_whole_chunks() -> None:
+def test_interleaved_plans_split_every_layer() -> None:
     space = SearchSpace(schedules=("interleaved_1f1b",), micro_batch_sizes=(1, 2))
     # top=20: since issue 12 FSDP2 under a pipeline holds each stage's unsharded gradients
     # (as the runtime does), so tp=1 interleaved FSDP plans no longer fit and rank lower.
@@ -73,7 +73,8 @@ def test_interleaved_plans_have_whole_chunks() -> None:
     inter = [c.plan for c in r.candidates if c.plan.pp_schedule == "interleaved_1f1b"]
     assert inter
     for p in inter:
-        assert p.n_microbatches % p.pp == 0 and L70.n_layers % (p.pp * p.pp_chunks) == 0
+        # Uneven chunks are searched too; every stage holds at least one layer.
+        assert p.n_microbatches % p.pp == 0 and p.pp * p.pp_chunks <= L70.n_layers
 
 
 @pytest.mark.parametrize(
@@ -123,3 +124,20 @@ def test_indivisible_gpus_name_the_rule() -> None:
     why = r.why_none() or ""
     assert "no valid layout of 83 GPUs" in why and "tp 2 does not divide 83 GPUs" in why
     assert "not a multiple of dp 83" in why and "pp 83 > n_layers 80" in r.rejected
+
+
+def test_a_126_layer_model_interleaves_over_pp_16_without_pp_layers() -> None:
+    """126 layers over 16 ranks x 2 chunks: 32 stages of 4 and 3 layers (stage_layer_counts),
+    no --pp-layers needed; the interleaved plan beats 1F1B's bubble."""
+    from llmscale.report.search_report import fixed_space
+
+    model = get_preset("llama3-405b")
+    cluster = Cluster.of("h100")
+    space, _ = fixed_space(8192, {"tp": 8, "pp": 16, "schedule": "interleaved_1f1b"})
+    res = search(model, 8192, cluster, 8192, 2048, top=3, space=space)
+    assert res.candidates, res.rejected
+    best = res.candidates[0].plan
+    assert best.pp_schedule == "interleaved_1f1b" and best.chunks >= 2 and not best.pp_layers
+    space1, _ = fixed_space(8192, {"tp": 8, "pp": 16, "schedule": "1f1b"})
+    one = search(model, 8192, cluster, 8192, 2048, top=1, space=space1).candidates[0]
+    assert res.candidates[0].time.seconds < one.time.seconds

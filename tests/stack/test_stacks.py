@@ -129,6 +129,7 @@ def test_tp_comm_overlap_hides_tensor_parallel_traffic() -> None:
 def test_tied_pipelines() -> None:
     assert tied_pipeline_problem(TORCHTITAN, True, 2) is not None
     assert tied_pipeline_problem(MEGATRON_CORE, True, 2) is None
+    assert tied_pipeline_problem(LLMSCALE, True, 2) is None  # parallel/tied_embeddings.py
     assert tied_pipeline_problem(TORCHTITAN, False, 2) is None
 
 

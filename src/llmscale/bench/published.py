@@ -173,12 +173,19 @@ def run(opts: BenchOptions) -> SuiteResult:
     from llmscale.bench.report import Row, SuiteResult
 
     res = SuiteResult("published", "Planner vs published runs (measured = published)")
+    # The paper rows: Megatron 2021/2022 (megatron-2021) and torchtitan's December 2024 runs.
+    paper_stack = {"Llama": "torchtitan"}
     for r in all_rows():
+        if (
+            opts.stack is not None
+            and paper_stack.get(r.case.split()[0], "megatron-2021") != opts.stack
+        ):
+            continue
         res.rows.append(
             Row("published", f"{r.case}: {r.layout}", r.quantity, "", r.published, r.predicted,
                 r.source)
         )  # fmt: skip
-    results = all_results()
+    results = [rr for rr in all_results() if opts.stack in (None, rr.stack)]
     for rr in results:
         res.rows.append(
             Row("published", f"{rr.id} ({rr.stack}, {rr.role}): {rr.layout}", rr.quantity, "",

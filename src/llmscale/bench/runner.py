@@ -26,6 +26,7 @@ class BenchOptions:
     seeds: int = 3  # independent runs (seeds 0 .. seeds-1) for figures that vary from run to run
     png_dir: Path | None = None
     loader_sizes_mb: tuple[int, ...] = (100, 1000, 4000)  # the loader suite's corpus sizes
+    stack: str | None = None  # the published suite: one training stack's runs (None: all)
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llmscale-bench-")))
 
     def job(self, *overrides: str, run: str = "run") -> JobConfig:

@@ -15,6 +15,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError, UsageError
 from llmscale.paths import check_output_file, check_output_folder
+from llmscale.stack import STACK_NAMES, stacks_help
 
 # ---- bench --------------------------------------------------------------------------------
 
@@ -56,6 +57,13 @@ def _add_bench(sub: argparse._SubParsersAction[Parser]) -> None:
         help="independent runs for figures that vary from run to run, e.g. the fp16 underflow "
         "share (default: 3)",
     )
+    p.add_argument(
+        "--stack",
+        choices=STACK_NAMES,
+        metavar="NAME",
+        help="with --what published: only the published runs of this training stack (default: "
+        "every stack). " + stacks_help(),
+    )
     p.add_argument("--device", default="auto", help=" | ".join(DEVICES) + " (default: auto)")
     p.add_argument("--png", metavar="DIR", help="write the suites' plots into DIR")
     p.add_argument("--json-out", metavar="FILE", help="write every row as JSON to FILE")
@@ -84,6 +92,8 @@ def _cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.warmup < 0:
         raise ConfigError("--warmup", args.warmup, ">= 0")
     one_of("--device", args.device, DEVICES)
+    if args.stack is not None and names != ["published"]:
+        raise UsageError("--stack applies to --what published (the other suites run llmscale)")
     # Where the results go, checked before minutes of measuring.
     if args.json_out:
         check_output_file("--json-out", args.json_out)
@@ -120,6 +130,7 @@ def _run_suites(names: list[str], args: argparse.Namespace, work: Path) -> list[
         seeds=args.seeds,
         png_dir=Path(args.png) if args.png else None,
         work_dir=work,
+        stack=args.stack,
     )
     results = []
     try:

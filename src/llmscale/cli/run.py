@@ -21,13 +21,24 @@ def _add_export(sub: argparse._SubParsersAction[Parser]) -> None:
         "export",
         help="write a run's checkpoint as a Hugging Face model folder",
         description="Write RUN_DIR's newest checkpoint (or --step's), saved under any parallel "
-        "layout, as a folder transformers loads (config.json, model.safetensors, "
-        "generation_config.json, tokenizer.json, tokenizer_config.json).",
+        "layout, as a folder transformers loads (config.json, model.safetensors or its shards, "
+        "generation_config.json, tokenizer.json, tokenizer_config.json, README.md). The "
+        "vocabulary is the tokenizer's: padding rows are dropped.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step")
     p.add_argument("--format", default="hf", help="hf (Llama, or GPT-2 for GPT-style models)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+    p.add_argument(
+        "--dtype", default="fp32", help="the weights' dtype: fp32 or bf16 (half the bytes)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="weights past this go in shards with model.safetensors.index.json (5GB = 5e9 "
+        "bytes, as transformers counts; 2GiB, or a number of bytes)",
+    )
     p.set_defaults(func=_cmd_export)
 
 
@@ -35,9 +46,13 @@ def _cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.inference.export import FORMATS, export_run
 
     one_of("--format", args.format, FORMATS)
-    done = export_run(args.run_dir, args.out, args.step, args.format)
+    done = export_run(
+        args.run_dir, args.out, args.step, args.format, args.dtype, args.max_shard_size
+    )
+    suppressed = f", {done.suppressed} ids suppressed" if done.suppressed else ""
     sys.stderr.write(
-        f"exported step {done.step} of {args.run_dir} as {done.architecture} to {done.out}\n"
+        f"exported step {done.step} of {args.run_dir} as {done.architecture} to {done.out} "
+        f"({args.dtype}, vocabulary {done.vocab_size}{suppressed})\n"
     )
     return 0
 

@@ -11,6 +11,7 @@ from llmscale.cli._args import (
     config_keys_help,
 )
 from llmscale.errors import ConfigError, UsageError
+from llmscale.stack import STACK_NAMES, stacks_help
 
 
 def _add_train(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -49,6 +50,14 @@ def _add_train(sub: argparse._SubParsersAction[Parser]) -> None:
         metavar="NAME",
         help="with --dry-run: predict for this catalog GPU (llmscale hw) instead of this "
         "machine's device",
+    )
+    p.add_argument(
+        "--stack",
+        choices=STACK_NAMES,
+        default="llmscale",
+        metavar="NAME",
+        help="with --dry-run and --gpu: predict the job as another training stack would run it "
+        f"(default llmscale, this runtime; train itself runs llmscale). {stacks_help()}",
     )
     p.add_argument(
         "--nproc-per-node",
@@ -100,10 +109,16 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, "--job.overwrite", "true"]
     if args.gpu is not None and not args.dry_run:
         raise UsageError("--gpu only applies with --dry-run")
+    if args.stack != "llmscale" and (not args.dry_run or args.gpu is None):
+        raise UsageError(
+            f"--stack {args.stack} only applies with --dry-run --gpu NAME (train runs llmscale)"
+        )
     cfg = load_config(args.config, overrides)
+    from llmscale.config import given_keys
     from llmscale.data.prepared import apply_dataset
 
-    apply_dataset(cfg)  # data.dataset: the vocabulary follows its tokenizer (dry run too)
+    # data.dataset: verified, and the vocabulary follows its tokenizer (dry run too)
+    apply_dataset(cfg, given_keys(args.config, overrides))
     if args.nproc_per_node is not None and not args.dry_run:
         return _launch_workers(args, cfg)
     from llmscale.train.trainer import resolve_device, run_training
@@ -116,7 +131,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = with_source_model(cfg)  # checkpoint.init_from: predict for the source's shape
         out = console()
         device = None if args.gpu else resolve_device(cfg.job.device)
-        for line in dry_run_lines(cfg, device, args.gpu):
+        for line in dry_run_lines(cfg, device, args.gpu, args.stack):
             out.print(line, markup=False)
         return 0
     run_training(cfg)

@@ -1,7 +1,8 @@
 """`llmscale data prepare`: text files, folders and JSONL in, a tokenizer and token shards out.
 
-Documents are streamed: a text file is one document (read in pieces of about 1 MiB cut at line
-ends, so a huge file never sits in memory whole), a JSONL line is one. Pieces are encoded in
+Documents are streamed: a text file is one document (read in pieces of about 1 MiB, so a huge
+file never sits in memory whole, each cut where the tokenizer's pre-tokenizer splits the whole
+text too, so that the pieces' ids are the whole document's: `piece_cut`), a JSONL line is one. Pieces are encoded in
 batches with the library's `encode_batch_fast`, which uses every core; each document ends with
 the end-of-document token. The split is by document: a document's name (file path, or
 path:line) hashed with CRC32 decides, so it is the same on every machine. Shards are written as
@@ -19,7 +20,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,11 +35,13 @@ from llmscale.data.prepared import (
     PAD_TOKEN,
     TOKENIZER_FILE,
     byte_tokenizer,
+    document_ids,
     file_sha256,
     is_prepared,
     token_dtype,
 )
 from llmscale.errors import ConfigError, UsageError
+from llmscale.paths import folder_problem
 from llmscale.ui import console
 
 PIECE_BYTES = 1 << 20  # a document is encoded in pieces of about this size, cut at line ends
@@ -149,21 +152,63 @@ class _HashingReader:
         return b
 
 
-def _pieces(r: _HashingReader) -> Iterator[str]:
-    """A text file in pieces of about PIECE_BYTES, cut after a newline (or anywhere if none)."""
-    rest = b""
+def _pieces(r: _HashingReader, cut: PieceCut) -> Iterator[str]:
+    """A text file in pieces of about PIECE_BYTES or more, each ending where `cut` says the
+    tokenizer splits the whole text too (the rest carried into the next piece)."""
+    rest = b""  # the bytes of a UTF-8 character cut at the end of a block
+    carry = ""
     while True:
         block = r.read(PIECE_BYTES)
         if not block:
             break
-        data = rest + block
-        cut = data.rfind(b"\n") + 1 or len(data)
-        text, tail = _decode(data[:cut])
-        rest = tail + data[cut:]
-        if text:
-            yield text
-    if rest:
-        yield rest.decode("utf-8", errors="replace")
+        text, rest = _decode(rest + block)
+        text = carry + text
+        k = cut(text)
+        if k:
+            yield text[:k]
+        carry = text[k:]
+    carry += rest.decode("utf-8", errors="replace")
+    if carry:
+        yield carry
+
+
+PieceCut = Callable[[str], int]
+
+
+def at_line_end(text: str) -> int:
+    """After the last newline (anywhere if there is none): pieces of text to train BPE on."""
+    return text.rfind("\n") + 1 or len(text)
+
+
+CUT_WINDOW = 4096  # characters at the end of a piece searched for a safe cut
+
+
+def piece_cut(tok: Any) -> PieceCut:
+    """Where a piece of a long document may end so that encoding the pieces one by one gives
+    the ids of the whole text: the length of its text to encode now (0: none, read more).
+
+    - A byte-level BPE without merges (the `bytes` tokenizer): anywhere, every character
+      encodes alone.
+    - A tokenizer with a pre-tokenizer and no normalizer: at the start of the last pre-token in
+      the piece's last CUT_WINDOW characters. The pre-tokenizer splits left to right, so the
+      boundaries before the last one are those of the whole text; the model (BPE, ...) encodes
+      each pre-token on its own.
+    - Otherwise (a normalizer, e.g. SentencePiece-style prepending of "▁", or no
+      pre-tokenizer): nowhere; the document is encoded whole.
+    """
+    model = json.loads(tok.to_str()).get("model", {})
+    if tok.normalizer is not None or tok.pre_tokenizer is None:
+        return lambda text: 0
+    if model.get("type") == "BPE" and not model.get("merges"):
+        return len
+    pre = tok.pre_tokenizer
+
+    def cut(text: str) -> int:
+        start = max(0, len(text) - CUT_WINDOW)
+        parts = pre.pre_tokenize_str(text[start:])
+        return start + parts[-1][1][0] if len(parts) >= 3 else 0
+
+    return cut
 
 
 def _decode(piece: bytes) -> tuple[str, bytes]:
@@ -178,9 +223,11 @@ def _decode(piece: bytes) -> tuple[str, bytes]:
 
 
 def iter_documents(
-    sources: list[Source], field_name: str, stats: _Stats
+    sources: list[Source], field_name: str, stats: _Stats, cut: PieceCut | None = None
 ) -> Iterator[tuple[str, Iterator[str]]]:
-    """(document name, its text pieces) for every document of every source, in order."""
+    """(document name, its text pieces) for every document of every source, in order; text
+    files are cut into pieces where `cut` says (`piece_cut` to encode; `at_line_end` to read)."""
+    cut = cut or at_line_end
     for src in sources:
         with open(src.path, "rb") as f:
             r = _HashingReader(f, stats)
@@ -192,7 +239,7 @@ def iter_documents(
                         continue
                     yield f"{src.name}:{lineno}", iter([_jsonl_text(src, lineno, line, field_name)])
             else:
-                yield src.name, _pieces(r)
+                yield src.name, _pieces(r, cut)
             while r.read(PIECE_BYTES):  # a consumer that stopped early: hash the rest
                 pass
         stats.sources.append(
@@ -343,6 +390,12 @@ def prepare(
         raise ConfigError(
             "--out", str(out), "a new folder, an empty one or an earlier prepared one"
         )
+    # The folder is written beside itself (DIR.tmp-PID, then renamed): its parent must take it.
+    problem = folder_problem(final.absolute().parent)
+    if problem:
+        raise ConfigError(
+            "--out", str(out), f"a folder that can be created and written ({problem})"
+        )
     least = {"bpe": 256 + len(BPE_SPECIALS), "bytes": 256 + len(BYTE_SPECIALS)}.get(tokenizer)
     if least is not None and vocab_size is not None and vocab_size < least:
         raise ConfigError(
@@ -475,9 +528,8 @@ def _encode_all(
         nonlocal batch, owners, size
         if not batch:
             return
-        encodings = tok.encode_batch_fast(batch, add_special_tokens=False)
-        for enc, (split, last) in zip(encodings, owners, strict=True):
-            ids = np.asarray(enc.ids, dtype=np.uint32)
+        for doc, (split, last) in zip(document_ids(tok, batch), owners, strict=True):
+            ids = np.asarray(doc, dtype=np.uint32)
             if last:
                 ids = np.append(ids, np.uint32(eos_id))
                 writers[split].documents += 1
@@ -489,7 +541,7 @@ def _encode_all(
             bar.update(task, completed=stats.bytes_read, tokens=stats.tokens,
                        rate=f"{rate:,.0f} tok/s")  # fmt: skip
 
-    for name, pieces in iter_documents(sources, jsonl_field, stats):
+    for name, pieces in iter_documents(sources, jsonl_field, stats, piece_cut(tok)):
         split = "val" if is_val_document(name, val_fraction) else "train"
         pending: str | None = None
         for piece in pieces:

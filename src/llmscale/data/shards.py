@@ -15,6 +15,7 @@ the same global order and takes its slice of each global batch.
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +84,11 @@ class ShardStream(WindowStream):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.shuffle = shuffle
+        self.field = field
         np_dtype = np.dtype(dtype).newbyteorder("<")
-        self.shards = [
-            np.memmap(p, dtype=np_dtype, mode="r") for p in shards if p.stat().st_size > 0
-        ]
+        self.paths = [p for p in shards if p.stat().st_size > 0]
+        self.shards = [np.memmap(p, dtype=np_dtype, mode="r") for p in self.paths]
+        self.sizes = [p.stat().st_size for p in self.paths]
         for m in self.shards:  # windows are read at random: no read-ahead around each one
             mm = getattr(m, "_mmap", None)
             if mm is not None and hasattr(mmap, "MADV_RANDOM"):
@@ -133,11 +135,27 @@ class ShardStream(WindowStream):
         """Token rows (len(windows), seq_len + 1) as int64, read from the memory maps."""
         out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
         shard = np.searchsorted(self.starts, windows, side="right") - 1
+        self._check_sizes(set(shard.tolist()))
         offsets = (windows - self.starts[shard]) * self.seq_len
         for i, (s, o) in enumerate(zip(shard.tolist(), offsets.tolist(), strict=True)):
             out[i] = self.shards[s][o : o + self.seq_len + 1]
         self._unmap(set(shard.tolist()))
         return out
+
+    def _check_sizes(self, shards: set[int]) -> None:
+        """A shard cut short under its memory map would kill the process with SIGBUS when a page
+        past its new end is read: each shard is stat'ed before its rows are (a few microseconds
+        a batch) and a shorter one stops the run with one line. A cut between this check and the
+        read still ends in SIGBUS: a shard must not change while a run reads it."""
+        for s in shards:
+            size = os.stat(self.paths[s]).st_size
+            if size < self.sizes[s]:
+                raise ConfigError(
+                    self.field, str(self.paths[s].parent),
+                    f"shards that stay whole while training ({self.paths[s].name} shrank from "
+                    f"{self.sizes[s]:,} to {size:,} bytes; the run stops before reading past "
+                    "its end)",
+                )  # fmt: skip
 
     def _unmap(self, shards: set[int]) -> None:
         """Drop the pages just read from this process's mappings (they stay in the page cache):

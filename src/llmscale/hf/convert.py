@@ -9,8 +9,9 @@ What differs besides the names:
   and wk (and their biases) within each head turns one into the other (`_halves`/`_pairs`).
 - GPT-2 stores its linears as Conv1D, (in, out) rather than (out, in), and q, k and v as one
   fused c_attn matrix.
-Everything else (RMSNorm with its eps, SwiGLU as gate/up/down, untied or tied head, GQA) maps
-one to one.
+Everything else (RMSNorm with its eps, SwiGLU as gate/up/down, untied or tied head, GQA, RoPE
+scaling per frequency: `rope_parameters`) maps one to one. config.json is parsed by the torch-free
+`model.config.from_hf_config`, which the planner reads too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from llmscale.errors import ConfigError
-from llmscale.model.config import ModelConfig
+from llmscale.model.config import ModelConfig, hf_rope_parameters
 
 Family = str  # "llama" | "gpt2"
 
@@ -55,15 +56,18 @@ def export_family(cfg: ModelConfig) -> Family:
 # ---- config.json ------------------------------------------------------------------------------
 
 
-def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
-    """config.json for `cfg` (fp32 weights)."""
+def hf_config(
+    cfg: ModelConfig, bos_id: int, eos_id: int, pad_id: int, dtype: str = "float32"
+) -> dict[str, Any]:
+    """config.json for `cfg` with weights of `dtype`, in the key names of transformers 5
+    (`dtype`, not `torch_dtype`; RoPE in `rope_parameters` with `rope_theta` inside it)."""
     common = {
         "vocab_size": cfg.vocab_size,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": "float32",
+        "dtype": dtype,
     }
     if export_family(cfg) == "gpt2":
         return {
@@ -96,59 +100,13 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int, pad_id: int) -> dict[s
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_parameters": hf_rope_parameters(cfg),
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
         "attention_dropout": 0.0,
         "initializer_range": cfg.init_std,
         **common,
     }
-
-
-def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
-    """The llmscale shape of a Hugging Face Llama config.json; ConfigError where it has none."""
-    field = "checkpoint.init_from"
-    if hf.get("model_type") != "llama":
-        raise ConfigError(field, source, "a Llama folder (config.json model_type 'llama')")
-    need = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    )
-    missing = [k for k in need if k not in hf]
-    if missing:
-        raise ConfigError(field, source, f"a config.json with {', '.join(missing)}")
-    dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim") or dim // heads
-    if head_dim * heads != dim:
-        raise ConfigError(field, source, "head_dim x num_attention_heads = hidden_size")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(field, source, f"hidden_act 'silu' (got {hf.get('hidden_act')!r})")
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ConfigError(field, source, "plain RoPE (rope_scaling is not supported)")
-    theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attn_bias != mlp_bias:
-        raise ConfigError(field, source, "attention_bias equal to mlp_bias (one bias switch)")
-    return ModelConfig(
-        name="custom",
-        vocab_size=int(hf["vocab_size"]),
-        dim=dim,
-        n_layers=int(hf["num_hidden_layers"]),
-        n_heads=heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        ffn_dim=int(hf["intermediate_size"]),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        bias=attn_bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-    )
 
 
 # ---- weights ----------------------------------------------------------------------------------
@@ -258,3 +216,18 @@ def _to_gpt2(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.T
             out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t()
             out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def drop_vocab_padding(
+    cfg: ModelConfig, sd: dict[str, torch.Tensor], vocab: int
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`cfg` and llmscale's state dict `sd` cut to the tokenizer's `vocab` ids: the rows of the
+    embedding and of the output projection past it (the padding to a multiple of 64 x tp, never
+    in the data, never trained) are dropped, so that no probability lands on them."""
+    if vocab >= cfg.vocab_size:
+        return cfg, sd
+    out = dict(sd)
+    for name in ("tok_embeddings.weight", "output.weight"):
+        if name in out:
+            out[name] = out[name][:vocab]
+    return cfg.with_overrides(vocab_size=vocab), out

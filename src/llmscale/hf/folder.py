@@ -1,31 +1,55 @@
 """Hugging Face model folders: write one from llmscale weights, read a Llama one back.
 
-A folder is config.json, model.safetensors, generation_config.json, tokenizer.json and
-tokenizer_config.json: what `transformers.AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` read. Weights are written in fp32 as the checkpoint holds them.
+A folder is config.json, model.safetensors (or shards of it with model.safetensors.index.json,
+as transformers' `save_pretrained(max_shard_size=...)` writes them), generation_config.json,
+tokenizer.json, tokenizer_config.json and a model card README.md: what
+`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read.
+Weights are written in fp32 as the checkpoint holds them, or in bf16.
+
+The tokenizer encodes as `llmscale data prepare` encoded the training data: no BOS or other
+template around a text (tokenizer.json's post-processor is dropped, add_bos_token false) and
+special-token text stays text (split_special_tokens true).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from llmscale.data.prepared import byte_tokenizer
+from llmscale.data.prepared import byte_tokenizer, document_ids
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
-from llmscale.hf.convert import from_hf_llama, hf_config, model_config_from_hf
-from llmscale.model.config import ModelConfig
+from llmscale.hf.convert import from_hf_llama, hf_config
+from llmscale.model.config import ModelConfig, from_hf_config
 from llmscale.model.transformer import build_model
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
+
+ExportDtype = Literal["fp32", "bf16"]
+EXPORT_DTYPES: tuple[ExportDtype, ...] = get_args(ExportDtype)
+_TORCH_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_shard_size(text: str | int, field: str = "--max-shard-size") -> int:
+    """Bytes of "5GB" (10^9, as transformers counts), "500MiB" (2^20) or a plain integer."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text), re.IGNORECASE)
+    if m is None or float(m.group(1)) <= 0:
+        raise ConfigError(field, text, "a size such as 5GB, 500MB, 2GiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 @dataclass(frozen=True)
@@ -46,30 +70,73 @@ def byte_tokenizer_files(vocab_size: int) -> TokenizerFiles:
     )
 
 
+def write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[Path]:
+    """model.safetensors, or, when the weights pass `max_shard_bytes`, shards of at most that
+    size (a tensor larger than it alone in its shard) named and indexed as transformers does."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    for old in [*out.glob("model*.safetensors"), out / WEIGHTS_INDEX]:
+        old.unlink(missing_ok=True)  # an earlier export into the same folder
+    if len(shards) == 1:
+        save_file(shards[0], str(out / WEIGHTS), metadata={"format": "pt"})
+        return [out / WEIGHTS]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        files.append(out / name)
+        weight_map |= dict.fromkeys(shard, name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
 def write_folder(
     out: str | Path,
     cfg: ModelConfig,
     hf_state_dict: dict[str, torch.Tensor],
     tokenizer: TokenizerFiles,
+    dtype: str = "fp32",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    suppress_tokens: list[int] | None = None,
+    card: str = "",
 ) -> Path:
-    """Write the folder (created if needed); `hf_state_dict` from `convert.to_hf_state_dict`."""
+    """Write the folder (created if needed); `hf_state_dict` from `convert.to_hf_state_dict`.
+
+    `suppress_tokens`: ids generation must never produce (padding inside the vocabulary);
+    `card`: the model card, README.md.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError("--dtype", dtype, " | ".join(EXPORT_DTYPES))
+    max_shard_bytes = parse_shard_size(max_shard_size)
+    torch_dtype, dtype_name = _TORCH_DTYPES[dtype]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
-    config = hf_config(cfg, bos, tokenizer.eos_id, tokenizer.pad_id)
+    config = hf_config(cfg, bos, tokenizer.eos_id, tokenizer.pad_id, dtype_name)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {
-        k: v.detach().to("cpu", torch.float32).contiguous() for k, v in hf_state_dict.items()
-    }
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    generation = {
+    tensors = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in hf_state_dict.items()}
+    write_weights(out, tensors, max_shard_bytes)
+    generation: dict[str, object] = {
         "bos_token_id": bos,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
         "do_sample": False,
     }
+    if suppress_tokens:
+        generation["suppress_tokens"] = sorted(suppress_tokens)
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    (out / TOKENIZER).write_text(tokenizer.json_text)
+    (out / TOKENIZER).write_text(training_tokenizer_json(tokenizer.json_text))
+    if card:
+        (out / "README.md").write_text(card)
     tok = Tokenizer.from_str(tokenizer.json_text)
 
     def name(i: int | None) -> str | None:
@@ -88,6 +155,16 @@ def write_folder(
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out
+
+
+def training_tokenizer_json(json_text: str) -> str:
+    """tokenizer.json as training encoded: its post-processor (a template adding BOS, as
+    Llama's files have) dropped, since `data prepare` encodes without special tokens."""
+    raw = json.loads(json_text)
+    if raw.get("post_processor") is None:
+        return json_text
+    raw["post_processor"] = None
+    return json.dumps(raw, ensure_ascii=False)
 
 
 def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -109,7 +186,9 @@ def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.
         raise ConfigError(field, src, f"a folder whose {CONFIG} is JSON") from None
     if not isinstance(raw, dict):
         raise ConfigError(field, src, f"a folder whose {CONFIG} is a JSON object")
-    cfg = model_config_from_hf(raw, src)
+    if raw.get("model_type") != "llama":
+        raise ConfigError(field, src, "a Llama folder (config.json model_type 'llama')")
+    cfg = from_hf_config(raw, field, src)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ConfigError(field, src, "a folder with model.safetensors (or its shards)")
@@ -126,3 +205,52 @@ def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.
                 field, src, f"{name} of shape {tuple(p.shape)} (found {tuple(sd[name].shape)})"
             )
     return cfg, sd
+
+
+# Encoded by the folder's tokenizer and the data's when both have a tokenizer.json: equal
+# vocabularies with other merges or normalisation would still encode differently.
+_PROBE = "The quick brown fox <s> </s> <|endoftext|> 12345 def f(x):\n\treturn x  # ünïcode 日本語"
+
+
+def check_folder_data(
+    folder: str | Path, vocab_size: int, data_tokenizer: Tokenizer, data_name: str
+) -> None:
+    """That a Hugging Face folder can start a run on data of `data_tokenizer` (`data_name`).
+
+    Its vocabulary must hold every id of the data. With a tokenizer.json, that tokenizer must
+    be the data's (same tokens, same ids, same encoding); without one, its vocab_size must equal
+    the data tokenizer's size, the one thing to go by. ConfigError on checkpoint.init_from
+    otherwise, one line.
+    """
+    field, src = "checkpoint.init_from", f"hf:{folder}"
+    data_vocab = max(data_tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    if vocab_size < data_vocab:
+        raise ConfigError(
+            field,
+            src,
+            f"a folder whose vocab_size holds the {data_vocab} ids of the data's tokenizer "
+            f"({data_name}); its config.json says {vocab_size}",
+        )
+    path = Path(folder) / TOKENIZER
+    if not path.is_file():
+        if vocab_size != data_vocab:
+            raise ConfigError(
+                field,
+                src,
+                f"a folder with {TOKENIZER}, or whose vocab_size equals the data tokenizer's "
+                f"{data_vocab} ids ({data_name}); its config.json says {vocab_size}",
+            )
+        return
+    try:
+        theirs = Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises its own Exception subclasses for bad files
+        raise ConfigError(field, src, f"a readable {TOKENIZER} ({type(e).__name__})") from None
+    a, b = theirs.get_vocab(with_added_tokens=True), data_tokenizer.get_vocab(True)
+    differ = sum(a.get(token) != i for token, i in b.items()) + len(a.keys() - b.keys())
+    if differ or document_ids(theirs, [_PROBE]) != document_ids(data_tokenizer, [_PROBE]):
+        raise ConfigError(
+            field,
+            src,
+            f"a folder whose {TOKENIZER} is the data's tokenizer ({data_name}): "
+            + (f"{differ} tokens differ" if differ else "it encodes text differently"),
+        )

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmscale.config import ParallelSection, load_config
+from llmscale.data.prepared import load_meta
 from llmscale.errors import UsageError
+from llmscale.train.data import byte_tokenizer_sha256, check_checkpoint_tokenizer
 from llmscale.train.trainer import Trainer
 from llmscale.train.weights import find_checkpoint, read_run_config
 
@@ -32,8 +34,12 @@ class Evaluation:
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Evaluation:
     base = read_run_config(run_dir)
-    step, _ = find_checkpoint(run_dir, base)
+    step, path = find_checkpoint(run_dir, base)
     cfg = load_config(Path(run_dir) / "config.toml", overrides or [])
+    # Data from another tokenizer than the checkpoint's (--data.dataset): one line, not a loss
+    # over meaningless ids or an index error in the embedding.
+    sha = load_meta(cfg.data.dataset).tokenizer_sha256 if cfg.data.dataset else None
+    check_checkpoint_tokenizer(path, sha or byte_tokenizer_sha256(), cfg.data.dataset)
     cfg.parallel = ParallelSection()  # one process, whatever the run trained under
     cfg.optimizer = dataclasses.replace(cfg.optimizer, offload="none")
     cfg.checkpoint = dataclasses.replace(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,8 @@ def generate_text(
         raise ConfigError("--prompt", prompt, "a non-empty text")
     if max_new_tokens < 0:
         raise ConfigError("--max-new-tokens", max_new_tokens, ">= 0")
-    if temperature < 0:
-        raise ConfigError("--temperature", temperature, ">= 0 (0 = greedy)")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan compares False
+        raise ConfigError("--temperature", temperature, "a finite number >= 0 (0 = greedy)")
     if top_k < 0:
         raise ConfigError("--top-k", top_k, ">= 0 (0 = no cut)")
     run = read_run_weights(run_dir, step)
@@ -59,5 +60,6 @@ def generate_text(
         seed=seed,
         eos_id=tok.eos_id,
         vocab_limit=tok.vocab_limit,
+        suppress=tok.holes(),
     )
     return Generated(text=tok.decode(ids + new), prompt_ids=ids, new_ids=new, step=run.step)

@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from llmscale.config import JobConfig
+from llmscale.data.prepared import document_ids
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
 from llmscale.hf.folder import TOKENIZER, TokenizerFiles, byte_tokenizer_files
@@ -32,9 +33,19 @@ class RunTokenizer:
         return self.files.eos_id
 
     def encode(self, text: str) -> list[int]:
+        """`text` as training data encoded a document (`document_ids`): no BOS the run never
+        saw, special-token text kept as text."""
         if self.byte_level:
             return [int(i) for i in ByteTokenizer().encode(text)]
-        return list(Tokenizer.from_str(self.files.json_text).encode(text).ids)
+        return document_ids(Tokenizer.from_str(self.files.json_text), [text])[0]
+
+    def holes(self) -> list[int]:
+        """Ids below vocab_limit that no token of the tokenizer has (a file's vocabulary may
+        skip ids): never in the data, so never to be generated."""
+        if self.byte_level:
+            return []
+        used = set(Tokenizer.from_str(self.files.json_text).get_vocab(True).values())
+        return [i for i in range(self.vocab_limit) if i not in used]
 
     def decode(self, ids: list[int]) -> str:
         if self.byte_level:

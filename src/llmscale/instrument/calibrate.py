@@ -28,6 +28,7 @@ import torch
 
 from llmscale.hardware.catalog import GPU, Link
 from llmscale.hardware.spec import Sourced
+from llmscale.paths import cache_dir
 from llmscale.plan.cluster import Cluster
 
 SOURCE = "measured by llmscale micro-benchmarks on this machine"
@@ -127,14 +128,6 @@ def measured_cluster(
 
 
 # ---- the per-machine cache ------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("LLMSCALE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmscale"
 
 
 def cache_path(key: Mapping[str, str], folder: Path | None = None) -> Path:

@@ -26,10 +26,12 @@ from llmscale.errors import ConfigError
 Norm = Literal["rmsnorm", "layernorm"]
 Mlp = Literal["swiglu", "gelu"]
 PosEmb = Literal["rope", "learned"]
+RopeScaling = Literal["none", "linear", "llama3"]
 
 NORMS: tuple[Norm, ...] = get_args(Norm)
 MLPS: tuple[Mlp, ...] = get_args(Mlp)
 POS_EMBS: tuple[PosEmb, ...] = get_args(PosEmb)
+ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 
 # Byte-level vocabulary: 256 byte values plus special tokens, padded to a multiple of 8 so that a
 # vocabulary-parallel split over tp <= 8 ranks is even.
@@ -68,6 +70,18 @@ class ModelConfig:
     """The output projection shares the input embedding's matrix."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: RopeScaling = "none"
+    """RoPE frequency scaling (Hugging Face's rope_type): linear divides every frequency by
+    rope_factor; llama3 (Llama 3.1/3.2) divides the low ones, keeps the high ones and blends
+    between (rope_low_freq_factor, rope_high_freq_factor, rope_original_max_seq_len)."""
+    rope_factor: float = 1.0
+    """Divisor of the scaled RoPE frequencies (rope_scaling linear or llama3)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths over rope_original_max_seq_len / this are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths under rope_original_max_seq_len / this are kept."""
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length the model was first trained on."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
     init_std: float = 0.02
@@ -110,10 +124,31 @@ class ModelConfig:
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ConfigError("model.dim", self.dim, "dim / n_heads even (RoPE rotates pairs)")
         # `not x > 0` rather than `x <= 0`: NaN fails every comparison; inf is no size either.
-        for f in ("rope_theta", "norm_eps", "init_std"):
+        for f in (
+            "rope_theta",
+            "norm_eps",
+            "init_std",
+            "rope_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+        ):
             v = getattr(self, f)
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"model.{f}", v, "a positive finite number")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError("model.rope_scaling", self.rope_scaling, " | ".join(ROPE_SCALINGS))
+        v = self.rope_original_max_seq_len
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError("model.rope_original_max_seq_len", v, "a positive integer")
+        if (
+            self.rope_scaling == "llama3"
+            and not self.rope_high_freq_factor > self.rope_low_freq_factor
+        ):
+            raise ConfigError(
+                "model.rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"more than model.rope_low_freq_factor={self.rope_low_freq_factor}",
+            )
 
     # ---- shapes -----------------------------------------------------------------------------
     @property
@@ -362,6 +397,25 @@ def sp_embedding_scatter(model: ModelConfig, tp: int) -> bool:
     return vocab_parallel(model, tp) and model.pos_emb == "rope"
 
 
+# Tied embeddings under pipeline parallelism: the last stage cannot read the first stage's
+# embedding, so it keeps a copy of it as its own output projection (Megatron's scheme; DeepSpeed's
+# TiedLayerSpec), initialised from the embedding and kept equal to it (parallel/tied_embeddings.py).
+EMBEDDING_WEIGHT = "tok_embeddings.weight"
+TIED_HEAD_WEIGHT = "output.weight"
+
+
+def tied_copy(model: ModelConfig, pp: int) -> bool:
+    """Whether the last pipeline stage keeps a copy of the tied embedding (pp > 1, tied)."""
+    return pp > 1 and model.tie_embeddings
+
+
+def value_name(model: ModelConfig, name: str) -> str:
+    """The parameter whose value parameter `name` holds: `name` itself, except the last stage's
+    copy of a tied embedding, which holds the embedding's (its initial value, its checkpointed
+    value, its value in a Hugging Face folder)."""
+    return EMBEDDING_WEIGHT if model.tie_embeddings and name == TIED_HEAD_WEIGHT else name
+
+
 def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:
     """The split of the module owning parameter `param_name` ("layers.3.attention.wq.weight")."""
     module = param_name.rsplit(".", 1)[0]
@@ -539,3 +593,147 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ConfigError("model.name", name, " | ".join(PRESETS)) from None
+
+
+# ---- Hugging Face config.json -------------------------------------------------------------------
+
+# The ModelConfig field behind each key of Hugging Face's rope_parameters (rope_scaling), and the
+# keys each rope_type uses: read by `from_hf_config`, written by `hf_rope_parameters`.
+HF_ROPE_KEYS: dict[str, str] = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_seq_len",
+}
+HF_ROPE_TYPE_KEYS: dict[RopeScaling, tuple[str, ...]] = {
+    "none": (),
+    "linear": ("factor",),
+    "llama3": tuple(HF_ROPE_KEYS),
+}
+
+
+def hf_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """`cfg`'s RoPE as transformers' `rope_parameters` (rope_type "default" for unscaled)."""
+    out: dict[str, Any] = {
+        "rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+        "rope_theta": cfg.rope_theta,
+    }
+    for key in HF_ROPE_TYPE_KEYS[cfg.rope_scaling]:
+        out[key] = getattr(cfg, HF_ROPE_KEYS[key])
+    return out
+
+
+def from_hf_config(
+    hf: dict[str, Any], field: str = "model", source: str = "config.json"
+) -> ModelConfig:
+    """The llmscale shape of a Hugging Face config.json (Llama, or GPT-2 for the planner).
+
+    Reads RoPE from `rope_parameters` (transformers 5, `rope_theta` inside it) or from the older
+    `rope_scaling` plus a top-level `rope_theta`: rope_type default, linear or llama3. Anything
+    llmscale's model cannot hold exactly is refused with ConfigError(field, source, what is
+    needed), naming the config.json key.
+    """
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(field, source, what)
+
+    def number(key: str, value: Any, kind: type = float) -> Any:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is int:
+            ok = ok and float(value).is_integer()
+        if not ok or not (value > 0 and math.isfinite(value)):
+            noun = "integer" if kind is int else "number"
+            raise bad(f"config.json {key} a positive {noun} (got {value!r})")
+        return kind(value)
+
+    def need(*keys: str) -> None:
+        missing = [k for k in keys if k not in hf]
+        if missing:
+            raise bad(f"a config.json with {', '.join(missing)}")
+
+    model_type = hf.get("model_type")
+    if model_type == "gpt2":
+        need("vocab_size", "n_embd", "n_layer", "n_head")
+        dim = number("n_embd", hf["n_embd"], int)
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise bad(f"config.json activation_function 'gelu_new' (got {act!r})")
+        heads = number("n_head", hf["n_head"], int)
+        return ModelConfig(
+            name="custom",
+            vocab_size=number("vocab_size", hf["vocab_size"], int),
+            dim=dim,
+            n_layers=number("n_layer", hf["n_layer"], int),
+            n_heads=heads,
+            n_kv_heads=heads,
+            ffn_dim=number("n_inner", hf.get("n_inner") or 4 * dim, int),
+            max_seq_len=number("n_positions", hf.get("n_positions", 1024), int),
+            norm_eps=number("layer_norm_epsilon", hf.get("layer_norm_epsilon", 1e-5)),
+            init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
+            tie_embeddings=True,
+            **_FAMILIES["gpt"],
+        )
+    if model_type != "llama":
+        raise bad("a Llama folder (config.json model_type 'llama')")
+    need("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    need("num_attention_heads")
+    dim = number("hidden_size", hf["hidden_size"], int)
+    heads = number("num_attention_heads", hf["num_attention_heads"], int)
+    head_dim = number("head_dim", hf.get("head_dim") or dim // heads, int)
+    if head_dim * heads != dim:
+        raise bad("config.json head_dim x num_attention_heads = hidden_size")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise bad(f"config.json hidden_act 'silu' (got {hf.get('hidden_act')!r})")
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise bad("config.json attention_bias equal to mlp_bias (one bias switch)")
+    rope = _hf_rope(hf, bad, number)
+    return ModelConfig(
+        name="custom",
+        vocab_size=number("vocab_size", hf["vocab_size"], int),
+        dim=dim,
+        n_layers=number("num_hidden_layers", hf["num_hidden_layers"], int),
+        n_heads=heads,
+        n_kv_heads=number("num_key_value_heads", hf.get("num_key_value_heads") or heads, int),
+        ffn_dim=number("intermediate_size", hf["intermediate_size"], int),
+        max_seq_len=number("max_position_embeddings", hf.get("max_position_embeddings", 2048), int),
+        bias=attn_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+        init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
+        **rope,
+    )
+
+
+def _hf_rope(hf: dict[str, Any], bad: Any, number: Any) -> dict[str, Any]:
+    """ModelConfig's rope_* fields from a Llama config.json (see `from_hf_config`)."""
+    params = hf.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = hf.get("rope_scaling"), "rope_scaling"
+    params = params or {}
+    if not isinstance(params, dict):
+        raise bad(f"config.json {key} an object (got {params!r})")
+    kind = params.get("rope_type", params.get("type", "default"))
+    allowed = {"default": "none", "linear": "linear", "llama3": "llama3"}
+    if kind not in allowed:
+        raise bad(f"config.json {key}.rope_type default | linear | llama3 (got {kind!r})")
+    scaling: RopeScaling = allowed[kind]  # type: ignore[assignment]
+    out: dict[str, Any] = {
+        "rope_scaling": scaling,
+        "rope_theta": number(
+            f"{key}.rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        ),
+    }
+    for k in HF_ROPE_TYPE_KEYS[scaling]:
+        if k not in params:
+            if k == "original_max_position_embeddings":
+                continue  # transformers falls back to max_position_embeddings; so do we below
+            raise bad(f"config.json {key}.{k} for rope_type {kind!r}")
+        kind_of = int if k == "original_max_position_embeddings" else float
+        out[HF_ROPE_KEYS[k]] = number(f"{key}.{k}", params[k], kind_of)
+    if scaling == "llama3" and "rope_original_max_seq_len" not in out:
+        out["rope_original_max_seq_len"] = number(
+            "max_position_embeddings", hf.get("max_position_embeddings", 2048), int
+        )
+    return out

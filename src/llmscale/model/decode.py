@@ -85,12 +85,14 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     vocab_limit: int | None = None,
+    suppress: list[int] | None = None,
 ) -> list[int]:
     """The new token ids after `prompt` (stopping after `eos_id` or at model.max_seq_len).
 
     temperature 0 is greedy; otherwise logits / temperature, cut to the top_k best (0 = all),
     sampled from a generator seeded by `seed`. Ids at or above `vocab_limit` (the padding of a
-    vocabulary padded for tensor parallelism) are never produced.
+    vocabulary padded for tensor parallelism) are never produced, nor those of `suppress` (ids
+    inside it that the tokenizer has no token for).
     """
     model.eval()
     device = model.tok_embeddings.weight.device  # type: ignore[union-attr]
@@ -105,6 +107,8 @@ def generate(
         logits = logits.float()
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[vocab_limit:] = -torch.inf
+        if suppress:
+            logits[suppress] = -torch.inf
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:

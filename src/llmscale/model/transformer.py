@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmscale.model.config import ModelConfig
+from llmscale.model.config import ModelConfig, value_name
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -27,13 +27,48 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
 
-def rope_tables(
-    head_dim: int, seq_len: int, theta: float, device: torch.device | None = None
+def rope_inv_freq(
+    head_dim: int, theta: float, cfg: ModelConfig | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
-    """cos and sin of the rotation angles, stacked: shape (2, seq_len, head_dim // 2), fp32."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    """The rotation frequency of each pair, fp32, scaled as `cfg.rope_scaling` says.
+
+    Computed as transformers computes them (`modeling_rope_utils`: default, linear, llama3), in
+    fp32, so that an imported Llama 3.1 folder gets the very same angles.
+    """
+    exps = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exps)
+    if cfg is None or cfg.rope_scaling == "none":
+        return inv_freq
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are divided by the
+    # factor, those shorter than it / high_freq_factor are kept, and the band between is blended.
+    low, high, old = (
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_seq_len,
     )
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(
+    head_dim: int,
+    seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    cfg: ModelConfig | None = None,
+) -> torch.Tensor:
+    """cos and sin of the rotation angles, stacked: shape (2, seq_len, head_dim // 2), fp32.
+
+    `cfg` brings its RoPE scaling (`rope_inv_freq`); without it the frequencies are plain.
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, cfg, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()))
 
@@ -132,7 +167,7 @@ class Transformer(nn.Module):
         )
         self.register_buffer(
             "rope",
-            rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
             if cfg.pos_emb == "rope"
             else torch.empty(0),
             persistent=False,
@@ -172,8 +207,10 @@ class Transformer(nn.Module):
         scaled by 1/sqrt(2 * n_layers) as in GPT-2, so the residual stream's variance does not
         grow with depth; norms at 1, biases at 0. Each parameter draws from its own generator,
         seeded by (seed, name) (`param_seed`), so its value depends on nothing else: not on the
-        other parameters, the device, or which of them a pipeline stage or shard holds.
+        other parameters, the device, or which of them a pipeline stage or shard holds. The
+        last pipeline stage's copy of a tied embedding (`output.weight`) starts as the embedding.
         """
+        name = value_name(self.cfg, name)
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name:
             return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
@@ -202,6 +239,7 @@ class Transformer(nn.Module):
                 self.cfg.max_seq_len,
                 self.cfg.rope_theta,
                 device=device or self.rope.device,
+                cfg=self.cfg,
             )
 
 

@@ -80,6 +80,18 @@ def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> No
     heartbeat.start(store.clone(), rank, world_size, timeout_seconds, monitor_after)
 
 
+def job_store() -> Any:
+    """The job's store without the attempt's prefix (what every attempt of a job restarted by
+    torchrun's agent shares); None without a process group."""
+    if not dist.is_initialized():
+        return None
+    store = c10d._get_default_store()
+    # The process group's prefix, then the attempt's (rendezvous_store): the TCPStore under them.
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
 def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     """The job's c10d store (MASTER_ADDR:MASTER_PORT), keyed by torchrun's restart attempt.
 
@@ -115,6 +127,7 @@ class ParallelDims(MeshDegrees):
     mesh: Any = field(default=None, repr=False)  # DeviceMesh, or None for one process
     # Stages placed in a V (zbv, dualpipev): the last stage, and so the loss, is on pp rank 0.
     v_pipeline: bool = False
+    _embedding_group: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, p: ParallelSection) -> ParallelDims:
@@ -228,6 +241,25 @@ class ParallelDims(MeshDegrees):
 
     def pp_group(self) -> dist.ProcessGroup | None:
         return None if self.mesh is None or self.pp == 1 else self.mesh.get_group("pp")
+
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """Megatron's embedding group: the two ranks, at this rank's data, context and tensor
+        coordinates, that hold the first and the last pipeline stage (pp ranks 0 and pp - 1),
+        for a tied embedding's two copies. None without a pipeline or in a V (both stages on pp
+        rank 0). A collective the first time (every rank makes every pair's group); kept."""
+        if self.mesh is None or self.pp == 1 or self.v_pipeline:
+            return None
+        if self.pp == 2:
+            return self.pp_group()
+        if self._embedding_group is None:
+            me = dist.get_rank()
+            columns = self.mesh.mesh.reshape(self.pp, -1)  # pp outermost: one column per coord
+            for j in range(columns.shape[1]):
+                pair = [int(columns[0, j]), int(columns[-1, j])]
+                group = dist.new_group(pair)
+                if me in pair:
+                    self._embedding_group = group
+        return self._embedding_group
 
     # ---- reductions over the whole job ------------------------------------------------------
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:

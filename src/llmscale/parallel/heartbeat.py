@@ -20,6 +20,12 @@ Two readers use the counters:
   the process group waits three intervals longer, so that the heartbeat, which can name the lost
   rank, acts before NCCL's watchdog tears the process down (SIGABRT, no name).
 
+A rank the launcher stops (torch's agent sends SIGTERM to the survivors when one worker dies)
+adds `DONE` to its counter before it dies of the signal (`_leave`; `note_signal` for a SIGTERM
+the trainer's handler took during the loop), so that only the ranks that died on their own are
+named, by the survivors and by the launcher (train/launch.py `job_outcome`), which would
+otherwise also name every rank it had just stopped.
+
 Staleness is measured on the reader's own clock (when it last saw a counter change), so the
 hosts' clocks need not agree. A rank that finishes its run adds `DONE` to its counter, so that a
 rank leaving early is never taken for a lost one. Counters are created with the store's atomic
@@ -31,6 +37,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -201,15 +208,42 @@ def _exit_lost(e: PeerLost) -> None:
 _current: Heartbeat | None = None
 
 
+_signalled = 0  # a SIGTERM the trainer's handler took (note_signal), 0 = none
+_previous_sigterm: Any = None
+
+
+def note_signal(signum: int) -> None:
+    """The trainer's SIGTERM handler saw `signum`: should a collective now fail, this process
+    is being stopped, not losing a peer of its own (`peer_lost` leaves at once)."""
+    global _signalled
+    if signum == signal.SIGTERM:
+        _signalled = signum
+
+
+def _leave(signum: int, frame: Any = None) -> None:
+    """SIGTERM outside the training loop (or after a collective failed under one): mark this
+    rank as gone on purpose, so no peer names it, then die of the signal as by default."""
+    hb = _current
+    if hb is not None:
+        with contextlib.suppress(Exception):
+            hb.store.add(hb.keys[hb.rank], DONE)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def start(
     store: Any, rank: int, world_size: int, timeout_seconds: float, monitor_after: float | None
 ) -> Heartbeat:
-    """Start this process's heartbeat (one per process group); `monitor_after`: see Heartbeat."""
-    global _current
+    """Start this process's heartbeat (one per process group); `monitor_after`: see Heartbeat.
+    Until `stop`, a SIGTERM outside the trainer's own handler is `_leave`."""
+    global _current, _signalled, _previous_sigterm
     stop(finished=False)
+    _signalled = 0
     _current = Heartbeat(
         store, rank, world_size, timeout_seconds, monitor_after=monitor_after
     ).start()
+    with contextlib.suppress(ValueError):  # not the main thread: the default stays
+        _previous_sigterm = signal.signal(signal.SIGTERM, _leave)
     # A daemon thread inside a store call when the interpreter finalises is unwound through
     # C++ frames, which can abort the process: end it first (a no-op once stopped).
     atexit.register(stop, False)
@@ -217,10 +251,14 @@ def start(
 
 
 def stop(finished: bool = True) -> None:
-    global _current
+    global _current, _previous_sigterm
     if _current is not None:
         _current.stop(finished)
         _current = None
+    if _previous_sigterm is not None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, _previous_sigterm)
+        _previous_sigterm = None
 
 
 # Texts of the errors gloo, NCCL and the store raise when a peer is gone or silent.
@@ -260,6 +298,8 @@ def peer_lost(exc: BaseException) -> PeerLost | None:
     hb = _current
     if hb is None or isinstance(exc, JobStopped) or not is_peer_error(exc):
         return None
+    if _signalled:  # the launcher is stopping this job (a worker died): it names that worker
+        _leave(_signalled)
     hb.pause_monitor()
     try:
         lost = hb.silent_ranks()

@@ -6,7 +6,8 @@ the embedding, the last the output projection and the loss): `model.config.stage
 which the planner reads too. Stage 0 keeps the
 embeddings, the last stage the final norm and output; the model's forward already handles each
 of them being absent, and blocks keep their names (`layers.5...`), so a checkpoint saved under
-one split loads under another.
+one split loads under another. A tied model's last stage keeps a copy of the embedding as its
+`output` (parallel/tied_embeddings.py).
 
 With `pp_chunks` = v > 1 (interleaved 1F1B, zero bubble) there are pp x v stages and rank r
 holds stages r, r + pp, r + 2 pp, ... (loop style, as `ScheduleInterleaved1F1B` and
@@ -31,7 +32,7 @@ from torch import nn
 from llmscale.config import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, pipeline_chunks
 from llmscale.instrument.activations import storage_bytes
 from llmscale.instrument.pipeline import PipelineRecorder
-from llmscale.model.config import split_layers, stage_ids
+from llmscale.model.config import split_layers, stage_ids, tied_copy
 from llmscale.model.transformer import Transformer
 
 __all__ = [
@@ -57,6 +58,15 @@ def build_stage_module(
     for name in list(part.layers.keys()):
         if int(name) not in keep:
             del part.layers[name]
+    if stage == n_stages - 1 and tied_copy(model.cfg, n_stages) and part.tok_embeddings is not None:
+        # The last stage's copy of the tied embedding, its output projection (same device and
+        # dtype: meta while the trainer builds; `initial_value` gives it the embedding's value).
+        w = part.tok_embeddings.weight
+        cfg = model.cfg
+        part.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=w.device, dtype=w.dtype)
+        if w.device.type != "meta":  # a materialized model: the copy starts as the embedding
+            with torch.no_grad():
+                part.output.weight.copy_(w)
     if stage != 0:
         part.tok_embeddings = None
         part.pos_embeddings = None

@@ -100,8 +100,9 @@ def apply_tp(model: Transformer, tp_mesh: Any, sequence_parallel: bool) -> None:
         root["norm"] = SequenceParallel()
     if root:
         parallelize_module(model, tp_mesh, root)
-    if sp and model.norm is not None and model.output is None:
-        # A tied head: the final norm's output is gathered for the replicated embedding matrix.
+    if sp and model.norm is not None and model.cfg.tie_embeddings:
+        # A tied head (the embedding, or under a pipeline its copy on the last stage): the final
+        # norm's output is gathered for the replicated matrix.
         parallelize_module(
             model.norm,
             tp_mesh,

@@ -5,7 +5,8 @@ the Llama block): wq, wk, wv, w1, w3 column-wise (dim 0 of the [out, in] weight,
 biases), wo and w2 row-wise (dim 1; their biases stay whole); norms are replicated. The
 embedding and the output projection are replicated across tp unless `vocab_parallel` (then
 split along the vocabulary, dim 0: `VOCAB_TP_STYLES`). Pipeline ranks hold the layers
-`model.config.split_layers` gives them (uneven splits, automatic or `parallel.pp_layers`).
+`model.config.split_layers` gives them (uneven splits, automatic or `parallel.pp_layers`); a
+tied model's last stage (pp > 1) also holds its copy of the embedding as the output projection.
 FSDP2 (`fully_shard`) shards every tensor along dim 0 and pads dim 0 up to a multiple of the
 shard count, so a rank holds ceil(dim0 / n) rows; rank 0 always holds the full ceil, which is
 what is reported (the largest rank).
@@ -16,7 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmscale.model.config import ModelConfig, split_layers, stage_ids, tp_split
+from llmscale.model.config import (
+    TIED_HEAD_WEIGHT,
+    ModelConfig,
+    split_layers,
+    stage_ids,
+    tied_copy,
+    tp_split,
+)
 from llmscale.plan.cache import memoize
 
 
@@ -124,7 +132,12 @@ def rank_params(
     shapes = model.parameter_shapes()
     head_rank = 0 if v_shape else pp - 1
     emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
-    head = Group.of(shapes["head"], tp, dp_shard, vocab_parallel) if rank == head_rank else None
+    head_shapes = shapes["head"]
+    if tied_copy(model, pp):
+        # The last stage's copy of the tied embedding, its output projection: a tensor of its
+        # own, with its own gradient and optimizer state (parallel/tied_embeddings.py).
+        head_shapes = [*head_shapes, (TIED_HEAD_WEIGHT, (model.vocab_size, model.dim))]
+    head = Group.of(head_shapes, tp, dp_shard, vocab_parallel) if rank == head_rank else None
     if pp == 1 and model.tie_embeddings:
         # The tied head has no tensor of its own, but autocast casts the embedding for it.
         assert emb is not None and head is not None

@@ -45,7 +45,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
-from llmscale.model.config import ModelConfig, stage_layer_counts
+from llmscale.model.config import ModelConfig, stage_ids, stage_layer_counts
 from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
@@ -243,37 +243,47 @@ def _schedules(
         if microbatch_rule(s, pp, microbatches) is not None:  # config's rule, the runtime's
             continue
         if s in LOOP_MULTI_CHUNK_SCHEDULES:
-            for v in space.chunks:
-                if _stages_ok(model, pp * v, space, even=True):
-                    yield s, v
+            # Chunk counts that split the layers evenly when there are any (an uneven chunk
+            # paces every rank's pass, and costing one means costing every rank); else the
+            # uneven ones (126 layers over pp 16: no even split, so 4s and 3s).
+            ok = [v for v in space.chunks if _stages_ok(model, pp * v, space)]
+            even = [v for v in ok if space.pp_layers or model.n_layers % (pp * v) == 0]
+            yield from ((s, v) for v in (even or ok))
         elif s in V_SCHEDULES:
-            if _stages_ok(model, 2 * pp, space, even=True):
+            if _stages_ok(model, 2 * pp, space):
                 yield s, 2
         elif _stages_ok(model, pp, space):
             yield s, 1
 
 
-def _stages_ok(model: ModelConfig, stages: int, space: SearchSpace, even: bool = False) -> bool:
+def _stages_ok(model: ModelConfig, stages: int, space: SearchSpace) -> bool:
     """Can the layers split into `stages` (an explicit split must have that many entries)?
-    `even`: only an even split (the search's interleaved schedules: its chunks multiply the
-    layouts to cost, and an uneven chunk paces every rank's pass)."""
+    Layers that do not divide split unevenly (`model.config.stage_layer_counts`), for every
+    schedule: 126 layers over pp 16 x 2 chunks are 30 stages of 4 and 2 of 3."""
     if space.pp_layers:
         return len(space.pp_layers) == stages
-    return model.n_layers % stages == 0 if even else stages <= model.n_layers
+    return stages <= model.n_layers
 
 
-def _costed_ranks(model: ModelConfig, pp: int, space: SearchSpace) -> tuple[int, ...]:
+def _costed_ranks(
+    model: ModelConfig, pp: int, space: SearchSpace, chunks: int = 1, v_shape: bool = False
+) -> tuple[int, ...]:
     """The pipeline ranks the search costs: the first and last (embedding, head; rank 0 holds
     the most micro-batches in flight) and, split unevenly, the first rank with the most layers
-    (the pace of the pipeline); every rank for an explicit split."""
+    (the pace of the pipeline), and the second rank with uneven chunks; every rank for an
+    explicit split."""
     if pp == 1:
         return (0,)
     if space.pp_layers:
         return tuple(range(pp))
-    if model.n_layers % pp == 0:
-        return (0, pp - 1)  # even (the search's interleaved chunks are even too)
-    counts = stage_layer_counts(model.n_layers, pp)
-    return tuple(sorted({0, counts.index(max(counts)), pp - 1}))
+    if model.n_layers % (pp * chunks) == 0:
+        return (0, pp - 1)
+    counts = stage_layer_counts(model.n_layers, pp * chunks)
+    per_rank = [sum(counts[g] for g in stage_ids(r, pp, chunks, v_shape)) for r in range(pp)]
+    # Uneven chunks: the second rank too (the most in flight after the first); the shown plans
+    # are checked on every rank (`search`).
+    second = (1,) if chunks > 1 else ()
+    return tuple(sorted({0, *second, per_rank.index(max(per_rank)), pp - 1}))
 
 
 def search(
@@ -350,6 +360,7 @@ def search(
                         frugal = replace(base, micro_batch_size=mbs, recompute=recs[-1],
                                          zero_stage=zeros[-1], sequence_parallel=sp)  # fmt: skip
                         for sched, v in scheds:
+                            ends = _costed_ranks(model, pp, space, v, sched in V_SCHEDULES)
                             settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
                     fit_any = False
                     useful = _useful_recomputes(
@@ -358,6 +369,7 @@ def search(
                     )  # fmt: skip
                     for sched, v in scheds:
                         where = (v, sched in V_SCHEDULES)
+                        ends = _costed_ranks(model, pp, space, v, where[1])
                         if where not in placed:
                             placed[where] = _fitting_states(
                                 replace(base, pp_schedule=sched, pp_chunks=v), zeros, offloads,
@@ -401,6 +413,9 @@ def search(
     finals: list[Candidate] = []
     for _, _, plan in found[: max(top, resimulate)]:
         full_mem = mem.estimate_memory(plan, memory_options, validate=False)
+        if full_mem.total > budget:  # a rank the search did not cost is fuller
+            feasible -= 1
+            continue
         t = tm.estimate_step_time(
             plan, cluster, time_params, simulate=simulated(plan), validate=False
         )

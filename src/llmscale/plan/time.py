@@ -83,7 +83,13 @@ from dataclasses import dataclass, field
 from llmscale.config import DTYPE_BYTES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, Calibration
-from llmscale.model.config import SP_GATHERED_INPUTS, TP_STYLES, op_sac_saves_matmul, stage_ids
+from llmscale.model.config import (
+    SP_GATHERED_INPUTS,
+    TP_STYLES,
+    op_sac_saves_matmul,
+    split_layers,
+    stage_ids,
+)
 from llmscale.plan import activations as act
 from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
@@ -776,9 +782,15 @@ def estimate_step_time(
         # minutes and tens of GB; with that many micro-batches the bubble is the closed form's.)
         # The zero-bubble schedules run each backward's weight gradients (wgrad) as W ops.
         on = {g: r for r in range(p) for g in stage_ids(r, p, v, plan.v_shape)}
-        costs_f = [stages[on[g]].fwd / v for g in range(p * v)]
-        costs_b = [stages[on[g]].bwd / v for g in range(p * v)]
-        costs_w = [stages[on[g]].wgrad / v for g in range(p * v)]
+        # A rank's cost shared among its stages by their layers (uneven splits: 126 layers over
+        # 32 stages are 4s and 3s), evenly where the rank has none.
+        n_layers = plan.model.n_layers
+        layers = [len(stage) for stage in split_layers(n_layers, p * v, plan.pp_layers)]
+        held = {r: sum(layers[g] for g in stage_ids(r, p, v, plan.v_shape)) for r in range(p)}
+        share = [layers[g] / held[on[g]] if held[on[g]] else 1 / v for g in range(p * v)]
+        costs_f = [stages[on[g]].fwd * share[g] for g in range(p * v)]
+        costs_b = [stages[on[g]].bwd * share[g] for g in range(p * v)]
+        costs_w = [stages[on[g]].wgrad * share[g] for g in range(p * v)]
         res = simulate_schedule(plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p, costs_w)
         busy = n_mb * t
         pipe, bubble, p2p_total = res.makespan, res.bubble_fraction, 0.0
@@ -816,7 +828,8 @@ def estimate_step_time(
     # embedding group); in a V both sit on one rank and nothing moves.
     if m.tie_embeddings and p > 1 and not plan.v_shape:
         vocab_div = plan.tp if tparams.kernels.splits_vocab(m, plan.tp) else 1
-        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div
+        # each rank's fp32 gradient (its FSDP shard under data-parallel sharding)
+        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div / plan.fsdp_shards
         per_node = 2 if plan.tp * plan.cp * plan.dp * (p - 1) < cluster.gpus_per_node else 1
         tied = collective("all_reduce", emb_bytes, 2, per_node, cluster.fabric).seconds
         breakdown["tied_embedding_comm"] = tied

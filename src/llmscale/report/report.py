@@ -14,15 +14,13 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.roofline import Roofline
 from llmscale.plan.search import Candidate, SearchResult
 
-MEMORY_PARTS = (
-    "params",
-    "grads",
-    "optimizer",
-    "working_params",
-    "activations",
-    "transient",
-    "allocator",
-)
+# The memory parts every table and picture shows: RankMemory's own breakdown, in its order.
+MEMORY_PARTS = tuple(
+    RankMemory(
+        pp_rank=0, params=0, grads=0, optimizer=0, working_params=0, activations=0, transient=0,
+        allocator=0, host=0, inflight=0,
+    ).breakdown()
+)  # fmt: skip
 
 
 def gib(x: float) -> str:
@@ -138,12 +136,26 @@ def plan_label(p: Plan) -> dict[str, str]:
     }  # fmt: skip
 
 
+def bar_label(c: Candidate) -> str:
+    """A plan named fully under its bar: degrees and data-parallel kind, ZeRO stage, micro-batch
+    and recompute, schedule, offload, step time."""
+    lab = plan_label(c.plan)
+    zero = f" z{lab['zero']}" if lab["zero"] != "-" else ""
+    sp = " sp" if lab["sp"] == "y" else ""
+    off = "" if lab["offload"] == "none" else f"\noffload {lab['offload']}"
+    return (
+        f"tp{lab['tp']} pp{lab['pp']}{sp}\ndp {lab['dp']}{zero}\nmbs {lab['mbs']} {lab['recompute']}"
+        f"\n{lab['schedule']}{off}\n{c.time.seconds:.1f}s"
+    )
+
+
 # Short labels for the default (100-column) table; --wide shows plan_label's own.
 _SHORT = {"interleaved": "intl", "optimizer+params": "opt+par", "optimizer": "opt", "none": "-"}
 _NARROW = ("#", "tp", "pp", "dp", "zero", "mbs", "recompute", "schedule", "sp", "offload",
            "step s", "tok/s", "MFU", "GiB")  # fmt: skip
 _WIDE = ("#", "tp", "pp", "dp", "zero", "mbs", "recompute", "schedule", "sp", "offload",
-         "step s", "tok/s", "MFU", "states", "working", "activ.", "transient", "total GiB")  # fmt: skip
+         "step s", "tok/s", "MFU", "states", "working", "activ.", "B to W", "recv", "transient",
+         "total GiB")  # fmt: skip
 _LEFT = ("dp", "recompute", "schedule", "offload")
 
 
@@ -180,6 +192,7 @@ def search_table(result: SearchResult, wide: bool = False) -> Table:
         lab = plan_label(cand.plan) if wide else _short_label(plan_label(cand.plan))
         mem_cols = (
             [gib(w.states), gib(w.working_params), gib(w.activations),
+             gib(w.pending_weight_grads), gib(w.pipeline_buffers),
              gib(w.transient + w.allocator), gib(w.total)]
             if wide else [gib(w.total)]
         )  # fmt: skip
@@ -246,7 +259,9 @@ def memory_png(result: SearchResult, path: str | Path) -> Path:
     xs = list(range(1, len(shown) + 1))
     bottom = [0.0] * len(xs)
     for part in MEMORY_PARTS:
-        vals = [getattr(c.memory.worst, part) / GiB for c in shown]
+        vals = [c.memory.worst.breakdown()[part] / GiB for c in shown]
+        if not any(vals):
+            continue
         ax.bar(xs, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     cap = result.cluster.gpu.memory_GiB.value
@@ -259,9 +274,8 @@ def memory_png(result: SearchResult, path: str | Path) -> Path:
     )
     labels = []
     for c in shown:
-        lab = plan_label(c.plan)
-        labels.append(f"tp{lab['tp']} pp{lab['pp']}\n{c.time.seconds:.1f}s")
-    ax.set_xticks(xs, labels, fontsize=7)
+        labels.append(bar_label(c))
+    ax.set_xticks(xs, labels, fontsize=6)
     ax.set_ylabel("GiB on the fullest GPU")
     ax.set_title("Memory per GPU of the top plans (step time under each bar)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

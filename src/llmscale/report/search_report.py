@@ -23,7 +23,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 from llmscale.plan.time import time_params
 from llmscale.report import report
-from llmscale.stack import get_stack, recompute_problem
+from llmscale.stack import get_stack, recompute_problem, schedule_problem
 
 MEMORY_LEGEND = (
     "memory columns are the fullest GPU, GiB: states = params + grads + optimizer;\n"
@@ -98,7 +98,13 @@ def plan_report(
     for mode in space.recompute:
         if len(space.recompute) == 1 and (problem := recompute_problem(st, mode)):
             raise ConfigError("recompute", mode, problem)
-    space = replace(space, recompute=tuple(r for r in space.recompute if r in st.recompute))
+    if len(space.schedules) == 1 and (problem := schedule_problem(st, space.schedules[0])):
+        raise ConfigError("schedule", space.schedules[0], problem)
+    space = replace(
+        space,
+        recompute=tuple(r for r in space.recompute if r in st.recompute),
+        schedules=tuple(s for s in space.schedules if s in st.schedules),
+    )
     options = mem.memory_options(st)
     res = search(
         cfg, gpus, cluster, seq, global_batch, precision, top, space=space,

@@ -34,6 +34,7 @@ __all__ = [
     "Stack",
     "get_stack",
     "recompute_problem",
+    "schedule_problem",
     "param_residency",
     "stacks_help",
     "tied_pipeline_problem",
@@ -57,6 +58,9 @@ class Stack:
     # always the attention core; a policy it lacks is refused with `refusals`' line.
     recompute: tuple[str, ...]
     refusals: tuple[tuple[str, str], ...] = ()  # (policy, what to use instead)
+    # Pipeline schedules it can run, in the runtime's names (config.PPSchedule).
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv",
+                                  "dualpipev")  # fmt: skip
     sharding: Sharding
     # How element-wise HBM traffic is counted (plan/time.py): this runtime's eager ops,
     # torchtitan's eager Llama, or fused kernels ("saved": passes over the saved bytes).
@@ -156,6 +160,13 @@ def recompute_problem(stack: Stack, recompute: str) -> str | None:
     return f"{allowed} under --stack {stack.name}" + (f" ({instead})" if instead else "")
 
 
+def schedule_problem(stack: Stack, schedule: str) -> str | None:
+    """Why `stack` cannot run pipeline schedule `schedule` (None when it can)."""
+    if schedule in stack.schedules:
+        return None
+    return f"{' | '.join(stack.schedules)} under --stack {stack.name}"
+
+
 def tied_pipeline_problem(stack: Stack, tied: bool, pp: int) -> str | None:
     """Why `stack` cannot pipeline a model with tied embeddings (None when it can)."""
     if tied and pp > 1 and stack.tied_under_pp == "refuse":
@@ -172,6 +183,7 @@ LLMSCALE = Stack(
     sharding="llmscale",
     elementwise="llmscale",
     grad_sync_once=True,
+    tied_under_pp="copy_on_last_stage",  # parallel/tied_embeddings.py
 )
 
 MEGATRON_2021 = Stack(
@@ -182,6 +194,7 @@ MEGATRON_2021 = Stack(
     kernels=MEGATRON_2021_KERNELS,
     recompute=("none", "selective", "full", "every_k"),
     refusals=(("selective_op", "Megatron's selective recomputation is --recompute selective"),),
+    schedules=("1f1b", "interleaved_1f1b"),
     sharding="megatron",
     elementwise="saved",  # fused kernels: bias-GeLU, masked softmax, bias-dropout-add
     grad_sync_once=True,
@@ -215,6 +228,7 @@ MEGATRON_CORE = Stack(
     ),
     recompute=("none", "selective", "full", "every_k"),
     refusals=(("selective_op", "Megatron's selective recomputation is --recompute selective"),),
+    schedules=("1f1b", "interleaved_1f1b"),  # Megatron-Core's forward_backward functions
     sharding="megatron",
     elementwise="saved",  # TransformerEngine's fused norm-linear, bias-activation, RoPE
     grad_sync_once=True,

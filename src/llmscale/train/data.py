@@ -73,6 +73,12 @@ def build_data(cfg: JobConfig, dp_rank: int, dp_size: int, meta: PreparedMeta | 
             n_valid_vocab=None,
             warnings=list(corpus.warnings),
         )
+    if meta.vocab_size > cfg.model.vocab_size:  # a model from checkpoint.init_from, or eval's
+        raise ConfigError(
+            "data.dataset", cfg.data.dataset,
+            f"data whose ids fit the model's vocabulary of {cfg.model.vocab_size:,} (this "
+            f"tokenizer has {meta.vocab_size:,} ids: data from another tokenizer than the model's)",
+        )  # fmt: skip
     stream = ShardStream.from_meta(meta, "train", seq, seed, dp_rank=dp_rank, dp_size=dp_size)
     val_paths = [p for p in meta.shard_paths("val") if p.stat().st_size > 0]
     val = (
@@ -91,6 +97,7 @@ def build_data(cfg: JobConfig, dp_rank: int, dp_size: int, meta: PreparedMeta | 
         ),
         tokenizer_sha256=meta.tokenizer_sha256,
         n_valid_vocab=meta.vocab_size if meta.vocab_size < cfg.model.vocab_size else None,
+        warnings=list(meta.notices),  # a missing or empty validation split (verify_dataset)
     )
 
 

@@ -11,6 +11,7 @@ and its `ChildFailedError` traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -18,9 +19,84 @@ import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from llmscale.errors import ExitCode
+
+if TYPE_CHECKING:
+    from llmscale.config import JobConfig
+
+# One signal delivered to the launcher and to its workers together (a terminal's process group,
+# a scheduler signalling every process of a job step) reaches each worker twice: directly and
+# forwarded by the launcher. A worker takes a repeat within this many seconds as the same one.
+SAME_SIGNAL_SECONDS = 2.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def under_launcher() -> bool:
+    """This process is a worker of torch's elastic agent (this launcher, or torchrun)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def die_with_launcher() -> bool:
+    """A worker gets SIGTERM when its launcher dies (Linux's parent-death signal), and so stops
+    after a checkpoint, as on a SIGTERM to the job, instead of training on as an orphan that
+    holds the run folder. True when set (Linux, under a launcher)."""
+    if not (sys.platform.startswith("linux") and under_launcher()):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the launcher died before the signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+# In the job's store (kept across the launcher's restarts): the run folder this job claimed.
+CLAIMED_KEY = "llmscale/claimed-run-dir"
+
+
+def restart_attempt() -> int:
+    """Which attempt of the job this worker belongs to (0: the first; more under --max-restarts)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def resume_own_run(cfg: JobConfig, store: Any) -> bool:
+    """Under --max-restarts, a restarted attempt continues the run its first attempt claimed
+    (recorded in the job's store by `mark_claimed`), resuming from its newest checkpoint, even
+    without --resume (and never overwriting it again under --overwrite): the restart is not a
+    rerun. False (cfg untouched) on a first attempt, or when no attempt of this job claimed the
+    folder (the first one was refused: the same refusal comes again)."""
+    if restart_attempt() == 0 or store is None or cfg.checkpoint.resume:
+        return False
+    try:
+        if not store.check([CLAIMED_KEY]):
+            return False
+        claimed = store.get(CLAIMED_KEY).decode()
+    except Exception:  # the store is gone: nothing to go by
+        return False
+    if claimed != str(Path(cfg.job.run_dir).resolve()):
+        return False
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=True)
+    cfg.job = dataclasses.replace(cfg.job, overwrite=False)
+    return True
+
+
+def mark_claimed(cfg: JobConfig, store: Any) -> None:
+    """Rank 0, once the run folder is this job's: restarted attempts resume it."""
+    if store is not None and under_launcher():
+        store.set(CLAIMED_KEY, str(Path(cfg.job.run_dir).resolve()))
+
 
 # Exit codes that say more than "a worker failed": the first worker to exit with one of them
 # decides the job's code.

@@ -36,7 +36,7 @@ from llmscale.parallel.grads import (
     match_grad_placements_,
     scale_grads_,
 )
-from llmscale.tensors import DTYPES, is_dtensor
+from llmscale.tensors import DTYPES, is_dtensor, local_tensor
 from llmscale.train.metrics import grad_bytes, optimizer_state_bytes, param_bytes
 
 
@@ -206,6 +206,9 @@ class Optimizers:
         # FSDP2's CPU offload: what its copies per step depend on (`offload_bytes_moved`).
         self._n_microbatches = cfg.n_microbatches
         self._reshard = dims.dp_shard > 1 and cfg.parallel.zero_stage == 3
+        # Parameters the gradient norm leaves out: a tied embedding's copy on the last pipeline
+        # stage, whose gradient equals the embedding's (parallel/tied_embeddings.py).
+        self._not_in_norm: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -225,10 +228,24 @@ class Optimizers:
         match_grad_placements_(params)
         return [p.grad for p in params if p.grad is not None]
 
+    def leave_out_of_norm(self, params: Iterable[nn.Parameter]) -> None:
+        """Unscale and clip `params`' gradients like the others', but leave them out of the
+        gradient norm (copies of a tied weight: one process counts it once)."""
+        self._not_in_norm = {id(p) for p in params}
+
     def grad_norm(self, scale: float | None) -> GradNorm:
         """Divide the gradients by the loss `scale` (None: none) in place; their global norm and
         whether any rank overflowed (both reduced over the job)."""
-        return grad_norm_and_overflow_(self._grads(), self.dims, scale)
+        grads = self._grads()
+        if not self._not_in_norm:
+            return grad_norm_and_overflow_(grads, self.dims, scale)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        left_out = {id(p.grad) for p in params if id(p) in self._not_in_norm}
+        copies = [g for g in grads if id(g) in left_out]
+        if scale is not None and copies:  # the same op as on the counted gradients
+            torch._foreach_mul_([local_tensor(g) for g in copies], 1.0 / scale)
+        counted = [g for g in grads if id(g) not in left_out]
+        return grad_norm_and_overflow_(counted, self.dims, scale)
 
     def clip_(self, norm: torch.Tensor, max_norm: float) -> None:
         """Scale the (unscaled) gradients so that their global `norm` is at most `max_norm`."""

@@ -34,14 +34,21 @@ from llmscale.config import JobConfig
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB, gpu_for_device_name
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.memory import MemoryEstimate, estimate_memory
+from llmscale.plan.memory import MemoryEstimate, estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import (
     runtime_metric_bytes,
     runtime_options,
     runtime_time_params,
 )
-from llmscale.plan.time import StepTime, estimate_step_time
+from llmscale.plan.time import StepTime, estimate_step_time, time_params
+from llmscale.stack import (
+    Stack,
+    get_stack,
+    recompute_problem,
+    schedule_problem,
+    tied_pipeline_problem,
+)
 from llmscale.train.calibration import cached_cluster
 from llmscale.train.memcheck import check_memory
 
@@ -184,10 +191,17 @@ BREAKDOWN = (
 )
 
 
-def dry_run_lines(cfg: JobConfig, device: torch.device | None, gpu: str | None = None) -> list[str]:
+def dry_run_lines(
+    cfg: JobConfig, device: torch.device | None, gpu: str | None = None, stack: str = "llmscale"
+) -> list[str]:
     """What `llmscale train --dry-run` prints: the layout, each pipeline rank's memory and the
     predicted step, for catalog `gpu` or, without one, this machine's `device`. No process
-    group, no model: a layout of any world size is predicted as the config gives it."""
+    group, no model: a layout of any world size is predicted as the config gives it. `stack`:
+    the job as another training stack would run it (on a catalog `gpu`)."""
+    if stack != "llmscale":
+        if gpu is None:
+            raise ValueError("dry_run_lines: another stack needs a catalog gpu")
+        return _other_stack_lines(cfg, gpu, get_stack(stack))
     cfg.validate()
     if gpu is not None:
         hardware = catalog_hardware(gpu)
@@ -232,6 +246,40 @@ def dry_run_lines(cfg: JobConfig, device: torch.device | None, gpu: str | None =
         f"ms per step: {parts}"
     )
     return out
+
+
+def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
+    """The dry run under `stack`'s rules (its recompute policies, gathers, kernels), not this
+    runtime's: memory per pipeline rank and the step on catalog `gpu`."""
+    plan = Plan.from_job(cfg)
+    for problem, key, value in (
+        (recompute_problem(stack, plan.recompute), "train.recompute", plan.recompute),
+        (tied_pipeline_problem(stack, plan.model.tie_embeddings, plan.pp), "parallel.pp", plan.pp),
+        (
+            schedule_problem(stack, plan.pp_schedule) if plan.pp > 1 else None,
+            "parallel.pp_schedule",
+            plan.pp_schedule,
+        ),
+    ):
+        if problem:
+            raise ConfigError(key, value, problem)
+    cluster = Cluster.of(gpu)
+    memory = estimate_memory(plan, memory_options(stack), validate=False)
+    step = estimate_step_time(plan, cluster, time_params(stack, compiled=cfg.train.compile),
+                              validate=False)  # fmt: skip
+    g = cluster.gpu
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in step.breakdown.items() if v > 0)
+    return [
+        f"dry run under --stack {stack.name} ({stack.summary}): {cfg.job.name}, model "
+        f"{plan.model.name}, {plan.world_size} rank(s): pp {plan.pp} x dp_replicate "
+        f"{plan.dp_replicate} x dp_shard {plan.dp_shard} x tp {plan.tp}, on {g.display}",
+        *memory_table(memory, plan.world_size // plan.pp),
+        f"fits: {'yes' if memory.fits(g) else 'NO'}: the fullest rank needs "
+        f"{memory.worst.total / GiB:.2f} GiB (+{stack.device_reserve_GiB} GiB reserved) of "
+        f"{g.memory_bytes / GiB:.0f} GiB",
+        f"step time: {step.seconds:.3f} s predicted ({step.tokens_per_s:,.0f} tokens/s, MFU "
+        f"{100 * step.mfu:.1f}%); ms per step: {parts}",
+    ]
 
 
 def _gib(x: float) -> str:

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,14 +39,16 @@ from llmscale.errors import ConfigError, ExitCode, JobStopped
 from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
+from llmscale.model.config import tied_copy
 from llmscale.model.transformer import build_model
 from llmscale.parallel import heartbeat
 from llmscale.parallel.data_parallel import set_gradient_sync
-from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed
+from llmscale.parallel.dims import ParallelDims, env_world_size, init_distributed, job_store
 from llmscale.parallel.materialize import materialize
 from llmscale.parallel.parallelize import check_runtime_support, parallelize
 from llmscale.parallel.pipeline import PipelineMemory, build_pipeline_schedule
 from llmscale.parallel.tensor_parallel import loss_context
+from llmscale.parallel.tied_embeddings import TiedEmbeddings, give_copies, store_once
 from llmscale.train import metrics as M
 from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.data import (
@@ -57,6 +60,14 @@ from llmscale.train.data import (
 from llmscale.train.divergence import DivergenceGuard, all_finite
 from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.fault_injection import maybe_inject
+from llmscale.train.launch import (
+    SAME_SIGNAL_SECONDS,
+    die_with_launcher,
+    mark_claimed,
+    restart_attempt,
+    resume_own_run,
+    under_launcher,
+)
 from llmscale.train.memcheck import check_memory
 from llmscale.train.optim import build_optimizers
 from llmscale.train.precision import DynamicLossScaler, autocast, gradients, underflow_report
@@ -118,9 +129,12 @@ class _AppState(Stateful):
         model_sd: dict[str, Any] = {}
         for part in self.t.model_parts:
             model_sd.update(get_model_state_dict(part))
+        optim_sd = self.t.optimizers.state_dict()
+        if self.t.tied is not None:  # one tensor: the copy's entries under the embedding's names
+            model_sd, optim_sd = store_once(model_sd), store_once(optim_sd)
         return {
             "model": model_sd,
-            "optim": self.t.optimizers.state_dict(),
+            "optim": optim_sd,
             "trainer": {
                 "step": self.t.step,
                 "data": self.t.train_stream.state.to_dict(),
@@ -132,10 +146,13 @@ class _AppState(Stateful):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        model_sd, optim_sd = state["model"], state["optim"]
+        if self.t.tied is not None:  # the copy takes the embedding's values
+            model_sd, optim_sd = give_copies(model_sd), give_copies(optim_sd)
         for part in self.t.model_parts:
             # Each part takes its own names from the union.
-            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        self.t.optimizers.load_state_dict(state["optim"])
+            set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+        self.t.optimizers.load_state_dict(optim_sd)
         tr = state["trainer"]
         self.t.step = int(tr["step"])
         self.t.train_stream.state = StreamState.from_dict(tr["data"])
@@ -154,6 +171,7 @@ class Trainer:
         # The layout is checked against the world size before any process-group work, so a bad
         # one fails with its one-line message instead of hanging on peers.
         cfg.validate(world_size=env_world_size())
+        die_with_launcher()  # a worker whose launcher is killed stops (SIGTERM), not trains on
         self.cfg = cfg
         self.device = resolve_device(cfg.job.device)
         check_runtime_support(cfg, self.device)  # fp8, and what context parallelism lacks
@@ -165,7 +183,15 @@ class Trainer:
         self.rank = self.dims.rank
         # The run folder: checked (paths, free space), claimed (RUN_DIR/.lock), cleared
         # (--overwrite) or its newest intact checkpoint chosen (--resume), before any work.
+        # --max-restarts: a restarted attempt resumes the run its first attempt claimed.
+        if resume_own_run(cfg, job_store()) and self.rank == 0:
+            sys.stderr.write(
+                f"attempt {restart_attempt() + 1} of this job (--max-restarts): resuming its "
+                f"run in {cfg.job.run_dir}\n"
+            )
         self.run_folder = open_run_folder(cfg, self.rank)
+        if self.rank == 0:
+            mark_claimed(cfg, job_store())
         # The loss (and its backward) on vocabulary shards of the logits under TP.
         self.loss_context = functools.partial(loss_context, cfg.model, self.dims.tp)
         torch.manual_seed(cfg.job.seed)
@@ -191,6 +217,12 @@ class Trainer:
         # torch AdamW, or AdamW offloaded to the host (offload/: hooks installed here), and
         # the LR schedulers: one per model part, used as one.
         self.optimizers = build_optimizers(self.model_parts, cfg, self.dims)
+        # A tied embedding under a pipeline: the last stage's copy, its gradient summed with the
+        # embedding's before each step and counted once by the norm (parallel/tied_embeddings).
+        self.tied: TiedEmbeddings | None = None
+        if tied_copy(cfg.model, self.dims.pp):
+            self.tied = TiedEmbeddings.find(self.model_parts, self.dims)
+            self.optimizers.leave_out_of_norm(self.tied.copies)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
         self.autocast_mode = "fp32" if self.dims.reduces_grads else cfg.precision.mode
@@ -243,6 +275,7 @@ class Trainer:
         # Per device: MFU compares one rank's share of the job's FLOP/s with one device's peak.
         self.peak_flops = M.peak_flops_for_device(self.device, cfg.metrics.peak_tflops)
         self._stop_signal = 0  # the signal number the handlers saw last; 0 = none
+        self._stop_time = 0.0  # when (time.monotonic) it came
         self._good_checkpoint: int | None = None  # newest checkpoint step with finite weights
 
     @property
@@ -373,6 +406,8 @@ class Trainer:
         cfg = self.cfg
         opts = self.optimizers
         max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
+        if self.tied is not None:
+            self.tied.sum_grads_()  # before the norm: both copies hold the one-process gradient
         grad_norm, found_inf = opts.grad_norm(self.scaler.loss_scale)
         out: dict[str, Any] = {"lr": opts.lr}
         if self.step + 1 in cfg.precision.underflow_steps:
@@ -618,12 +653,19 @@ class Trainer:
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop (exit 143 or
         130: `fit` raises JobStopped). A second SIGINT (Ctrl-C again) stops at once, without
-        the checkpoint (KeyboardInterrupt: exit 130)."""
+        the checkpoint (KeyboardInterrupt: exit 130); under a launcher, not one within
+        SAME_SIGNAL_SECONDS of the first (the same Ctrl-C, delivered directly and forwarded)."""
 
         def handler(signum: int, frame: Any) -> None:
+            heartbeat.note_signal(signum)  # a collective failing now: the launcher stops us
+            now = time.monotonic()
             if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._stop_signal = signum
+                # Under a launcher, one Ctrl-C can arrive twice: sent to every process of the
+                # job (a terminal's process group, a scheduler) and forwarded by the launcher.
+                if not (under_launcher() and now - self._stop_time < SAME_SIGNAL_SECONDS):
+                    raise KeyboardInterrupt
+                return
+            self._stop_signal, self._stop_time = signum, now
             if signum == signal.SIGINT and self.rank == 0:
                 # os.write: safe inside a signal handler, unlike the console's print.
                 os.write(

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from llmscale.config import JobConfig, load_config
+from llmscale.data.prepared import TOKENIZER_FILE, byte_tokenizer
 from llmscale.errors import ConfigError
-from llmscale.hf.folder import read_llama_folder
-from llmscale.model.config import ModelConfig
+from llmscale.hf.folder import check_folder_data, read_llama_folder
+from llmscale.model.config import BYTE_VOCAB_SIZE, ModelConfig, value_name
 from llmscale.model.transformer import build_model
 from llmscale.parallel.materialize import copy_full_into
 from llmscale.train.checkpoint import Checkpointer
@@ -96,10 +97,25 @@ def source_model(init_from: str) -> ModelConfig:
 
 
 def with_source_model(cfg: JobConfig) -> JobConfig:
-    """`cfg` with [model] replaced by the init_from source's (cfg itself without init_from)."""
-    if not cfg.checkpoint.init_from:
+    """`cfg` with [model] replaced by the init_from source's (cfg itself without init_from).
+
+    A Hugging Face folder is checked against the run's data first (`check_folder_data`: its
+    vocabulary and tokenizer), one line instead of an index error in the first step."""
+    init_from = cfg.checkpoint.init_from
+    if not init_from:
         return cfg
-    return dataclasses.replace(cfg, model=source_model(cfg.checkpoint.init_from))
+    model = source_model(init_from)
+    if init_from.startswith(HF_PREFIX):
+        from tokenizers import Tokenizer
+
+        dataset = cfg.data.dataset
+        if dataset:
+            data_tok = Tokenizer.from_file(str(Path(dataset) / TOKENIZER_FILE))
+            name = f"data.dataset {dataset}"
+        else:
+            data_tok, name = byte_tokenizer(BYTE_VOCAB_SIZE), "byte-level, data.path"
+        check_folder_data(init_from[len(HF_PREFIX) :], model.vocab_size, data_tok, name)
+    return dataclasses.replace(cfg, model=model)
 
 
 def source_weights(init_from: str) -> dict[str, torch.Tensor]:
@@ -117,10 +133,13 @@ def load_full_weights(parts: Sequence[nn.Module], state_dict: dict[str, torch.Te
     (`distribute_tensor(..., src_data_rank=None)`, no communication), so any layout works.
     """
     for part in parts:
+        cfg: ModelConfig = part.cfg  # type: ignore[assignment]
         for name, p in part.named_parameters():
-            if name not in state_dict:
+            # A tied model's last pipeline stage: its copy takes the embedding's weights.
+            source = value_name(cfg, name)
+            if source not in state_dict:
                 raise ConfigError("checkpoint.init_from", name, "a source holding every weight")
-            full = state_dict[name]
+            full = state_dict[source]
             if tuple(full.shape) != tuple(p.shape):
                 raise ConfigError(
                     "checkpoint.init_from",

@@ -1,0 +1,128 @@
+"""Tied embeddings under pipeline parallelism: the last stage's copy of the embedding.
+
+One process (or pp = 1) ties the output projection to the token embedding: the head reads
+`tok_embeddings.weight` and autograd sums both uses into one gradient. Under a pipeline the
+first and the last stage are different modules, usually on different ranks, so the last stage
+keeps a copy of the embedding as its own `output.weight` (Megatron's embedding group,
+DeepSpeed's `TiedLayerSpec`):
+
+- initialised from the embedding: `Transformer.initial_value` gives the copy the embedding's
+  value (`model.config.value_name`), so both are bit-identical at init, under any layout;
+- before each optimizer step, before the gradient norm, the two gradients are summed: one
+  all-reduce of the local gradients (FSDP shards, whole tensors under TP, whose tied matrices
+  are replicated) over the embedding group (`ParallelDims.embedding_group`: pp ranks 0 and
+  pp - 1 at the same data, context and tensor coordinates). Under V placement (zbv, dualpipev),
+  where pp rank 0 holds both stages, a local add, no communication. Both copies then hold the
+  one-process gradient, take the same AdamW update from the same state, and stay
+  bit-identical after every step;
+- the gradient norm counts the tied weight once, as one process does: the copy's gradient is
+  unscaled and clipped like every other, but left out of the norm (`copies`);
+- checkpoints store one tensor: the copy's entries (weights and optimizer state) are saved and
+  loaded under the embedding's names (`store_once`, `give_copies`), so a checkpoint of a tied
+  pipelined run is the single-process one, and loads under any layout.
+
+Offloaded optimizers (gradients on the host) are refused with a tied pipeline (config.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmscale.model.config import EMBEDDING_WEIGHT, TIED_HEAD_WEIGHT
+from llmscale.parallel.dims import ParallelDims
+from llmscale.parallel.grads import match_grad_placements_
+from llmscale.tensors import local_tensor
+
+
+class TiedEmbeddings:
+    """This rank's share of a tied embedding under a pipeline: the embedding (first stage), its
+    copy (last stage), both (a V), or neither (a middle rank: nothing to do)."""
+
+    def __init__(
+        self,
+        embedding: nn.Parameter | None,
+        copy: nn.Parameter | None,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.embedding = embedding
+        self.copy = copy
+        self.group = group
+
+    @classmethod
+    def find(cls, parts: Sequence[nn.Module], dims: ParallelDims) -> TiedEmbeddings:
+        """The tied weights among this rank's model parts. A collective (the embedding group
+        is made on first use): every rank calls it."""
+        group = dims.embedding_group()
+        embedding = copy = None
+        for part in parts:
+            named = dict(part.named_parameters())
+            embedding = named.get(EMBEDDING_WEIGHT, embedding)
+            copy = named.get(TIED_HEAD_WEIGHT, copy)
+        return cls(embedding, copy, group)
+
+    @property
+    def copies(self) -> list[nn.Parameter]:
+        """Parameters whose gradient the norm leaves out (it counts the embedding's)."""
+        return [self.copy] if self.copy is not None else []
+
+    @torch.no_grad()
+    def sum_grads_(self) -> None:
+        """Both copies' gradients := their sum (before unscaling, norm and clipping)."""
+        held = [p for p in (self.embedding, self.copy) if p is not None]
+        if not held:
+            return
+        match_grad_placements_(held)
+        for p in held:
+            if p.grad is None:  # (a stage that saw no micro-batch: nothing to add)
+                p.grad = torch.zeros_like(p)
+        grads = [local_tensor(p.grad) for p in held]  # type: ignore[arg-type]
+        if len(grads) == 2:  # a V: both stages here
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif self.group is not None:
+            # a + b on both ranks: the same bits on both (addition commutes exactly).
+            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
+
+
+def _embedding_key(key: str) -> str | None:
+    """`key` (a model or flattened optimizer state-dict key) under the embedding's name when it
+    belongs to the tied copy; else None."""
+    if key == TIED_HEAD_WEIGHT:
+        return EMBEDDING_WEIGHT
+    for section in ("state.", "param_groups."):
+        if key.startswith(section + TIED_HEAD_WEIGHT + "."):
+            return section + EMBEDDING_WEIGHT + key[len(section + TIED_HEAD_WEIGHT) :]
+    return None
+
+
+def store_once(sd: dict[str, Any]) -> dict[str, Any]:
+    """A state dict (model, or flattened optimizer) with the tied copy's entries under the
+    embedding's names, or dropped where this rank also holds the embedding (a V): what a
+    checkpoint stores and what a load asks for (DCP then writes or reads one tensor)."""
+    out: dict[str, Any] = {}
+    for key, value in sd.items():
+        renamed = _embedding_key(key)
+        if renamed is None:
+            out[key] = value
+        elif renamed not in sd:
+            out[renamed] = value
+    return out
+
+
+def give_copies(sd: dict[str, Any]) -> dict[str, Any]:
+    """`sd` with the tied copy's entries added, valued as the embedding's (after a load: each
+    model part then takes its own names)."""
+    out = dict(sd)
+    for key, value in sd.items():
+        if key == EMBEDDING_WEIGHT:
+            out[TIED_HEAD_WEIGHT] = value
+        for section in ("state.", "param_groups."):
+            prefix = section + EMBEDDING_WEIGHT + "."
+            if key.startswith(prefix):
+                out[section + TIED_HEAD_WEIGHT + "." + key[len(prefix) :]] = value
+    return out

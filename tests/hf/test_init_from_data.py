@@ -1,0 +1,67 @@
+"""`checkpoint.init_from hf:DIR` against the run's data: vocabulary and tokenizer agree, or one
+line and exit 2 before anything runs (a folder vocabulary smaller than the data's was an index
+error in the first step, a 46-line traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hf_harness import BASE, save_random_llama
+
+from llmscale.cli import main
+from llmscale.data.prepared import byte_tokenizer
+
+
+def train_args(tmp_path: Path, folder: Path, *extra: str) -> list[str]:
+    run = ["--job.run_dir", str(tmp_path / "run"), "--checkpoint.init_from", f"hf:{folder}"]
+    return ["train", *BASE, *run, "--train.steps", "1", *extra]
+
+
+def refused(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    capsys.readouterr()  # transformers' progress bars of save_pretrained
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "checkpoint.init_from: got" in err, err
+    return err
+
+
+def other_tokenizer(path: Path, n: int) -> Path:
+    """A byte-level tokenizer of `n` ids whose specials are in another order than llmscale's."""
+    tok = byte_tokenizer(n)
+    text = tok.to_str().replace("<|bos|>", "<|tmp|>").replace("<|pad|>", "<|bos|>")
+    path.write_text(text.replace("<|tmp|>", "<|pad|>"))
+    return path
+
+
+def test_a_vocabulary_smaller_than_the_datas_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = save_random_llama(tmp_path / "hf", vocab_size=200)
+    err = refused(capsys, train_args(tmp_path, folder))  # a real run, not only --dry-run
+    assert "vocab_size holds the 264 ids" in err and "says 200" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_without_tokenizer_files_the_vocab_size_must_equal_the_datas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = save_random_llama(tmp_path / "hf", vocab_size=320)
+    err = refused(capsys, train_args(tmp_path, folder, "--dry-run"))
+    assert "tokenizer.json, or whose vocab_size equals" in err and "says 320" in err
+    # The same folder with the data's tokenizer: accepted (its extra rows are never in the data).
+    (folder / "tokenizer.json").write_text(byte_tokenizer(264).to_str())
+    assert main(train_args(tmp_path, folder, "--dry-run")) == 0
+    capsys.readouterr()
+
+
+def test_another_tokenizer_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = save_random_llama(tmp_path / "hf")
+    other_tokenizer(folder / "tokenizer.json", 264)
+    err = refused(capsys, train_args(tmp_path, folder, "--dry-run"))
+    assert "is the data's tokenizer" in err and "2 tokens differ" in err
+    # Same ids for every token (the byte-level file as llmscale writes it): accepted.
+    (folder / "tokenizer.json").write_text(byte_tokenizer(264).to_str())
+    assert main(train_args(tmp_path, folder, "--dry-run")) == 0

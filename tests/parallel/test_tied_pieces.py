@@ -1,0 +1,77 @@
+"""The pieces of tied embeddings under pipeline parallelism, in one process (no torchrun):
+the last stage's copy starts as the embedding, the config accepts the layout and refuses what
+it cannot run with one line, checkpoints hold one tensor, the planner counts the copy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmscale.config import load_config
+from llmscale.errors import ConfigError
+from llmscale.model.config import get_preset
+from llmscale.model.transformer import build_model
+from llmscale.parallel.pipeline import pipeline_split
+from llmscale.parallel.tied_embeddings import give_copies, store_once
+from llmscale.plan.params import rank_params
+
+TINY_TIED = dataclasses.replace(get_preset("tiny"), tie_embeddings=True, n_layers=8)
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zbv", 2), ("interleaved_1f1b", 2)])
+def test_last_stage_copy_starts_as_the_embedding(schedule, chunks) -> None:
+    model = build_model(TINY_TIED, seed=3)
+    emb = model.tok_embeddings.weight
+    last = 0 if schedule == "zbv" else 1
+    parts, ids = pipeline_split(model, last, 2, chunks, (), schedule)
+    (head,) = [p for p, s in zip(parts, ids, strict=True) if s == 2 * chunks - 1]
+    assert torch.equal(head.output.weight, emb)
+    assert head.tok_embeddings is None
+    # The model's own init gives the copy the embedding's value (layout-independent).
+    shape = tuple(emb.shape)
+    assert torch.equal(model.initial_value("output.weight", shape, 3), emb)
+
+
+def test_config_accepts_tied_pp_and_refuses_offload_in_one_line() -> None:
+    base = ["--model.name", "gpt2-124m", "--parallel.pp", "2", "--train.micro_batch_size", "4"]
+    load_config(None, base).validate(world_size=2)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "--optimizer.offload", "optimizer"]).validate(world_size=2)
+    assert e.value.field == "optimizer.offload"
+    assert "\n" not in str(e.value)
+
+
+def test_checkpoint_names_store_one_tensor() -> None:
+    emb, copy, m = torch.ones(2), torch.zeros(2), torch.full((2,), 5.0)
+    # The last stage alone: its copy is stored (and asked for) under the embedding's names.
+    assert store_once({"output.weight": copy, "norm.weight": m}) == {
+        "tok_embeddings.weight": copy,
+        "norm.weight": m,
+    }
+    optim = {"state.output.weight.exp_avg": copy, "param_groups.output.weight.lr": 0.1}
+    assert store_once(optim) == {
+        "state.tok_embeddings.weight.exp_avg": copy,
+        "param_groups.tok_embeddings.weight.lr": 0.1,
+    }
+    # A V: both on this rank, the embedding's entry is the one stored.
+    assert store_once({"tok_embeddings.weight": emb, "output.weight": copy}) == {
+        "tok_embeddings.weight": emb
+    }
+    loaded = give_copies({"tok_embeddings.weight": emb, "state.tok_embeddings.weight.step": 3})
+    assert loaded["output.weight"] is emb and loaded["state.output.weight.step"] == 3
+
+
+def test_planner_counts_the_copy_on_the_last_stage() -> None:
+    v, d = TINY_TIED.vocab_size, TINY_TIED.dim
+    one = rank_params(TINY_TIED, 1, 1, 0)
+    first, last = rank_params(TINY_TIED, 1, 2, 0), rank_params(TINY_TIED, 1, 2, 1)
+    assert last.numel - (one.numel - first.numel) == v * d  # the copy, beyond the split
+    assert first.numel + last.numel == one.numel + v * d
+    # In a V, pp rank 0 holds the embedding and the copy; FSDP shards the copy too.
+    v0 = rank_params(TINY_TIED, 1, 2, 0, dp_shard=2, chunks=2, v_shape=True)
+    assert v0.head is not None and v0.embedding is not None
+    assert v0.head.shard_numel - rank_params(TINY_TIED, 1, 1, 0, dp_shard=2).head.shard_numel == (
+        v * d // 2
+    )
