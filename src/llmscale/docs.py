@@ -133,6 +133,14 @@ def megatron_ratios(ctx: Context) -> str:
     )
 
 
+def stack_errors(ctx: Context) -> str:
+    """docs/planner.md: per-stack errors over today's validation runs (the same summary lines
+    as docs/planner-validation.md)."""
+    from llmscale.validation.runs import all_results, summarise
+
+    return "; ".join(s.line for s in summarise(all_results()))
+
+
 def serving_ratio(ctx: Context) -> str:
     """README: the serving model's H200/H100 ratio at NVIDIA's batches (claims' row)."""
     ratio = ctx.claim("H200 runs Llama 2 70B").rule.claim[0].figure
@@ -681,6 +689,7 @@ BLOCKS: tuple[Block, ...] = (
         commands("llmscale schedule --pp 4 --microbatches 8 --schedule zbv"),
     ),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
+    Block("docs/planner.md", "stack-errors", stack_errors),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/schedule.md", "inflight-table", inflight_table),
     Block("docs/parallel.md", "cp-results", cp_results),
