@@ -719,9 +719,11 @@ def _content(text: str, b: Block) -> str:
     return text[i:j]
 
 
-def _wrap(b: Block, rendered: str, inline: bool) -> str:
-    """The content between the markers: on lines of its own unless the markers are inline."""
-    return rendered if inline else f"\n{rendered}\n"
+def _rendered(b: Block, ctx: Context, have: str) -> str:
+    """The block's new content: a whole file, or what goes between its markers (on lines of
+    its own unless the markers are inline, as `have` shows)."""
+    out = b.render(ctx)
+    return out if b.name is None or not have.startswith("\n") else f"\n{out}\n"
 
 
 def _masked(text: str, b: Block) -> str:
@@ -733,12 +735,8 @@ def stale(root: Path = SOURCE_ROOT, ctx: Context | None = None) -> list[str]:
     ctx = ctx or Context(root / "docs" / "results" / "results.json", measure=False)
     out = []
     for b in BLOCKS:
-        text = (root / b.file).read_text()
-        have = _content(text, b)
-        want = _wrap(b, b.render(ctx), inline=not have.startswith("\n"))
-        if b.name is None:
-            want = b.render(ctx)
-        if _masked(have, b) != _masked(want, b):
+        have = _content((root / b.file).read_text(), b)
+        if _masked(have, b) != _masked(_rendered(b, ctx, have), b):
             out.append(f"{b.file}: {b.name or 'the whole file'}")
     return out
 
@@ -753,12 +751,11 @@ def write(root: Path = SOURCE_ROOT) -> list[str]:
         path = root / b.file
         text = path.read_text()
         have = _content(text, b)
-        inline = b.name is not None and not have.startswith("\n")
-        want = b.render(check) if b.name is None else _wrap(b, b.render(check), inline)
+        want = _rendered(b, check, have)
         if _masked(have, b) == _masked(want, b):
             continue
         if b.timed:
-            want = _wrap(b, b.render(measure), inline)
+            want = _rendered(b, measure, have)
         if b.name is None:
             path.write_text(want)
         else:
