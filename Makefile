@@ -5,7 +5,7 @@ LLMSCALE := $(VENV)/bin/llmscale
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test lint results claims reliability clean
+.PHONY: demo test lint results claims docs reliability clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,17 @@ test: $(STAMP)
 results: $(STAMP)
 	$(LLMSCALE) bench --what all --png docs/results --json-out docs/results/results.json \
 		--markdown docs/results.md
-	$(LLMSCALE) claims --markdown docs/claims.md
+	$(PY) -m llmscale.docs
 
 # Every claim of the article, checked against the catalog, planner and results.json (no training).
 claims: $(STAMP)
 	$(LLMSCALE) claims --markdown docs/claims.md
+
+# Every figure of README.md and docs/ that comes from a run, rendered from results.json, the
+# planner and the commands' own renderers (llmscale/docs.py; measures nothing but the plan
+# search's seconds; tests/test_docs.py fails on a stale block).
+docs: $(STAMP)
+	$(PY) -m llmscale.docs
 
 # The fault-injection suite's rows (tests/faults, fault_row) as docs/reliability.md; the page is
 # written even when a case fails (it shows which), and make then fails.

@@ -13,6 +13,12 @@ from pathlib import Path
 
 from llmscale.errors import ConfigError
 
+# The checkout this package runs from (src/llmscale/paths.py -> the repository root) and what
+# `make results` measured there: found from the package, never from the working directory. An
+# installed copy has neither (the claims then say what was not measured).
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_JSON = SOURCE_ROOT / "docs" / "results" / "results.json"
+
 
 def cache_dir() -> Path:
     """The per-user cache of measurements and checks: `$LLMSCALE_CACHE_DIR`, else

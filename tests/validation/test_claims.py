@@ -89,6 +89,125 @@ def test_without_results_measured_rows_say_so(tmp_path: Path) -> None:
     measured = [r for r in rows if claims.NOT_MEASURED in r.figure]
     assert len(measured) >= 4  # underflow, scaling, accumulation (2), offload overlap
     assert all(r.verdict in claims.VERDICTS for r in rows)
+    # Rows that rest on measurements alone say so; the others keep their computed checks.
+    only_measured = {6, 7, 8, 9, 12}  # 0-based: underflow, scaling, accumulation (2), overlap
+    for i, r in enumerate(rows):
+        if i in only_measured:
+            assert r.verdict == "not measured", (r.claim, r.verdict)
+        else:
+            assert r.verdict != "not measured", (r.claim, r.verdict)
+
+
+def _doctor(data: dict) -> dict:
+    """results.json with every measured figure a claim reads pushed the other way."""
+    d = json.loads(json.dumps(data))
+    tok = {r["config"]: r for r in d["precision"]["rows"] if r["quantity"] == "tokens/s"}
+    tok["bf16"]["measured"] = 10 * tok["fp32"]["measured"]  # bf16 10x faster end to end
+    for t in d["precision"]["tables"].values():
+        for row in t["rows"]:
+            if row[0] == "2^0":
+                row[1] = row[3] = "35.00%"  # underflow 35% unscaled
+            if row[0] == "2^15":
+                row[5] = "50.000%"  # overflow at 2^15: 50%
+    for t in d["accum"]["tables"].values():
+        for row in t["rows"]:
+            row[1] = "5.00e-01"  # accumulated gradients differ by 50%
+    step = {r["config"]: r for r in d["accum"]["rows"] if r["quantity"] == "step time"}
+    step["b=8 k=4"]["measured"] = 0.61 * step["b=32 k=1"]["measured"]  # 39% faster
+    for r in d["recompute"]["rows"]:
+        if r["config"] == "recompute=full":
+            r["measured"] = 3.0  # recompute costs 3x
+    bubble = {r["config"]: r for r in d["pipeline"]["rows"] if "simulator" in r["quantity"]}
+    bubble["pp=4 interleaved v=2 m=8"]["measured"] = 1.2 * bubble["pp=4 1f1b m=8"]["measured"]
+    for r in d["finetune"]["rows"]:  # lsp's transfers at 0.1 GB/s show up in full
+        if r["config"] == "lsp @ 0.1 GB/s" and r["quantity"] == "step time (median)":
+            r["measured"] += 0.08
+    return d
+
+
+def test_doctored_measurements_change_every_measured_verdict(tmp_path: Path) -> None:
+    """No measured row's verdict is a constant: doctored figures change each of them."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_doctor(json.loads(RESULTS.read_text()))))
+    real = claims.check_claims(RESULTS)
+    fake = claims.check_claims(path)
+    measured = [
+        i for i, r in enumerate(claims.check_claims(tmp_path / "none.json"))
+        if claims.NOT_MEASURED in r.figure
+    ]  # fmt: skip
+    assert len(measured) == 8
+    changed = {i for i in measured if real[i].verdict != fake[i].verdict}
+    assert changed == set(measured), [(real[i].claim, real[i].verdict) for i in measured]
+    by = {r.claim[:20]: r.verdict for r in fake}
+    assert by["31% of gradient valu"] == "holds"  # 35% is within 30% of 31%
+    assert by["accumulation cuts tr"] == "holds"  # 39% is within 30% of 31%
+    assert by["accumulating 4 micro"] == "does not hold here"
+    assert by["activation checkpoin"] == "does not hold here"
+    assert by["interleaved pipeline"] == "does not hold here"
+    assert by["loss-scale factors o"] == "holds with a caveat"
+    # The why is the checks written out, from the figures.
+    row = next(r for r in fake if r.claim.startswith("activation checkpointing"))
+    assert "extra step time measured: 200.0% is not within 30% of 33.0%" in row.why
+
+
+def test_rule_verdicts() -> None:
+    ok, bad = claims.Check("a", 1.0, 1.0), claims.Check("b", 2.0, 1.0, tolerance=0.5)
+    unmeasured = claims.Check("c", None, 1.0)
+    assert claims.Rule((ok,)).verdict() == "holds"
+    assert bad.passes() is False and claims.Rule((ok, bad)).verdict() == "does not hold here"
+    assert claims.Rule((unmeasured,)).verdict() == "not measured"
+    assert claims.Rule((ok, unmeasured)).verdict() == "holds with a caveat"
+    assert claims.Rule((ok,), (bad,)).verdict() == "holds with a caveat"
+    assert claims.Rule((ok,), restates=True).verdict() == "restates its source"
+    assert claims.Rule((bad,), restates=True).verdict() == "does not hold here"
+    assert claims.Check("d", 1.5, 1.0, "at least").passes() is True
+    assert claims.Check("d", 0.5, 1.0, "at least").passes() is False
+    assert "caveat: b: 2 is not within 50% of 1" in claims.Rule((ok,), (bad,)).why()
+
+
+def test_same_verdicts_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The results are found from the package, never from the working directory."""
+    monkeypatch.chdir(ROOT)
+    assert main(["claims", "--json"]) == 0
+    here = json.loads(capsys.readouterr().out)
+    monkeypatch.chdir(tmp_path)
+    assert main(["claims", "--json"]) == 0
+    there = json.loads(capsys.readouterr().out)
+    assert [c["verdict"] for c in here["claims"]] == [c["verdict"] for c in there["claims"]]
+    assert here == there
+    assert claims.DEFAULT_RESULTS == RESULTS
+
+
+def test_missing_or_stale_results_are_a_notice_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.json"
+    assert main(["claims", "--json", "--results", str(missing)]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)  # stdout stays pure JSON
+    assert err.startswith("llmscale claims: note: no results at") and err.count("\n") == 1
+    data = json.loads(RESULTS.read_text())
+    for s in data.values():
+        s["measured_at"] = "2000-01-01T00:00:00+00:00"
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert main(["claims", "--json", "--results", str(old)]) == 0
+    out, err = capsys.readouterr()
+    stale = json.loads(out)
+    if (ROOT / ".git").exists():
+        assert "older than the code that produced it" in err
+    for s in data.values():
+        s["measured_at"] = "2999-01-01T00:00:00+00:00"
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(data))
+    assert main(["claims", "--json", "--results", str(new)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    fresh = json.loads(out)
+    # Staleness never changes a verdict.
+    assert [c["verdict"] for c in stale["claims"]] == [c["verdict"] for c in fresh["claims"]]
 
 
 def test_measured_at_is_quoted(tmp_path: Path) -> None:
@@ -118,8 +237,10 @@ def test_cli_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str
     d = json.loads(capsys.readouterr().out)
     assert len(d["claims"]) == len(EXPECTED)
     assert all(
-        set(c) == {"claim", "source", "command", "figure", "verdict", "why"} for c in d["claims"]
+        set(c) == {"claim", "source", "command", "figure", "verdict", "why", "rule"}
+        for c in d["claims"]
     )
+    assert all(c["rule"]["claim"] for c in d["claims"])
     text = md.read_text()
     assert text.count("\n| ") == len(EXPECTED) + 1  # header + one row per claim
 
@@ -127,7 +248,7 @@ def test_cli_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_docs_claims_md_is_current() -> None:
     """docs/claims.md is generated: `llmscale claims --markdown docs/claims.md` (make claims)."""
     rows = claims.check_claims(RESULTS)
-    want = claims.to_markdown(rows, Path("docs/results/results.json"))
+    want = claims.to_markdown(rows, "docs/results/results.json")
     assert (ROOT / "docs" / "claims.md").read_text() == want
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import NamedTuple
 
 from llmscale.model.config import get_preset
 from llmscale.plan import cache
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.search import search
+from llmscale.plan.search import SearchResult, search
 
 CASES = [
     ("llama2-70b", "h200", 8, 64),
@@ -33,6 +34,28 @@ def clear_planner_caches() -> None:
     cache.clear_all()
 
 
+class Timing(NamedTuple):
+    """One search timed: wall seconds cold (empty caches) and its CPU seconds, wall seconds warm,
+    and the search's result."""
+
+    cold: float
+    cpu: float
+    warm: float
+    result: SearchResult
+
+
+def time_search(name: str, gpu: str, gpus: int, batch: int, seq: int = 4096) -> Timing:
+    """Search `name` on `gpus` x `gpu` twice, cold then warm (`make docs` quotes it too)."""
+    model, cluster = get_preset(name), Cluster.of(gpu)
+    clear_planner_caches()
+    t0, c0 = time.perf_counter(), time.process_time()
+    r = search(model, gpus, cluster, seq, batch)
+    cold, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0 = time.perf_counter()
+    search(model, gpus, cluster, seq, batch)
+    return Timing(cold, cpu, time.perf_counter() - t0, r)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,14 +69,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'costed':>7} {'fit':>6}  best")  # fmt: skip
     worst_70b = 0.0
     for name, gpu, gpus, batch in cases:
-        model, cluster = get_preset(name), Cluster.of(gpu)
-        clear_planner_caches()
-        t0, c0 = time.perf_counter(), time.process_time()
-        r = search(model, gpus, cluster, 4096, batch)
-        cold, cpu = time.perf_counter() - t0, time.process_time() - c0
-        t0 = time.perf_counter()
-        search(model, gpus, cluster, 4096, batch)
-        warm = time.perf_counter() - t0
+        cold, cpu, warm, r = time_search(name, gpu, gpus, batch)
         if name == "llama2-70b":
             worst_70b = max(worst_70b, cpu)
         best = r.candidates[0] if r.candidates else None

@@ -22,7 +22,8 @@ def _add_claims(sub: argparse._SubParsersAction[Parser]) -> None:
             "Scale LLM Compute, Part 2' against llmscale (validation/claims.py): catalog, planner, "
             "schedule simulator and serving model figures computed on the spot, measured ones "
             "read from --results (written by make results, with when). Verdicts: holds | holds "
-            "with a caveat | does not hold here. Trains nothing; about a second."
+            "with a caveat | does not hold here | not measured | restates its source, each from "
+            "the row's checks. Trains nothing; about a second."
         ),
         epilog="Example: llmscale claims --markdown docs/claims.md   (make claims)",
     )
@@ -30,26 +31,40 @@ def _add_claims(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--markdown", metavar="FILE", help="write the table as Markdown to FILE")
     p.add_argument(
         "--results",
-        default="docs/results/results.json",
-        help="measured results (default docs/results/results.json; missing: not measured yet)",
+        metavar="FILE",
+        default=None,
+        help="measured results (default: this checkout's docs/results/results.json, found from "
+        "the package, not the working directory; missing: not measured)",
     )
     p.set_defaults(func=_cmd_claims)
 
 
 def _cmd_claims(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
+    import sys
 
     from rich.table import Table
 
     from llmscale.ui import console
-    from llmscale.validation.claims import check_claims, to_json, to_markdown
+    from llmscale.validation.claims import (
+        DEFAULT_RESULTS,
+        check_claims,
+        results_notice,
+        to_json,
+        to_markdown,
+    )
 
-    results = Path(args.results)
+    results = Path(args.results) if args.results else DEFAULT_RESULTS
     if args.markdown:
         check_output_file("markdown", args.markdown)
     rows = check_claims(results)
+    # A notice, never a verdict: stale or missing results are used (or not) as they are.
+    notice = results_notice(results)
+    if notice:
+        print(f"llmscale claims: note: {notice}", file=sys.stderr)
     if args.markdown:
-        Path(args.markdown).write_text(to_markdown(rows, results))
+        label = "docs/results/results.json" if results == DEFAULT_RESULTS else str(results)
+        Path(args.markdown).write_text(to_markdown(rows, label))
     if args.json:
         print(json.dumps(to_json(rows), indent=2))
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from llmscale.cli._args import (
     Parser,
@@ -20,6 +21,11 @@ from llmscale.config import (
 )
 from llmscale.paths import check_image_file
 from llmscale.stack import STACK_NAMES, stacks_help
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from llmscale.report.search_report import PlanReport
 
 # ---- plan ---------------------------------------------------------------------------------
 
@@ -98,17 +104,29 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+def plan_output(rep: PlanReport, wide: bool = False) -> list[RenderableType]:
+    """What `llmscale plan` prints (without --json), in order: the headline, the table, the
+    best plan's command, the legend, the unfit plans. `make docs` renders README's example
+    with it."""
+    from llmscale.report import report
+    from llmscale.report.search_report import MEMORY_LEGEND, NARROW_LEGEND
+
+    out: list[RenderableType] = [rep.headline()]
+    if rep.result.shown:
+        out.append(report.search_table(rep.result, wide=wide))
+    if rep.result.candidates:
+        out.append(rep.best_command())
+    if rep.result.shown:
+        out.append(MEMORY_LEGEND if wide else NARROW_LEGEND)
+    out += rep.unfit_lines()
+    return out
+
+
 def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from llmscale.report import report
-    from llmscale.report.search_report import (
-        FIXABLE,
-        MEMORY_LEGEND,
-        NARROW_LEGEND,
-        fixed_space,
-        plan_report,
-    )
+    from llmscale.report.search_report import FIXABLE, fixed_space, plan_report
     from llmscale.ui import console
 
     one_of("precision", args.precision, PRECISIONS)
@@ -129,15 +147,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps(rep.json(), indent=2))
     else:
         out = console()
-        out.print(rep.headline())
-        if rep.result.shown:
-            out.print(report.search_table(rep.result, wide=args.wide))
-        if rep.result.candidates:
-            out.print(rep.best_command())
-        if rep.result.shown:
-            out.print(MEMORY_LEGEND if args.wide else NARROW_LEGEND)
-        for line in rep.unfit_lines():
-            out.print(line)
+        for part in plan_output(rep, wide=args.wide):
+            out.print(part)
         if png and rep.result.shown:
             out.print(f"wrote {png}")
     if why:

@@ -1,0 +1,790 @@
+"""Every figure in README.md and docs/ that comes from a run, rendered, never typed: `make docs`.
+
+A rendered block sits between `<!-- generated: NAME -->` and `<!-- end: NAME -->` (a whole
+generated file has no markers). Each block is rendered from `docs/results/results.json` (what
+`make results` measured), from the planner, or from the command whose output it shows, with the
+same renderer as that command: `llmscale plan`'s (`cli.plan.plan_output`), `llmscale claims`'
+(`validation.claims.to_markdown`), `llmscale bench --what published`'s
+(`bench.published.markdown`), `make results`' page (`bench.report.markdown`). Nothing is re-measured but the plan search's own seconds.
+
+    python -m llmscale.docs            # rewrite every stale block (make docs)
+    python -m llmscale.docs --check    # exit 1 naming each stale block (tests/test_docs.py)
+
+Search timings depend on the machine and its load: they are masked when comparing, so a block
+whose other figures are current keeps its recorded timing, and a block rewritten for another
+reason gets freshly measured ones (`bench/plan_speed.py`'s `time_search`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import re
+import sys
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from rich.console import Console
+
+from llmscale.cli.plan import plan_output
+from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
+from llmscale.report.search_report import PlanReport
+from llmscale.validation.claims import Claim, Results, check_claims, results_notice, to_markdown
+
+# A search's wall or CPU seconds, as `plan` and this module print them ("0.92 s").
+TIMING = re.compile(r"\b\d+\.\d+ s\b")
+DEMO_PLAN = (
+    "llmscale plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 --global-batch 1024 --top 5"
+)
+
+
+class Context:
+    """What the renderers read, each computed once: the results, the claims, the plan search.
+    `measure`: time the plan searches (else their seconds read 0.00, to be masked)."""
+
+    def __init__(self, results: Path = RESULTS_JSON, measure: bool = True) -> None:
+        self.results_path = results
+        self.measure = measure
+
+    @cached_property
+    def results(self) -> Results:
+        return Results(self.results_path)
+
+    @cached_property
+    def claims(self) -> list[Claim]:
+        return check_claims(self.results_path)
+
+    def claim(self, starts: str) -> Claim:
+        return next(c for c in self.claims if c.claim.startswith(starts))
+
+    def rows(self, suite: str, quantity: str) -> dict[str, dict[str, Any]]:
+        return self.results.rows(suite, quantity)
+
+
+def _text(*parts: Any) -> str:
+    """Rich renderables as a pipe sees them (`ui.console()`: 200 columns, no colour)."""
+    buf = io.StringIO()
+    con = Console(file=buf, width=200, highlight=False, soft_wrap=True, color_system=None)
+    for p in parts:
+        con.print(p)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+# ---- the planner ------------------------------------------------------------------------------
+
+
+def plan_demo(ctx: Context) -> str:
+    """README: the plan `make demo` ends with, as `llmscale plan` prints it."""
+    return f"```text\n$ {DEMO_PLAN}\n{_text(*plan_output(_demo_search(), wide=False))}\n```"
+
+
+def plan_demo_wide(ctx: Context) -> str:
+    """docs/planner.md: the same search with every column (`--wide`)."""
+    out = _text(*plan_output(_demo_search(), wide=True))
+    return f"```text\n$ {DEMO_PLAN} --wide\n{out}\n```"
+
+
+@functools.cache
+def _demo_search() -> PlanReport:
+    """One search per process: the planner's inputs do not change while it runs."""
+    from llmscale.report.search_report import plan_report
+
+    return plan_report("llama2-70b", 64, "h200", 4096, 1024, "bf16", 5)
+
+
+def _search_seconds(ctx: Context, name: str, gpu: str, gpus: int, batch: int) -> float:
+    from llmscale.bench.plan_speed import time_search
+
+    return time_search(name, gpu, gpus, batch).cpu if ctx.measure else 0.0
+
+
+def plan_speed(ctx: Context) -> str:
+    """README: how long the largest 70B search takes (CPU seconds, cold)."""
+    s = _search_seconds(ctx, "llama2-70b", "h200", 4096, 4096)
+    return (
+        f"70B on 4,096 H200s in {s:.2f} s of CPU time, cold (`bench/plan_speed.py`; measured "
+        "by `make docs`)"
+    )
+
+
+def plan_speed_cases(ctx: Context) -> str:
+    """docs/planner.md: every case of bench/plan_speed.py, CPU seconds, cold."""
+    from llmscale.bench.plan_speed import CASES
+
+    parts = []
+    for name, gpu, gpus, batch in CASES:
+        s = _search_seconds(ctx, name, gpu, gpus, batch)
+        parts.append(f"{name} on {gpus:,} {gpu.upper()}s (batch {batch:,}) {s:.2f} s")
+    return "CPU time of a cold search, measured by `make docs` on this machine: " + "; ".join(parts)
+
+
+def megatron_ratios(ctx: Context) -> str:
+    """README: the time model against Narayanan et al. 2021, Table 1."""
+    from llmscale.validation.published import narayanan_rows
+
+    rows = narayanan_rows()
+    ratios = [r.ratio for r in rows]
+    return (
+        f"predicted/published TFLOP/s per GPU is {min(ratios):.3f}–{max(ratios):.3f} for all "
+        f"{len(rows)} rows"
+    )
+
+
+def stack_errors(ctx: Context) -> str:
+    """docs/planner.md: per-stack errors over today's validation runs (the same summary lines
+    as docs/planner-validation.md)."""
+    from llmscale.validation.runs import all_results, summarise
+
+    return "; ".join(s.line for s in summarise(all_results()))
+
+
+def serving_ratio(ctx: Context) -> str:
+    """README: the serving model's H200/H100 ratio at NVIDIA's batches (claims' row)."""
+    ratio = ctx.claim("H200 runs Llama 2 70B").rule.claim[0].figure
+    return f"H200 / H100 = {ratio:.2f} predicted"
+
+
+def claims_summary(ctx: Context) -> str:
+    """README: the claims' verdict counts and the rows that do not hold, from `claims`."""
+    rows = ctx.claims
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    fails = [r.claim for r in rows if r.verdict == "does not hold here"]
+    u = ctx.claim("31% of gradient values").rule.claim[0].figure
+    under = "not measured" if u is None else f"{u:.2%}"
+    cut = ctx.claim("accumulation cuts").rule.claim[0].figure
+    accum = (
+        "not measured" if cut is None
+        else f"{cut:.1%} faster" if cut >= 0 else f"{-cut:.1%} slower"
+    )  # fmt: skip
+    rail = ctx.claim("rail-only").figure.split(" (")[0]
+    return (
+        f"{len(rows)} claims: "
+        + ", ".join(f"{n} {v}" for v, n in counts.items())
+        + f". Not holding here: {'; '.join(fails) or 'none'} (fp16 underflow {under} here; "
+        f"accumulation {accum} here); rail-only {rail}"
+    )
+
+
+def roofline_training(ctx: Context) -> str:
+    """README: Llama 2 70B's training step against the H200's ridge point (`llmscale roofline
+    --gpu h200 --model llama2-70b --batch 1 --seq 4096`)."""
+    from llmscale.hardware.catalog import default_catalog
+    from llmscale.model.config import get_preset
+    from llmscale.plan import roofline
+
+    r = roofline.training(get_preset("llama2-70b"), default_catalog().gpu("h200"), 1, 4096)
+    return (
+        f"training on an H200 does {r.intensity:,.0f} FLOP per byte against a ridge point of "
+        f"{r.ridge:,.0f}: {r.bound}"
+    )
+
+
+def fp16_underflow(ctx: Context) -> str:
+    """README: the precision suite's fp16 underflow table, medians over the seeds."""
+    t = ctx.results.table("precision", "fp16 gradient underflow")
+    if t is None:
+        return "not measured yet (make results)"
+    head, rows = t
+    by = {r[0]: dict(zip(head, r, strict=True)) for r in rows}
+    r0 = by["2^0"]
+    return (
+        f"**{r0['cast: underflow']} vanish unscaled ({r0['fp16 backward: underflow']} with the "
+        f"backward itself in fp16), {by['2^3']['cast: underflow']} at 2^3, "
+        f"{by['2^15']['cast: underflow']} at 2^15** (runs {r0['cast: range']} unscaled; "
+        f"measured {_when(ctx, 'precision')})"
+    )
+
+
+def serving_table(ctx: Context) -> str:
+    """docs/inference.md: H100 vs H200 serving Llama 2 70B, as `llmscale infer` predicts it."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan import inference
+
+    model = get_preset("llama2-70b")
+    cases = [
+        ("1 GPU, fp8, 2048 in / 128 out, NVIDIA's batches 8 and 32", 1, 2048, 128, "fp8", (8, 32)),
+        ("1 GPU, fp8, 2048 / 128, the largest batch that fits", 1, 2048, 128, "fp8", None),
+        ("8 GPUs, fp8, 1024 / 294 (MLPerf-shaped), best tp", 8, 1024, 294, "fp8", None),
+        ("8 GPUs, bf16, 1024 / 294, best tp", 8, 1024, 294, "bf16", None),
+    ]
+    lines = ["| case | H100 | H200 | H200 / H100 |", "|---|---|---|---|"]
+    for i, (name, gpus, inp, out, prec, batches) in enumerate(cases):
+        p = [
+            inference.predict(model, g, gpus, inp, out, prec, batch=batches[k] if batches else None)
+            for k, g in enumerate(("h100", "h200"))
+        ]
+        if batches is None:
+            name += (
+                f" ({'tp' if gpus > 1 else 'batch'} "
+                + " and ".join(str(x.tp if gpus > 1 else x.batch) for x in p)
+                + ")"
+            )
+        ratio = f"{p[1].tokens_per_s / p[0].tokens_per_s:.2f}"
+        lines.append(
+            f"| {name} | {p[0].tokens_per_s:,.0f} tok/s | {p[1].tokens_per_s:,.0f} tok/s | "
+            + (f"**{ratio}** (NVIDIA: 1.9)" if i == 0 else ratio)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+@functools.cache
+def _run(argv: tuple[str, ...]) -> str:
+    """What `llmscale ARGV` prints on stdout through a pipe (its own renderer); once per
+    process, as the demo's search (these commands read no results)."""
+    import contextlib
+
+    from llmscale.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(list(argv))
+    if rc != 0:
+        raise RuntimeError(f"llmscale {' '.join(argv)} exited {rc}")
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").splitlines())
+
+
+def commands(*lines: str) -> Callable[[Context], str]:
+    """A block of `$ llmscale ...` lines, each followed by what it prints."""
+
+    def render(ctx: Context) -> str:
+        parts = [f"$ {line}\n{_run(tuple(line.split()[1:]))}" for line in lines]
+        return "```text\n" + "\n\n".join(parts) + "\n```"
+
+    render.__doc__ = "; ".join(lines)
+    return render
+
+
+# ---- the pipeline bench -----------------------------------------------------------------------
+
+
+def _pipeline(ctx: Context) -> dict[str, dict[str, dict[str, Any]]]:
+    """{config: {quantity: row}} of the pipeline suite, in the suite's order."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in (ctx.results.suite("pipeline") or {}).get("rows", []):
+        out.setdefault(r["config"], {})[r["quantity"]] = r
+    return out
+
+
+def pipeline_configs(ctx: Context) -> str:
+    """docs/pipeline-bench.md: which configurations the suite ran (make results)."""
+    runs = _pipeline(ctx)
+    groups: dict[str, list[str]] = {}
+    for config in runs:
+        head, m = config.rsplit(" m=", 1)
+        groups.setdefault(head, []).append(m)
+    listed = "; ".join(f"{head} m={', '.join(ms)}" for head, ms in groups.items())
+    return f"{len(runs)} configurations in `make results`' run: {listed}"
+
+
+def pipeline_results(ctx: Context) -> str:
+    """docs/pipeline-bench.md's results: the suite's rows and op times, and what they say."""
+    runs = _pipeline(ctx)
+    suite = ctx.results.suite("pipeline") or {}
+    t = ctx.results.table("pipeline", "measured op times")
+    if not runs or t is None:
+        return "Not measured yet: `make results`."
+    head, op_rows = t
+    ops = {r[0]: dict(zip(head, r, strict=True)) for r in op_rows}
+
+    def idle(c: str) -> float:
+        return float(ops[c]["idle, inputs ready"].rstrip("%"))
+
+    lines = [
+        f"From `make results` (`llmscale bench --what pipeline`), measured "
+        f"{suite.get('measured_at', 'undated')}. " + " ".join(suite.get("notes", [])),
+        "",
+        "| configuration | measured | simulated | closed form | replayed | idle, inputs ready "
+        "| makespan measured | makespan simulated | order |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c, q in runs.items():
+        sim, closed, span = q["bubble (simulator)"], q["bubble (closed form)"], q["makespan"]
+        order = "= simulator" if sim["note"].startswith("order = simulator") else "differs"
+        lines.append(
+            f"| {c} | {sim['measured']:.1f}% | {sim['predicted']:.1f}% | "
+            f"{closed['predicted']:.1f}% | {ops[c]['bubble, replayed']} | "
+            f"{ops[c]['idle, inputs ready']} | {1e3 * span['measured']:.0f} ms | "
+            f"{1e3 * span['predicted']:.0f} ms | {order} |"
+        )
+    lines += [
+        "",
+        "Measured op times (ms, mean per stage) fed to the simulator, from the same run:",
+        "",
+        "| configuration | forward | backward | p2p wait |",
+        "|---|---:|---:|---:|",
+        *(f"| {c} | {o['forward']} | {o['backward']} | {o['p2p wait']} |" for c, o in ops.items()),
+    ]
+    same = [c for c, q in runs.items() if q["bubble (simulator)"]["note"].startswith("order =")]
+    gap = {c: q["bubble (simulator)"]["measured"] - q["bubble (simulator)"]["predicted"]
+           for c, q in runs.items()}  # fmt: skip
+
+    def rng(cs: list[str], f: Callable[[str], float], unit: str) -> str:
+        vals = [f(c) for c in cs if c in runs]
+        return f"{min(vals):.1f}-{max(vals):.1f}{unit}" if vals else "-"
+
+    pp2 = [c for c in runs if c.startswith("pp=2")]
+    pp4 = [c for c in runs if c.startswith("pp=4")]
+    inter2 = [c for c in pp2 if "interleaved" in c]
+    f1b2 = [c for c in pp2 if " 1f1b " in c]
+    lines += [
+        "",
+        "### Reading it",
+        "",
+        f"- **Order.** In {len(same)} of {len(runs)} configurations every rank ran its ops in "
+        "exactly the order `schedule_ops` gives (`tests/plan/test_schedule_torch.py` checks "
+        "those lists against torch's own; `tests/bench/test_bench_pipeline.py` that no op "
+        "starts before its inputs).",
+    ]
+    a, b = runs.get("pp=2 1f1b m=2"), runs.get("pp=2 1f1b m=4")
+    if a and b:
+        sa, sb = a["bubble (simulator)"], b["bubble (simulator)"]
+        lines.append(
+            f"- **pp = 2, 1F1B at small m.** m = 2 and m = 4: bubble {sa['predicted']:.1f} vs "
+            f"{sa['measured']:.1f}% and {sb['predicted']:.1f} vs {sb['measured']:.1f}% "
+            f"(simulated vs measured), makespan {1e3 * a['makespan']['predicted']:.0f} vs "
+            f"{1e3 * a['makespan']['measured']:.0f} ms and {1e3 * b['makespan']['predicted']:.0f} "
+            f"vs {1e3 * b['makespan']['measured']:.0f} ms; idle with inputs ready "
+            f"{rng(f1b2, idle, '%')} for pp = 2 1F1B."
+        )
+    if "pp=2 1f1b m=8" in runs:
+        c = "pp=2 1f1b m=8"
+        lines.append(
+            "- **The replay.** Where measured exceeds simulated by more than the idle column, "
+            "ops varied: the replay (every op its own time) keeps that variation, the per-stage "
+            f"means do not; e.g. {c}: {ops[c]['bubble, replayed']} replayed, "
+            f"{runs[c]['bubble (simulator)']['predicted']:.1f}% simulated, "
+            f"{runs[c]['bubble (simulator)']['measured']:.1f}% measured. A slow op on the "
+            "critical path delays every rank; a fast one elsewhere gives nothing back."
+        )
+    if inter2:
+        best = {}
+        for m in ("4", "8"):
+            cs = [c for c in pp2 if c.endswith(f" m={m}") and any(
+                k in c for k in (" gpipe ", " 1f1b ", "interleaved"))]  # fmt: skip
+            if cs:
+                best[m] = min(cs, key=lambda c: runs[c]["bubble (simulator)"]["measured"])
+        lines.append(
+            "- **Interleaving pays a per-op cost the simulator does not model** (Python between "
+            "ops whose inputs are there; twice the ops of 1F1B): idle with inputs ready "
+            f"{rng(inter2, idle, '%')} for pp = 2 interleaved against {rng(f1b2, idle, '%')} for "
+            f"1F1B, measured bubble {rng(inter2, gap.__getitem__, ' points')} above the "
+            "simulated one. Smallest measured bubble at pp = 2 among GPipe, 1F1B and "
+            "interleaved: " + ", ".join(f"m = {m}: {c}" for m, c in best.items()) + "."
+        )
+    if pp4:
+        lines.append(
+            "- **pp = 4 on 2 cores is contention, not pipelining.** Four ranks share two cores: "
+            f"idle with inputs ready {rng(pp4, idle, '%')}, measured bubbles "
+            f"{rng(pp4, gap.__getitem__, ' points')} above simulated. Read these rows as a "
+            "check of order and dependencies, not of timing."
+        )
+    return "\n".join(lines)
+
+
+def cp_results(ctx: Context) -> str:
+    """docs/parallel.md: the cp suite of `make results`."""
+    cp, ratio = ctx.rows("cp", "step time"), ctx.rows("cp", "step time ratio")
+    base, ring = cp.get("dp_replicate=2, b=2"), cp.get("cp=2, b=4")
+    if not (base and ring and ratio):
+        return "The cp suite has not been measured yet (`make results`)."
+    r = next(iter(ratio.values()))
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:.0f}"
+
+    return (
+        f"In `make results`' run ({ctx.results.when('cp')}): baseline {ms(base['measured'])} ms "
+        f"measured vs {ms(base['predicted'])} ms predicted "
+        f"({base['predicted'] / base['measured']:.2f}), cp=2 {ms(ring['measured'])} vs "
+        f"{ms(ring['predicted'])} ms ({ring['predicted'] / ring['measured']:.2f}), ratio "
+        f"cp/baseline {r['measured']:.2f} vs {r['predicted']:.2f} "
+        f"({r['predicted'] / r['measured']:.2f})"
+    )
+
+
+def _lsp_figures(ctx: Context) -> str | None:
+    """The finetune suite: lsp against ZeRO-Offload's bytes, loss and step time per link."""
+    moved = ctx.rows("finetune", "bytes moved per step")
+    loss = ctx.rows("finetune", "final loss (last 5)")
+    t = ctx.results.suite_rows("finetune-time", "step time (median)")
+    if not (moved.get("lsp") and moved.get("optimizer")):
+        return None
+    lsp, opt = moved["lsp"], moved["optimizer"]
+    exact = all(r["measured"] == r["predicted"] for r in moved.values() if r["predicted"])
+    speeds = [
+        f"{t[f'lsp @ {k}']['measured'] / t[f'optimizer @ {k}']['measured']:.2f} ({k})"
+        for k in ("native", "1 GB/s", "0.1 GB/s")
+        if f"lsp @ {k}" in t and f"optimizer @ {k}" in t
+    ]
+    dl = loss["lsp"]["measured"] / loss["optimizer"]["measured"] - 1 if loss else float("nan")
+    return (
+        f"bytes moved per step measured {'=' if exact else '≠'} predicted "
+        f"({lsp['measured'] / 1e6:.2f} MB vs {opt['measured'] / 1e6:.1f} MB: "
+        f"{lsp['measured'] / opt['measured']:.2f}x); final loss {dl:+.2%}; step time "
+        f"lsp/optimizer {', '.join(speeds)}"
+    )
+
+
+def lsp_results(ctx: Context) -> str:
+    """docs/offload.md: the finetune suite of `make results`."""
+    lsp = _lsp_figures(ctx)
+    if lsp is None:
+        return "The finetune suite has not been measured yet (`make results`)."
+    return f"In `make results`' latest run ({ctx.results.when('finetune')}), lsp against optimizer: {lsp}"
+
+
+def inflight_table(ctx: Context) -> str:
+    """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
+    rows = ctx.rows("pipeline", "activations in flight, stage 0")
+    scheds = ("gpipe", "1f1b", "interleaved v=2", "zero_bubble v=2", "zbv", "dualpipev")
+    lines = ["| | " + " | ".join(scheds) + " |", "|---|" + "---:|" * len(scheds)]
+    for pp, m in ((2, 4), (4, 8)):
+        cells = [rows.get(f"pp={pp} {s} m={m}") for s in scheds]
+        if not any(cells):
+            continue
+        lines.append(
+            f"| pp {pp}, m {m}, measured | "
+            + " | ".join(f"{c['measured'] / 2**20:.2f} MiB" if c else "-" for c in cells)
+            + " |"
+        )
+        lines.append(f"| pp {pp}, m {m}, pred/meas | " + " | ".join(
+            f"{c['predicted'] / c['measured']:.3f}" if c else "-" for c in cells) + " |")  # fmt: skip
+    return "\n".join(lines) if len(lines) > 2 else "Not measured yet: `make results`."
+
+
+# ---- measured vs predicted --------------------------------------------------------------------
+
+
+def _ratios(rows: dict[str, dict[str, Any]]) -> list[float]:
+    return [r["predicted"] / r["measured"] for r in rows.values() if r.get("measured")]
+
+
+def _within(ratios: list[float]) -> str:
+    return f"{100 * max(abs(r - 1) for r in ratios):.1f}%"
+
+
+def _range(values: list[float]) -> str:
+    lo, hi = f"{min(values):.3f}", f"{max(values):.3f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _when(ctx: Context, suite: str) -> str:
+    at = (ctx.results.suite(suite) or {}).get("measured_at", "")
+    return at[:10] or "undated"
+
+
+def measured_vs_predicted(ctx: Context) -> str:
+    """README's table: each row's figures from results.json (`make results`)."""
+    rows: list[tuple[str, str]] = []
+    mem = ctx.results.suite("memory") or {}
+    states = [
+        r for r in mem.get("rows", [])
+        if r["quantity"] != "activations" and r["predicted"] is not None
+    ]  # fmt: skip
+    if states:
+        exact = all(r["measured"] == r["predicted"] for r in states)
+        rows.append((
+            "parameters, gradients, optimizer states, host bytes under offload",
+            ("exact, to the byte" if exact else f"within {_within(_ratios({str(i): r for i, r in enumerate(states)}))}")
+            + f" ({len(states)} rows: fp32, bf16, offload; FSDP2 in the tests)",
+        ))  # fmt: skip
+    act = ctx.rows("memory", "activations")
+    if act:
+        rows.append((
+            "saved activations, every recompute mode (selective_op too) and micro-batch",
+            f"within {_within(_ratios(act))} in {len(act)} configurations (goal 3%); 2-rank TP, "
+            "SP and 1F1B layouts in the tests",
+        ))  # fmt: skip
+    rec = ctx.rows("recompute", "step time / none")
+    if rec:
+        parts = [
+            f"{k.split('=')[1]} x{r['predicted']:.3f} predicted, x{r['measured']:.3f} measured"
+            for k, r in sorted(rec.items(), key=lambda kv: -kv[1]["predicted"])
+        ]
+        rows.append((
+            "recomputation's step-time cost",
+            "; ".join(parts) + f" (each within {_within(_ratios(rec))})",
+        ))  # fmt: skip
+    bub = ctx.rows("pipeline", "bubble (simulator)")
+    pair = [bub.get(f"pp=2 1f1b m={m}") for m in (2, 4)]
+    if all(pair):
+        order = all(r["note"].startswith("order = simulator") for r in bub.values())
+        rows.append((
+            "pipeline bubble, pp=2 1F1B m=2/4",
+            f"{pair[0]['predicted']:.1f}/{pair[1]['predicted']:.1f}% simulated, "  # type: ignore[index]
+            f"{pair[0]['measured']:.1f}/{pair[1]['measured']:.1f}% measured; op order "  # type: ignore[index]
+            + ("equal to the simulator's in every run" if order else "differs from the simulator's in some runs"),
+        ))  # fmt: skip
+    fl = ctx.rows("pipeline", "activations in flight, stage 0")
+    if fl:
+        r = _ratios(fl)
+        rows.append((
+            "pipeline activations in flight (stage 0), GPipe / 1F1B / interleaved, pp=2 and 4",
+            f"pred/meas {_range(r)} in all {len(fl)} configurations (planner: "
+            "in-flight units × one micro-batch)",
+        ))  # fmt: skip
+    st = ctx.rows("time", "step time")
+    if st:
+
+        def rr(k: str) -> str:
+            return f"{st[k]['predicted'] / st[k]['measured']:.3f}" if k in st else "-"
+
+        rows.append((
+            "step time on the CPU",
+            f"pred/meas fp32 {rr('fp32 mbs=4')} / {rr('fp32 mbs=16')} (micro-batch 4 / 16), "
+            f"bf16 {rr('bf16 mbs=4')} / {rr('bf16 mbs=16')} in `make results` "
+            f"({_when(ctx, 'time')}). The device is micro-benchmarked on the runtime's own "
+            "kernels at the run's shape (`train/calibration.py`); a busy machine moves single "
+            "rows",
+        ))  # fmt: skip
+    from llmscale.validation.published import all_rows
+
+    pub = all_rows()
+    pr = [p.ratio for p in pub]
+    rows.append((
+        "published runs (Narayanan 2021, Korthikanti 2022, torchtitan H100)",
+        f"{sum(p.within for p in pub)} of {len(pub)} rows within 10% ({min(pr):.3f} .. "
+        f"{max(pr):.3f}): [docs/planner-validation.md](docs/planner-validation.md)",
+    ))  # fmt: skip
+    comp = ctx.rows("compile", "step time")
+    ctime = ctx.rows("compile", "compile time (first step - steady)")
+    if comp:
+
+        def speed(p: str, key: str) -> str:
+            e, c = comp.get(f"{p} mbs=4 eager"), comp.get(f"{p} mbs=4 compiled")
+            return f"x{e[key] / c[key]:.2f}" if e and c else "-"
+
+        cold = " / ".join(
+            f"{ctime[k]['measured']:.0f} s" for k in ("fp32 mbs=4", "bf16 mbs=4") if k in ctime
+        )
+        rows.append((
+            "`train.compile`, small model, mbs 4 × 128 tokens",
+            f"steady step eager/compiled measured {speed('fp32', 'measured')} (fp32) and "
+            f"{speed('bf16', 'measured')} (bf16), predicted {speed('fp32', 'predicted')} / "
+            f"{speed('bf16', 'predicted')} (each step within {_within(_ratios(comp))}; the planner "
+            "fuses the element-wise bytes but does not model the CPU's per-op dispatch a "
+            f"compiled block saves); cold compile {cold} ({_when(ctx, 'compile')})",
+        ))  # fmt: skip
+    cp = ctx.rows("cp", "step time")
+    cpr = ctx.rows("cp", "step time ratio")
+    if cp and cpr:
+        ratio = next(iter(cpr.values()))
+        base, ring = cp.get("dp_replicate=2, b=2"), cp.get("cp=2, b=4")
+        rows.append((
+            "context parallelism, cp=2 vs dp_replicate=2 on 2 CPU ranks (`--what cp`)",
+            f"cp/baseline ratio pred/meas {ratio['predicted'] / ratio['measured']:.2f} (median "
+            "over repetitions); step time pred/meas "
+            + (f"{base['predicted'] / base['measured']:.2f} (baseline) and " if base else "")
+            + (f"{ring['predicted'] / ring['measured']:.2f} (cp=2)" if ring else "")
+            + f" ({_when(ctx, 'cp')}): the per-rank calibration does not capture two processes "
+            "sharing 2 cores; the runtime's ring priced from its own micro-benchmarked blocks "
+            "and a measured gloo link ([docs/parallel.md](docs/parallel.md#context-parallelism))",
+        ))  # fmt: skip
+    acc = ctx.rows("accum", "step time")
+    if acc:
+        grads = ctx.results.table("accum", "gradient equivalence")
+        worst = max(float(r[1]) for r in grads[1]) if grads else float("nan")
+        acts = _ratios(ctx.rows("accum", "activations"))
+        exact = bool(acts) and all(a == 1 for a in acts)
+        rows.append((
+            "accumulation " + " vs ".join(k.replace("b=", "b=").replace(" k=", "×") for k in acc),
+            "step time pred/meas "
+            + " / ".join(f"{r['predicted'] / r['measured']:.3f}" for r in acc.values())
+            + f"; gradients equal to {worst:.0e}; activations scale with the micro-batch "
+            + ("exactly" if exact else f"within {_within(acts)}"),
+        ))  # fmt: skip
+    lsp = _lsp_figures(ctx)
+    if lsp:
+        rows.append((
+            "LSP-Offload vs ZeRO-Offload, fine-tuning the small model (`--what finetune`)",
+            f"{lsp} ([docs/offload.md](docs/offload.md#lsp-offload-offload--lsp))",
+        ))  # fmt: skip
+    lines = ["| what | predicted vs measured |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+# ---- the blocks -------------------------------------------------------------------------------
+
+
+class Block(NamedTuple):
+    """A rendered part of a file: `name` None renders the whole file. `timed`: holds search
+    timings (masked when comparing)."""
+
+    file: str
+    name: str | None
+    render: Callable[[Context], str]
+    timed: bool = False
+
+
+def _claims_md(ctx: Context) -> str:
+    return to_markdown(ctx.claims, "docs/results/results.json")
+
+
+def _planner_validation(ctx: Context) -> str:
+    from llmscale.bench.published import markdown
+    from llmscale.validation.published import all_rows
+
+    return markdown(all_rows())
+
+
+def _results_md(ctx: Context) -> str:
+    """docs/results.md from results.json with `make results`' own renderer (bench.report
+    .markdown); its header (the command, date and machine of that run, which results.json does
+    not hold) is kept as `make results` wrote it."""
+    import dataclasses
+
+    from llmscale.bench.report import Row, SuiteResult, markdown
+
+    page = ctx.results_path.parent.parent / "results.md"
+    text = page.read_text() if page.is_file() else "# Measured vs predicted\n"
+    header = text[: text.index("\n## ")] if "\n## " in text else text.rstrip("\n")
+    fields = {f.name for f in dataclasses.fields(Row)}
+    suites = [
+        SuiteResult(
+            name, s["title"],
+            rows=[Row(**{k: v for k, v in r.items() if k in fields}) for r in s["rows"]],
+            figures=[Path(f) for f in s["figures"]],
+            tables={k: (v["header"], v["rows"]) for k, v in s["tables"].items()},
+            notes=s["notes"],
+        )
+        for name, s in ctx.results.data.items()
+        if isinstance(s, dict)
+    ]  # fmt: skip
+    return markdown(suites, header=header, base=Path("docs"))
+
+
+BLOCKS: tuple[Block, ...] = (
+    Block("README.md", "plan-demo", plan_demo, timed=True),
+    Block("README.md", "megatron-ratios", megatron_ratios),
+    Block("README.md", "plan-speed", plan_speed, timed=True),
+    Block("README.md", "roofline-training", roofline_training),
+    Block("README.md", "fp16-underflow", fp16_underflow),
+    Block("README.md", "serving-ratio", serving_ratio),
+    Block("README.md", "claims-summary", claims_summary),
+    Block("README.md", "measured-vs-predicted", measured_vs_predicted),
+    Block("docs/planner.md", "plan-demo-wide", plan_demo_wide, timed=True),
+    Block("docs/planner.md", "hw-compare", commands("llmscale hw --compare nvlink5 pcie5")),
+    Block(
+        "docs/planner.md", "roofline", commands("llmscale roofline --gpu h200 --model llama2-70b")
+    ),
+    Block("docs/planner.md", "network", commands("llmscale network --gpus 4096 --gpu h100")),
+    Block(
+        "docs/schedule.md",
+        "schedule-1f1b",
+        commands(
+            "llmscale schedule --pp 4 --microbatches 8",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2",
+        ),
+    ),
+    Block(
+        "docs/schedule.md",
+        "schedule-zbv",
+        commands("llmscale schedule --pp 4 --microbatches 8 --schedule zbv"),
+    ),
+    Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
+    Block("docs/planner.md", "stack-errors", stack_errors),
+    Block("docs/inference.md", "serving-table", serving_table),
+    Block("docs/schedule.md", "inflight-table", inflight_table),
+    Block("docs/parallel.md", "cp-results", cp_results),
+    Block("docs/offload.md", "lsp-results", lsp_results),
+    Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
+    Block("docs/pipeline-bench.md", "pipeline-results", pipeline_results),
+    Block("docs/claims.md", None, _claims_md),
+    Block("docs/results.md", None, _results_md),
+    Block("docs/planner-validation.md", None, _planner_validation),
+)
+
+
+def _span(text: str, name: str) -> tuple[int, int]:
+    """Where block `name`'s content starts and ends in `text` (between its markers)."""
+    begin, end = f"<!-- generated: {name} (make docs) -->", f"<!-- end: {name} -->"
+    i = text.find(begin)
+    j = text.find(end, i + len(begin)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        raise ValueError(f"no '{begin}' ... '{end}' markers")
+    return i + len(begin), j
+
+
+def _content(text: str, b: Block) -> str:
+    if b.name is None:
+        return text
+    i, j = _span(text, b.name)
+    return text[i:j]
+
+
+def _rendered(b: Block, ctx: Context, have: str) -> str:
+    """The block's new content: a whole file, or what goes between its markers (on lines of
+    its own unless the markers are inline, as `have` shows)."""
+    out = b.render(ctx)
+    return out if b.name is None or not have.startswith("\n") else f"\n{out}\n"
+
+
+def _masked(text: str, b: Block) -> str:
+    return TIMING.sub("<timed>", text) if b.timed else text
+
+
+def stale(root: Path = SOURCE_ROOT, ctx: Context | None = None) -> list[str]:
+    """`file: block` of each block whose text differs from its rendering (timings masked)."""
+    ctx = ctx or Context(root / "docs" / "results" / "results.json", measure=False)
+    out = []
+    for b in BLOCKS:
+        have = _content((root / b.file).read_text(), b)
+        if _masked(have, b) != _masked(_rendered(b, ctx, have), b):
+            out.append(f"{b.file}: {b.name or 'the whole file'}")
+    return out
+
+
+def write(root: Path = SOURCE_ROOT) -> list[str]:
+    """Rewrite every stale block (timed ones measured afresh); returns what changed."""
+    check = Context(root / "docs" / "results" / "results.json", measure=False)
+    measure = Context(root / "docs" / "results" / "results.json", measure=True)
+    measure.__dict__["claims"] = check.claims  # computed once
+    changed = []
+    for b in BLOCKS:
+        path = root / b.file
+        text = path.read_text()
+        have = _content(text, b)
+        want = _rendered(b, check, have)
+        if _masked(have, b) == _masked(want, b):
+            continue
+        if b.timed:
+            want = _rendered(b, measure, have)
+        if b.name is None:
+            path.write_text(want)
+        else:
+            i, j = _span(text, b.name)
+            path.write_text(text[:i] + want + text[j:])
+        changed.append(f"{b.file}: {b.name or 'the whole file'}")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m llmscale.docs",
+        description="Render every figure of README.md and docs/ from results.json, the planner "
+        "and the commands (make docs); --check: exit 1 when a block is stale.",
+    )
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for s in bad:
+            print(f"stale: {s} (run make docs)", file=sys.stderr)
+        return 1 if bad else 0
+    for s in write():
+        print(f"wrote {s}")
+    notice = results_notice(RESULTS_JSON)
+    if notice:  # as `llmscale claims` says it: the figures are rendered from the file as it is
+        print(f"llmscale docs: note: {notice}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
