@@ -482,23 +482,56 @@ def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
 
 def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> RankPieces:
     """Every piece of pipeline `rank`'s memory, activations and transients included."""
+    floor = _rank_floor(plan, rank, opt)
+    if not _splits_backward(plan, opt):
+        return floor
+    return floor._replace(pending_weight_grads=pipeline_held(plan, rank, opt).pending_weight_grads)
+
+
+def _splits_backward(plan: Plan, opt: MemoryOptions) -> bool:
+    """Does some B of `plan`'s schedule keep gradients for its W (`pipeline_held`)?"""
+    return (
+        plan.pp > 1 and opt.stack.pipeline != "freed"
+        and plan.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+    )  # fmt: skip
+
+
+def _rank_floor(plan: Plan, rank: int, opt: MemoryOptions) -> RankPieces:
+    """`rank_pieces` but the split backwards' pending gradients (0): no more than it, and it
+    needs no walk of the schedule's op order."""
     st = rank_states(plan, rank, opt)
-    transient = st.transient
+    key = (*plan.activations_key(), id(opt), rank)
+    acts, transient, buffers = _ACTIVITY.get(
+        key, lambda: _activity(plan, rank, opt), (plan.model, opt)
+    )
+    return st._replace(
+        activations=acts, transient=max(st.transient, transient), pipeline_buffers=buffers
+    )
+
+
+class _Activity(NamedTuple):
+    """What a rank's micro-batches add to its states: saved activations, the largest
+    transient besides FSDP's (the loss's logit gradients, a recomputed block; 0 when none),
+    the pipeline stages' receive buffers."""
+
+    activations: float
+    transient: float
+    pipeline_buffers: float
+
+
+_ACTIVITY: Memo[_Activity] = Memo("memory.rank_activity")
+
+
+def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> _Activity:
+    transient = 0.0
     if rank == plan.head_rank:
-        loss = cp_share(plan) * act.loss_transient_bytes(
+        transient = cp_share(plan) * act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )
-        transient = max(transient, loss)
     if plan.recompute in ("full", "every_k"):
         transient = max(transient, block_bytes(plan, "none", opt.kernels))
     acts = rank_activation_bytes(plan, rank, opt)
-    held = pipeline_held(plan, rank, opt)
-    return st._replace(
-        activations=acts,
-        transient=transient,
-        pending_weight_grads=held.pending_weight_grads,
-        pipeline_buffers=held.pipeline_buffers,
-    )
+    return _Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 
 
 class PipelineHeld(NamedTuple):
@@ -529,22 +562,30 @@ def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -
 
     The step's peak comes from the schedule's op order (`schedule.held_after_b_peak`).
     """
-    key = (*plan.activations_key(), id(opt), rank)
+    key = (*plan.pipeline_key(), id(opt), rank)
     compute = lambda: _pipeline_held(plan, rank, opt)  # noqa: E731
     return _HELD.get(key, compute, (plan.model, opt))
 
 
-def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
+def _pipeline_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+    """The receive buffers of `pipeline_held`."""
     if plan.pp == 1 or opt.stack.pipeline == "freed":  # Megatron frees each output once sent
-        return PipelineHeld(0.0, 0.0)
+        return 0.0
+    boundary = cp_share(plan) * act.boundary_bytes(*slice_args(plan, opt.kernels))
+    m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
+    ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
+    return sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
+
+
+def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
+    buffers = _pipeline_buffers(plan, rank, opt)
+    if not _splits_backward(plan, opt):
+        return PipelineHeld(0.0, buffers)
     args = slice_args(plan, opt.kernels)
     share = cp_share(plan)
     m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
     ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
     boundary = share * act.boundary_bytes(*args)
-    buffers = sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
-    if plan.pp_schedule not in SPLIT_BACKWARD_SCHEDULES:
-        return PipelineHeld(0.0, buffers)
     block = share * sum(t.nbytes for t in act.block_output_grads(*args))
     head = share * sum(t.nbytes for t in act.head_output_grads(*args))
     a = DTYPE_BYTES[plan.precision]
@@ -565,9 +606,22 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
     return PipelineHeld(peak, buffers)
 
 
-def worst_total(plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...]) -> float:
-    """The largest `RankMemory.total` over `ranks`, without building the records."""
-    return max((1 + opt.allocator_overhead) * rank_pieces(plan, r, opt).allocated for r in ranks)
+def worst_total(
+    plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...], limit: float = math.inf
+) -> float:
+    """The largest `RankMemory.total` over `ranks`, without building the records. Where the
+    ranks' totals without the split backwards' pending gradients already exceed `limit`, that
+    lower bound (> `limit`, as the total is), without walking the schedule's op order."""
+    over = 1 + opt.allocator_overhead
+    floors = [_rank_floor(plan, r, opt) for r in ranks]
+    floor = max(over * p.allocated for p in floors)
+    if floor > limit or not _splits_backward(plan, opt):
+        return floor
+    return max(
+        over * p._replace(pending_weight_grads=pipeline_held(plan, r, opt).pending_weight_grads)
+        .allocated
+        for p, r in zip(floors, ranks, strict=True)
+    )  # fmt: skip
 
 
 # ---- the textbook view ----------------------------------------------------------------------

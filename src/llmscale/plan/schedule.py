@@ -620,13 +620,29 @@ def held_frontier_exact(
 ) -> tuple[tuple[int, ...], ...]:
     """`_held_frontier` counted on the whole order."""
     pending, done = [0] * chunks, [0] * chunks
-    points: set[tuple[int, ...]] = set()
+    points: list[tuple[int, ...]] = []
     for chunk, step in split_backward_events(schedule, pp, microbatches, chunks, rank):
         pending[chunk] += step
         if step > 0:
             done[chunk] += 1
-            points.add((*pending, *done))
-    return _undominated(points)
+            points.append((*pending, *done))
+    # Each point has one more B done than the one before, so only a later point can dominate
+    # it, and one does exactly when its pending counts are no lower: walk back, keeping the
+    # undominated pending counts seen so far (a handful), before the general pass.
+    kept: set[tuple[int, ...]] = set()
+    later: list[tuple[int, ...]] = []
+    covered: set[tuple[int, ...]] = set()  # pending counts some later point's cover (repeat)
+    for p in reversed(points):
+        now = p[:chunks]
+        if now in covered:
+            continue
+        if any(all(a >= b for a, b in zip(q, now, strict=True)) for q in later):
+            covered.add(now)
+            continue
+        kept.add(p)
+        later = [q for q in later if not all(a >= b for a, b in zip(now, q, strict=True))]
+        later.append(now)
+    return _undominated(kept)
 
 
 def held_frontier_extended(

@@ -393,7 +393,7 @@ def search(
                                     pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
                                     zero_stage=zeros[zi], cp=space.cp, pp_layers=space.pp_layers,
                                 )  # fmt: skip
-                                total = mem.worst_total(plan, memory_options, ends)
+                                total = mem.worst_total(plan, memory_options, ends, budget)
                                 evaluated += 1
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
