@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Literal
 
 from llmscale.config import (
@@ -46,6 +45,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.model.config import stage_ids
+from llmscale.plan.cache import memoize
 
 OpKind = Literal["F", "B", "W"]
 Costs = float | Sequence[float]
@@ -494,7 +494,7 @@ def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
     return order_peak(schedule, pp, microbatches, chunks, rank)
 
 
-@lru_cache(maxsize=4096)
+@memoize
 def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
     itself: the orders have no one-line warm-up count to read it from."""
@@ -539,7 +539,7 @@ def split_backward_events(
     return _split_events(schedule, pp, microbatches, chunks, rank)
 
 
-@lru_cache(maxsize=1024)
+@memoize
 def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
@@ -600,7 +600,7 @@ def _steady_period(schedule: str, pp: int, microbatches: int) -> tuple[int, int]
     return m1, period
 
 
-@lru_cache(maxsize=1024)
+@memoize
 def _held_frontier(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
