@@ -609,18 +609,24 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
 def worst_total(
     plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...], limit: float = math.inf
 ) -> float:
-    """The largest `RankMemory.total` over `ranks`, without building the records. Where the
-    ranks' totals without the split backwards' pending gradients already exceed `limit`, that
-    lower bound (> `limit`, as the total is), without walking the schedule's op order."""
+    """The largest `RankMemory.total` over `ranks`, without building the records. Past
+    `limit`, some total above it: the first rank whose memory without the split backwards'
+    pending gradients (a lower bound) already exceeds it answers, before the other ranks and
+    without walking the schedule's op order."""
     over = 1 + opt.allocator_overhead
-    floors = [_rank_floor(plan, r, opt) for r in ranks]
-    floor = max(over * p.allocated for p in floors)
-    if floor > limit or not _splits_backward(plan, opt):
-        return floor
+    floors = []
+    for r in ranks:
+        p = _rank_floor(plan, r, opt)
+        total = over * p.allocated
+        if total > limit:
+            return total
+        floors.append((total, p, r))
+    if not _splits_backward(plan, opt):
+        return max(total for total, _, _ in floors)
     return max(
         over * p._replace(pending_weight_grads=pipeline_held(plan, r, opt).pending_weight_grads)
         .allocated
-        for p, r in zip(floors, ranks, strict=True)
+        for _, p, r in floors
     )  # fmt: skip
 
 
