@@ -227,6 +227,19 @@ def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> li
     rounds, one forward less per hop in warm-up, B = input gradient only, and from the
     (rank+1)-th steady step on each B followed by the W of the oldest B whose W is pending;
     the remaining Ws at the end (torch's `_get_1f1b_rank_ops(enable_zero_bubble=True)`)."""
+    counts: dict[tuple[str, int], int] = {}
+    order: list[Op] = []
+    for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank):
+        mb = counts.get((kind, stage), 0)
+        counts[(kind, stage)] = mb + 1
+        order.append(Op(kind, stage, rank, stage // pp, mb))
+    return order
+
+
+def _zero_bubble_actions(
+    pp: int, microbatches: int, chunks: int, rank: int
+) -> list[tuple[OpKind, int]]:
+    """`_zero_bubble_order` as (kind, stage) pairs (the held-memory frontier reads only these)."""
     per_round = microbatches // zero_bubble_rounds(pp, microbatches)
     total = microbatches * chunks
     warmup = min((chunks - 1) * per_round + (pp - 1 - rank), total)
@@ -237,29 +250,22 @@ def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> li
     def stage_b(step: int) -> int:
         return (chunks - 1 - ((step - warmup) // per_round) % chunks) * pp + rank
 
-    counts: dict[tuple[str, int], int] = {}
-    order: list[Op] = []
-
-    def add(kind: OpKind, stage: int) -> None:
-        mb = counts.get((kind, stage), 0)
-        counts[(kind, stage)] = mb + 1
-        order.append(Op(kind, stage, rank, stage // pp, mb))
-
+    order: list[tuple[OpKind, int]] = []
     b_steps: list[int] = []
     w_done = 0
     for step in range(total + warmup):
         if step < warmup:
-            add("F", stage_f(step))
+            order.append(("F", stage_f(step)))
             continue
         if step < total:
-            add("F", stage_f(step))
-        add("B", stage_b(step))
+            order.append(("F", stage_f(step)))
+        order.append(("B", stage_b(step)))
         b_steps.append(step)
         if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
-            add("W", stage_b(b_steps[w_done]))
+            order.append(("W", stage_b(b_steps[w_done])))
             w_done += 1
     while w_done < len(b_steps):
-        add("W", stage_b(b_steps[w_done]))
+        order.append(("W", stage_b(b_steps[w_done])))
         w_done += 1
     return order
 
@@ -543,6 +549,13 @@ def split_backward_events(
 def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
+    if schedule == "zero_bubble":  # no joined ops: every B waits for its W
+        step = {"B": 1, "W": -1}
+        return tuple(
+            (stage // pp, step[kind])
+            for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank)
+            if kind != "F"
+        )
     ops = _ORDERS[schedule](pp, microbatches, chunks, rank)
     events: list[tuple[int, int]] = []
     for k, op in enumerate(ops):
