@@ -825,7 +825,9 @@ def simulate_orders(
         action_end.append(last)
 
     end: dict[_Key, float] = {}
-    sent: dict[_Key, float] = {}  # when the output leaves the rank (its action's end)
+    # When each op's output leaves the rank (its action's end); without joined ops, its end.
+    joins = any(i != last[i] for last in action_end for i in range(len(last)))
+    sent: dict[_Key, float] = {} if joins else end
     pending: dict[tuple[int, int], list[_Key]] = {}  # (rank, index of action end) -> keys
     free_at = [0.0] * pp
     nxt = [0] * pp
@@ -836,32 +838,42 @@ def simulate_orders(
     while remaining:
         progressed = False
         for r in range(pp):
-            while nxt[r] < len(orders[r]):
-                op = orders[r][nxt[r]]
+            rank_ops, k, free = orders[r], nxt[r], free_at[r]
+            while k < len(rank_ops):
+                op = rank_ops[k]
                 ready = 0.0
                 for key, cross in _deps(op, n_stages, rank_of):
-                    if key not in (sent if cross else end):
-                        break
-                    ready = max(ready, sent[key] + t_p2p if cross else end[key])
+                    if cross:
+                        if key not in sent:
+                            break
+                        t = sent[key] + t_p2p
+                    else:
+                        if key not in end:
+                            break
+                        t = end[key]
+                    if t > ready:
+                        ready = t
                 else:
-                    start = max(free_at[r], ready)
+                    start = free if free > ready else ready
                     c = cost[op.kind][op.stage]
                     if op_costs is not None:
                         c = op_costs.get((op.kind, op.stage, op.microbatch), c)
                     finish = start + c
                     key = (op.kind, op.stage, op.microbatch)
                     end[key] = finish
-                    pending.setdefault((r, action_end[r][nxt[r]]), []).append(key)
-                    if action_end[r][nxt[r]] == nxt[r]:
-                        for done in pending.pop((r, nxt[r])):
-                            sent[done] = finish
-                    free_at[r] = finish
+                    if joins:
+                        pending.setdefault((r, action_end[r][k]), []).append(key)
+                        if action_end[r][k] == k:
+                            for done in pending.pop((r, k)):
+                                sent[done] = finish
+                    free = finish
                     timeline.append(TimedOp(r, op, start, finish))
-                    nxt[r] += 1
+                    k += 1
                     remaining -= 1
                     progressed = True
                     continue
                 break
+            nxt[r], free_at[r] = k, free
         if not progressed:
             raise DeadlockError(_deadlock_message(orders, nxt, end, sent))
 
