@@ -632,27 +632,25 @@ def held_frontier_exact(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
     """`_held_frontier` counted on the whole order."""
+    # Each B leaves one more B done than the one before, so only a later point can dominate
+    # a point, and one does exactly when its pending counts are no lower: of the points with
+    # equal pending counts only the last can be undominated, and of those the ones no later
+    # one's pending counts cover (found walking back), before the general pass.
     pending, done = [0] * chunks, [0] * chunks
-    points: list[tuple[int, ...]] = []
-    for chunk, step in split_backward_events(schedule, pp, microbatches, chunks, rank):
+    last: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}  # pending -> its last B
+    for i, (chunk, step) in enumerate(
+        split_backward_events(schedule, pp, microbatches, chunks, rank)
+    ):
         pending[chunk] += step
         if step > 0:
             done[chunk] += 1
-            points.append((*pending, *done))
-    # Each point has one more B done than the one before, so only a later point can dominate
-    # it, and one does exactly when its pending counts are no lower: walk back, keeping the
-    # undominated pending counts seen so far (a handful), before the general pass.
+            last[tuple(pending)] = (i, tuple(done))
     kept: set[tuple[int, ...]] = set()
     later: list[tuple[int, ...]] = []
-    covered: set[tuple[int, ...]] = set()  # pending counts some later point's cover (repeat)
-    for p in reversed(points):
-        now = p[:chunks]
-        if now in covered:
-            continue
+    for now, (_, did) in sorted(last.items(), key=lambda kv: -kv[1][0]):
         if any(all(a >= b for a, b in zip(q, now, strict=True)) for q in later):
-            covered.add(now)
             continue
-        kept.add(p)
+        kept.add((*now, *did))
         later = [q for q in later if not all(a >= b for a, b in zip(now, q, strict=True))]
         later.append(now)
     return _undominated(kept)
