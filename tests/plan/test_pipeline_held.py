@@ -20,6 +20,7 @@ from llmscale.plan.schedule import (
     held_frontier_exact,
     held_frontier_extended,
     schedule_ops,
+    split_b_count,
     split_backward_events,
 )
 
@@ -80,6 +81,11 @@ def test_split_events_are_the_op_orders(schedule: str, pp: int, m: int, chunks: 
                 want.append((op.chunk, -1))
         assert split_backward_events(schedule, pp, m, v, rank) == tuple(want)
         assert want.count((0, 1)) > 0
+        n = split_b_count(schedule, m)  # where it is stated, the count of split Bs per chunk
+        if schedule == "dualpipev":
+            assert n is None and want.count((0, 1)) < m
+        else:
+            assert [want.count((c, 1)) for c in range(v)] == [n] * v
 
 
 @pytest.mark.parametrize("schedule", UNSPLIT)

@@ -85,7 +85,7 @@ from llmscale.plan.cache import Memo
 from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import held_after_b_peak, inflight_units
+from llmscale.plan.schedule import held_after_b_peak, inflight_units, split_b_count
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
 __all__ = [
@@ -581,9 +581,17 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
     buffers = _pipeline_buffers(plan, rank, opt)
     if not _splits_backward(plan, opt):
         return PipelineHeld(0.0, buffers)
+    until_w, until_end = _held_weights(plan, rank, opt)
+    m = plan.n_microbatches
+    peak = held_after_b_peak(plan.pp_schedule, plan.pp, m, plan.chunks, rank, until_w, until_end)
+    return PipelineHeld(peak, buffers)
+
+
+def _held_weights(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[list[float], list[float]]:
+    """Per chunk of `rank`, the bytes a split B keeps until its W and until the step's end."""
     args = slice_args(plan, opt.kernels)
     share = cp_share(plan)
-    m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
+    n_stages = plan.pp * plan.chunks
     ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
     boundary = share * act.boundary_bytes(*args)
     block = share * sum(t.nbytes for t in act.block_output_grads(*args))
@@ -602,8 +610,29 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
                 pending -= boundary
         until_w.append(pending)
         until_end.append(0.0 if g == 0 or g - 1 in ids else boundary)
-    peak = held_after_b_peak(plan.pp_schedule, plan.pp, m, plan.chunks, rank, until_w, until_end)
-    return PipelineHeld(peak, buffers)
+    return until_w, until_end
+
+
+_HELD_FLOOR: Memo[float] = Memo("memory.held_floor")
+
+
+def _held_floor(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+    """No more than `pipeline_held`'s pending gradients, without walking the op order: its
+    last split B is a point of the held frontier, where every split B so far keeps its input
+    gradient (`until_end`); 0 where the schedule does not say how many Bs are split."""
+
+    def compute() -> float:
+        n = split_b_count(plan.pp_schedule, plan.n_microbatches)
+        if n is None:
+            return 0.0
+        return sum(n * e for e in _held_weights(plan, rank, opt)[1])
+
+    return _HELD_FLOOR.get((*plan.pipeline_key(), id(opt), rank), compute, (plan.model, opt))
+
+
+# A lower bound is trusted to exceed the limit only by more than this share (its sum runs in
+# another order than the peak's: rounding).
+_BOUND_MARGIN = 1e-12
 
 
 def worst_total(
@@ -623,6 +652,11 @@ def worst_total(
         floors.append((total, p, r))
     if not _splits_backward(plan, opt):
         return max(total for total, _, _ in floors)
+    if limit < math.inf:
+        for _, p, r in floors:
+            bound = over * p._replace(pending_weight_grads=_held_floor(plan, r, opt)).allocated
+            if bound > limit * (1 + _BOUND_MARGIN):
+                return bound
     return max(
         over * p._replace(pending_weight_grads=pipeline_held(plan, r, opt).pending_weight_grads)
         .allocated

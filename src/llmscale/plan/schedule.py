@@ -569,6 +569,13 @@ def _split_events(
     return tuple(events)
 
 
+def split_b_count(schedule: str, microbatches: int) -> int | None:
+    """Split Bs (W run apart) per chunk in each rank's order, where the schedule says without
+    its order being walked: every one of zero_bubble's and zbv's (neither joins a W to its B);
+    None elsewhere (dualpipev runs some backwards whole)."""
+    return microbatches if schedule in ("zero_bubble", "zbv") else None
+
+
 def held_after_b_peak(
     schedule: str,
     pp: int,
@@ -844,13 +851,13 @@ def simulate_orders(
                     if cross:
                         if key not in sent:
                             break
-                        t = sent[key] + t_p2p
+                        at = sent[key] + t_p2p
                     else:
                         if key not in end:
                             break
-                        t = end[key]
-                    if t > ready:
-                        ready = t
+                        at = end[key]
+                    if at > ready:
+                        ready = at
                 else:
                     start = free if free > ready else ready
                     c = cost[op.kind][op.stage]
