@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from llmscale.config import (
     LOOP_MULTI_CHUNK_SCHEDULES,
@@ -72,9 +72,9 @@ class Op:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
-@dataclass(frozen=True)
-class TimedOp:
-    """An op as the simulator placed it on its rank's timeline."""
+class TimedOp(NamedTuple):
+    """An op as the simulator placed it on its rank's timeline (a named tuple: a step of a
+    large pipeline places tens of thousands)."""
 
     rank: int
     op: Op
