@@ -48,6 +48,7 @@ from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig, stage_ids, stage_layer_counts
 from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
+from llmscale.plan.cache import memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
 from llmscale.stack import LLMSCALE, Stack, tied_pipeline_problem
@@ -265,6 +266,7 @@ def _stages_ok(model: ModelConfig, stages: int, space: SearchSpace) -> bool:
     return stages <= model.n_layers
 
 
+@memoize
 def _costed_ranks(
     model: ModelConfig, pp: int, space: SearchSpace, chunks: int = 1, v_shape: bool = False
 ) -> tuple[int, ...]:
