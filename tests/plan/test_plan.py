@@ -24,6 +24,7 @@ from llmscale.plan.memory import (
     DEFAULT_OPTIONS,
     pipeline_held,
     rank_activation_bytes,
+    rank_block_bytes,
     rank_pieces,
     rank_states,
 )
@@ -78,6 +79,7 @@ RESULTS: dict[str, tuple[Callable[[Plan], tuple[Any, ...]], Callable[[Plan, int]
     "states": (Plan.states_key, lambda p, r: rank_states(p, r, DEFAULT_OPTIONS)),
     "activations": (Plan.activations_key, lambda p, r: rank_activation_bytes(p, r)),
     "pipeline held": (Plan.pipeline_key, lambda p, r: pipeline_held(p, r)),
+    "rank blocks": (Plan.blocks_key, lambda p, r: rank_block_bytes(p, r)),
     "every piece": (
         lambda p: (*p.states_key(), *p.activations_key()),
         lambda p, r: rank_pieces(p, r),

@@ -110,6 +110,7 @@ __all__ = [
     "rank_states",
     "slice_args",
     "rank_activation_bytes",
+    "rank_block_bytes",
     "worst_total",
     "zero_textbook_bytes",
 ]
@@ -416,9 +417,22 @@ def rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OP
     return _ACTIVATIONS.get(key, compute, (plan.model, opt))
 
 
+_BLOCKS: Memo[float] = Memo("memory.rank_block_bytes")
+
+
+def rank_block_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
+    """Bytes the blocks of pipeline `rank` save for one micro-batch (all its chunks), cached on
+    what they read (`Plan.blocks_key`: no schedule's in-flight count)."""
+
+    def compute() -> float:
+        modes = plan.block_modes(plan.rank_layers(rank))
+        return sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
+
+    return _BLOCKS.get((*plan.blocks_key(), id(opt), rank), compute, (plan.model, opt))
+
+
 def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
-    modes = plan.block_modes(plan.rank_layers(rank))
-    per_micro = sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
+    per_micro = rank_block_bytes(plan, rank, opt)
     # With uneven chunks (interleaved), a chunk unit is taken as the rank's mean chunk.
     units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
     total = units * per_micro / plan.chunks
@@ -432,6 +446,7 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
         # those (measured: tests/plan/test_predicted_vs_measured.py).
         args = slice_args(plan, opt.kernels)
+        modes = plan.block_modes(plan.rank_layers(rank))
         total += cp_share(plan) * sum(
             n * sum(t.nbytes for t in act.checkpoint_inputs(act.block_tensors(*args, m), m))
             for m, n in modes.items()

@@ -170,6 +170,15 @@ class Plan(MeshDegrees):
             self.cp,
         )  # fmt: skip
 
+    def blocks_key(self) -> tuple[Hashable, ...]:
+        """What the blocks of a rank save for one micro-batch (plan/memory.py; no schedule but
+        where it places the layers)."""
+        return (
+            id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
+            self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
+            self.chunks, self.v_shape, self.lowp_weights, self.pp_layers, self.cp,
+        )  # fmt: skip
+
     def pipeline_key(self) -> tuple[Hashable, ...]:
         """What a rank's pipeline stages hold besides saved activations: receive buffers and
         split backwards' pending gradients (plan/memory.py; no recompute: it saves no less)."""
