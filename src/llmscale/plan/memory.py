@@ -582,10 +582,18 @@ def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -
     return _HELD.get(key, compute, (plan.model, opt))
 
 
+_BUFFERS: Memo[float] = Memo("memory.pipeline_buffers")
+
+
 def _pipeline_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
-    """The receive buffers of `pipeline_held`."""
+    """The receive buffers of `pipeline_held` (cached on `Plan.pipeline_key`)."""
     if plan.pp == 1 or opt.stack.pipeline == "freed":  # Megatron frees each output once sent
         return 0.0
+    key = (*plan.pipeline_key(), id(opt), rank)
+    return _BUFFERS.get(key, lambda: _receive_buffers(plan, rank, opt), (plan.model, opt))
+
+
+def _receive_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     boundary = cp_share(plan) * act.boundary_bytes(*slice_args(plan, opt.kernels))
     m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
     ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
