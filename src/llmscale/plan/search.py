@@ -14,9 +14,12 @@ and device reserve), and offloaded states fit the node's host memory. Ranked by 
 time (plan/time.py), closed-form bubble in the loop; the best `resimulate` are re-timed with the
 pipeline simulator before the final ranking.
 
-Speed (a 70B model over 4096 GPUs in well under a second, bench/plan_speed.py): memory is
-checked before time; states alone prune a layout before any activation is counted; larger
-micro-batches are tried only while smaller ones fit (memory grows with micro-batch size); only
+Speed (`python -m llmscale.bench.plan_speed`: llama2-70b on 64 H200 within 1 s, llama3-70b on
+4096 H100 within 0.5 s; docs/planner.md, "Search speed"): memory is checked before time, rank
+0 first, stopping at the first rank over the budget (`mem.worst_total`'s limit; a split
+schedule's op order is walked only where the rest fits); states alone prune a layout before
+any activation is counted; larger micro-batches are tried only while smaller ones fit (memory
+grows with micro-batch size); only
 the first and last pipeline ranks are costed in the loop (they hold the embedding and the head,
 and rank 0 the most micro-batches in flight), plus, split unevenly, the first rank with the most
 layers (every rank for an explicit `pp_layers`); a recompute mode that keeps no less than a
