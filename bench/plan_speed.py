@@ -1,4 +1,4 @@
-"""How long `llmscale plan`'s search takes: Llama 2 70B (and 405B) from 8 to 4096 GPUs.
+"""How long `llmscale plan`'s search takes: issue 25's two searches (or one of your own).
 
 An entry point only: the benchmark lives in `llmscale.bench.plan_speed`, also runnable as
 `python -m llmscale.bench.plan_speed`; `--help` lists its flags.

@@ -95,18 +95,21 @@ def _demo_search() -> PlanReport:
     return plan_report("llama2-70b", 64, "h200", 4096, 1024, "bf16", 5)
 
 
-def _search_seconds(ctx: Context, name: str, gpu: str, gpus: int, batch: int) -> float:
+def _search_seconds(ctx: Context, case: Any) -> float:
     from llmscale.bench.plan_speed import time_search
 
-    return time_search(name, gpu, gpus, batch).cpu if ctx.measure else 0.0
+    return time_search(case).cpu_s if ctx.measure else 0.0
 
 
 def plan_speed(ctx: Context) -> str:
-    """README: how long the largest 70B search takes (CPU seconds, cold)."""
-    s = _search_seconds(ctx, "llama2-70b", "h200", 4096, 4096)
+    """README: how long the largest search of bench/plan_speed.py takes (CPU seconds, cold)."""
+    from llmscale.bench.plan_speed import CASES
+
+    case = max(CASES, key=lambda c: c.gpus)
+    s = _search_seconds(ctx, case)
     return (
-        f"70B on 4,096 H200s in {s:.2f} s of CPU time, cold (`bench/plan_speed.py`; measured "
-        "by `make docs`)"
+        f"{case.model} on {case.gpus:,} {case.gpu.upper()}s in {s:.2f} s of CPU time, cold "
+        "(`python -m llmscale.bench.plan_speed`; measured by `make docs`)"
     )
 
 
@@ -115,9 +118,9 @@ def plan_speed_cases(ctx: Context) -> str:
     from llmscale.bench.plan_speed import CASES
 
     parts = []
-    for name, gpu, gpus, batch in CASES:
-        s = _search_seconds(ctx, name, gpu, gpus, batch)
-        parts.append(f"{name} on {gpus:,} {gpu.upper()}s (batch {batch:,}) {s:.2f} s")
+    for case in CASES:
+        s = _search_seconds(ctx, case)
+        parts.append(f"{case.label()}: {s:.2f} s")
     return "CPU time of a cold search, measured by `make docs` on this machine: " + "; ".join(parts)
 
 

@@ -52,13 +52,24 @@ def test_help_of_every_script() -> None:
         assert out.startswith("usage:") and f"llmscale.bench.{name}" in out, (name, out)
 
 
-def test_plan_speed_tiny_run(capsys) -> None:
+def test_plan_speed_times_a_small_search(capsys) -> None:
     from llmscale.bench import plan_speed
 
-    plan_speed.main(["--max-gpus", "8"])
+    plan_speed.main(
+        ["--model", "llama2-7b", "--gpus", "8", "--seq", "2048", "--global-batch", "64"]
+    )
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3 and lines[1].split()[:3] == ["llama2-70b", "h200", "8"]
-    assert lines[2].startswith("slowest 70B search (cold, CPU time):")
+    assert len(lines) == 2 and lines[0].split()[:3] == ["search", "wall", "s"]
+    row = lines[1].split()
+    assert row[:4] == ["llama2-7b", "on", "8", "h200,"]
+    wall, cpu, costed, fit = float(row[9]), float(row[10]), int(row[11]), int(row[12])
+    assert cpu > 0 and 0 < wall < 60 and 0 < fit <= costed
+    assert row[13] == "-" and "s/step" in lines[1]  # no target; the best plan named
+    # The two searches are what it times by default.
+    assert [(c.model, c.gpus, c.gpu, c.target_s) for c in plan_speed.CASES] == [
+        ("llama2-70b", 64, "h200", 1.0),
+        ("llama3-70b", 4096, "h100", 0.5),
+    ]
 
 
 def test_published_prints_every_row(capsys) -> None:

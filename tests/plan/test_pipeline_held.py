@@ -20,6 +20,8 @@ from llmscale.plan.schedule import (
     held_frontier_exact,
     held_frontier_extended,
     schedule_ops,
+    split_b_count,
+    split_backward_events,
 )
 
 SPLIT = ("zero_bubble", "zbv", "dualpipev")
@@ -61,6 +63,29 @@ def test_the_peak_is_the_op_orders(schedule: str, pp: int, m: int) -> None:
         assert 0 < n_split <= 2 * m
         if schedule != "dualpipev":  # it runs some backwards whole
             assert n_split == 2 * m
+
+
+@pytest.mark.parametrize("schedule", SPLIT)
+@pytest.mark.parametrize(("pp", "m", "chunks"), [(2, 6, 1), (4, 8, 2), (3, 18, 4), (4, 32, 2)])
+def test_split_events_are_the_op_orders(schedule: str, pp: int, m: int, chunks: int) -> None:
+    """The events the held frontier counts (zero_bubble's read without building its ops) are
+    the op order's: +1 at a B whose W runs apart, -1 at that W."""
+    v = 2 if schedule != "zero_bubble" else chunks
+    for rank, ops in enumerate(schedule_ops(schedule, pp, m, v)):
+        want = []
+        for k, op in enumerate(ops):
+            nxt = ops[k + 1] if k + 1 < len(ops) else None
+            if op.kind == "B" and not (nxt is not None and nxt.kind == "W" and nxt.joined):
+                want.append((op.chunk, 1))
+            elif op.kind == "W" and not op.joined:
+                want.append((op.chunk, -1))
+        assert split_backward_events(schedule, pp, m, v, rank) == tuple(want)
+        assert want.count((0, 1)) > 0
+        n = split_b_count(schedule, m)  # where it is stated, the count of split Bs per chunk
+        if schedule == "dualpipev":
+            assert n is None and want.count((0, 1)) < m
+        else:
+            assert [want.count((c, 1)) for c in range(v)] == [n] * v
 
 
 @pytest.mark.parametrize("schedule", UNSPLIT)

@@ -21,7 +21,14 @@ from llmscale.model.config import get_preset
 from llmscale.plan import cache
 from llmscale.plan import time as tm
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.memory import DEFAULT_OPTIONS, rank_activation_bytes, rank_states
+from llmscale.plan.memory import (
+    DEFAULT_OPTIONS,
+    pipeline_held,
+    rank_activation_bytes,
+    rank_block_bytes,
+    rank_pieces,
+    rank_states,
+)
 from llmscale.plan.plan import Plan
 
 L7 = get_preset("llama2-7b")
@@ -39,6 +46,10 @@ BASES = {
         sequence_parallel=True, offload="optimizer",
     ),
     "one_rank": Plan(model=TINY, seq_len=64, micro_batch_size=2, global_batch_size=8),
+    "zbv_split_backward": Plan(
+        model=L7, seq_len=1024, micro_batch_size=1, global_batch_size=8, precision="bf16",
+        tp=2, pp=2, pp_schedule="zbv", pp_chunks=2, recompute="selective",
+    ),
 }  # fmt: skip
 
 # Another value of each field (a list: the first that gives a valid plan is used).
@@ -68,6 +79,12 @@ OTHER: dict[str, list[Any]] = {
 RESULTS: dict[str, tuple[Callable[[Plan], tuple[Any, ...]], Callable[[Plan, int], Any]]] = {
     "states": (Plan.states_key, lambda p, r: rank_states(p, r, DEFAULT_OPTIONS)),
     "activations": (Plan.activations_key, lambda p, r: rank_activation_bytes(p, r)),
+    "pipeline held": (Plan.pipeline_key, lambda p, r: pipeline_held(p, r)),
+    "rank blocks": (Plan.blocks_key, lambda p, r: rank_block_bytes(p, r)),
+    "every piece": (
+        lambda p: (*p.states_key(), *p.activations_key()),
+        lambda p, r: rank_pieces(p, r),
+    ),
     "stage time": (
         Plan.stage_time_key,
         lambda p, r: (lambda t: (t.stage_fwd[r], t.stage_bwd[r]))(

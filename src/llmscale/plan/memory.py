@@ -85,7 +85,7 @@ from llmscale.plan.cache import Memo
 from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import held_after_b_peak, inflight_units
+from llmscale.plan.schedule import held_after_b_peak, inflight_units, split_b_count
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
 __all__ = [
@@ -110,6 +110,7 @@ __all__ = [
     "rank_states",
     "slice_args",
     "rank_activation_bytes",
+    "rank_block_bytes",
     "worst_total",
     "zero_textbook_bytes",
 ]
@@ -416,9 +417,22 @@ def rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OP
     return _ACTIVATIONS.get(key, compute, (plan.model, opt))
 
 
+_BLOCKS: Memo[float] = Memo("memory.rank_block_bytes")
+
+
+def rank_block_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
+    """Bytes the blocks of pipeline `rank` save for one micro-batch (all its chunks), cached on
+    what they read (`Plan.blocks_key`: no schedule's in-flight count)."""
+
+    def compute() -> float:
+        modes = plan.block_modes(plan.rank_layers(rank))
+        return sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
+
+    return _BLOCKS.get((*plan.blocks_key(), id(opt), rank), compute, (plan.model, opt))
+
+
 def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
-    modes = plan.block_modes(plan.rank_layers(rank))
-    per_micro = sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
+    per_micro = rank_block_bytes(plan, rank, opt)
     # With uneven chunks (interleaved), a chunk unit is taken as the rank's mean chunk.
     units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
     total = units * per_micro / plan.chunks
@@ -432,6 +446,7 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
         # those (measured: tests/plan/test_predicted_vs_measured.py).
         args = slice_args(plan, opt.kernels)
+        modes = plan.block_modes(plan.rank_layers(rank))
         total += cp_share(plan) * sum(
             n * sum(t.nbytes for t in act.checkpoint_inputs(act.block_tensors(*args, m), m))
             for m, n in modes.items()
@@ -482,23 +497,56 @@ def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
 
 def rank_pieces(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> RankPieces:
     """Every piece of pipeline `rank`'s memory, activations and transients included."""
+    floor = _rank_floor(plan, rank, opt)
+    if not _splits_backward(plan, opt):
+        return floor
+    return floor._replace(pending_weight_grads=pipeline_held(plan, rank, opt).pending_weight_grads)
+
+
+def _splits_backward(plan: Plan, opt: MemoryOptions) -> bool:
+    """Does some B of `plan`'s schedule keep gradients for its W (`pipeline_held`)?"""
+    return (
+        plan.pp > 1 and opt.stack.pipeline != "freed"
+        and plan.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+    )  # fmt: skip
+
+
+def _rank_floor(plan: Plan, rank: int, opt: MemoryOptions) -> RankPieces:
+    """`rank_pieces` but the split backwards' pending gradients (0): no more than it, and it
+    needs no walk of the schedule's op order."""
     st = rank_states(plan, rank, opt)
-    transient = st.transient
+    key = (*plan.activations_key(), id(opt), rank)
+    acts, transient, buffers = _ACTIVITY.get(
+        key, lambda: _activity(plan, rank, opt), (plan.model, opt)
+    )
+    return st._replace(
+        activations=acts, transient=max(st.transient, transient), pipeline_buffers=buffers
+    )
+
+
+class _Activity(NamedTuple):
+    """What a rank's micro-batches add to its states: saved activations, the largest
+    transient besides FSDP's (the loss's logit gradients, a recomputed block; 0 when none),
+    the pipeline stages' receive buffers."""
+
+    activations: float
+    transient: float
+    pipeline_buffers: float
+
+
+_ACTIVITY: Memo[_Activity] = Memo("memory.rank_activity")
+
+
+def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> _Activity:
+    transient = 0.0
     if rank == plan.head_rank:
-        loss = cp_share(plan) * act.loss_transient_bytes(
+        transient = cp_share(plan) * act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )
-        transient = max(transient, loss)
     if plan.recompute in ("full", "every_k"):
         transient = max(transient, block_bytes(plan, "none", opt.kernels))
     acts = rank_activation_bytes(plan, rank, opt)
-    held = pipeline_held(plan, rank, opt)
-    return st._replace(
-        activations=acts,
-        transient=transient,
-        pending_weight_grads=held.pending_weight_grads,
-        pipeline_buffers=held.pipeline_buffers,
-    )
+    return _Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 
 
 class PipelineHeld(NamedTuple):
@@ -529,22 +577,46 @@ def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -
 
     The step's peak comes from the schedule's op order (`schedule.held_after_b_peak`).
     """
-    key = (*plan.activations_key(), id(opt), rank)
+    key = (*plan.pipeline_key(), id(opt), rank)
     compute = lambda: _pipeline_held(plan, rank, opt)  # noqa: E731
     return _HELD.get(key, compute, (plan.model, opt))
 
 
-def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
+_BUFFERS: Memo[float] = Memo("memory.pipeline_buffers")
+
+
+def _pipeline_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+    """The receive buffers of `pipeline_held` (cached on `Plan.pipeline_key`)."""
     if plan.pp == 1 or opt.stack.pipeline == "freed":  # Megatron frees each output once sent
-        return PipelineHeld(0.0, 0.0)
-    args = slice_args(plan, opt.kernels)
-    share = cp_share(plan)
+        return 0.0
+    key = (*plan.pipeline_key(), id(opt), rank)
+    return _BUFFERS.get(key, lambda: _receive_buffers(plan, rank, opt), (plan.model, opt))
+
+
+def _receive_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+    boundary = cp_share(plan) * act.boundary_bytes(*slice_args(plan, opt.kernels))
     m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
     ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
-    boundary = share * act.boundary_bytes(*args)
-    buffers = sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
-    if plan.pp_schedule not in SPLIT_BACKWARD_SCHEDULES:
+    return sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
+
+
+def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
+    buffers = _pipeline_buffers(plan, rank, opt)
+    if not _splits_backward(plan, opt):
         return PipelineHeld(0.0, buffers)
+    until_w, until_end = _held_weights(plan, rank, opt)
+    m = plan.n_microbatches
+    peak = held_after_b_peak(plan.pp_schedule, plan.pp, m, plan.chunks, rank, until_w, until_end)
+    return PipelineHeld(peak, buffers)
+
+
+def _held_weights(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[list[float], list[float]]:
+    """Per chunk of `rank`, the bytes a split B keeps until its W and until the step's end."""
+    args = slice_args(plan, opt.kernels)
+    share = cp_share(plan)
+    n_stages = plan.pp * plan.chunks
+    ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
+    boundary = share * act.boundary_bytes(*args)
     block = share * sum(t.nbytes for t in act.block_output_grads(*args))
     head = share * sum(t.nbytes for t in act.head_output_grads(*args))
     a = DTYPE_BYTES[plan.precision]
@@ -561,13 +633,58 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
                 pending -= boundary
         until_w.append(pending)
         until_end.append(0.0 if g == 0 or g - 1 in ids else boundary)
-    peak = held_after_b_peak(plan.pp_schedule, plan.pp, m, plan.chunks, rank, until_w, until_end)
-    return PipelineHeld(peak, buffers)
+    return until_w, until_end
 
 
-def worst_total(plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...]) -> float:
-    """The largest `RankMemory.total` over `ranks`, without building the records."""
-    return max((1 + opt.allocator_overhead) * rank_pieces(plan, r, opt).allocated for r in ranks)
+_HELD_FLOOR: Memo[float] = Memo("memory.held_floor")
+
+
+def _held_floor(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+    """No more than `pipeline_held`'s pending gradients, without walking the op order: its
+    last split B is a point of the held frontier, where every split B so far keeps its input
+    gradient (`until_end`); 0 where the schedule does not say how many Bs are split."""
+
+    def compute() -> float:
+        n = split_b_count(plan.pp_schedule, plan.n_microbatches)
+        if n is None:
+            return 0.0
+        return sum(n * e for e in _held_weights(plan, rank, opt)[1])
+
+    return _HELD_FLOOR.get((*plan.pipeline_key(), id(opt), rank), compute, (plan.model, opt))
+
+
+# A lower bound is trusted to exceed the limit only by more than this share (its sum runs in
+# another order than the peak's: rounding).
+_BOUND_MARGIN = 1e-12
+
+
+def worst_total(
+    plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...], limit: float = math.inf
+) -> float:
+    """The largest `RankMemory.total` over `ranks`, without building the records. Past
+    `limit`, some total above it: the first rank whose memory without the split backwards'
+    pending gradients (a lower bound) already exceeds it answers, before the other ranks and
+    without walking the schedule's op order."""
+    over = 1 + opt.allocator_overhead
+    floors = []
+    for r in ranks:
+        p = _rank_floor(plan, r, opt)
+        total = over * p.allocated
+        if total > limit:
+            return total
+        floors.append((total, p, r))
+    if not _splits_backward(plan, opt):
+        return max(total for total, _, _ in floors)
+    if limit < math.inf:
+        for _, p, r in floors:
+            bound = over * p._replace(pending_weight_grads=_held_floor(plan, r, opt)).allocated
+            if bound > limit * (1 + _BOUND_MARGIN):
+                return bound
+    return max(
+        over * p._replace(pending_weight_grads=pipeline_held(plan, r, opt).pending_weight_grads)
+        .allocated
+        for _, p, r in floors
+    )  # fmt: skip
 
 
 # ---- the textbook view ----------------------------------------------------------------------

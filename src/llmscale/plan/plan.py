@@ -185,6 +185,24 @@ class Plan(MeshDegrees):
             self.cp,
         )  # fmt: skip
 
+    def blocks_key(self) -> tuple[Hashable, ...]:
+        """What the blocks of a rank save for one micro-batch (plan/memory.py; no schedule but
+        where it places the layers)."""
+        return (
+            id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
+            self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
+            self.chunks, self.v_shape, self.lowp_weights, self.pp_layers, self.cp,
+        )  # fmt: skip
+
+    def pipeline_key(self) -> tuple[Hashable, ...]:
+        """What a rank's pipeline stages hold besides saved activations: receive buffers and
+        split backwards' pending gradients (plan/memory.py; no recompute: it saves no less)."""
+        return (
+            id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
+            self.sequence_parallel, self.pp, self.pp_schedule, self.chunks, self.n_microbatches,
+            self.lowp_weights, self.pp_layers, self.cp,
+        )  # fmt: skip
+
     def stage_time_key(self) -> tuple[Hashable, ...]:
         """One micro-batch's forward and backward time on a rank (plan/time.py)."""
         return (

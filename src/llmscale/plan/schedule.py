@@ -35,8 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from llmscale.config import (
     LOOP_MULTI_CHUNK_SCHEDULES,
@@ -46,6 +45,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.model.config import stage_ids
+from llmscale.plan.cache import memoize
 
 OpKind = Literal["F", "B", "W"]
 Costs = float | Sequence[float]
@@ -72,9 +72,9 @@ class Op:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
-@dataclass(frozen=True)
-class TimedOp:
-    """An op as the simulator placed it on its rank's timeline."""
+class TimedOp(NamedTuple):
+    """An op as the simulator placed it on its rank's timeline (a named tuple: a step of a
+    large pipeline places tens of thousands)."""
 
     rank: int
     op: Op
@@ -227,6 +227,19 @@ def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> li
     rounds, one forward less per hop in warm-up, B = input gradient only, and from the
     (rank+1)-th steady step on each B followed by the W of the oldest B whose W is pending;
     the remaining Ws at the end (torch's `_get_1f1b_rank_ops(enable_zero_bubble=True)`)."""
+    counts: dict[tuple[str, int], int] = {}
+    order: list[Op] = []
+    for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank):
+        mb = counts.get((kind, stage), 0)
+        counts[(kind, stage)] = mb + 1
+        order.append(Op(kind, stage, rank, stage // pp, mb))
+    return order
+
+
+def _zero_bubble_actions(
+    pp: int, microbatches: int, chunks: int, rank: int
+) -> list[tuple[OpKind, int]]:
+    """`_zero_bubble_order` as (kind, stage) pairs (the held-memory frontier reads only these)."""
     per_round = microbatches // zero_bubble_rounds(pp, microbatches)
     total = microbatches * chunks
     warmup = min((chunks - 1) * per_round + (pp - 1 - rank), total)
@@ -237,29 +250,22 @@ def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> li
     def stage_b(step: int) -> int:
         return (chunks - 1 - ((step - warmup) // per_round) % chunks) * pp + rank
 
-    counts: dict[tuple[str, int], int] = {}
-    order: list[Op] = []
-
-    def add(kind: OpKind, stage: int) -> None:
-        mb = counts.get((kind, stage), 0)
-        counts[(kind, stage)] = mb + 1
-        order.append(Op(kind, stage, rank, stage // pp, mb))
-
+    order: list[tuple[OpKind, int]] = []
     b_steps: list[int] = []
     w_done = 0
     for step in range(total + warmup):
         if step < warmup:
-            add("F", stage_f(step))
+            order.append(("F", stage_f(step)))
             continue
         if step < total:
-            add("F", stage_f(step))
-        add("B", stage_b(step))
+            order.append(("F", stage_f(step)))
+        order.append(("B", stage_b(step)))
         b_steps.append(step)
         if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
-            add("W", stage_b(b_steps[w_done]))
+            order.append(("W", stage_b(b_steps[w_done])))
             w_done += 1
     while w_done < len(b_steps):
-        add("W", stage_b(b_steps[w_done]))
+        order.append(("W", stage_b(b_steps[w_done])))
         w_done += 1
     return order
 
@@ -494,7 +500,7 @@ def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
     return order_peak(schedule, pp, microbatches, chunks, rank)
 
 
-@lru_cache(maxsize=4096)
+@memoize
 def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
     itself: the orders have no one-line warm-up count to read it from."""
@@ -539,10 +545,17 @@ def split_backward_events(
     return _split_events(schedule, pp, microbatches, chunks, rank)
 
 
-@lru_cache(maxsize=1024)
+@memoize
 def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
+    if schedule == "zero_bubble":  # no joined ops: every B waits for its W
+        step = {"B": 1, "W": -1}
+        return tuple(
+            (stage // pp, step[kind])
+            for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank)
+            if kind != "F"
+        )
     ops = _ORDERS[schedule](pp, microbatches, chunks, rank)
     events: list[tuple[int, int]] = []
     for k, op in enumerate(ops):
@@ -554,6 +567,13 @@ def _split_events(
         elif op.kind == "W" and not op.joined:
             events.append((op.chunk, -1))
     return tuple(events)
+
+
+def split_b_count(schedule: str, microbatches: int) -> int | None:
+    """Split Bs (W run apart) per chunk in each rank's order, where the schedule says without
+    its order being walked: every one of zero_bubble's and zbv's (neither joins a W to its B);
+    None elsewhere (dualpipev runs some backwards whole)."""
+    return microbatches if schedule in ("zero_bubble", "zbv") else None
 
 
 def held_after_b_peak(
@@ -600,7 +620,7 @@ def _steady_period(schedule: str, pp: int, microbatches: int) -> tuple[int, int]
     return m1, period
 
 
-@lru_cache(maxsize=1024)
+@memoize
 def _held_frontier(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
@@ -619,14 +639,28 @@ def held_frontier_exact(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
     """`_held_frontier` counted on the whole order."""
+    # Each B leaves one more B done than the one before, so only a later point can dominate
+    # a point, and one does exactly when its pending counts are no lower: of the points with
+    # equal pending counts only the last can be undominated, and of those the ones no later
+    # one's pending counts cover (found walking back), before the general pass.
     pending, done = [0] * chunks, [0] * chunks
-    points: set[tuple[int, ...]] = set()
-    for chunk, step in split_backward_events(schedule, pp, microbatches, chunks, rank):
+    last: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}  # pending -> its last B
+    for i, (chunk, step) in enumerate(
+        split_backward_events(schedule, pp, microbatches, chunks, rank)
+    ):
         pending[chunk] += step
         if step > 0:
             done[chunk] += 1
-            points.add((*pending, *done))
-    return _undominated(points)
+            last[tuple(pending)] = (i, tuple(done))
+    kept: set[tuple[int, ...]] = set()
+    later: list[tuple[int, ...]] = []
+    for now, (_, did) in sorted(last.items(), key=lambda kv: -kv[1][0]):
+        if any(all(a >= b for a, b in zip(q, now, strict=True)) for q in later):
+            continue
+        kept.add((*now, *did))
+        later = [q for q in later if not all(a >= b for a, b in zip(now, q, strict=True))]
+        later.append(now)
+    return _undominated(kept)
 
 
 def held_frontier_extended(
@@ -796,7 +830,9 @@ def simulate_orders(
         action_end.append(last)
 
     end: dict[_Key, float] = {}
-    sent: dict[_Key, float] = {}  # when the output leaves the rank (its action's end)
+    # When each op's output leaves the rank (its action's end); without joined ops, its end.
+    joins = any(i != last[i] for last in action_end for i in range(len(last)))
+    sent: dict[_Key, float] = {} if joins else end
     pending: dict[tuple[int, int], list[_Key]] = {}  # (rank, index of action end) -> keys
     free_at = [0.0] * pp
     nxt = [0] * pp
@@ -807,32 +843,42 @@ def simulate_orders(
     while remaining:
         progressed = False
         for r in range(pp):
-            while nxt[r] < len(orders[r]):
-                op = orders[r][nxt[r]]
+            rank_ops, k, free = orders[r], nxt[r], free_at[r]
+            while k < len(rank_ops):
+                op = rank_ops[k]
                 ready = 0.0
                 for key, cross in _deps(op, n_stages, rank_of):
-                    if key not in (sent if cross else end):
-                        break
-                    ready = max(ready, sent[key] + t_p2p if cross else end[key])
+                    if cross:
+                        if key not in sent:
+                            break
+                        at = sent[key] + t_p2p
+                    else:
+                        if key not in end:
+                            break
+                        at = end[key]
+                    if at > ready:
+                        ready = at
                 else:
-                    start = max(free_at[r], ready)
+                    start = free if free > ready else ready
                     c = cost[op.kind][op.stage]
                     if op_costs is not None:
                         c = op_costs.get((op.kind, op.stage, op.microbatch), c)
                     finish = start + c
                     key = (op.kind, op.stage, op.microbatch)
                     end[key] = finish
-                    pending.setdefault((r, action_end[r][nxt[r]]), []).append(key)
-                    if action_end[r][nxt[r]] == nxt[r]:
-                        for done in pending.pop((r, nxt[r])):
-                            sent[done] = finish
-                    free_at[r] = finish
+                    if joins:
+                        pending.setdefault((r, action_end[r][k]), []).append(key)
+                        if action_end[r][k] == k:
+                            for done in pending.pop((r, k)):
+                                sent[done] = finish
+                    free = finish
                     timeline.append(TimedOp(r, op, start, finish))
-                    nxt[r] += 1
+                    k += 1
                     remaining -= 1
                     progressed = True
                     continue
                 break
+            nxt[r], free_at[r] = k, free
         if not progressed:
             raise DeadlockError(_deadlock_message(orders, nxt, end, sent))
 

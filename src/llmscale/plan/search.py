@@ -14,9 +14,12 @@ and device reserve), and offloaded states fit the node's host memory. Ranked by 
 time (plan/time.py), closed-form bubble in the loop; the best `resimulate` are re-timed with the
 pipeline simulator before the final ranking.
 
-Speed (a 70B model over 4096 GPUs in well under a second, bench/plan_speed.py): memory is
-checked before time; states alone prune a layout before any activation is counted; larger
-micro-batches are tried only while smaller ones fit (memory grows with micro-batch size); only
+Speed (`python -m llmscale.bench.plan_speed`: llama2-70b on 64 H200 within 1 s, llama3-70b on
+4096 H100 within 0.5 s; docs/planner.md, "Search speed"): memory is checked before time, rank
+0 first, stopping at the first rank over the budget (`mem.worst_total`'s limit; a split
+schedule's op order is walked only where the rest fits); states alone prune a layout before
+any activation is counted; larger micro-batches are tried only while smaller ones fit (memory
+grows with micro-batch size); only
 the first and last pipeline ranks are costed in the loop (they hold the embedding and the head,
 and rank 0 the most micro-batches in flight), plus, split unevenly, the first rank with the most
 layers (every rank for an explicit `pp_layers`); a recompute mode that keeps no less than a
@@ -49,6 +52,7 @@ from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig, stage_ids, stage_layer_counts
 from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
+from llmscale.plan.cache import memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
 from llmscale.stack import LLMSCALE, Stack, tied_pipeline_problem
@@ -266,6 +270,7 @@ def _stages_ok(model: ModelConfig, stages: int, space: SearchSpace) -> bool:
     return stages <= model.n_layers
 
 
+@memoize
 def _costed_ranks(
     model: ModelConfig, pp: int, space: SearchSpace, chunks: int = 1, v_shape: bool = False
 ) -> tuple[int, ...]:
@@ -399,7 +404,7 @@ def search(
                                     pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
                                     zero_stage=zeros[zi], cp=space.cp, pp_layers=space.pp_layers,
                                 )  # fmt: skip
-                                total = mem.worst_total(plan, memory_options, ends)
+                                total = mem.worst_total(plan, memory_options, ends, budget)
                                 evaluated += 1
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
