@@ -136,7 +136,7 @@ def n_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> in
 def offload_problem(offload: str, cp: int, pp: int, tied: bool) -> str | None:
     """What optimizer.offload must be instead for this layout (None when it can run): the
     runtime's one rule, read by `train`, `train --dry-run` and the planner's search."""
-    if offload == "none":
+    if offload in ("none", "lsp"):  # lsp: its own layout rule (_validate_lsp_layout)
         return None
     if cp > 1:
         return "none with parallel.cp > 1 (not supported yet)"

@@ -45,8 +45,8 @@ class FirstStepEvents:
             self._wrap(dist, name, self._collective(getattr(dist, name), tag))
         orig_controls = trainer_mod.apply_micro_batch_controls
 
-        def controls(parts, zero_stage, shard, last):
-            flag = orig_controls(parts, zero_stage, shard, last)
+        def controls(parts, zero_stage, shard, last, grads_once=False):
+            flag = orig_controls(parts, zero_stage, shard, last, grads_once)
             if self.active:
                 self.events.append(f"sync={flag}")
             return flag

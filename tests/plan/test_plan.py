@@ -106,6 +106,9 @@ NO_OTHER_VALID = {
     ("pp2_fsdp_tp", "pp_chunks"),
     ("one_rank", "pp_chunks"),
     ("one_rank", "sequence_parallel"),
+    ("zbv_split_backward", "pp"),  # a V holds exactly 2 chunks: other pp fail its microbatch rule
+    ("zbv_split_backward", "pp_schedule"),
+    ("interleaved_sp_offload", "cp"),  # optimizer offload with cp > 1: config.offload_problem
 }
 
 

@@ -398,5 +398,5 @@ def _in_ms(r: SimResult) -> SimResult:
     return replace(
         r,
         makespan=1000 * r.makespan,
-        timeline=tuple(replace(t, start=1000 * t.start, end=1000 * t.end) for t in r.timeline),
+        timeline=tuple(t._replace(start=1000 * t.start, end=1000 * t.end) for t in r.timeline),
     )

@@ -161,17 +161,20 @@ def set_gradient_sync(parts: list[nn.Module], sync: bool) -> None:
 
 
 def apply_micro_batch_controls(
-    parts: list[nn.Module], zero_stage: int, shard: bool, last: bool
+    parts: list[nn.Module], zero_stage: int, shard: bool, last: bool, grads_once: bool = False
 ) -> bool:
     """Set FSDP2's gradient sync and reshard-after-backward for the next micro-batch (no
     pipeline) as the zero stage says (`stack.residency.micro_batch_controls`); returns the sync
-    flag. Without sharding (`replicate`) zero 1's rule: one all-reduce per step."""
+    flag. Without sharding (`replicate`) zero 1's rule: one all-reduce per step. `grads_once`
+    (optimizer offload: the host optimizer takes each gradient once per step) reduces on the
+    last micro-batch only, whatever the stage."""
     c = micro_batch_controls(zero_stage if shard else 1, last)
-    set_gradient_sync(parts, c.requires_gradient_sync)
+    sync = c.requires_gradient_sync and (last or not grads_once)
+    set_gradient_sync(parts, sync)
     for part in parts:
         if isinstance(part, FSDPModule):
             part.set_reshard_after_backward(c.reshard_after_backward)
-    return c.requires_gradient_sync
+    return sync
 
 
 def reshard_all(parts: list[nn.Module]) -> None:

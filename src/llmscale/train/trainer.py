@@ -374,7 +374,8 @@ class Trainer:
         for i, mb in enumerate(micro_batches):
             if self.dims.reduces_grads:
                 zero, shard = cfg.parallel.zero_stage, self.dims.fsdp
-                apply_micro_batch_controls(self.model_parts, zero, shard, i == accum - 1)
+                once = cfg.optimizer.offload != "none"  # the host optimizer's one gradient
+                apply_micro_batch_controls(self.model_parts, zero, shard, i == accum - 1, once)
             # A micro-batch of its own (a copy on CPU too): autograd keeps the token ids until
             # backward, and they should not hold on to the whole batch.
             mb = mb.to(self.device, non_blocking=True, copy=True)
