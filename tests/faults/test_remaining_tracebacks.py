@@ -66,8 +66,15 @@ def test_e08_export_out_unwritable(tmp_path, capsys, fault_row) -> None:
 def test_n_toml4_deeply_nested_inline_tables(tmp_path, capsys, fault_row) -> None:
     config = tmp_path / "deep.toml"
     config.write_text("a = " + "{b = " * 400 + "1" + "}" * 400 + "\n")
-    seen = refused(capsys, ["train", "--config", str(config), "--job.run_dir",
-                            str(tmp_path / "run")], "nests inline tables or arrays too deeply")  # fmt: skip
+    # Python's default recursion limit: an earlier test in the session (torch's compiler) may
+    # have raised it, and then tomllib reads 400 levels and the section check answers instead.
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        seen = refused(capsys, ["train", "--config", str(config), "--job.run_dir",
+                                str(tmp_path / "run")], "nests inline tables or arrays too deeply")  # fmt: skip
+    finally:
+        sys.setrecursionlimit(limit)
     assert not (tmp_path / "run").exists()
     fault_row(
         fault="N_TOML4: a config of 400 nested inline tables",

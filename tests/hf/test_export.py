@@ -143,7 +143,8 @@ def test_checkpoint_saved_by_two_tensor_parallel_ranks(
     train = ["-m", "llmscale", "train", *BASE, "--job.run_dir", str(run), "--parallel.tp", "2"]
     torchrun(2, *train, "--train.steps", "2")
     out = export(run, tmp_path / "hf")
-    cfg = run_config(run, "--train.steps", "2", "--checkpoint.resume", "true")
+    # steps past the checkpoint's: a resume must have a step left to train (K10)
+    cfg = run_config(run, "--train.steps", "3", "--checkpoint.resume", "true")
     with Trainer(cfg) as trainer:
         assert trainer.resume() and trainer.step == 2
         tokens = torch.randint(0, 264, (2, 40), generator=torch.Generator().manual_seed(1))

@@ -36,7 +36,10 @@ class FirstStepEvents:
     def __init__(self, trainer: Trainer) -> None:
         self.events: list[str] = []
         self.first_row: dict | None = None  # this rank's metrics row of its first step
-        self.active = True
+        # Recording starts with the first step: what runs before it (the shared-core
+        # calibration's own collectives and overhead step) is not the step's.
+        self.active = False
+        self._started = False
         self._undo: list[tuple[object, str, object]] = []
         for name, tag in (
             ("reduce_scatter_single", "reduce_scatter"),
@@ -55,6 +58,8 @@ class FirstStepEvents:
         orig_step = trainer.train_step
 
         def first_step():
+            if not self._started:
+                self._started = self.active = True
             row = orig_step()
             if self.first_row is None:
                 self.first_row = dict(row)
@@ -76,10 +81,11 @@ class FirstStepEvents:
         setattr(owner, name, new)
 
     def stop(self) -> None:
-        if self.active:
+        if self._undo:
             self.active = False
             for owner, name, orig in reversed(self._undo):
                 setattr(owner, name, orig)
+            self._undo.clear()
 
 
 def _record_rows(trainer: Trainer) -> list[dict]:
