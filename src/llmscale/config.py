@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args
 from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import (
     PRESETS,
+    SHAPE_KEYS,
     ModelConfig,
     from_hf_config,
     get_preset,
@@ -802,15 +803,7 @@ def _model_from_table(table: dict[str, Any]) -> ModelConfig:
 
 
 # Keys a [model] table without `name` must give: the shape of no preset.
-CUSTOM_MODEL_KEYS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "max_seq_len",
-)
+CUSTOM_MODEL_KEYS = SHAPE_KEYS
 
 
 def load_model(spec: str, field: str = "--model") -> ModelConfig:

@@ -38,6 +38,10 @@ ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 BYTE_VOCAB_SIZE = 264
 
 
+# The integers that make a shape: each positive, and each required of a custom [model] table.
+SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer (Llama family, with GPT-2/3 variants for presets)."""
@@ -97,15 +101,7 @@ class ModelConfig:
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
-        for f in (
-            "vocab_size",
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_dim",
-            "max_seq_len",
-        ):
+        for f in SHAPE_KEYS:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"model.{f}", v, "a positive integer")
