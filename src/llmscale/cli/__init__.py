@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -97,6 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobStopped as e:
         if _speaks(getattr(e, "reporter_rank", 0)):
             sys.stderr.write(one_line(f"llmscale {args.command}: {e}") + "\n")
+        from llmscale.train.launch import under_launcher
+
+        if int(e.code) == 130 and under_launcher():
+            # Stopped by a Ctrl-C with its checkpoint written: under a launcher the same Ctrl-C
+            # can still arrive, forwarded, while this process exits; it is not a second one.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return int(e.code)
     except KeyboardInterrupt:
         sys.stderr.write(f"llmscale {args.command}: interrupted\n")
