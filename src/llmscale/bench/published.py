@@ -5,7 +5,7 @@
     llmscale bench --what published                          # the same rows as a bench suite
 
 The rows, each with its source: src/llmscale/validation/data/published.toml. Each GPU has one
-calibration (hardware/data/gpus.toml) and each training stack one profile (plan/profiles.py);
+calibration (hardware/data/gpus.toml) and each training stack one record (llmscale.stack);
 nothing is fitted per row. See src/llmscale/validation/published.py for how each row is evaluated.
 """
 

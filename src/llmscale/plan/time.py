@@ -1,8 +1,8 @@
 """Step time of a plan on a cluster: compute, memory-bound kernels, collectives, pipeline bubble.
 
 What the GPU achieves comes from its catalog calibration (`hardware.catalog.Calibration`, one
-per GPU, every number sourced); the training stack's facts from the plan's kernels / profile
-(plan/profiles.py). Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
+per GPU, every number sourced); the training stack's facts from its record (`llmscale.stack`,
+through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the tensor-parallel group):
 
 - GEMMs: each linear of the rank's blocks (`block_gemms`: M = tokens, N and K split by tp as the
   runtime's TP plan splits them) at the calibrated efficiency for its shape,
