@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,3 +58,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if out and _ROWS:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(_ROWS, indent=1) + "\n")
+
+
+# The finished run the checkpoint, reader and resume tests start from (each module its own).
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished fp32 run of 2 steps (the tiny model: 4 layers, dim 64), checkpoints 1 and 2."""
+    from run_helpers import train_args
+
+    from llmscale.cli import main
+
+    run = tmp_path_factory.mktemp("earlier") / "run"
+    assert main(train_args(run)) == 0
+    return run
+
+
+@pytest.fixture
+def run(earlier: Path, tmp_path: Path) -> Path:
+    """A copy of `earlier` a test may damage."""
+    out = tmp_path / "run"
+    shutil.copytree(earlier, out)
+    return out

@@ -16,23 +16,6 @@ from llmscale.train.checkpoint import MANIFEST, Checkpointer
 SHARD = "__0_0.distcp"
 
 
-@pytest.fixture(scope="module")
-def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of 2 steps with checkpoints at steps 1 and 2."""
-    from llmscale.cli import main
-
-    run = tmp_path_factory.mktemp("earlier") / "run"
-    assert main(train_args(run)) == 0
-    return run
-
-
-@pytest.fixture
-def run(earlier: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(earlier, out)
-    return out
-
-
 def _flip_every_4096(path: Path) -> None:
     """The review's runs/flipped3: one byte XOR 0x40 every 4,096 bytes of the shard."""
     b = bytearray(path.read_bytes())

@@ -23,23 +23,6 @@ CMD = "llmscale train --job.run_dir R --train.steps 3 --checkpoint.interval 1 --
 SHARD = "__0_0.distcp"
 
 
-@pytest.fixture(scope="module")
-def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of 2 steps with checkpoints at steps 1 and 2."""
-    from llmscale.cli import main
-
-    run = tmp_path_factory.mktemp("earlier") / "run"
-    assert main(train_args(run)) == 0
-    return run
-
-
-@pytest.fixture
-def run(earlier: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(earlier, out)
-    return out
-
-
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

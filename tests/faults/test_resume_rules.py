@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,23 +19,6 @@ from llmscale.train.checkpoint import Checkpointer
 from llmscale.train.metrics import JsonlWriter, read_jsonl, truncate_after
 
 CMD = "llmscale train --job.run_dir R --checkpoint.interval 1 --resume"
-
-
-@pytest.fixture(scope="module")
-def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished fp32 run of 2 steps (the tiny model: 4 layers, dim 64), checkpoints 1 and 2."""
-    from llmscale.cli import main
-
-    run = tmp_path_factory.mktemp("earlier") / "run"
-    assert main(train_args(run)) == 0
-    return run
-
-
-@pytest.fixture
-def run(earlier: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(earlier, out)
-    return out
 
 
 SHAPES = {
