@@ -323,11 +323,10 @@ def search(
         recs.remove("every_k")
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
-    if space.cp > 1 and any(offload_problem(o, space.cp, 1, False) for o in offloads):
-        rejected[
-            f"offload with cp {space.cp}: {offload_problem('optimizer', space.cp, 1, False)}"
-        ] = None
-        offloads = [o for o in offloads if not offload_problem(o, space.cp, 1, False)]
+    problems = {o: offload_problem(o, space.cp, 1, False) for o in offloads}
+    for why in dict.fromkeys(p for p in problems.values() if p):
+        rejected[f"offload with cp {space.cp}: {why}"] = None
+    offloads = [o for o in offloads if not problems[o]]
     layouts = _layouts(model, gpus, cluster, space, rejected, time_params.stack)
     if space.cp > 1 and seq_len % (2 * space.cp):  # load-balanced ring attention's rule
         rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None

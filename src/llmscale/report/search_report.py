@@ -97,9 +97,10 @@ def plan_report(
     pp_layers_check(cfg, fixed or {})
     cluster = Cluster.of(gpu, node=node, nic=nic)
     st = get_stack(stack)
-    for mode in space.recompute:
-        if len(space.recompute) == 1 and (problem := recompute_problem(st, mode)):
-            raise ConfigError("recompute", mode, problem)
+    # A policy or schedule fixed by a flag that the stack lacks is refused; in a search it is
+    # left out.
+    if len(space.recompute) == 1 and (problem := recompute_problem(st, space.recompute[0])):
+        raise ConfigError("recompute", space.recompute[0], problem)
     if len(space.schedules) == 1 and (problem := schedule_problem(st, space.schedules[0])):
         raise ConfigError("schedule", space.schedules[0], problem)
     space = replace(

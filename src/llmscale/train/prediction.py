@@ -35,7 +35,7 @@ import torch
 
 from llmscale.config import JobConfig
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import GiB, gpu_for_device_name
+from llmscale.hardware.catalog import GPU, GiB, gpu_for_device_name
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import MemoryEstimate, estimate_memory, memory_options
 from llmscale.plan.plan import Plan
@@ -275,28 +275,36 @@ def dry_run_lines(
         out.append(f"not modelled: {pred.not_modelled}")
         return out
     out += memory_table(pred.memory, p["world_size"] // p["pp"])
-    worst = pred.memory.worst
     if gpu is not None:
-        g = hardware.cluster.gpu
-        out.append(
-            f"fits: {'yes' if pred.memory.fits(g) else 'NO'}: the fullest rank needs "
-            f"{worst.total / GiB:.2f} GiB (+{pred.memory.options.device_reserve_GiB} GiB "
-            f"reserved) of {g.display}'s {g.memory_bytes / GiB:.0f} GiB"
-        )
+        out.append(fit_line(pred.memory, hardware.cluster.gpu))
     elif device is not None:
         out += _local_fit(cfg, device)
     if pred.step is None:
         out.append(f"step time: not modelled ({pred.not_modelled})")
         return out
     st = pred.step
-    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in st.breakdown.items() if v > 0)
     # On a measured device the peak is the measured GEMM rate: an MFU against it means little.
-    mfu = "" if hardware.measured else f", MFU {100 * st.mfu:.1f}%"
-    out.append(
-        f"step time: {st.seconds:.3f} s predicted ({st.tokens_per_s:,.0f} tokens/s{mfu}); "
+    out.append(step_line(st, mfu=not hardware.measured))
+    return out
+
+
+def fit_line(memory: MemoryEstimate, gpu: GPU) -> str:
+    """The dry run's verdict on a catalog GPU: does the fullest rank fit, by how much."""
+    return (
+        f"fits: {'yes' if memory.fits(gpu) else 'NO'}: the fullest rank needs "
+        f"{memory.worst.total / GiB:.2f} GiB (+{memory.options.device_reserve_GiB} GiB "
+        f"reserved) of {gpu.display}'s {gpu.memory_bytes / GiB:.0f} GiB"
+    )
+
+
+def step_line(step: StepTime, mfu: bool = True) -> str:
+    """The dry run's predicted step: seconds, tokens/s, MFU, and where the time goes."""
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in step.breakdown.items() if v > 0)
+    util = f", MFU {100 * step.mfu:.1f}%" if mfu else ""
+    return (
+        f"step time: {step.seconds:.3f} s predicted ({step.tokens_per_s:,.0f} tokens/s{util}); "
         f"ms per step: {parts}"
     )
-    return out
 
 
 def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
@@ -319,17 +327,13 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     step = estimate_step_time(plan, cluster, time_params(stack, compiled=cfg.train.compile),
                               validate=False)  # fmt: skip
     g = cluster.gpu
-    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in step.breakdown.items() if v > 0)
     return [
         f"dry run under --stack {stack.name} ({stack.summary}): {cfg.job.name}, model "
         f"{plan.model.name}, {plan.world_size} rank(s): pp {plan.pp} x dp_replicate "
         f"{plan.dp_replicate} x dp_shard {plan.dp_shard} x tp {plan.tp}, on {g.display}",
         *memory_table(memory, plan.world_size // plan.pp),
-        f"fits: {'yes' if memory.fits(g) else 'NO'}: the fullest rank needs "
-        f"{memory.worst.total / GiB:.2f} GiB (+{stack.device_reserve_GiB} GiB reserved) of "
-        f"{g.memory_bytes / GiB:.0f} GiB",
-        f"step time: {step.seconds:.3f} s predicted ({step.tokens_per_s:,.0f} tokens/s, MFU "
-        f"{100 * step.mfu:.1f}%); ms per step: {parts}",
+        fit_line(memory, g),
+        step_line(step),
     ]
 
 
