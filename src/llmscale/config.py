@@ -835,17 +835,23 @@ def load_model(spec: str, field: str = "--model") -> ModelConfig:
     model = table.get("model")
     if not isinstance(model, dict):
         raise ConfigError(field, spec, "a TOML file holding a [model] table")
-    if "name" not in model:
-        missing = [k for k in CUSTOM_MODEL_KEYS if k not in model]
+    return model_from_table(model, spec)
+
+
+def model_from_table(table: dict[str, Any], source: str) -> ModelConfig:
+    """A shape from a [model] table read from `source`: with `name`, that preset with the other
+    keys overriding it; without, a custom shape of which CUSTOM_MODEL_KEYS are required."""
+    if "name" not in table:
+        missing = [k for k in CUSTOM_MODEL_KEYS if k not in table]
         if missing:
             raise ConfigError(
                 f"model.{missing[0]}",
-                spec,
+                source,
                 "a value: a [model] table without name (a custom shape) gives "
                 + ", ".join(CUSTOM_MODEL_KEYS),
             )
-        model = {"name": "custom", **model}
-    return _model_from_table(model)
+        table = {"name": "custom", **table}
+    return _model_from_table(table)
 
 
 # Keys that were renamed or replaced: a config still using one gets the new name in its error.

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmscale.config import PP_SCHEDULES, Precision, Recompute
+from llmscale.config import PP_SCHEDULES, Precision, Recompute, model_from_table
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig, get_preset
@@ -85,7 +85,9 @@ def load_runs(path: str | Path = RUNS) -> list[dict[str, Any]]:
 
 def _model(row: dict[str, Any]) -> ModelConfig:
     spec = row["model"]
-    model = get_preset(spec) if isinstance(spec, str) else ModelConfig(name=row["id"], **spec)
+    model = (
+        get_preset(spec) if isinstance(spec, str) else model_from_table(spec, f"run {row['id']}")
+    )
     seq = int(row["seq_len"])
     return model if seq <= model.max_seq_len else replace(model, max_seq_len=seq)
 
