@@ -8,15 +8,9 @@ from llmscale.errors import ConfigError
 from llmscale.validation.runs import RUNS, all_results, load_runs, run_plan, summarise
 
 RESULTS = all_results()
-# Published layouts the planner still predicts not to fit, each with why (docs/planner.md):
-# torchtitan shards FSDP over cp even where dp_shard is 1 (the runtime, and so the Plan, does
-# not); the GB200 405B and NeMo 24.07's Llama 3 8B rows sit within a few GiB of the capacity.
-KNOWN_UNFIT = {
-    "tt2412-8b-8gpu-cp8-seq256k",
-    "tt2412-405b-512gpu-4d-cp8-seq256k",
-    "mbridge-2511-gb200-llama31-405b-fp8",
-    "nemo2407-h100-llama3-8b",
-}
+# Published layouts the planner still predicts not to fit, each with why (docs/planner.md): the
+# GB200 405B row comes out 1.4 GiB over the 186 GiB it ran in.
+KNOWN_UNFIT = {"mbridge-2511-gb200-llama31-405b-fp8"}
 
 
 def test_rows_are_sourced_and_unique() -> None:
@@ -44,6 +38,26 @@ def test_median_throughput_error_within_10_percent(stack: str) -> None:
 def test_published_layouts_fit_but_the_known_ones() -> None:
     unfit = {r.id for r in RESULTS if not r.fits}
     assert unfit == KNOWN_UNFIT
+
+
+def test_torchtitan_shards_over_the_cp_ranks_without_dp_shard() -> None:
+    """torchtitan's cp 8 x dp_shard 1 run is FSDP over 8 ranks (its dp_shard_cp mesh): an 8B
+    model's states are 1/8 per rank, as at cp 1 x dp_shard 8; the llmscale runtime replicates
+    over the cp ranks there, so the same layout under its stack holds them whole."""
+    from llmscale.hardware.catalog import GiB
+    from llmscale.plan.memory import estimate_memory, memory_options
+    from llmscale.stack import LLMSCALE
+
+    rows = {r["id"]: r for r in load_runs()}
+    plan, stack, _ = run_plan(rows["tt2412-8b-8gpu-cp8-seq256k"])
+    assert (plan.dp_shard, plan.cp, plan.fsdp_shards_for(stack)) == (1, 8, 8)
+    assert plan.fsdp_shards_for(LLMSCALE) == 1
+    shard = estimate_memory(plan, memory_options(stack), validate=False).worst
+    whole = estimate_memory(plan, memory_options(LLMSCALE), validate=False).worst
+    n = plan.model.num_params()
+    assert shard.params == pytest.approx(4 * n / 8, rel=0.01)
+    assert whole.params == pytest.approx(4 * n, rel=0.01)
+    assert (whole.total - shard.total) / GiB > 100
 
 
 def test_a_row_is_driven_as_the_cli_drives_it() -> None:

@@ -35,8 +35,8 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   holds every unit's unsharded parameters (param_dtype, `working_params`, whatever the
   zero_stage) and its unsharded fp32 gradients (`grads`: 4 B per TP-local parameter instead of
   the shard; the sharded gradients only replace them unit by unit as they are reduced).
-- Context parallelism (cp > 1): FSDP2 shards over dp_shard x cp (`Plan.fsdp_shards`); without
-  FSDP the cp ranks hold the states whole. Activations, token ids and logits are split on the
+- Context parallelism (cp > 1): FSDP2 shards over dp_shard x cp (`Plan.fsdp_shards_for`: under
+  torchtitan also with dp_shard 1); without FSDP the cp ranks hold the states whole. Activations, token ids and logits are split on the
   sequence: 1/cp of each (ring attention keeps no s x s matrix beyond its own queries' rows).
 - fp8 (torchao float8 training): as bf16. torchao's float8 linears save their bf16 input and
   weight and cast both (and the output gradient) to float8 per matmul: 1-byte transients, not
@@ -250,11 +250,14 @@ def embedding_inflight(plan: Plan) -> int:
 # ---- states -------------------------------------------------------------------------------
 
 
-def plan_rank_params(plan: Plan, rank: int, kernels: act.Kernels) -> RankParams:
-    """Parameters of pipeline `rank` as the runtime lays them out (its layer split, TP plan)."""
+def plan_rank_params(
+    plan: Plan, rank: int, kernels: act.Kernels, stack: Stack = LLMSCALE
+) -> RankParams:
+    """Parameters of pipeline `rank` as the runtime lays them out (its layer split, TP plan),
+    sharded as `stack` shards them (`Plan.fsdp_shards_for`)."""
     vp = kernels.splits_vocab(plan.model, plan.tp)
     return rank_params(
-        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards, vp, plan.chunks, plan.pp_layers,
+        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards_for(stack), vp, plan.chunks, plan.pp_layers,
         plan.v_shape,
     )  # fmt: skip
 
@@ -265,7 +268,8 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
     low = plan.precision != "fp32"
     counters = 4.0 * rp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
     grads_held: float | None = None  # FSDP2 + PP: unsharded gradients until the step's end
-    if plan.fsdp:
+    fsdp = plan.fsdp_for(opt.stack)
+    if fsdp:
         shard = float(rp.shard_numel)
         res = param_residency(
             opt.stack, zero_stage=plan.zero_stage, pp=plan.pp, n_microbatches=plan.n_microbatches
@@ -284,14 +288,14 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         return RankPieces(4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0)
     if plan.offload == "lsp":
         return lsp_pieces(
-            plan, max(rs_transient, pb * rp.block.numel), unsharded if plan.fsdp else 0.0
+            plan, max(rs_transient, pb * rp.block.numel), unsharded if fsdp else 0.0
         )
     host = 12 * shard + counters
     if plan.offload == "optimizer":
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
         # gradient goes to the host as soon as backward produces it and its device copy is
         # freed: about one block's gradients are on the device at a time (a transient).
-        working = unsharded if plan.fsdp else 0.0
+        working = unsharded if fsdp else 0.0
         grads_in_flight = pb * rp.block.numel
         return RankPieces(
             pb * shard,
@@ -308,7 +312,7 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         # of the shard); the device holds the unsharded units in use, as without offload.
         # Under replicate every unit stays from its forward to its backward (as ZeRO-1/2), and
         # its gradients are all-reduced in fp32 on the device before they go down.
-        if not plan.fsdp:
+        if not fsdp:
             unsharded = pb * float(rp.numel)
             rs_transient = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
         return RankPieces(
@@ -490,7 +494,7 @@ def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
     transient, host; no activations), cached on the fields they read."""
 
     def compute() -> RankPieces:
-        return _states(plan, rank, plan_rank_params(plan, rank, opt.kernels), opt)
+        return _states(plan, rank, plan_rank_params(plan, rank, opt.kernels, opt.stack), opt)
 
     return _STATES.get((*plan.states_key(), id(opt), rank), compute, (plan.model, opt))
 

@@ -42,7 +42,7 @@ from llmscale.model.config import (
     stage_ids,
 )
 from llmscale.plan.cache import memoize
-from llmscale.stack import LLMSCALE, param_residency
+from llmscale.stack import LLMSCALE, Stack, param_residency
 
 
 def _cfg(key: str, default: Any = None, frozen: type | None = None) -> Any:
@@ -98,6 +98,15 @@ class Plan(MeshDegrees):
         """Ranks each FSDP2 parameter is sharded over: dp_shard, times cp under context
         parallelism (torchtitan's dp_shard x cp mesh: cp ranks hold the same parameters)."""
         return self.dp_shard * self.cp if self.fsdp else 1
+
+    def fsdp_for(self, stack: Stack) -> bool:
+        """FSDP2 holds the states as `stack` runs this layout: dp_shard > 1, or, for a stack
+        that shards over the cp ranks too (torchtitan), dp_shard x cp > 1."""
+        return self.fsdp or (stack.fsdp_over_cp and self.cp > 1)
+
+    def fsdp_shards_for(self, stack: Stack) -> int:
+        """`fsdp_shards` as `stack` runs this layout (`fsdp_for`)."""
+        return self.dp_shard * self.cp if self.fsdp_for(stack) else 1
 
     @property
     def fsdp_holds_grads_across_microbatches(self) -> bool:

@@ -40,7 +40,7 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   collectives and pipeline sends see b s / cp tokens and its attention 1/cp of the causal
   FLOPs; per attention call, cp - 1 ring steps each pass a K and V chunk (backward: K, V and
   their gradients) to the next cp rank beside 1/cp of the attention (`_ring_attention_seconds`).
-  FSDP shards over dp_shard x cp (`Plan.fsdp_shards`); without FSDP the cp ranks all-reduce
+  FSDP shards over dp_shard x cp (`Plan.fsdp_shards_for`); without FSDP the cp ranks all-reduce
   their gradients with the replicas.
 - the loss under tensor parallelism: vocabulary-parallel (torch's loss_parallel) it all-reduces
   three values per token (max, sum of exponentials, target logit) and gathers no logits; a
@@ -655,7 +655,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     if plan.fp8_matmuls:
         parts["fp8_casts"] = cast_f + cast_b
     sync = 0.0
-    if plan.fsdp:
+    if plan.fsdp_for(tp_.stack):
         gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
         parts["fsdp_comm"] = gather
         bwd += gather
@@ -695,14 +695,15 @@ def _fsdp_exposed(
     all-gather of forward (and of backward under zero_stage 3) is exposed. Gradients are
     reduce-scattered per unit behind the next unit's backward, the last one exposed: on every
     micro-batch, or once per step (`grad_sync_once`). Returns (per micro-batch, per step)."""
-    rp = plan_rank_params(plan, rank, kern)
+    rp = plan_rank_params(plan, rank, kern, tp_.stack)
     pb = DTYPE_BYTES[plan.precision]
-    per_node = _per_node(plan.fsdp_shards, plan.tp, cluster.gpus_per_node)  # dp_shard x cp
+    shards = plan.fsdp_shards_for(tp_.stack)  # dp_shard x cp
+    per_node = _per_node(shards, plan.tp, cluster.gpus_per_node)
     units = max(1, n_blocks)
     unit_numel = rp.numel / units
 
     def cost(op: str, nbytes: float) -> float:
-        return collective(op, nbytes, plan.fsdp_shards, per_node, cluster.fabric).seconds
+        return collective(op, nbytes, shards, per_node, cluster.fabric).seconds
 
     ag = cost("all_gather", pb * unit_numel)
     rs = cost("reduce_scatter", tp_.stack.main_grad_bytes * unit_numel)
@@ -743,10 +744,10 @@ def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
     return collective("p2p", nbytes, 2, per_node, cluster.fabric).seconds
 
 
-def _replicate_group(plan: Plan) -> tuple[int, int]:
+def _replicate_group(plan: Plan, stack: Stack) -> tuple[int, int]:
     """(ranks, rank stride) of the gradient all-reduce outside FSDP: the replicas, and without
     FSDP the cp ranks too (each holds the gradients of its part of every sequence)."""
-    if plan.fsdp or plan.cp == 1:
+    if plan.fsdp_for(stack) or plan.cp == 1:
         return plan.dp_replicate, plan.tp * plan.cp * plan.dp_shard
     return plan.dp_replicate * plan.cp, plan.tp
 
@@ -811,9 +812,11 @@ def estimate_step_time(
     m = plan.model
     # The first and last ranks hold the embedding and the head on top of their blocks (and,
     # split unevenly, the first ranks the most blocks).
-    worst_params = max(plan_rank_params(plan, r, tparams.kernels).shard_numel for r in {0, p - 1})
+    worst_params = max(
+        plan_rank_params(plan, r, tparams.kernels, tparams.stack).shard_numel for r in {0, p - 1}
+    )
     dp_sync = 0.0
-    group, stride = _replicate_group(plan)
+    group, stride = _replicate_group(plan, tparams.stack)
     if group > 1:
         per_node = _per_node(group, stride, cluster.gpus_per_node)
         ar = collective("all_reduce", 4 * worst_params, group, per_node, cluster.fabric)
@@ -829,7 +832,7 @@ def estimate_step_time(
     if m.tie_embeddings and p > 1 and not plan.v_shape:
         vocab_div = plan.tp if tparams.kernels.splits_vocab(m, plan.tp) else 1
         # each rank's fp32 gradient (its FSDP shard under data-parallel sharding)
-        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div / plan.fsdp_shards
+        emb_bytes = 4.0 * m.vocab_size * m.dim / vocab_div / plan.fsdp_shards_for(tparams.stack)
         per_node = 2 if plan.tp * plan.cp * plan.dp * (p - 1) < cluster.gpus_per_node else 1
         tied = collective("all_reduce", emb_bytes, 2, per_node, cluster.fabric).seconds
         breakdown["tied_embedding_comm"] = tied

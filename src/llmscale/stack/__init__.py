@@ -89,6 +89,10 @@ class Stack:
     allocator_overhead: float = 0.05  # the caching allocator's share over what is allocated
     device_reserve_GiB: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
     prefetch_blocks: int = 2  # FSDP units unsharded at once under reshard-after-forward
+    # FSDP2 wraps the model whenever dp_shard x cp > 1, sharding over the flattened dp_shard_cp
+    # mesh even with dp_shard 1 (torchtitan's ParallelDims.fsdp_enabled); else only with
+    # dp_shard > 1, the cp ranks all-reducing a replica (the llmscale runtime).
+    fsdp_over_cp: bool = False
 
     def on(self, **changes: object) -> Stack:
         """This stack with some facts replaced (a measured device's kernels, say)."""
@@ -258,6 +262,7 @@ TORCHTITAN = Stack(
     sharding="fsdp2_default",
     elementwise="torchtitan",
     grad_sync_once=False,
+    fsdp_over_cp=True,
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (LLMSCALE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}

@@ -143,8 +143,11 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
     return plan, stack, bool(row.get("compile"))
 
 
-def _layout(plan: Plan) -> str:
-    dp = f"dp_shard {plan.dp_shard} zero {plan.zero_stage}" if plan.fsdp else f"dp {plan.dp}"
+def _layout(plan: Plan, stack: Stack) -> str:
+    shards = plan.fsdp_shards_for(stack)
+    dp = f"dp_shard {plan.dp_shard} zero {plan.zero_stage}" if shards > 1 else f"dp {plan.dp}"
+    if shards > plan.dp_shard:
+        dp += f" (FSDP over dp_shard x cp: {shards})"
     v = f" v{plan.chunks}" if plan.chunks > 1 else ""
     cp = f" cp{plan.cp}" if plan.cp > 1 else ""
     return (
@@ -173,7 +176,7 @@ def evaluate(row: dict[str, Any]) -> RunResult:
         id=str(row["id"]),
         stack=stack.name,
         role=str(row["role"]),
-        layout=_layout(plan),
+        layout=_layout(plan, stack),
         quantity=quantity,
         published=published,
         predicted=predicted,
