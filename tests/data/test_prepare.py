@@ -14,6 +14,7 @@ from llmscale.cli import main
 from llmscale.data import prepare as P
 from llmscale.data.prepared import (
     byte_tokenizer,
+    dataset_tokenizer,
     document_ids,
     load_meta,
     padded_vocab_size,
@@ -209,15 +210,12 @@ def test_a_huge_document_gets_the_ids_of_its_whole_text(tmp_path, monkeypatch) -
     the whole text keeps in one token; pieces cut where the pre-tokenizer splits do not."""
     import textwrap
 
-    from tokenizers import Tokenizer
-
     src = Path(textwrap.__file__).read_text()
     text = (src + "\n\n\n    <|endoftext|> text\n") * 3
     (tmp_path / "big.py").write_text(text)
     bpe = P.prepare([str(tmp_path / "big.py")], tmp_path / "tok", "bpe", vocab_size=400,
                     val_fraction=0.0, progress=False)  # fmt: skip
-    tok = Tokenizer.from_file(str(bpe.out / "tokenizer.json"))
-    whole = document_ids(tok, [text])[0] + [bpe.meta["eos_id"]]
+    whole = document_ids(dataset_tokenizer(load_meta(bpe.out)), [text])[0] + [bpe.meta["eos_id"]]
     monkeypatch.setattr(P, "PIECE_BYTES", 1000)  # ~200 pieces
     r = P.prepare([str(tmp_path / "big.py")], tmp_path / "o", str(bpe.out / "tokenizer.json"),
                   val_fraction=0.0, progress=False)  # fmt: skip

@@ -77,3 +77,24 @@ def save_random_llama(folder: Path, **overrides: object) -> Path:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(folder)
     return folder
+
+
+def llama_style_tokenizer(texts: list[str], path: Path) -> Path:
+    """A 300-id BPE file with Llama's specials (<unk> <s> </s>, and <pad>) and its template
+    (`<s> $A`: BOS before every text), trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    tok.save(str(path))
+    return path

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_harness import hf_model, run_model
+from hf_harness import hf_model, llama_style_tokenizer, run_model
 
 from llmscale.cli import main
-from llmscale.data.prepared import document_ids
+from llmscale.data.prepared import dataset_tokenizer, document_ids, load_meta
 from llmscale.data.stream import PackedStream
 from llmscale.hf.convert import to_hf_state_dict
 from llmscale.hf.folder import write_folder
@@ -30,25 +30,6 @@ from llmscale.inference.tokenizer import run_tokenizer
 from llmscale.train.weights import read_run_weights
 
 PROMPT = "def load(s, <s> and </s> stay text"  # Llama's special-token names, as plain text
-
-
-def llama_style_tokenizer(texts: list[str], path: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    tok.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +120,7 @@ def test_tokenizer_and_generate_encode_as_the_training_data(
 
     w = read_run_weights(padded_run)
     data = Path(w.cfg.data.dataset)
-    as_shards = document_ids(Tokenizer.from_file(str(data / "tokenizer.json")), [PROMPT])[0]
+    as_shards = document_ids(dataset_tokenizer(load_meta(data)), [PROMPT])[0]
     bos = Tokenizer.from_file(str(data / "tokenizer.json")).token_to_id("<s>")
     assert bos not in as_shards
     plain = Tokenizer.from_file(str(data / "tokenizer.json")).encode(PROMPT).ids

@@ -65,3 +65,45 @@ def test_another_tokenizer_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     # Same ids for every token (the byte-level file as llmscale writes it): accepted.
     (folder / "tokenizer.json").write_text(byte_tokenizer(264).to_str())
     assert main(train_args(tmp_path, folder, "--dry-run")) == 0
+
+
+def test_a_prepared_datasets_tokenizer_must_be_the_folders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On --data.dataset (a 300-id BPE): the folder's vocabulary holds it, and its tokenizer.json
+    has the same tokens and encodes as the shards (compared with meta.json's record applied)."""
+    import shutil
+
+    from tokenizers import Tokenizer, normalizers
+
+    from llmscale.data.prepare import prepare
+
+    def prepared(name: str, words: str) -> Path:
+        texts = tmp_path / f"{name}-texts"
+        texts.mkdir()
+        for i in range(4):
+            (texts / f"{i}.txt").write_text(f"{words} {i} <|endoftext|>\n" * 30)
+        return prepare([str(texts)], tmp_path / name, "bpe", 300, val_fraction=0.0,
+                       progress=False).out  # fmt: skip
+
+    data = prepared("data", "The quick brown fox jumps over the lazy dog")
+    other = prepared("other", "def f(x):\n\treturn x * 2  # a function")
+    on_data = ["--data.dataset", str(data), "--dry-run"]
+    capsys.readouterr()
+    small = save_random_llama(tmp_path / "small", vocab_size=256)
+    err = refused(capsys, train_args(tmp_path, small, *on_data))
+    assert "vocab_size holds the 300 ids" in err and "says 256" in err
+
+    folder = save_random_llama(tmp_path / "hf", vocab_size=320)
+    shutil.copyfile(data / "tokenizer.json", folder / "tokenizer.json")
+    capsys.readouterr()
+    assert main(train_args(tmp_path, folder, *on_data)) == 0
+    shutil.copyfile(other / "tokenizer.json", folder / "tokenizer.json")
+    err = refused(capsys, train_args(tmp_path, folder, *on_data))
+    assert "is the data's tokenizer" in err and "tokens differ" in err
+    # Same tokens and ids, another normalizer: "The" becomes "the".
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.save(str(folder / "tokenizer.json"))
+    err = refused(capsys, train_args(tmp_path, folder, *on_data))
+    assert "it encodes text differently" in err

@@ -30,15 +30,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from llmscale.data.prepared import (
     BYTE_SPECIALS,
+    ENCODE_SPECIAL_TOKENS,
     EOS_TOKEN,
     META_FILE,
     PAD_TOKEN,
+    TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     byte_tokenizer,
     document_ids,
     file_sha256,
     is_prepared,
     token_dtype,
+    tokenizer_config,
 )
 from llmscale.errors import ConfigError, UsageError
 from llmscale.paths import folder_problem
@@ -431,7 +434,8 @@ def prepare(
             raise UsageError("--vocab-size applies to --tokenizer bpe or bytes, not a file")
         tok = load_tokenizer_file(tokenizer)
     specials = _find_specials(tok, tokenizer)
-    # Documents are data: a special token's name written in the text is encoded as text.
+    # Documents are data: a special token's name written in the text is encoded as text. The
+    # file cannot hold this setting: meta.json and tokenizer_config.json record it (prepared.py).
     tok.encode_special_tokens = True
     # Ids run from 0 to the largest one (a file's vocabulary may have holes).
     real_vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -446,6 +450,10 @@ def prepare(
             tok.save(str(tmp / TOKENIZER_FILE))
         else:  # the file as it is: its sha256 is the one a user (or an HF folder) has
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        tok_config = tokenizer_config(
+            tok, specials.eos_id, specials.pad_id, encode_special_tokens=tok.encode_special_tokens
+        )
+        (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config, indent=2) + "\n")
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
         stats = _Stats()
         _encode_all(tok, sources, jsonl_field, val_fraction, specials.eos_id, writers, stats,
@@ -468,6 +476,7 @@ def prepare(
             "pad_id": specials.pad_id,
             "tokenizer_sha256": file_sha256(tmp / TOKENIZER_FILE),
             "tokenizer": tokenizer if tokenizer in ("bytes", "bpe") else "file",
+            ENCODE_SPECIAL_TOKENS: tok.encode_special_tokens,
             "splits": {s: w.split_meta() for s, w in writers.items()},
             "val_fraction": val_fraction,
             "skipped_binary_files": skipped,

@@ -1,7 +1,9 @@
 """A prepared dataset: the folder `llmscale data prepare` writes, and the facts read from it.
 
-    DIR/meta.json        vocab_size, dtype, eos_id, pad_id, tokenizer_sha256, splits, sources
+    DIR/meta.json        vocab_size, dtype, eos_id, pad_id, tokenizer_sha256,
+                         encode_special_tokens, splits, sources
     DIR/tokenizer.json   the tokenizer (a `tokenizers` Tokenizer file)
+    DIR/tokenizer_config.json  what transformers reads beside it (split_special_tokens)
     DIR/train-00000.bin  raw little-endian token ids, no header (uint16 or uint32), documents
     DIR/val-00000.bin    separated by eos_id
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 DTYPES = ("uint16", "uint32")
 DTYPE_BYTES = {"uint16": 2, "uint32": 4}
 MAX_ID_CACHE = "dataset-max-ids.json"  # in cache_dir(): each shard's largest id, by fingerprint
@@ -69,6 +72,7 @@ class PreparedMeta:
     tokenizer_sha256: str
     splits: dict[str, SplitMeta]
     sources: list[dict[str, Any]] = field(default_factory=list)
+    encode_special_tokens: bool = True  # special-token text in a document was encoded as text
     notices: tuple[str, ...] = ()  # what `verify_dataset` found worth saying (printed by a run)
 
     def shard_paths(self, split: str) -> list[Path]:
@@ -120,7 +124,10 @@ def load_meta(path: str | Path, field_name: str = "data.dataset") -> PreparedMet
             tokenizer_sha256=str(raw["tokenizer_sha256"]),
             splits=splits,
             sources=list(raw.get("sources", [])),
+            encode_special_tokens=encodes_special_tokens(raw, field_name),
         )
+    except ConfigError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(
             field_name, str(path), f"{allowed}; its meta.json is unreadable: {e}"
@@ -315,6 +322,71 @@ def apply_dataset(cfg: JobConfig, given: Collection[str] = ()) -> PreparedMeta |
     return meta
 
 
+# ---- how a document is encoded, and where a folder records it ---------------------------------
+#
+# Documents are data: a special token's text inside one ("<|endoftext|>", "<s>") is encoded as
+# text, not as the special token (`Tokenizer.encode_special_tokens`). `tokenizers` does not save
+# that setting in tokenizer.json (0.23: the file's fields are version, truncation, padding,
+# added_tokens, normalizer, pre_tokenizer, post_processor, decoder and model; the flag lives on
+# the in-memory added vocabulary only), so `Tokenizer.from_file` alone encodes such text as the
+# special id. A folder therefore records it where each reader looks:
+# - meta.json's ENCODE_SPECIAL_TOKENS: llmscale (`dataset_tokenizer`, generate's tokenizer) and
+#   anyone using `tokenizers` directly (`tok.encode_special_tokens = meta[...]`);
+# - tokenizer_config.json's split_special_tokens (`tokenizer_config`): transformers' tokenizers
+#   (AutoTokenizer, PreTrainedTokenizerFast), on a prepared folder and on an exported one.
+# A document is encoded without the file's template (add_special_tokens=False: no BOS).
+ENCODE_SPECIAL_TOKENS = "encode_special_tokens"
+
+
+def encodes_special_tokens(raw_meta: dict[str, Any], field_name: str = "data.dataset") -> bool:
+    """meta.json's ENCODE_SPECIAL_TOKENS; true when absent (every `data prepare` encoded so)."""
+    value = raw_meta.get(ENCODE_SPECIAL_TOKENS, True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field_name} meta.json {ENCODE_SPECIAL_TOKENS}", value, "true | false")
+    return value
+
+
+def dataset_tokenizer(meta: PreparedMeta) -> Tokenizer:
+    """The folder's tokenizer.json, set to encode as its shards were (meta.json's record)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(meta.tokenizer_path))
+    tok.encode_special_tokens = meta.encode_special_tokens
+    return tok
+
+
+def tokenizer_config(
+    tok: Tokenizer,
+    eos_id: int,
+    pad_id: int,
+    bos_id: int | None = None,
+    encode_special_tokens: bool = True,
+) -> dict[str, Any]:
+    """tokenizer_config.json beside `tok`'s tokenizer.json: transformers' fast tokenizer with
+    these special tokens, splitting special-token text as `encode_special_tokens` says (the one
+    setting transformers reads from this file and not from tokenizer.json)."""
+
+    def name(i: int | None) -> str | None:
+        return None if i is None else tok.id_to_token(i)
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(bos_id),
+        "eos_token": name(eos_id),
+        "pad_token": name(pad_id),
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": encode_special_tokens,
+    }
+
+
+def document_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of `texts` as training data holds them: no special tokens added around a text
+    (no BOS, whatever template the tokenizer file has), and special-token text encoded as `tok`
+    is set to (`encode_special_tokens`: `data prepare` sets it, `dataset_tokenizer` and
+    generate's tokenizer apply meta.json's record). `data prepare` and generate's prompts use it."""
+    return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+
 # ---- the byte-level tokenizer as a `tokenizers` file ------------------------------------------
 
 
@@ -333,14 +405,6 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-def document_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """The ids of `texts` as training data holds them: no special tokens added around a text
-    (no BOS, whatever template the tokenizer file has), and special-token text in a text
-    encoded as text (`encode_special_tokens`). `data prepare` and generate's prompts use it."""
-    tok.encode_special_tokens = True
-    return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def byte_tokenizer(vocab_size: int = 264) -> Tokenizer:

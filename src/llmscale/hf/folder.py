@@ -8,7 +8,8 @@ Weights are written in fp32 as the checkpoint holds them, or in bf16.
 
 The tokenizer encodes as `llmscale data prepare` encoded the training data: no BOS or other
 template around a text (tokenizer.json's post-processor is dropped, add_bos_token false) and
-special-token text stays text (split_special_tokens true).
+special-token text as the dataset's meta.json records (split_special_tokens: tokenizer.json
+cannot hold that setting, see data/prepared.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from llmscale.data.prepared import byte_tokenizer, document_ids
+from llmscale.data.prepared import byte_tokenizer, document_ids, tokenizer_config
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
 from llmscale.hf.convert import from_hf_llama, hf_config
@@ -54,12 +55,20 @@ def parse_shard_size(text: str | int, field: str = "--max-shard-size") -> int:
 
 @dataclass(frozen=True)
 class TokenizerFiles:
-    """The tokenizer a folder gets: its tokenizer.json text and its special ids."""
+    """The tokenizer a folder gets: its tokenizer.json text, its special ids and whether
+    special-token text is encoded as text (meta.json's record; the file cannot hold it)."""
 
     json_text: str
     bos_id: int | None
     eos_id: int
     pad_id: int
+    encode_special_tokens: bool = True
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, set to encode as the data was."""
+        tok = Tokenizer.from_str(self.json_text)
+        tok.encode_special_tokens = self.encode_special_tokens
+        return tok
 
 
 def byte_tokenizer_files(vocab_size: int) -> TokenizerFiles:
@@ -137,19 +146,15 @@ def write_folder(
     (out / TOKENIZER).write_text(training_tokenizer_json(tokenizer.json_text))
     if card:
         (out / "README.md").write_text(card)
-    tok = Tokenizer.from_str(tokenizer.json_text)
-
-    def name(i: int | None) -> str | None:
-        return None if i is None else tok.id_to_token(i)
-
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name(tokenizer.bos_id),
-        "eos_token": name(tokenizer.eos_id),
-        "pad_token": name(tokenizer.pad_id),
+    tok_config = tokenizer_config(
+        tokenizer.tokenizer(),
+        tokenizer.eos_id,
+        tokenizer.pad_id,
+        tokenizer.bos_id,
+        encode_special_tokens=tokenizer.encode_special_tokens,
+    )
+    tok_config |= {
         "model_max_length": cfg.max_seq_len,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": True,  # special-token text in the input is encoded as text
         "add_bos_token": False,
         "add_eos_token": False,
     }
@@ -245,6 +250,7 @@ def check_folder_data(
         theirs = Tokenizer.from_file(str(path))
     except Exception as e:  # the library raises its own Exception subclasses for bad files
         raise ConfigError(field, src, f"a readable {TOKENIZER} ({type(e).__name__})") from None
+    theirs.encode_special_tokens = data_tokenizer.encode_special_tokens  # compared as the data
     a, b = theirs.get_vocab(with_added_tokens=True), data_tokenizer.get_vocab(True)
     differ = sum(a.get(token) != i for token, i in b.items()) + len(a.keys() - b.keys())
     if differ or document_ids(theirs, [_PROBE]) != document_ids(data_tokenizer, [_PROBE]):

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from llmscale.config import JobConfig
-from llmscale.data.prepared import document_ids
+from llmscale.data.prepared import document_ids, encodes_special_tokens
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
 from llmscale.hf.folder import TOKENIZER, TokenizerFiles, byte_tokenizer_files
@@ -37,7 +37,7 @@ class RunTokenizer:
         saw, special-token text kept as text."""
         if self.byte_level:
             return [int(i) for i in ByteTokenizer().encode(text)]
-        return document_ids(Tokenizer.from_str(self.files.json_text), [text])[0]
+        return document_ids(self.files.tokenizer(), [text])[0]
 
     def holes(self) -> list[int]:
         """Ids below vocab_limit that no token of the tokenizer has (a file's vocabulary may
@@ -79,5 +79,11 @@ def run_tokenizer(cfg: JobConfig) -> RunTokenizer:
         ),
         None,
     )
-    files = TokenizerFiles(text, bos_id=bos, eos_id=int(meta["eos_id"]), pad_id=int(meta["pad_id"]))
+    files = TokenizerFiles(
+        text,
+        bos_id=bos,
+        eos_id=int(meta["eos_id"]),
+        pad_id=int(meta["pad_id"]),
+        encode_special_tokens=encodes_special_tokens(meta),
+    )
     return RunTokenizer(files=files, vocab_limit=int(meta["vocab_size"]), byte_level=False)

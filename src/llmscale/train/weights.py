@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from llmscale.config import JobConfig, load_config
-from llmscale.data.prepared import TOKENIZER_FILE, byte_tokenizer
+from llmscale.data.prepared import byte_tokenizer, dataset_tokenizer, load_meta
 from llmscale.errors import ConfigError
 from llmscale.hf.folder import check_folder_data, read_llama_folder
 from llmscale.model.config import BYTE_VOCAB_SIZE, ModelConfig, value_name
@@ -108,11 +108,9 @@ def with_source_model(cfg: JobConfig) -> JobConfig:
         return cfg
     model = source_model(init_from)
     if init_from.startswith(HF_PREFIX):
-        from tokenizers import Tokenizer
-
         dataset = cfg.data.dataset
         if dataset:
-            data_tok = Tokenizer.from_file(str(Path(dataset) / TOKENIZER_FILE))
+            data_tok = dataset_tokenizer(load_meta(dataset))
             name = f"data.dataset {dataset}"
         else:
             data_tok, name = byte_tokenizer(BYTE_VOCAB_SIZE), "byte-level, data.path"
