@@ -287,9 +287,7 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         grads = 4 * shard if grads_held is None else grads_held
         return RankPieces(4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0)
     if plan.offload == "lsp":
-        return lsp_pieces(
-            plan, max(rs_transient, pb * rp.block.numel), unsharded if fsdp else 0.0
-        )
+        return lsp_pieces(plan, max(rs_transient, pb * rp.block.numel), unsharded if fsdp else 0.0)
     host = 12 * shard + counters
     if plan.offload == "optimizer":
         # Low-precision params stay on the device; autocast has nothing left to cast. Each
