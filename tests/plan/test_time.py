@@ -19,6 +19,7 @@ from llmscale.plan.time import (
     recompute_fraction,
     runtime_eager_block_bytes,
 )
+from llmscale.stack import LLMSCALE
 
 L7, L70 = get_preset("llama2-7b"), get_preset("llama2-70b")
 H200 = Cluster.of("h200")
@@ -50,7 +51,7 @@ def test_one_gpu_step_by_hand() -> None:
     saved = 32 * act.block_bytes(L7, 2, 2048, "bf16") + act.head_bytes(L7, 2, 2048, "bf16")
     memory_bound = (2 + 3) * saved / hbm
     optimizer = 28 * L7.num_params() / hbm
-    fixed = cal.step_overhead_ms.value / 1000
+    fixed = LLMSCALE.step_overhead_ms.value / 1000  # a catalog GPU: the stack's
     assert t.breakdown["matmul"] == pytest.approx(4 * matmul)
     assert t.breakdown["elementwise"] == pytest.approx(4 * memory_bound)
     assert t.breakdown["fixed"] == pytest.approx(fixed)

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from llmscale.errors import ConfigError
+from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
@@ -18,6 +19,7 @@ from llmscale.stack import (
     MEGATRON_2021,
     MEGATRON_CORE,
     STACK_NAMES,
+    STACKS,
     TORCHTITAN,
     get_stack,
     param_residency,
@@ -156,3 +158,41 @@ def test_eager_elementwise_traffic() -> None:
     d, kv, f = 4096, 1024, 14336
     per_token = 2 * 36 * d + 2 * 6 * d + 20 * (d + kv) + 4 * (d + kv) + 10 * f
     assert eager_block_bytes(plan) == per_token * 2048
+
+
+def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
+    """A value fitted on a published run lives on the stack that ran it, applied on that GPU
+    only (Cluster.run_by): torchtitan's H100 96GB GEMM share is not the bare GPU's, nor
+    another stack's. Each fit names its row, and a runs.toml row it names is `calibration`."""
+    import re
+
+    from llmscale.validation.runs import load_runs
+
+    roles = {r["id"]: r["role"] for r in load_runs()}
+    fits = [f for s in STACKS.values() for f in s.fitted]
+    assert {f.gpu for f in fits} == {"a100-80g", "h100-96g"}
+    for fit in fits:
+        named = [
+            m for m in re.findall(r"row ([a-z0-9][a-z0-9.-]+)", fit.value.source) if m in roles
+        ]
+        assert named or "Narayanan et al. 2021 Table 1, row 10" in fit.value.source, fit
+        assert all(roles[m] == "calibration" for m in named), fit
+    h100 = Cluster.of("h100-96g")
+    assert h100.gpu.calibration.gemm_efficiency.value == 0.7  # the bare GPU's (assumed)
+    assert h100.run_by(TORCHTITAN).gpu.calibration.gemm_efficiency.value == 0.47
+    assert h100.run_by(LLMSCALE) is h100 and h100.run_by(MEGATRON_2021) is h100
+    assert h100.run_by(TORCHTITAN) is h100.run_by(TORCHTITAN)  # cached: the search's keys
+    a100 = Cluster.of("a100-80g")
+    assert a100.run_by(MEGATRON_2021).gpu.calibration.gemm_efficiency.value == 0.72
+    assert a100.run_by(TORCHTITAN) is a100
+
+
+def test_a_catalog_gpu_takes_the_stacks_step_overhead() -> None:
+    plan = Plan(model=get_preset("llama2-7b"), seq_len=2048, micro_batch_size=1,
+                global_batch_size=8, dp_shard=8)  # fmt: skip
+    cluster = Cluster.of("h100")
+    slow = LLMSCALE.on(step_overhead_ms=Sourced(250.0, "test"))
+    base = estimate_step_time(plan, cluster, time_params(LLMSCALE))
+    more = estimate_step_time(plan, cluster, time_params(slow))
+    assert base.breakdown["fixed"] == pytest.approx(LLMSCALE.step_overhead_ms.value / 1000)
+    assert more.seconds - base.seconds == pytest.approx(0.24)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from llmscale.hardware.catalog import default_catalog
+from llmscale.stack import STACKS
 from llmscale.ui import console
 from llmscale.validation.published import Row as Published
 from llmscale.validation.published import all_rows
@@ -52,20 +53,25 @@ def table(rows: list[Published]) -> Table:
 
 
 def calibration_lines() -> list[str]:
-    """One line per calibrated number of the GPUs the rows ran on, with its source."""
+    """One line per rate of the GPUs the rows ran on (the bare GPU's), then one per value a
+    stack was fitted to on a published row and each stack's fixed cost per step, with sources."""
     out = []
     for name in GPUS:
         gpu = default_catalog().gpu(name)
         cal = gpu.calibration
-        for field in (
-            "gemm_efficiency",
-            "gemm_half_dim",
-            "attention_efficiency",
-            "hbm_efficiency",
-            "step_overhead_ms",
-        ):
+        for field in ("gemm_efficiency", "gemm_half_dim", "attention_efficiency", "hbm_efficiency"):
             num = getattr(cal, field)
             out.append(f"| {gpu.display} | {field} | {num.value:g} | {num.source} |")
+    for stack in STACKS.values():
+        for fit in stack.fitted:
+            gpu = default_catalog().gpu(fit.gpu)
+            out.append(
+                f"| {gpu.display} under --stack {stack.name} (fitted) | {fit.field} | "
+                f"{fit.value.value:g} | {fit.value.source} |"
+            )
+        over = stack.step_overhead_ms
+        out.append(f"| any GPU under --stack {stack.name} | step_overhead_ms | {over.value:g} | "
+                   f"{over.source} |")  # fmt: skip
     return out
 
 

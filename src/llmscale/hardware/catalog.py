@@ -31,9 +31,10 @@ CALIBRATION_FIELDS = (
     "gemm_half_dim",
     "attention_efficiency",
     "hbm_efficiency",
-    "step_overhead_ms",
 )
 # Fields a GPU's table may leave out: their defaults are stated (and sourced) on `Calibration`.
+# Software costs (per-step overheads, values fitted on a published run) are not a GPU's: they
+# belong to the stack that ran (`llmscale.stack.Stack.step_overhead_ms`, `Stack.fitted`).
 OPTIONAL_CALIBRATION_FIELDS = ("microbatch_overhead_ms", "optimizer_efficiency")
 # Required of a GPU with a dense FP8 peak (and only allowed then).
 FP8_CALIBRATION_FIELD = "fp8_gemm_efficiency"
@@ -46,7 +47,9 @@ _ASYNC = (
 
 @dataclass(frozen=True)
 class Calibration:
-    """What one GPU achieves, as opposed to its datasheet peaks (plan/time.py uses each).
+    """What one GPU achieves, as opposed to its datasheet peaks (plan/time.py uses each): rates
+    of the bare GPU (its GEMM, attention kernel family and HBM), never a value fitted on a
+    published training run (those are the stack's: `llmscale.stack.Fit`).
 
     - gemm_efficiency: achieved / dense peak of a large GEMM (cuBLAS, the model's dtype);
     - gemm_half_dim: the GEMM size (geometric mean of M, N, K) at which half of that is reached:
@@ -56,7 +59,9 @@ class Calibration:
       executes (causal masking skips half the tiles; backward recomputes QK^T);
     - hbm_efficiency: achieved / datasheet HBM bandwidth of streaming kernels (norms,
       activations, casts, softmax/cross-entropy, the optimizer);
-    - step_overhead_ms: fixed cost per optimizer step (launches, host sync, zeroing, logging);
+    - step_overhead_ms: a device measured with the llmscale runtime (train/calibration.py):
+      its fixed cost per optimizer step; None on a catalog GPU, where the stack's
+      (`Stack.step_overhead_ms`) applies;
     - fp8_gemm_efficiency: achieved / dense FP8 peak of a large FP8 GEMM (scaled e4m3 inputs,
       bf16 output), on the same size curve; None for a GPU without FP8 tensor cores;
     - microbatch_overhead_ms: fixed cost of one micro-batch's forward and backward on one
@@ -74,7 +79,7 @@ class Calibration:
     gemm_half_dim: Sourced
     attention_efficiency: Sourced
     hbm_efficiency: Sourced
-    step_overhead_ms: Sourced
+    step_overhead_ms: Sourced | None = None
     fp8_gemm_efficiency: Sourced | None = None
     microbatch_overhead_ms: Sourced = Sourced(0.0, _ASYNC)
     optimizer_efficiency: Sourced | None = None
@@ -93,11 +98,6 @@ class Calibration:
             raise ConfigError("calibration.fp8_gemm_efficiency", None, "a value (FP8 GPUs)")
         scale = self.fp8_gemm_efficiency.value / self.gemm_efficiency.value
         return scale * self.gemm_efficiency_at(m, n, k)
-
-    @property
-    def step_overhead(self) -> float:
-        """Seconds."""
-        return self.step_overhead_ms.value * 1e-3
 
     @property
     def microbatch_overhead(self) -> float:
@@ -176,11 +176,21 @@ class Link:
     links_per_gpu: Sourced | None = None
     # Energy per bit moved, where published (optical I/O).
     energy_pJ_per_bit: Sourced | None = None
+    # What NCCL's collectives achieve on this link each direction per GPU, where published
+    # (NCCL's own topology model: its per-link rate times the links); None: the datasheet's.
+    achieved_GBps: Sourced | None = None
 
     @property
     def bandwidth(self) -> float:
-        """Bytes per second, each direction, per GPU (or per NIC port)."""
+        """Bytes per second, each direction, per GPU (or per NIC port): the datasheet's."""
         return self.bandwidth_GBps.value * 1e9
+
+    @property
+    def bus_bandwidth(self) -> float:
+        """Bytes per second each direction per GPU that collectives achieve (`achieved_GBps`,
+        else the datasheet's `bandwidth`): what plan/collectives.py costs them at."""
+        sourced = self.achieved_GBps or self.bandwidth_GBps
+        return sourced.value * 1e9
 
     @property
     def latency(self) -> float:

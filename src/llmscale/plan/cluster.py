@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, Catalog, Link, Node, default_catalog
+from llmscale.plan.cache import Memo
 from llmscale.plan.collectives import Fabric
+from llmscale.stack import Stack
+
+_RUN_BY: Memo[Cluster] = Memo("cluster.run_by")
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,21 @@ class Cluster:
     @property
     def gpus_per_node(self) -> int:
         return self.node.gpus_per_node
+
+    def run_by(self, stack: Stack) -> Cluster:
+        """This cluster with the values `stack` was fitted to on its GPU (`Stack.fitted`) in
+        place of the GPU's own rates: the one place the planner applies them (itself when the
+        stack has none for this GPU). Cached per (cluster, stack), so the search's keys by
+        identity keep hitting."""
+        fits = {f.field: f.value for f in stack.fitted if f.gpu == self.gpu.name}
+        if not fits:
+            return self
+
+        def build() -> Cluster:
+            cal = replace(self.gpu.calibration, **fits)
+            return replace(self, gpu=replace(self.gpu, calibration=cal))
+
+        return _RUN_BY.get((id(self), id(stack)), build, (self, stack))
 
     @classmethod
     def of(

@@ -171,16 +171,17 @@ def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) ->
     nodes = n // per_node
     if op == "p2p":
         if per_node >= 2 or nodes == 1:
-            return Cost(p2p(nbytes, intra.pair_bandwidth, intra.latency), "p2p-intra")
+            pair = min(intra.pair_bandwidth, intra.bus_bandwidth)
+            return Cost(p2p(nbytes, pair, intra.latency), "p2p-intra")
         return Cost(p2p(nbytes, fabric.nic_bw_per_gpu, inter.latency), "p2p-inter")
     if nodes == 1:
         return _intra(op, nbytes, n, intra)
     g, k = per_node, nodes
-    bottleneck = min(intra.bandwidth, g * fabric.nic_bw_per_gpu)
+    bottleneck = min(intra.bus_bandwidth, g * fabric.nic_bw_per_gpu)
     if op == "all_to_all":
         # Every rank sends (n-g)/n of its data across nodes over its own NIC share.
         t = (n - 1) * inter.latency + (n - g) / n * nbytes / fabric.nic_bw_per_gpu
-        t += (g - 1) / n * nbytes / intra.bandwidth
+        t += (g - 1) / n * nbytes / intra.bus_bandwidth
         return Cost(t, "pairwise")
     steps = 2 if op == "all_reduce" else 1
     ring = steps * ((n - k) * intra.latency + (k - 1) * inter.latency)
@@ -195,10 +196,10 @@ def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) ->
                     shard, k, TREE_BW_EFFICIENCY * fabric.nic_bw_per_gpu, inter.latency
                 ),
             )
-            local = 2 * ring_all_gather(nbytes, g, intra.bandwidth, intra.latency)
+            local = 2 * ring_all_gather(nbytes, g, intra.bus_bandwidth, intra.latency)
         else:
             across = ring_all_gather(shard, k, fabric.nic_bw_per_gpu, inter.latency)
-            local = ring_all_gather(nbytes, g, intra.bandwidth, intra.latency)
+            local = ring_all_gather(nbytes, g, intra.bus_bandwidth, intra.latency)
         options.append(Cost(local + across, "hierarchical"))
     if op == "all_reduce":
         tree = 2 * ((g - 1) * intra.latency + math.ceil(math.log2(k)) * inter.latency)
@@ -208,7 +209,7 @@ def collective(op: str, nbytes: float, n: int, per_node: int, fabric: Fabric) ->
 
 
 def _intra(op: str, nbytes: float, n: int, link: Link) -> Cost:
-    bw, a = link.bandwidth, link.latency
+    bw, a = link.bus_bandwidth, link.latency
     if op == "all_reduce":
         ring = ring_all_reduce(nbytes, n, bw, a)
         tree = tree_all_reduce(nbytes, n, TREE_BW_EFFICIENCY * bw, a)

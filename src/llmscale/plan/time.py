@@ -769,6 +769,7 @@ def estimate_step_time(
         if plan.tp > cluster.gpus_per_node:
             raise ConfigError("parallel.tp", plan.tp, f"<= GPUs per node = {cluster.gpus_per_node}")
     tparams = params
+    cluster = cluster.run_by(tparams.stack)  # the stack's fitted values on this GPU
     todo = ranks if ranks is not None and not simulate else tuple(range(plan.pp))
     computed = {r: _rank_times(plan, r, cluster, tparams) for r in todo}
     stages = [computed.get(r, computed[todo[0]]) for r in range(plan.pp)]
@@ -870,7 +871,9 @@ def estimate_step_time(
             upload = n_mb * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
-    fixed = cal.step_overhead if tparams.step_overhead else 0.0
+    # A device measured with the runtime has its own fixed cost; a catalog GPU the stack's.
+    overhead = cal.step_overhead_ms or tparams.stack.step_overhead_ms
+    fixed = overhead.value * 1e-3 if tparams.step_overhead else 0.0
     breakdown["fixed"] = fixed
     seconds = pipe + p2p_total + dp_sync + opt + fixed
     tokens = plan.tokens_per_step

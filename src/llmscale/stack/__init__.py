@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from llmscale.errors import ConfigError
+from llmscale.hardware.spec import Sourced
 from llmscale.stack.kernels import MEGATRON_2021 as MEGATRON_2021_KERNELS
 from llmscale.stack.kernels import RUNTIME, Kernels
 
@@ -29,6 +30,7 @@ __all__ = [
     "STACKS",
     "STACK_NAMES",
     "TORCHTITAN",
+    "Fit",
     "Kernels",
     "Residency",
     "Stack",
@@ -44,6 +46,26 @@ __all__ = [
 # policy is one branch of `param_residency`.
 Sharding = Literal["llmscale", "fsdp2_default", "megatron"]
 Elementwise = Literal["llmscale", "torchtitan", "saved"]
+
+
+# The fixed cost of an optimizer step on a GPU, whatever the stack (no published figure).
+STEP_OVERHEAD = Sourced(
+    10.0,
+    "assumption: ~10 ms per optimizer step of launches, gradient-norm and loss-scale syncs, "
+    "zeroing and logging",
+)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A value fitted on a published run of a stack: it replaces `field` of GPU `gpu`'s
+    calibration (hardware/catalog.py `Calibration`) when that stack runs on it. Its source names
+    the row it was fitted on (validation/data/runs.toml or published.toml), which is therefore
+    a `calibration` row, never a validation one."""
+
+    gpu: str
+    field: str
+    value: Sourced
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +115,11 @@ class Stack:
     # mesh even with dp_shard 1 (torchtitan's ParallelDims.fsdp_enabled); else only with
     # dp_shard > 1, the cp ranks all-reducing a replica (the llmscale runtime).
     fsdp_over_cp: bool = False
+    # Fixed cost per optimizer step on a catalog GPU (a device measured with the runtime carries
+    # its own: Calibration.step_overhead_ms).
+    step_overhead_ms: Sourced = STEP_OVERHEAD
+    # Values fitted on this stack's published runs, per GPU (`Fit`).
+    fitted: tuple[Fit, ...] = ()
 
     def on(self, **changes: object) -> Stack:
         """This stack with some facts replaced (a measured device's kernels, say)."""
@@ -211,6 +238,19 @@ MEGATRON_2021 = Stack(
     optimizer_bytes_per_param=46.0,
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
+    fitted=(
+        Fit(
+            "a100-80g",
+            "gemm_efficiency",
+            Sourced(
+                0.72,
+                "fitted on Narayanan et al. 2021 Table 1, row 10 (1T, t8 p64 d6, 3,072 A100 80GB, "
+                "163 TFLOP/s per GPU): the large-GEMM share Megatron-LM's fp16 kernels need to "
+                "reproduce it (validation/data/published.toml narayanan2021, the calibration "
+                "row); the other Table 1 rows and Korthikanti et al. 2022 are predictions",
+            ),
+        ),
+    ),
 )
 
 MEGATRON_CORE = Stack(
@@ -263,6 +303,28 @@ TORCHTITAN = Stack(
     elementwise="torchtitan",
     grad_sync_once=False,
     fsdp_over_cp=True,
+    fitted=(
+        Fit(
+            "h100-96g",
+            "gemm_efficiency",
+            Sourced(
+                0.47,
+                "fitted on row tt2412-8b-8gpu-fsdp (torchtitan docs/performance.md, Dec 2024: "
+                "Llama 3.1 8B on 8 x H100 96GB at 500 W, FSDP, 5,762 tokens/s/GPU; the "
+                "calibration row of validation/data/runs.toml); the other H100 96GB rows are "
+                "predictions",
+            ),
+        ),
+        Fit(
+            "h100-96g",
+            "fp8_gemm_efficiency",
+            Sourced(
+                0.42,
+                "the fitted bf16 share (0.47, row tt2412-8b-8gpu-fsdp) times the H100 SXM5's "
+                "FP8 / bf16 GEMM shares (0.63 / 0.7)",
+            ),
+        ),
+    ),
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (LLMSCALE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
