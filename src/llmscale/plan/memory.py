@@ -255,7 +255,7 @@ def plan_rank_params(plan: Plan, rank: int, kernels: act.Kernels) -> RankParams:
     vp = kernels.splits_vocab(plan.model, plan.tp)
     return rank_params(
         plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards, vp, plan.chunks, plan.pp_layers,
-        plan.v_shape,
+        plan.v_shape, plan.dp * plan.cp > 1,
     )  # fmt: skip
 
 
