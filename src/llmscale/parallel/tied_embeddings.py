@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmscale.model.config import EMBEDDING_WEIGHT, TIED_HEAD_WEIGHT
+from llmscale.parallel.data_parallel import CollectiveCounter
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.grads import match_grad_placements_
 from llmscale.tensors import local_tensor
@@ -88,14 +89,21 @@ class TiedEmbeddings:
         copy: nn.Parameter | None,
         group: dist.ProcessGroup | None,
         shared: bool = False,
+        counter: CollectiveCounter | None = None,
     ) -> None:
         self.embedding = embedding
         self.copy = copy
         self.group = group
         self.shared = shared
+        self.counter = counter  # counts the all-reduce (the metrics rows' grad_allreduces)
 
     @classmethod
-    def find(cls, parts: Sequence[nn.Module], dims: ParallelDims) -> TiedEmbeddings:
+    def find(
+        cls,
+        parts: Sequence[nn.Module],
+        dims: ParallelDims,
+        counter: CollectiveCounter | None = None,
+    ) -> TiedEmbeddings:
         """The tied weights among this rank's model parts. A collective (the embedding group
         is made on first use): every rank calls it."""
         group = dims.embedding_group()
@@ -106,7 +114,7 @@ class TiedEmbeddings:
             embedding = named.get(EMBEDDING_WEIGHT, embedding)
             copy = named.get(TIED_HEAD_WEIGHT, copy)
             shared = shared or isinstance(getattr(part, "tok_embeddings", None), SharedEmbedding)
-        return cls(embedding, copy, group, shared)
+        return cls(embedding, copy, group, shared, counter)
 
     @property
     def copies(self) -> list[nn.Parameter]:
@@ -130,6 +138,8 @@ class TiedEmbeddings:
         elif self.group is not None:
             # a + b on both ranks: the same bits on both (addition commutes exactly).
             dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
+            if self.counter is not None:
+                self.counter.all_reduced(grads[0])
 
 
 def _embedding_key(key: str) -> str | None:

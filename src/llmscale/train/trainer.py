@@ -222,7 +222,7 @@ class Trainer:
         # parallelism one shared tensor; checkpoints store one (parallel/tied_embeddings).
         self.tied: TiedEmbeddings | None = None
         if cfg.model.tie_embeddings and self.dims.pp > 1:
-            self.tied = TiedEmbeddings.find(self.model_parts, self.dims)
+            self.tied = TiedEmbeddings.find(self.model_parts, self.dims, self.parallel.collectives)
             self.optimizers.leave_out_of_norm(self.tied.copies)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
