@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from llmscale.config import load_config
 from llmscale.parallel import full_parameters
+from llmscale.tensors import local_tensor
 from llmscale.train.trainer import Trainer
 
 TIED = ("tok_embeddings.weight", "output.weight")
@@ -46,7 +47,7 @@ def tied_tensors(t: Trainer) -> int:
     for part in t.model_parts:
         for m in (part.tok_embeddings, part.output):
             if m is not None:
-                ptrs.add(m.weight.data_ptr())
+                ptrs.add(local_tensor(m.weight).data_ptr())  # (a DTensor's own shard)
     return len(ptrs)
 
 
