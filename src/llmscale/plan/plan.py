@@ -211,6 +211,8 @@ class Plan(MeshDegrees):
             self.chunks, self.recompute, self.recompute_every_k, self.sequence_parallel,
             self.dp_shard, self.zero_stage, self.lowp_weights, self.pp_layers, self.cp,
             self.v_shape,
+            # FSDP2 under a pipeline: how often the schedule gathers (stack.pipeline_gathers)
+            (self.pp_schedule, self.n_microbatches) if self.fsdp and self.pp > 1 else None,
         )  # fmt: skip
 
     # ---- conversion (generated from the fields' config keys) -------------------------------

@@ -161,20 +161,18 @@ def pipeline_gathers(zero_stage: int, order: Sequence[tuple[str, int]]) -> dict[
             count[stage] = count.get(stage, 0) + 1
             gathered[stage] = True
 
-    last = {s: i for i, (_, s) in enumerate(order)}
-    few = len(last) <= MAX_ACTIVE_STAGES  # (then the window is every stage still to run)
+    # The window before each op: the next MAX_ACTIVE_STAGES distinct stages from it on, built
+    # from the end (the window at i is stage i, then the window at i + 1 without it).
+    windows: list[list[int]] = [[] for _ in order]
+    after: list[int] = []
+    for i in range(len(order) - 1, -1, -1):
+        stage = order[i][1]
+        after = [stage, *(s for s in after if s != stage)][:MAX_ACTIVE_STAGES]
+        windows[i] = after
     active: list[int] = []
     for i, (kind, stage) in enumerate(order):
         count.setdefault(stage, 0)
-        upcoming: list[int] = []
-        if few:
-            upcoming = [s for s in last if last[s] >= i]
-        else:
-            for _, s in order[i:]:
-                if s not in upcoming:
-                    upcoming.append(s)
-                    if len(upcoming) == MAX_ACTIVE_STAGES:
-                        break
+        upcoming = windows[i]
         for s in [s for s in active if s not in upcoming]:
             active.remove(s)
             gathered[s] = False
@@ -189,6 +187,18 @@ def pipeline_gathers(zero_stage: int, order: Sequence[tuple[str, int]]) -> dict[
         elif kind == "B":
             gather(stage)
     return count
+
+
+def few_stage_gathers(zero_stage: int, microbatches: int, rank_chunks: int) -> int | None:
+    """`pipeline_gathers`' count per unit, in closed form, where a rank runs at most
+    `MAX_ACTIVE_STAGES` chunks (none is then evicted): 1 under zero 1 and 2 (gathered at the
+    step's start, kept), m + 1 under zero 3 (each forward reshards, each backward after one
+    gathers again, and the step's start gathers once more). None beyond: replay the order.
+    (Equal to the replay for gpipe, 1f1b, interleaved_1f1b and zero_bubble with up to 3
+    chunks, zbv and dualpipev: tests/stack/test_residency.py.)"""
+    if rank_chunks > MAX_ACTIVE_STAGES:
+        return None
+    return microbatches + 1 if reshard_after_forward(zero_stage) else 1
 
 
 def predict_collectives(
