@@ -8,8 +8,8 @@ one process counts it), validation loss and final parameters equal the single-pr
 equals the embedding bit for bit after every step; in a V without data parallelism (zbv,
 dualpipev) pp rank 0 holds one tensor and all-reduces nothing. Every rank's data-parallel and
 tied all-reduce counts equal the planner's (`plan_collectives`). A checkpoint written under
-pp = 2 resumes under pp = 1 with the same losses, and one written under pp = 1 resumes under
-pp = 2.
+pp = 2 (1F1B's copy, or ZB-V's one tensor) resumes under pp = 1 with the same losses, and one
+written under pp = 1 resumes under pp = 2.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ LAYOUTS = {**WORLD2, **WORLD4}
 # resumed here under pp = 1), and resumed under pp = 2 from a pp = 1 checkpoint of step 2.
 RESUME2 = [
     {"name": "to_pp1_save", "run": "to_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.stop_after", "2"]},
+    {"name": "zbv_to_pp1_save", "run": "zbv_to_pp1", "args": [*_p(pp=2, pp_schedule="zbv"), *CKPT, "--checkpoint.stop_after", "2"]},
     {"name": "from_pp1_load", "run": "from_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.resume", "true"]},
 ]  # fmt: skip
 # A tied Hugging Face folder (exported from the pp = 1 checkpoint of step 2) starts a pp = 2
@@ -139,9 +140,11 @@ def world2(tmp_path_factory) -> dict[str, dict[str, Any]]:
     losses, params = _in_process(out / "from_hf_pp1", *init_hf)
     results["from_hf_pp1"] = {"losses": losses, "params": params}
     results["out"] = out
-    # `to_pp1_save`'s pp = 2 checkpoint of step 2, resumed here under pp = 1.
-    losses, params = _in_process(out / "to_pp1", *CKPT, "--checkpoint.resume", "true")
-    results["to_pp1_load"] = {"losses": losses, "params": params}
+    # `to_pp1_save`'s and `zbv_to_pp1_save`'s pp = 2 checkpoints of step 2 (the copy, and one
+    # tensor in a V), resumed here under pp = 1.
+    for run in ("to_pp1", "zbv_to_pp1"):
+        losses, params = _in_process(out / run, *CKPT, "--checkpoint.resume", "true")
+        results[f"{run}_load"] = {"losses": losses, "params": params}
     return results
 
 
@@ -242,11 +245,12 @@ ALLREDUCES = {
 
 def test_tied_checkpoint_reshards_between_pp2_and_pp1(world2, reference) -> None:
     ref = reference["losses"]
-    saved = world2["to_pp1_save"]
-    assert saved["steps_done"] == 2
-    for a, b in zip(saved["losses"], ref[:2], strict=True):
-        assert rel_error(a, b) < RTOL
-    for name in ("to_pp1_load", "from_pp1_load"):  # step 3 after the resume
+    for name in ("to_pp1_save", "zbv_to_pp1_save"):
+        saved = world2[name]
+        assert saved["steps_done"] == 2
+        for a, b in zip(saved["losses"], ref[:2], strict=True):
+            assert rel_error(a, b) < RTOL
+    for name in ("to_pp1_load", "zbv_to_pp1_load", "from_pp1_load"):  # step 3 after the resume
         got = world2[name]
         assert len(got["losses"]) == 1, name
         for a, b in zip(got["losses"], ref[2:], strict=True):
