@@ -1,10 +1,14 @@
 """Tied embeddings under pipeline parallelism train exactly like one process.
 
-A tied tiny model of 8 layers, 5 steps of 4 micro-batches (parallel_harness.BASE), fp32, gloo.
-Each layout's losses, gradient norms (the tied weight counted once, as one process counts it),
-validation loss and final parameters equal the single-process run to 1e-5 relative; the last
-stage's copy of the embedding (`output.weight`) equals the embedding bit for bit after every
-step; a checkpoint written under pp = 2 resumes under pp = 1 with the same losses, and one
+The tied tiny model (4 layers), 3 steps of 4 micro-batches (parallel_harness.BASE), fp32, gloo;
+one torchrun per world size trains every layout of it in turn (tied_worker.py), and the tests
+below read its outputs. Each layout's losses, gradient norms (the tied weight counted once, as
+one process counts it), validation loss and final parameters equal the single-process run to
+1e-5 relative. Where the last stage keeps a copy of the embedding (`output.weight`), the copy
+equals the embedding bit for bit after every step; in a V without data parallelism (zbv,
+dualpipev) pp rank 0 holds one tensor and all-reduces nothing. Every rank's data-parallel and
+tied all-reduce counts equal the planner's (`plan_collectives`). A checkpoint written under
+pp = 2 (1F1B's copy, or ZB-V's one tensor) resumes under pp = 1 with the same losses, and one
 written under pp = 1 resumes under pp = 2.
 """
 
@@ -16,29 +20,26 @@ from typing import Any
 
 import pytest
 import torch
-from parallel_harness import (
-    BASE,
-    HERE,
-    RTOL,
-    assert_same_run,
-    rel_error,
-    single_process_reference,
-    torchrun,
-)
+from parallel_harness import BASE, HERE, RTOL, rel_error, single_process_reference, torchrun
 
 from llmscale.config import load_config
 from llmscale.hf.folder import read_llama_folder
 from llmscale.inference.export import export_run
 from llmscale.plan import activations as act
 from llmscale.plan.memory import MemoryOptions
-from llmscale.plan.predict import expected_runtime_metrics
+from llmscale.plan.predict import as_plan, expected_runtime_metrics, plan_collectives
 from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
-TIED = ("--model.tie_embeddings", "true", "--model.n_layers", "8")
+STEPS = 3
+TIED = ("--model.tie_embeddings", "true", "--train.steps", str(STEPS))
 EMB, COPY = "tok_embeddings.weight", "output.weight"
 CKPT = ("--checkpoint.enabled", "true", "--checkpoint.keep_last", "5")
 CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
+COUNTS = (
+    "param_allgathers", "grad_reduces", "param_allgather_bytes", "grad_reduce_bytes",
+    "grad_allreduces", "grad_allreduce_bytes",
+)  # fmt: skip
 
 
 def _p(**degrees: Any) -> list[str]:
@@ -50,21 +51,27 @@ def _p(**degrees: Any) -> list[str]:
 
 WORLD2 = {
     "tied_pp2_1f1b": _p(pp=2, pp_schedule="1f1b"),
-    "tied_pp2_zbv": _p(pp=2, pp_schedule="zbv"),
+    "tied_pp2_zero_bubble": _p(pp=2, pp_schedule="zero_bubble", pp_chunks=2),  # ZB1P
+    "tied_pp2_zbv": _p(pp=2, pp_schedule="zbv"),  # a V: one tensor
 }
 WORLD4 = {
     "tied_pp2_fsdp2": _p(pp=2, dp_shard=2),
     "tied_pp2_tp2_sp": _p(pp=2, tp=2, sequence_parallel=True),
-    "tied_pp4_interleaved": _p(pp=4, pp_schedule="interleaved_1f1b", pp_chunks=2),
+    "tied_pp4_gpipe": _p(pp=4, pp_schedule="gpipe"),  # the embedding group of pp ranks 0, 3
+    "tied_pp2_dp_replicate2": _p(pp=2, dp_replicate=2),
+    "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),  # a V keeping the copy
 }
-# Trained in the world-2 group after the layouts above: saved under pp = 2 after step 3 (then
-# resumed here under pp = 1), and resumed under pp = 2 from a pp = 1 checkpoint of step 3.
+SHARED = {"tied_pp2_zbv", "from_hf"}  # a V without data parallelism
+LAYOUTS = {**WORLD2, **WORLD4}
+# Trained in the world-2 group after the layouts above: saved under pp = 2 after step 2 (then
+# resumed here under pp = 1), and resumed under pp = 2 from a pp = 1 checkpoint of step 2.
 RESUME2 = [
-    {"name": "to_pp1_save", "run": "to_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.stop_after", "3"]},
+    {"name": "to_pp1_save", "run": "to_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.stop_after", "2"]},
+    {"name": "zbv_to_pp1_save", "run": "zbv_to_pp1", "args": [*_p(pp=2, pp_schedule="zbv"), *CKPT, "--checkpoint.stop_after", "2"]},
     {"name": "from_pp1_load", "run": "from_pp1", "args": [*_p(pp=2), *CKPT, "--checkpoint.resume", "true"]},
 ]  # fmt: skip
-# A tied Hugging Face folder (exported from the pp = 1 checkpoint of step 3) starts a pp = 2
-# run of 2 steps (dualpipev: the copy on pp rank 0 beside the embedding).
+# A tied Hugging Face folder (exported from the pp = 1 checkpoint of step 2) starts a pp = 2
+# run of 2 steps (dualpipev: one tensor on pp rank 0 for the embedding and the head).
 FROM_HF = ("--train.steps", "2")
 
 pytestmark = pytest.mark.slow
@@ -73,7 +80,7 @@ pytestmark = pytest.mark.slow
 def _run(nproc: int, out: Path, layouts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Train `layouts` in one torchrun group (tied_worker.py); per layout the merged stages:
     losses, validation loss, parameters, the tied weights' hashes after every step by name,
-    and the rank-0 metrics rows."""
+    every pp rank's metrics rows and tied tensor count, and the rank-0 metrics rows."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "base": [*BASE, *TIED], "layouts": layouts}))
@@ -81,12 +88,13 @@ def _run(nproc: int, out: Path, layouts: list[dict[str, Any]]) -> dict[str, dict
     results = {}
     for layout in layouts:
         name = layout["name"]
-        files = sorted(out.glob(f"{name}.stage*.pt"))
+        files = sorted(out.glob(f"{name}.stage*.pt"))  # by pp rank
         assert files, f"{name}: no results written"
-        merged: dict[str, Any] = {"params": {}, "hashes": None, "first_rows": []}
+        merged: dict[str, Any] = {"params": {}, "hashes": None, "pp_rows": [], "tensors": []}
         for f in files:
             d = torch.load(f, weights_only=False)
-            merged["first_rows"].append(d["first_row"])  # by pp rank
+            merged["pp_rows"].append(d["rows"])
+            merged["tensors"].append(d["tied_tensors"])
             assert not set(d["params"]) & set(merged["params"]), name
             merged["params"].update(d["params"])
             if merged["hashes"] is None:
@@ -122,9 +130,9 @@ def reference(tmp_path_factory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("tied2")
-    # The pp = 1 checkpoint of step 3 that `from_pp1_load` resumes under pp = 2.
-    _in_process(out / "from_pp1", *CKPT, "--checkpoint.stop_after", "3")
-    hf = export_run(out / "from_pp1", out / "hf", step=3).out
+    # The pp = 1 checkpoint of step 2 that `from_pp1_load` resumes under pp = 2.
+    _in_process(out / "from_pp1", *CKPT, "--checkpoint.stop_after", "2")
+    hf = export_run(out / "from_pp1", out / "hf", step=2).out
     init_hf = ("--checkpoint.init_from", f"hf:{hf}", *FROM_HF)
     from_hf = {"name": "from_hf", "args": [*_p(pp=2, pp_schedule="dualpipev"), *init_hf]}
     layouts = [{"name": n, "args": a} for n, a in WORLD2.items()] + [*RESUME2, from_hf]
@@ -132,9 +140,11 @@ def world2(tmp_path_factory) -> dict[str, dict[str, Any]]:
     losses, params = _in_process(out / "from_hf_pp1", *init_hf)
     results["from_hf_pp1"] = {"losses": losses, "params": params}
     results["out"] = out
-    # `to_pp1_save`'s pp = 2 checkpoint of step 3, resumed here under pp = 1.
-    losses, params = _in_process(out / "to_pp1", *CKPT, "--checkpoint.resume", "true")
-    results["to_pp1_load"] = {"losses": losses, "params": params}
+    # `to_pp1_save`'s and `zbv_to_pp1_save`'s pp = 2 checkpoints of step 2 (the copy, and one
+    # tensor in a V), resumed here under pp = 1.
+    for run in ("to_pp1", "zbv_to_pp1"):
+        losses, params = _in_process(out / run, *CKPT, "--checkpoint.resume", "true")
+        results[f"{run}_load"] = {"losses": losses, "params": params}
     return results
 
 
@@ -145,14 +155,34 @@ def world4(tmp_path_factory) -> dict[str, dict[str, Any]]:
     )
 
 
-def _check_layout(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
-    hashes = got["hashes"]
-    assert len(hashes) == 5
-    for step, h in enumerate(hashes, 1):
-        assert h[EMB] == h[COPY], f"{name} step {step}: the copy differs from the embedding"
+def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
+    """The layout's parameters under one process's names, after checking the tied weight: one
+    tensor on pp rank 0 in a V without data parallelism (named `output.weight`, the head's),
+    else the copy equal to the embedding bit for bit after every step and at the end."""
     params = dict(got["params"])
+    if name in SHARED:
+        assert got["tensors"][0] == 1, name  # the embedding reads the head's very tensor
+        assert EMB not in params and all(set(h) == {COPY} for h in got["hashes"]), name
+        params[EMB] = params.pop(COPY)
+        return params
+    for step, h in enumerate(got["hashes"], 1):
+        assert h[EMB] == h[COPY], f"{name} step {step}: the copy differs from the embedding"
     assert torch.equal(params.pop(COPY), params[EMB]), name
-    assert_same_run({**got, "params": params}, ref, name)
+    if "zbv" in name:  # a V under data parallelism: the embedding and its copy on pp rank 0
+        assert got["tensors"][0] == 2, name
+    return params
+
+
+def _check_layout(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
+    assert got["steps_done"] == STEPS and len(got["hashes"]) == STEPS, name
+    params = _one_tensor(got, name)
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
+        assert rel_error(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
+    assert rel_error(got["val_loss"], ref["val_loss"]) < RTOL, name
+    assert set(params) == set(ref["params"]), name
+    for k, want in ref["params"].items():
+        assert rel_error(params[k], want) < RTOL, (name, k)
     # The gradient norm counts the tied weight once, as one process does.
     for a, b in zip(got["rows"], ref["rows"], strict=True):
         assert rel_error(a["grad_norm"], b["grad_norm"]) < RTOL, (name, a["step"], a, b)
@@ -168,16 +198,62 @@ def test_tied_pp_four_ranks_equal_one_process(name, world4, reference) -> None:
     _check_layout(world4[name], reference, name)
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tied_all_reduces_equal_the_planners(name, world2, world4) -> None:
+    """Every pp rank's collectives (metrics rows) equal `plan_collectives`: the tied
+    all-reduce once per step on pp ranks 0 and pp - 1 (of the local embedding gradient: a
+    shard under FSDP2), none in a V; replicate's and FSDP2's counted beside it. Under FSDP2 the
+    first step's shape inference gathers once more (not compared); under tp > 1 the planner
+    does not predict (the tied all-reduce is then the whole tensor)."""
+    got = {**world2, **world4}[name]
+    cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
+    plan = as_plan(cfg)
+    v, d = cfg.model.vocab_size, cfg.model.dim
+    assert len(got["pp_rows"]) == cfg.parallel.pp
+    for rank, rows in enumerate(got["pp_rows"]):
+        assert len(rows) == STEPS, (name, rank)
+        want = plan_collectives(plan, rank)
+        if want is None:  # tp 2: the tied all-reduce alone, of the whole (replicated) tensor
+            assert cfg.parallel.tp == 2
+            want = {k: 0 for k in COUNTS} | {
+                "grad_allreduces": 1,
+                "grad_allreduce_bytes": 4 * v * d,
+            }
+        for step, row in enumerate(rows, 1):
+            if step == 1 and cfg.parallel.dp_shard > 1:
+                continue
+            assert {k: row[k] for k in COUNTS} == want, (name, rank, step)
+        assert want["grad_allreduces"] == ALLREDUCES[name][rank], (name, rank)
+        if ALLREDUCES[name][rank] == 1:  # the tied all-reduce alone: the local gradient
+            local = v * d // cfg.parallel.dp_shard
+            assert want["grad_allreduce_bytes"] == 4 * local, (name, rank)
+
+
+# All-reduces per step of each pp rank: the tied one on pp ranks 0 and pp - 1, none in a V;
+# under dp_replicate 2 also one per FSDP unit (2 blocks and the root on each rank).
+ALLREDUCES = {
+    "tied_pp2_1f1b": [1, 1],
+    "tied_pp2_zero_bubble": [1, 1],
+    "tied_pp2_zbv": [0, 0],
+    "tied_pp2_fsdp2": [1, 1],
+    "tied_pp2_tp2_sp": [1, 1],
+    "tied_pp4_gpipe": [1, 0, 0, 1],
+    "tied_pp2_dp_replicate2": [4, 4],
+    "tied_pp2_zbv_fsdp2": [0, 0],
+}
+
+
 def test_tied_checkpoint_reshards_between_pp2_and_pp1(world2, reference) -> None:
     ref = reference["losses"]
-    saved = world2["to_pp1_save"]
-    assert saved["steps_done"] == 3
-    for a, b in zip(saved["losses"], ref[:3], strict=True):
-        assert rel_error(a, b) < RTOL
-    for name in ("to_pp1_load", "from_pp1_load"):  # steps 4 and 5 after the resume
+    for name in ("to_pp1_save", "zbv_to_pp1_save"):
+        saved = world2[name]
+        assert saved["steps_done"] == 2
+        for a, b in zip(saved["losses"], ref[:2], strict=True):
+            assert rel_error(a, b) < RTOL
+    for name in ("to_pp1_load", "zbv_to_pp1_load", "from_pp1_load"):  # step 3 after the resume
         got = world2[name]
-        assert len(got["losses"]) == 2, name
-        for a, b in zip(got["losses"], ref[3:], strict=True):
+        assert len(got["losses"]) == 1, name
+        for a, b in zip(got["losses"], ref[2:], strict=True):
             assert rel_error(a, b) < RTOL, (name, a, b)
         params = dict(got["params"])
         if COPY in params:  # pp = 2: the copy was loaded from the embedding's one tensor
@@ -188,10 +264,10 @@ def test_tied_checkpoint_reshards_between_pp2_and_pp1(world2, reference) -> None
 
 
 def test_tied_pp2_checkpoint_exports_a_tied_hf_folder(world2) -> None:
-    """The pp = 2 checkpoint of step 3 exports as a tied model holding the run's embedding."""
-    saved = world2["to_pp1_save"]["params"]  # the pp = 2 run's weights when it stopped at 3
+    """The pp = 2 checkpoint of step 2 exports as a tied model holding the run's embedding."""
+    saved = world2["to_pp1_save"]["params"]  # the pp = 2 run's weights when it stopped at 2
     out = world2["out"] / "hf_from_pp2"
-    export_run(world2["out"] / "to_pp1", out, step=3)
+    export_run(world2["out"] / "to_pp1", out, step=2)
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is True
     model, sd = read_llama_folder(out)
@@ -200,32 +276,33 @@ def test_tied_pp2_checkpoint_exports_a_tied_hf_folder(world2) -> None:
 
 
 def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
-    """`init_from hf:` a tied folder: the pp = 2 run (its copy loaded from the embedding) trains
-    like the pp = 1 run from the same folder."""
+    """`init_from hf:` a tied folder: the pp = 2 dualpipev run (one tensor on pp rank 0,
+    loaded from the folder's embedding) trains like the pp = 1 run from the same folder."""
     got, ref = world2["from_hf"], world2["from_hf_pp1"]
     assert len(got["losses"]) == len(ref["losses"]) == 2
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert rel_error(a, b) < RTOL, (a, b)
-    for h in got["hashes"]:
-        assert h[EMB] == h[COPY]
-    params = dict(got["params"])
-    assert torch.equal(params.pop(COPY), params[EMB])
+    params = _one_tensor(got, "from_hf")
     for k, want in ref["params"].items():
         assert rel_error(params[k], want) < RTOL, k
 
 
-@pytest.mark.parametrize("name", ["tied_pp2_1f1b", "tied_pp2_zbv", "tied_pp2_fsdp2"])
+@pytest.mark.parametrize(
+    "name", ["tied_pp2_1f1b", "tied_pp2_zbv", "tied_pp2_fsdp2", "tied_pp2_zbv_fsdp2"]
+)
 def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) -> None:
     """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on pp rank
-    1, or 0 in a V; sharded under FSDP) equal the planner's expectation exactly."""
+    1, or 0 in a V under FSDP2, sharded; none in a V without data parallelism) equal the
+    planner's expectation exactly."""
     got = {**world2, **world4}[name]
-    args = {**WORLD2, **WORLD4}[name]
-    cfg = load_config(None, [*BASE, *TIED, *args])
+    cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
-    copy_bytes = 4 * cfg.model.vocab_size * cfg.model.dim // cfg.parallel.dp_shard
-    for rank, row in enumerate(got["first_rows"]):
+    v, d, shard = cfg.model.vocab_size, cfg.model.dim, cfg.parallel.dp_shard
+    for rank, rows in enumerate(got["pp_rows"]):
         want = expected_runtime_metrics(cfg, rank=rank, options=CPU)
-        assert {k: row[k] for k in keys} == {k: want[k] for k in keys}, (name, rank)
-    # The copy is counted: the rank holding the last stage holds it beyond its layers.
-    last = 0 if "zbv" in name else 1
-    assert got["first_rows"][last]["param_bytes"] >= copy_bytes
+        assert {k: rows[0][k] for k in keys} == {k: want[k] for k in keys}, (name, rank)
+    # Rank 0 in a V holds both stages: the embedding, and the copy unless shared.
+    if "zbv" in name:
+        one = expected_runtime_metrics(load_config(None, [*BASE, *TIED]), rank=0, options=CPU)
+        extra = got["pp_rows"][0][0]["param_bytes"] + got["pp_rows"][1][0]["param_bytes"]
+        assert extra * shard - one["param_bytes"] == (0 if name in SHARED else 4 * v * d)

@@ -1,6 +1,7 @@
 """The pieces of tied embeddings under pipeline parallelism, in one process (no torchrun):
 the last stage's copy starts as the embedding, the config accepts the layout and refuses what
-it cannot run with one line, checkpoints hold one tensor, the planner counts the copy."""
+it cannot run with one line, checkpoints hold one tensor, the planner counts the copy; a V
+without data parallelism holds one tensor."""
 
 from __future__ import annotations
 
@@ -25,13 +26,34 @@ def test_last_stage_copy_starts_as_the_embedding(schedule, chunks) -> None:
     model = build_model(TINY_TIED, seed=3)
     emb = model.tok_embeddings.weight
     last = 0 if schedule == "zbv" else 1
-    parts, ids = pipeline_split(model, last, 2, chunks, (), schedule)
+    # (wrapped: under data parallelism, where a V keeps the copy too)
+    parts, ids = pipeline_split(model, last, 2, chunks, (), schedule, wrapped=True)
     (head,) = [p for p, s in zip(parts, ids, strict=True) if s == 2 * chunks - 1]
     assert torch.equal(head.output.weight, emb)
     assert head.tok_embeddings is None
     # The model's own init gives the copy the embedding's value (layout-independent).
     shape = tuple(emb.shape)
     assert torch.equal(model.initial_value("output.weight", shape, 3), emb)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_without_data_parallelism_holds_one_tensor(schedule) -> None:
+    """A V places the first and the last stage on pp rank 0: without data parallelism the
+    embedding reads the head's weight, the one tensor, registered once (on the last stage)."""
+    model = build_model(TINY_TIED, seed=3)
+    emb = model.tok_embeddings.weight.detach().clone()
+    parts, ids = pipeline_split(model, 0, 2, 2, (), schedule, wrapped=False)
+    first, last = parts[ids.index(0)], parts[ids.index(3)]
+    assert first.tok_embeddings.weight is last.output.weight
+    names = [n for part in parts for n, _ in part.named_parameters()]
+    assert names.count("output.weight") == 1 and "tok_embeddings.weight" not in names
+    assert torch.equal(last.output.weight, emb)
+    # The embedding's lookup reads it: the same rows as the whole model's embedding.
+    tokens = torch.tensor([[1, 5, 7]])
+    assert torch.equal(first.tok_embeddings(tokens), model.tok_embeddings(tokens))
+    # pp rank 1 (the middle stages) holds neither.
+    mid, _ = pipeline_split(model, 1, 2, 2, (), schedule, wrapped=False)
+    assert all(p.tok_embeddings is None and p.output is None for p in mid)
 
 
 def test_config_accepts_tied_pp_and_refuses_offload_in_one_line() -> None:
@@ -75,3 +97,11 @@ def test_planner_counts_the_copy_on_the_last_stage() -> None:
     assert v0.head.shard_numel - rank_params(TINY_TIED, 1, 1, 0, dp_shard=2).head.shard_numel == (
         v * d // 2
     )
+    # A V without data parallelism: one tensor on rank 0, as in one process.
+    shared = [
+        rank_params(TINY_TIED, 1, 2, r, chunks=2, v_shape=True, wrapped=False) for r in (0, 1)
+    ]
+    assert shared[0].numel + shared[1].numel == one.numel
+    assert shared[0].autocast_numel + shared[1].autocast_numel == one.autocast_numel
+    wrapped = rank_params(TINY_TIED, 1, 2, 0, chunks=2, v_shape=True, wrapped=True)
+    assert wrapped.numel - shared[0].numel == v * d

@@ -5,6 +5,8 @@ Without a pipeline (2 ranks, dp_shard 2, 4 micro-batches per rank) every step's 
 (`param_allgathers`, `grad_reduces` and their bytes) equal `predict_collectives`; with pp 2 x
 dp_shard 2 (4 ranks, 1F1B, 4 micro-batches) every step after the first does on both pipeline
 ranks, the first under zero 1 and 2 too. Losses equal one process to 1e-5 under every stage.
+The all-reduces across replicas (`grad_allreduces` and their bytes) of dp_replicate 2 (2 ranks,
+`replicate`) and HSDP 2 x 2 (4 ranks) equal the rule, measured and in prediction.json.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ def _zero(z: int, *extra: str) -> list[str]:
     return [*STEPS, *ACCUM4, "--parallel.dp_shard", "2", "--parallel.zero_stage", str(z), *extra]
 
 
+DP_REPLICATE2 = [*STEPS, *ACCUM4, "--parallel.dp_replicate", "2"]  # replicate: all-reduce
+HSDP = [*STEPS, "--train.global_batch_size", "16", "--parallel.dp_replicate", "2"]
 WORLD2 = {
     **{f"zero{z}": _zero(z) for z in (1, 2, 3)},
+    "dp_replicate2": DP_REPLICATE2,
     "uneven_interleaved": [
         *STEPS,
         *UNEVEN,
@@ -43,7 +48,13 @@ WORLD2 = {
     ],
 }
 PP2 = ("--parallel.pp", "2", "--parallel.pp_schedule", "1f1b")
-WORLD4 = {f"pp2_zero{z}": _zero(z, *PP2) for z in (1, 2, 3)}
+WORLD4 = {
+    **{f"pp2_zero{z}": _zero(z, *PP2) for z in (1, 2, 3)},
+    # HSDP: dp_replicate 2 x dp_shard 2, 2 micro-batches per rank, zero 2 (a reduce-scatter
+    # and an all-reduce of its output per unit and micro-batch)
+    "hsdp_zero2": [*HSDP, "--parallel.dp_shard", "2", "--parallel.zero_stage", "2"],
+}
+KEYS6 = (*KEYS, "grad_allreduces", "grad_allreduce_bytes")
 
 
 def _layouts(table: dict[str, list[str]]) -> list[dict[str, Any]]:
@@ -98,7 +109,8 @@ def test_zero_stage_counts_equal_the_rule(z, world2) -> None:
     rows = _rows(world2[f"zero{z}"], 0)
     assert len(rows) == 3
     for row in rows:
-        assert _counts(row) == tuple(want.values()), (z, row)
+        assert _counts(row) == tuple(want[k] for k in KEYS), (z, row)
+        assert row["grad_allreduces"] == row["grad_allreduce_bytes"] == 0
     assert _predicted(world2[f"zero{z}"]) == want  # what prediction.json carries
     # The table itself, on the tiny model's 5 units (4 blocks and the root):
     assert (want["param_allgathers"], want["grad_reduces"]) == {
@@ -128,10 +140,32 @@ def test_zero_stage_counts_under_a_pipeline_equal_the_rule(z, world4, references
                 model, dp_shard=2, zero_stage=z, microbatches=4, pp=2, schedule="1f1b",
                 pp_rank=pp_rank, order=order, first_step=step == 1,
             )  # fmt: skip
-            assert _counts(row) == tuple(want.to_dict().values()), (z, pp_rank, step, row)
+            assert _counts(row) == tuple(want.to_dict()[k] for k in KEYS), (z, pp_rank, step, row)
         # torch's REDUCE_GRAD: one reduce-scatter per unit per step, whatever the zero stage
         assert row["grad_reduces"] == 3
-    assert tuple(_predicted(result).values()) == _counts(_rows(result, 0)[-1])
+    assert tuple(_predicted(result)[k] for k in KEYS) == _counts(_rows(result, 0)[-1])
+    assert _rows(result, 0)[-1]["grad_allreduces"] == _predicted(result)["grad_allreduces"] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "want"),
+    [
+        # replicate: one all-reduce of each of the 5 units' whole gradients per step (zero 1's
+        # rule), nothing gathered or reduce-scattered
+        ("dp_replicate2", "world2", (0, 0, 0, 0, 5, 923_904)),
+        # HSDP: per micro-batch (2 per rank) a reduce-scatter of each unit and an all-reduce of
+        # its output (half the unit) across the replicas
+        ("hsdp_zero2", "world4", (5, 10, 923_904, 1_847_808, 10, 923_904)),
+    ],
+)
+def test_replica_all_reduces_equal_the_rule(name, world, want, request, references) -> None:
+    result = request.getfixturevalue(world)[name]
+    _assert_losses(result["losses"], references["accum4"]["losses"], name)
+    rows = _rows(result, 0)
+    assert len(rows) == 3
+    for row in rows:
+        assert tuple(row[k] for k in KEYS6) == want, (name, row)
+    assert tuple(_predicted(result)[k] for k in KEYS6) == want  # prediction.json
 
 
 def test_uneven_interleaved_split_equals_one_process(world2, references) -> None:

@@ -6,7 +6,8 @@ SPEC: {"out": folder, "base": [overrides...], "layouts": [{"name", "args", "run"
 The rank holding pipeline stage s at data, tensor and context rank 0 writes OUT/NAME.stage{s}.pt:
 losses, validation loss, final parameters gathered to full tensors, and after every step the
 sha256 of the full embedding (`tok_embeddings.weight`) and of the last stage's copy
-(`output.weight`) where this rank's stages hold them, and this rank's first metrics row.
+(`output.weight`) where this rank's stages hold them, this rank's metrics rows, and how many
+distinct tensors hold the tied weight on this rank (`tied_tensors`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from llmscale.config import load_config
 from llmscale.parallel import full_parameters
+from llmscale.tensors import local_tensor
 from llmscale.train.trainer import Trainer
 
 TIED = ("tok_embeddings.weight", "output.weight")
@@ -36,6 +38,17 @@ def tied_hashes(t: Trainer) -> dict[str, str]:
             for n in names:
                 out[n] = hashlib.sha256(full[n].numpy().tobytes()).hexdigest()
     return out
+
+
+def tied_tensors(t: Trainer) -> int:
+    """How many distinct tensors (by storage) hold the tied weight on this rank: 1 where the
+    embedding reads the head's weight (a V without data parallelism), 2 where both are held."""
+    ptrs = set()
+    for part in t.model_parts:
+        for m in (part.tok_embeddings, part.output):
+            if m is not None:
+                ptrs.add(local_tensor(m.weight).data_ptr())  # (a DTensor's own shard)
+    return len(ptrs)
 
 
 def main() -> None:
@@ -68,6 +81,8 @@ def main() -> None:
                 "params": params,
                 "hashes": hashes,
                 "first_row": rows[0] if rows else None,
+                "rows": rows,
+                "tied_tensors": tied_tensors(t),
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         t.close()

@@ -7,6 +7,8 @@ schedule orders.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmscale.model.config import get_preset
@@ -54,7 +56,39 @@ def test_without_a_pipeline_counts_follow_the_table() -> None:
     assert predict_collectives(model, dp_shard=1, zero_stage=3, microbatches=4).to_dict() == {
         "param_allgathers": 0, "grad_reduces": 0,
         "param_allgather_bytes": 0, "grad_reduce_bytes": 0,
+        "grad_allreduces": 0, "grad_allreduce_bytes": 0,
     }  # fmt: skip
+
+
+def test_all_reduces_across_replicas_and_of_a_tied_embedding() -> None:
+    """replicate (dp_shard 1) all-reduces every unit's whole gradients once per step; HSDP
+    all-reduces each reduce-scatter's output (the unit's shard); a tied pipeline adds one
+    all-reduce of the local embedding gradient on pp ranks 0 and pp - 1, none in a V."""
+    model = get_preset("tiny")
+    units = stage_units(model, 0, 1)
+    whole = sum(unit_numel(u, 1) for u in units) * 4
+    rep = predict_collectives(model, dp_shard=1, zero_stage=1, microbatches=4, replicas=2)
+    assert rep.to_dict() == {
+        "param_allgathers": 0, "grad_reduces": 0,
+        "param_allgather_bytes": 0, "grad_reduce_bytes": 0,
+        "grad_allreduces": 5, "grad_allreduce_bytes": whole,
+    }  # fmt: skip
+    hsdp = predict_collectives(model, dp_shard=2, zero_stage=3, microbatches=4, replicas=2)
+    assert hsdp.grad_allreduces == hsdp.grad_reduces == 20
+    assert hsdp.grad_allreduce_bytes == hsdp.grad_reduce_bytes // 2
+    tied = dataclasses.replace(model, tie_embeddings=True)
+    emb = 4 * tied.vocab_size * tied.dim
+    order = [("F", 0), ("B", 0)]
+    for rank, n in ((0, 1), (1, 0), (2, 0), (3, 1)):  # pp 4: ranks 0 and 3
+        c = predict_collectives(tied, dp_shard=1, zero_stage=1, microbatches=4, pp=4,
+                                pp_rank=rank, order=order)  # fmt: skip
+        assert (c.grad_allreduces, c.grad_allreduce_bytes) == (n, n * emb)
+    sharded = predict_collectives(tied, dp_shard=2, zero_stage=1, microbatches=4, pp=2,
+                                  pp_rank=1, order=[("F", 1), ("B", 1)])  # fmt: skip
+    assert sharded.grad_allreduces == 1 and sharded.grad_allreduce_bytes == emb // 2
+    v = predict_collectives(tied, dp_shard=1, zero_stage=1, microbatches=4, pp=2,
+                            schedule="zbv", chunks=2, pp_rank=0)  # fmt: skip
+    assert v.grad_allreduces == 0
 
 
 @pytest.mark.parametrize(

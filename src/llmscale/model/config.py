@@ -400,9 +400,15 @@ EMBEDDING_WEIGHT = "tok_embeddings.weight"
 TIED_HEAD_WEIGHT = "output.weight"
 
 
-def tied_copy(model: ModelConfig, pp: int) -> bool:
-    """Whether the last pipeline stage keeps a copy of the tied embedding (pp > 1, tied)."""
-    return pp > 1 and model.tie_embeddings
+def tied_copy(model: ModelConfig, pp: int, *, v_shape: bool = False, wrapped: bool = True) -> bool:
+    """Whether the last pipeline stage keeps a copy of the tied embedding: pp > 1 and tied,
+    except where the first and the last stage share a rank (`v_shape`: zbv, dualpipev) in a model
+    no data-parallel wrapper holds (`wrapped`: FSDP2 or replicate, dp x cp > 1). There the head
+    and the embedding are one tensor (the last stage's `output.weight`, which the first stage's
+    embedding reads: `parallel.tied_embeddings.SharedEmbedding`). FSDP2 cannot share one
+    parameter between two stage roots (each root's state owns its parameters; a unit of both
+    would need two roots), so a wrapped V keeps the copy, its gradient added locally."""
+    return pp > 1 and model.tie_embeddings and not (v_shape and not wrapped)
 
 
 def value_name(model: ModelConfig, name: str) -> str:

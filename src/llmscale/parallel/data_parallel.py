@@ -50,13 +50,17 @@ _DefaultAllGather, _DefaultReduceScatter = fsdp_default_comms()
 
 
 class CollectiveCounter:
-    """Counts the FSDP all-gathers and reduce-scatters this rank issues, and their bytes.
+    """Counts the data-parallel collectives this rank issues, and their bytes.
 
-    Installed as every unit's all-gather and reduce-scatter comm (FSDP2's
+    Installed as every FSDP unit's all-gather and reduce-scatter comm (FSDP2's
     `set_custom_all_gather` / `set_custom_reduce_scatter`, which still issue torch's default
-    collectives); the trainer reads and clears it once per optimizer step. Bytes: an
-    all-gather's output (the unit's padded flat buffer, compute dtype) and a reduce-scatter's
-    input (its padded unsharded gradients, reduce dtype): see `Collectives`.
+    collectives) and, where gradients are all-reduced across replicas (HSDP, `replicate`), as
+    every unit's all-reduce hook (`set_all_reduce_hook`: FSDP2 calls it after each all-reduce,
+    with its output); a tied pipeline's embedding all-reduce counts itself
+    (`tied_embeddings.TiedEmbeddings`, `all_reduced`). The trainer reads and clears it once per
+    optimizer step. Bytes: an all-gather's output (the unit's padded flat buffer, compute
+    dtype), a reduce-scatter's input (its padded unsharded gradients, reduce dtype) and an
+    all-reduce's tensor: see `Collectives`.
     """
 
     def __init__(self) -> None:
@@ -64,13 +68,27 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.allgathers = self.reduces = self.allgather_bytes = self.reduce_bytes = 0
+        self.allreduces = self.allreduce_bytes = 0
 
     def counts(self) -> Collectives:
-        return Collectives(self.allgathers, self.reduces, self.allgather_bytes, self.reduce_bytes)
+        return Collectives(
+            self.allgathers, self.reduces, self.allgather_bytes, self.reduce_bytes,
+            self.allreduces, self.allreduce_bytes,
+        )  # fmt: skip
 
     def install(self, module: FSDPModule) -> None:
         module.set_custom_all_gather(_CountingAllGather(self))
         module.set_custom_reduce_scatter(_CountingReduceScatter(self))
+
+    def install_all_reduce(self, module: FSDPModule) -> None:
+        """Count `module`'s all-reduces across replicas (HSDP or `replicate` units only: under
+        plain FSDP2 the hook runs after the reduce-scatter, with no all-reduce)."""
+        module.set_all_reduce_hook(self.all_reduced)
+
+    def all_reduced(self, t: Any) -> None:
+        """One gradient all-reduce of `t` (its bytes: the tensor's)."""
+        self.allreduces += 1
+        self.allreduce_bytes += t.numel() * t.element_size()
 
 
 class _CountingAllGather(_DefaultAllGather):  # type: ignore[misc, valid-type]
@@ -122,8 +140,8 @@ def apply_fsdp(
     cpu_offload: bool = False,
     counter: CollectiveCounter | None = None,
 ) -> None:
-    """Wrap each block, then the root, with fully_shard (shard=True) or replicate; under
-    fully_shard, `counter` counts every unit's collectives."""
+    """Wrap each block, then the root, with fully_shard (shard=True) or replicate; `counter`
+    counts every unit's collectives."""
     # The root returns the logits, under TP a view of the all-gathered output; FSDP2 warns that
     # an in-place op on it would skip its backward hook. The trainer only reads them.
     warnings.filterwarnings(
@@ -135,6 +153,7 @@ def apply_fsdp(
     off: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     if shard:
         reshard = reshard_after_forward(zero_stage)
+        hsdp = dp_mesh.ndim == 2  # (dp_replicate, dp_shard): all-reduced across replicas too
 
         def wrap(m: nn.Module) -> None:
             unit = fully_shard(
@@ -142,11 +161,15 @@ def apply_fsdp(
             )
             if counter is not None:
                 counter.install(unit)
+                if hsdp:
+                    counter.install_all_reduce(unit)
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         def wrap(m: nn.Module) -> None:
-            replicate(m, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
+            unit = replicate(m, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
+            if counter is not None:
+                counter.install_all_reduce(unit)
 
     for block in model.layers.values():  # type: ignore[union-attr]
         wrap(block)

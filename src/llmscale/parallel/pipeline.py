@@ -7,7 +7,8 @@ which the planner reads too. Stage 0 keeps the
 embeddings, the last stage the final norm and output; the model's forward already handles each
 of them being absent, and blocks keep their names (`layers.5...`), so a checkpoint saved under
 one split loads under another. A tied model's last stage keeps a copy of the embedding as its
-`output` (parallel/tied_embeddings.py).
+`output`, or in a V without data parallelism the one tensor the first stage's embedding reads
+(parallel/tied_embeddings.py).
 
 With `pp_chunks` = v > 1 (interleaved 1F1B, zero bubble) there are pp x v stages and rank r
 holds stages r, r + pp, r + 2 pp, ... (loop style, as `ScheduleInterleaved1F1B` and
@@ -34,6 +35,7 @@ from llmscale.instrument.activations import storage_bytes
 from llmscale.instrument.pipeline import PipelineRecorder
 from llmscale.model.config import split_layers, stage_ids, tied_copy
 from llmscale.model.transformer import Transformer
+from llmscale.parallel.tied_embeddings import share_tied_head
 
 __all__ = [
     "PipelineMemory",
@@ -58,9 +60,11 @@ def build_stage_module(
     for name in list(part.layers.keys()):
         if int(name) not in keep:
             del part.layers[name]
-    if stage == n_stages - 1 and tied_copy(model.cfg, n_stages) and part.tok_embeddings is not None:
+    tied = model.cfg.tie_embeddings and n_stages > 1
+    if stage == n_stages - 1 and tied and part.tok_embeddings is not None:
         # The last stage's copy of the tied embedding, its output projection (same device and
-        # dtype: meta while the trainer builds; `initial_value` gives it the embedding's value).
+        # dtype: meta while the trainer builds; `initial_value` gives it the embedding's value);
+        # in a V without data parallelism the one tensor (`pipeline_split`).
         w = part.tok_embeddings.weight
         cfg = model.cfg
         part.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=w.device, dtype=w.dtype)
@@ -90,13 +94,21 @@ def pipeline_split(
     chunks: int,
     pp_layers: list[int] | tuple[int, ...] = (),
     schedule: str = "1f1b",
+    wrapped: bool = True,
 ) -> tuple[list[Transformer], list[int]]:
     """This pipeline rank's model chunks and their stage indices (`pp_layers`: layers per stage,
     empty for the automatic split). `chunks` is the config's `pp_chunks`; `schedule` decides
-    how many chunks a rank really holds and where (`schedule_stage_ids`)."""
+    how many chunks a rank really holds and where (`schedule_stage_ids`). A tied model whose
+    first and last stage share this rank (a V) and that no data-parallel wrapper will hold
+    (`wrapped` False) keeps one tensor for both (`tied_embeddings.share_tied_head`)."""
     ids = schedule_stage_ids(schedule, pp_rank, pp, chunks)
     n_stages = pp * pipeline_chunks(schedule, chunks)
-    return [build_stage_module(model, s, n_stages, pp_layers) for s in ids], ids
+    parts = [build_stage_module(model, s, n_stages, pp_layers) for s in ids]
+    both = 0 in ids and n_stages - 1 in ids  # first and last stage here: a V
+    tied = model.cfg.tie_embeddings and pp > 1
+    if tied and both and not tied_copy(model.cfg, pp, v_shape=both, wrapped=wrapped):
+        share_tied_head(parts, ids, n_stages)
+    return parts, ids
 
 
 def build_pipeline_schedule(

@@ -11,8 +11,7 @@ DeepSpeed's `TiedLayerSpec`):
 - before each optimizer step, before the gradient norm, the two gradients are summed: one
   all-reduce of the local gradients (FSDP shards, whole tensors under TP, whose tied matrices
   are replicated) over the embedding group (`ParallelDims.embedding_group`: pp ranks 0 and
-  pp - 1 at the same data, context and tensor coordinates). Under V placement (zbv, dualpipev),
-  where pp rank 0 holds both stages, a local add, no communication. Both copies then hold the
+  pp - 1 at the same data, context and tensor coordinates). Both copies then hold the
   one-process gradient, take the same AdamW update from the same state, and stay
   bit-identical after every step;
 - the gradient norm counts the tied weight once, as one process does: the copy's gradient is
@@ -20,6 +19,18 @@ DeepSpeed's `TiedLayerSpec`):
 - checkpoints store one tensor: the copy's entries (weights and optimizer state) are saved and
   loaded under the embedding's names (`store_once`, `give_copies`), so a checkpoint of a tied
   pipelined run is the single-process one, and loads under any layout.
+
+Under V placement (zbv, dualpipev) pp rank 0 holds the first and the last stage. Without data
+parallelism there is then one tensor and no communication: the last stage's `output.weight` is
+the tied weight, and the first stage's embedding is a `SharedEmbedding` that reads it without
+registering it (`share_tied_head`). It is registered on the last stage, not the first, because
+a split backward's input and weight halves (zbv) look for the weights of a stage among its own
+module's parameters, and the first stage's weight half is a whole backward that reaches every
+leaf it read. Autograd sums both uses into its one gradient; the optimizer steps it once, the
+norm counts it once, and the checkpoint stores it under the embedding's name (`store_once`).
+FSDP2 and replicate cannot share one parameter between two stage roots (each root's state owns
+its parameters, and a unit spanning both would need two roots), so a V under data parallelism
+keeps the copy and adds the two gradients locally (`model.config.tied_copy`).
 
 Offloaded optimizers (gradients on the host) are refused with a tied pipeline (config.py).
 """
@@ -31,62 +42,104 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from llmscale.model.config import EMBEDDING_WEIGHT, TIED_HEAD_WEIGHT
+from llmscale.parallel.data_parallel import CollectiveCounter
 from llmscale.parallel.dims import ParallelDims
 from llmscale.parallel.grads import match_grad_placements_
 from llmscale.tensors import local_tensor
 
 
+class SharedEmbedding(nn.Module):
+    """The first stage's token embedding in a V without data parallelism: a lookup in the last
+    stage's head weight (`head.weight`, read at each call, so it follows the parameter through
+    materialization and loads), which this module does not register."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.__dict__["head"] = head  # not a submodule: the weight is the last stage's
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.__dict__["head"].weight  # type: ignore[no-any-return]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+def share_tied_head(parts: Sequence[nn.Module], ids: Sequence[int], n_stages: int) -> None:
+    """Make the first stage's embedding read the last stage's head weight (both stages among
+    `parts`, stage indices `ids`): one tensor for both."""
+    first = parts[list(ids).index(0)]
+    last = parts[list(ids).index(n_stages - 1)]
+    assert first.tok_embeddings is not None and last.output is not None
+    first.tok_embeddings = SharedEmbedding(last.output)  # type: ignore[assignment]
+
+
 class TiedEmbeddings:
     """This rank's share of a tied embedding under a pipeline: the embedding (first stage), its
-    copy (last stage), both (a V), or neither (a middle rank: nothing to do)."""
+    copy (last stage), both (a V under data parallelism), neither (a middle rank: nothing to
+    do), or the one shared tensor (a V without: `shared`, nothing to do either)."""
 
     def __init__(
         self,
         embedding: nn.Parameter | None,
         copy: nn.Parameter | None,
         group: dist.ProcessGroup | None,
+        shared: bool = False,
+        counter: CollectiveCounter | None = None,
     ) -> None:
         self.embedding = embedding
         self.copy = copy
         self.group = group
+        self.shared = shared
+        self.counter = counter  # counts the all-reduce (the metrics rows' grad_allreduces)
 
     @classmethod
-    def find(cls, parts: Sequence[nn.Module], dims: ParallelDims) -> TiedEmbeddings:
+    def find(
+        cls,
+        parts: Sequence[nn.Module],
+        dims: ParallelDims,
+        counter: CollectiveCounter | None = None,
+    ) -> TiedEmbeddings:
         """The tied weights among this rank's model parts. A collective (the embedding group
         is made on first use): every rank calls it."""
         group = dims.embedding_group()
         embedding = copy = None
+        shared = False
         for part in parts:
             named = dict(part.named_parameters())
             embedding = named.get(EMBEDDING_WEIGHT, embedding)
             copy = named.get(TIED_HEAD_WEIGHT, copy)
-        return cls(embedding, copy, group)
+            shared = shared or isinstance(getattr(part, "tok_embeddings", None), SharedEmbedding)
+        return cls(embedding, copy, group, shared, counter)
 
     @property
     def copies(self) -> list[nn.Parameter]:
         """Parameters whose gradient the norm leaves out (it counts the embedding's)."""
-        return [self.copy] if self.copy is not None else []
+        return [self.copy] if self.copy is not None and not self.shared else []
 
     @torch.no_grad()
     def sum_grads_(self) -> None:
         """Both copies' gradients := their sum (before unscaling, norm and clipping)."""
         held = [p for p in (self.embedding, self.copy) if p is not None]
-        if not held:
+        if not held or self.shared:  # one tensor: autograd summed both uses
             return
         match_grad_placements_(held)
         for p in held:
             if p.grad is None:  # (a stage that saw no micro-batch: nothing to add)
                 p.grad = torch.zeros_like(p)
         grads = [local_tensor(p.grad) for p in held]  # type: ignore[arg-type]
-        if len(grads) == 2:  # a V: both stages here
+        if len(grads) == 2:  # a V under data parallelism: both stages here
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
         elif self.group is not None:
             # a + b on both ranks: the same bits on both (addition commutes exactly).
             dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
+            if self.counter is not None:
+                self.counter.all_reduced(grads[0])
 
 
 def _embedding_key(key: str) -> str | None:

@@ -257,8 +257,8 @@ def plan_rank_params(
     sharded as `stack` shards them (`Plan.fsdp_shards_for`)."""
     vp = kernels.splits_vocab(plan.model, plan.tp)
     return rank_params(
-        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards_for(stack), vp, plan.chunks, plan.pp_layers,
-        plan.v_shape,
+        plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards_for(stack), vp, plan.chunks,
+        plan.pp_layers, plan.v_shape, plan.dp * plan.cp > 1,
     )  # fmt: skip
 
 

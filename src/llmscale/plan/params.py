@@ -124,22 +124,26 @@ def rank_params(
     chunks: int = 1,
     pp_layers: tuple[int, ...] = (),
     v_shape: bool = False,
+    wrapped: bool = True,
 ) -> RankParams:
     """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last,
     or on rank 0 too when `v_shape` places the stages in a V), whose blocks are those of its
     `chunks` stages in the runtime's split (`pp_layers` per stage, or automatic); `dp_shard` is
-    the FSDP shard count."""
+    the FSDP shard count; `wrapped`: FSDP2 or replicate holds the model (dp x cp > 1), which
+    decides whether a tied V keeps a copy (`model.config.tied_copy`)."""
     shapes = model.parameter_shapes()
     head_rank = 0 if v_shape else pp - 1
     emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
     head_shapes = shapes["head"]
-    if tied_copy(model, pp):
+    copy = tied_copy(model, pp, v_shape=v_shape, wrapped=wrapped)
+    if copy:
         # The last stage's copy of the tied embedding, its output projection: a tensor of its
         # own, with its own gradient and optimizer state (parallel/tied_embeddings.py).
         head_shapes = [*head_shapes, (TIED_HEAD_WEIGHT, (model.vocab_size, model.dim))]
     head = Group.of(head_shapes, tp, dp_shard, vocab_parallel) if rank == head_rank else None
-    if pp == 1 and model.tie_embeddings:
-        # The tied head has no tensor of its own, but autocast casts the embedding for it.
+    if model.tie_embeddings and not copy and emb is not None:
+        # pp = 1, or a V without data parallelism, rank 0: the tied head has no tensor of its
+        # own, but autocast casts the embedding for it.
         assert emb is not None and head is not None
         v, d = model.vocab_size, model.dim
         emb_cast = v * d // (tp if vocab_parallel else 1)

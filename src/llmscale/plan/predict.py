@@ -227,7 +227,7 @@ def _lsp_ledger(plan: Plan) -> dict[str, int]:
 
 
 def plan_collectives(plan: Plan, rank: int = 0) -> dict[str, int] | None:
-    """The metrics rows' four collective counts the stack's rule predicts for pipeline `rank`
+    """The metrics rows' collective counts the stack's rule predicts for pipeline `rank`
     in a step after the first (`stack.residency.predict_collectives`); None under tp > 1,
     whose DTensor shards the rule does not size, or for a schedule `plan.schedule` cannot
     order."""
@@ -252,4 +252,6 @@ def plan_collectives(plan: Plan, rank: int = 0) -> dict[str, int] | None:
         order=order,
         pp_layers=plan.pp_layers,
         param_bytes=DTYPE_BYTES[plan.precision],
+        # all-reduced across replicas: HSDP's dp_replicate, or replicate's dp_replicate x cp
+        replicas=plan.dp_replicate if plan.fsdp else plan.dp_replicate * plan.cp,
     ).to_dict()

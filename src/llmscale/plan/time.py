@@ -77,6 +77,7 @@ dense peak of the precision's dtype; HFU counts recomputation too.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -98,9 +99,10 @@ from llmscale.plan.lsp import host_adam_numel
 from llmscale.plan.memory import plan_kernels, plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_ops
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.stack import LLMSCALE, Stack, param_residency
+from llmscale.stack.residency import few_stage_gathers, pipeline_gathers
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
 ELEMENTWISE_MODELS = ("llmscale", "torchtitan", "saved")
@@ -694,7 +696,11 @@ def _fsdp_exposed(
     is prefetched one unit ahead (FSDP2's default) behind the previous unit's compute; the first
     all-gather of forward (and of backward under zero_stage 3) is exposed. Gradients are
     reduce-scattered per unit behind the next unit's backward, the last one exposed: on every
-    micro-batch, or once per step (`grad_sync_once`). Returns (per micro-batch, per step)."""
+    micro-batch, or once per step (`grad_sync_once`). Under a pipeline the llmscale stack's
+    forward gathers are charged as often as torch's schedule really gathers each unit of this
+    rank (`stack.residency.pipeline_gathers`, its mean over the rank's stages): m + 1 per step
+    under zero 3, and more than once under zero 1 and 2 where 4 or more chunks evict stages.
+    Returns (per micro-batch, per step)."""
     rp = plan_rank_params(plan, rank, kern, tp_.stack)
     pb = DTYPE_BYTES[plan.precision]
     shards = plan.fsdp_shards_for(tp_.stack)  # dp_shard x cp
@@ -722,7 +728,16 @@ def _fsdp_exposed(
     per_micro, per_step = bwd_plain, 0.0
     # Gathered once per step: the first micro-batch's forward gathers (behind its compute) and
     # the stage stays unsharded until the step's end.
-    if res.gathers_per_microbatch == 0:
+    exact = None
+    if plan.pp > 1 and tp_.stack.sharding == "llmscale":
+        exact = _pipeline_unit_gathers(
+            plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, plan.zero_stage, rank
+        )
+    if exact is not None and res.gathers_per_microbatch == 0:
+        per_step += exact * gather_f
+    elif exact is not None:
+        per_micro += exact / plan.n_microbatches * gather_f
+    elif res.gathers_per_microbatch == 0:
         per_step += gather_f
     else:
         per_micro += gather_f
@@ -731,6 +746,55 @@ def _fsdp_exposed(
     else:
         per_micro += scatter
     return per_micro, per_step
+
+
+def _pipeline_unit_gathers(
+    schedule: str, pp: int, microbatches: int, chunks: int, zero_stage: int, rank: int
+) -> float | None:
+    """All-gathers per FSDP unit per step of pipeline `rank` (the mean over its stages) as
+    torch's schedule runs them: in closed form up to 3 chunks per rank
+    (`stack.residency.few_stage_gathers`), else replayed from the schedule's order
+    (`pipeline_gathers`); None for a schedule the planner does not order."""
+    few = few_stage_gathers(zero_stage, microbatches, chunks)
+    if few is not None:
+        return float(few)
+    m0 = GATHERS_AFFINE_FROM * pp
+    if microbatches > m0 + pp and microbatches % pp == 0:
+        # Affine in m past the warm-up (tests/plan/test_pipeline_gathers.py): two replays
+        # of a few micro-batches instead of one of many (the search asks hundreds).
+        a = _replayed_gathers(schedule, pp, m0, chunks, zero_stage, rank)
+        b = _replayed_gathers(schedule, pp, m0 + pp, chunks, zero_stage, rank)
+        if a is None or b is None:
+            return None
+        return b + (microbatches - m0 - pp) / pp * (b - a)
+    return _replayed_gathers(schedule, pp, microbatches, chunks, zero_stage, rank)
+
+
+# From this many micro-batches per pipeline rank on (x pp), the gathers per unit of a rank
+# running 4 or more chunks grow by the same amount every pp more micro-batches.
+GATHERS_AFFINE_FROM = 3
+
+
+@functools.lru_cache(maxsize=4096)
+def _replayed_gathers(
+    schedule: str, pp: int, microbatches: int, chunks: int, zero_stage: int, rank: int
+) -> float | None:
+    orders = _schedule_orders(schedule, pp, microbatches, chunks)
+    if orders is None:
+        return None
+    counts = pipeline_gathers(zero_stage, orders[rank])
+    return sum(counts.values()) / len(counts) if counts else None
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_orders(
+    schedule: str, pp: int, microbatches: int, chunks: int
+) -> list[list[tuple[str, int]]] | None:
+    try:
+        ops = schedule_ops(schedule, pp, microbatches, chunks)
+    except ConfigError:
+        return None
+    return [[(op.kind, op.stage) for op in rank_ops] for rank_ops in ops]
 
 
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:

@@ -12,9 +12,9 @@ transformer block one FSDP unit, the model or pipeline stage root a unit of the 
 The rule itself is the llmscale stack's `param_residency` (`stack/__init__.py`), which the
 planner's memory and time models read; the runtime (`parallel/data_parallel.py`) reads its
 FSDP2 switches from `reshard_after_forward` and `micro_batch_controls` below, derived from it;
-`predict_collectives` counts what they cause, the four figures every metrics row carries
-(`param_allgathers`, `grad_reduces` and their bytes, per rank and optimizer step), so the
-planner and the runtime read one rule.
+`predict_collectives` counts what they cause, the figures every metrics row carries
+(`param_allgathers`, `grad_reduces`, `grad_allreduces` and their bytes, per rank and optimizer
+step), so the planner and the runtime read one rule.
 
 Under a pipeline schedule torch 2.13 drives FSDP itself (measured: pp 2 x dp_shard 2, every
 schedule, 2 and 4 chunks; `pipeline_gathers`):
@@ -86,14 +86,19 @@ class Collectives:
     `param_allgathers`: FSDP all-gathers of parameters; `param_allgather_bytes`: the bytes they
     gather (each all-gather's output, the unit's whole padded flat buffer in the compute dtype).
     `grad_reduces`: FSDP reduce-scatters of gradients; `grad_reduce_bytes`: their input bytes
-    (the unit's padded unsharded gradients in the reduce dtype, fp32). Not counted: HSDP's
-    all-reduce across replicas and `replicate`'s all-reduce.
+    (the unit's padded unsharded gradients in the reduce dtype, fp32). `grad_allreduces`:
+    gradient all-reduces, of three kinds: HSDP's across replicas after each reduce-scatter (of
+    its output, the unit's shard), `replicate`'s (dp_shard 1: the unit's whole gradients) and a
+    tied pipeline's embedding all-reduce between the first and the last stage (this rank's
+    local embedding gradient); `grad_allreduce_bytes`: their tensors' bytes (fp32).
     """
 
     param_allgathers: int = 0
     grad_reduces: int = 0
     param_allgather_bytes: int = 0
     grad_reduce_bytes: int = 0
+    grad_allreduces: int = 0
+    grad_allreduce_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -156,15 +161,18 @@ def pipeline_gathers(zero_stage: int, order: Sequence[tuple[str, int]]) -> dict[
             count[stage] = count.get(stage, 0) + 1
             gathered[stage] = True
 
+    # The window before each op: the next MAX_ACTIVE_STAGES distinct stages from it on, built
+    # from the end (the window at i is stage i, then the window at i + 1 without it).
+    windows: list[list[int]] = [[] for _ in order]
+    after: list[int] = []
+    for i in range(len(order) - 1, -1, -1):
+        stage = order[i][1]
+        after = [stage, *(s for s in after if s != stage)][:MAX_ACTIVE_STAGES]
+        windows[i] = after
     active: list[int] = []
     for i, (kind, stage) in enumerate(order):
         count.setdefault(stage, 0)
-        upcoming: list[int] = []
-        for _, s in order[i:]:
-            if s not in upcoming:
-                upcoming.append(s)
-                if len(upcoming) == MAX_ACTIVE_STAGES:
-                    break
+        upcoming = windows[i]
         for s in [s for s in active if s not in upcoming]:
             active.remove(s)
             gathered[s] = False
@@ -179,6 +187,18 @@ def pipeline_gathers(zero_stage: int, order: Sequence[tuple[str, int]]) -> dict[
         elif kind == "B":
             gather(stage)
     return count
+
+
+def few_stage_gathers(zero_stage: int, microbatches: int, rank_chunks: int) -> int | None:
+    """`pipeline_gathers`' count per unit, in closed form, where a rank runs at most
+    `MAX_ACTIVE_STAGES` chunks (none is then evicted): 1 under zero 1 and 2 (gathered at the
+    step's start, kept), m + 1 under zero 3 (each forward reshards, each backward after one
+    gathers again, and the step's start gathers once more). None beyond: replay the order.
+    (Equal to the replay for gpipe, 1f1b, interleaved_1f1b and zero_bubble with up to 3
+    chunks, zbv and dualpipev: tests/stack/test_residency.py.)"""
+    if rank_chunks > MAX_ACTIVE_STAGES:
+        return None
+    return microbatches + 1 if reshard_after_forward(zero_stage) else 1
 
 
 def predict_collectives(
@@ -196,8 +216,9 @@ def predict_collectives(
     param_bytes: int = 4,
     reduce_bytes: int = 4,
     first_step: bool = False,
+    replicas: int = 1,
 ) -> Collectives:
-    """The four counts pipeline rank `pp_rank` issues per optimizer step (any of its dp ranks).
+    """The counts pipeline rank `pp_rank` issues per optimizer step (its dp rank 0).
 
     `microbatches`: micro-batches per rank per step (accumulation, or the pipeline's).
     Without a pipeline: per unit, zero 1 one gather and one reduce-scatter, zero 2 one gather
@@ -211,12 +232,20 @@ def predict_collectives(
     `param_bytes`: the compute dtype's size (FSDP2 gathers in it); `reduce_bytes`: 4 (fp32).
     `dp_shard`: the ranks FSDP shards over (dp_shard x cp); zero when it is 1 (nothing is
     sharded). zero_stage 0 (FSDP over cp alone) runs as 1.
+    `replicas`: the ranks gradients are all-reduced over across replicas (dp_replicate under
+    HSDP, or `replicate`'s group with dp_shard 1): each unit's reduction is then followed by
+    (HSDP), or is (`replicate`, zero 1's rule: once per step), an all-reduce of its shard.
+    A tied embedding under a pipeline not placed in a V adds one all-reduce on pp ranks 0 and
+    pp - 1: the local embedding gradient, fp32 (dim 0 sharded over `dp_shard`).
     """
-    if dp_shard <= 1:
-        return Collectives()
+    fsdp = dp_shard > 1
+    tied = tied_allreduce_numel(model, pp, schedule, pp_rank, dp_shard)
+    tied_counts = Collectives(grad_allreduces=1, grad_allreduce_bytes=4 * tied) if tied else None
+    if not fsdp and replicas <= 1:
+        return tied_counts or Collectives()
     per_unit: list[tuple[list[tuple[int, ...]], int, int]] = []  # (shapes, gathers, reduces)
     if pp <= 1:
-        res = _residency(zero_stage, 1, microbatches)
+        res = _residency(zero_stage if fsdp else 1, 1, microbatches)
         gathers = res.gathers_per_microbatch * microbatches or 1
         reduces = 1 if res.grads_per_step else microbatches
         per_unit = [(u, gathers, reduces) for u in stage_units(model, 0, 1, pp_layers)]
@@ -229,10 +258,30 @@ def predict_collectives(
         for s in stage_ids(pp_rank, pp, n_chunks, v_shape=schedule in V_SCHEDULES):
             g = gathers_of.get(s, 0) + (1 if first_step else 0)
             per_unit += [(u, g, 1) for u in stage_units(model, s, n_stages, pp_layers)]
-    ag = rs = ag_b = rs_b = 0
+    ag = rs = ag_b = rs_b = ar = ar_b = 0
     for shapes, g, r in per_unit:
         n = unit_numel(shapes, dp_shard)
-        ag, rs = ag + g, rs + r
-        ag_b += g * n * param_bytes
-        rs_b += r * n * reduce_bytes
-    return Collectives(ag, rs, ag_b, rs_b)
+        if fsdp:
+            ag, rs = ag + g, rs + r
+            ag_b += g * n * param_bytes
+            rs_b += r * n * reduce_bytes
+        if replicas > 1:  # each reduction's output (the shard) all-reduced across replicas
+            ar += r
+            ar_b += r * n // dp_shard * reduce_bytes
+    if tied_counts is not None:
+        ar += tied_counts.grad_allreduces
+        ar_b += tied_counts.grad_allreduce_bytes
+    return Collectives(ag, rs, ag_b, rs_b, ar, ar_b)
+
+
+def tied_allreduce_numel(
+    model: ModelConfig, pp: int, schedule: str, pp_rank: int, dp_shard: int = 1
+) -> int:
+    """Elements pipeline rank `pp_rank` all-reduces per step to sum a tied embedding's two
+    gradients (`parallel.tied_embeddings`): its local embedding gradient on pp ranks 0 and
+    pp - 1 (dim 0 sharded over `dp_shard` under FSDP2: dp rank 0's share), none in a V (both
+    stages on one rank) or without a pipeline."""
+    v_shape = schedule in V_SCHEDULES
+    if not tied_copy(model, pp) or v_shape or pp_rank not in (0, pp - 1):
+        return 0
+    return math.ceil(model.vocab_size / dp_shard) * model.dim

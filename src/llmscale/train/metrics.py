@@ -105,11 +105,13 @@ class TensorBoardWriter:
         "mfu": "train/mfu",
         "val_loss": "val/loss",
         "offload_bytes_moved": "offload/bytes_moved",
-        # FSDP's collectives per step (stack/residency.py): traffic, not memory
+        # data-parallel collectives per step (stack/residency.py): traffic, not memory
         "param_allgathers": "comm/param_allgathers",
         "grad_reduces": "comm/grad_reduces",
         "param_allgather_bytes": "comm/param_allgather_bytes",
         "grad_reduce_bytes": "comm/grad_reduce_bytes",
+        "grad_allreduces": "comm/grad_allreduces",
+        "grad_allreduce_bytes": "comm/grad_allreduce_bytes",
     }
 
     def __init__(self, folder: str | Path, resumed_step: int = 0) -> None:

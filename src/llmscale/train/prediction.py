@@ -7,7 +7,7 @@ Every run's rank 0 writes `RUN_DIR/prediction.json` before training:
      "memory_bytes": {...},        # every byte-valued key of the metrics rows, same names
      "step_time_s": 0.21,          # predicted seconds per optimizer step
      "step_breakdown_s": {...},    # where the time goes (plan/time.py)
-     "collectives": {...},         # FSDP all-gathers, reduce-scatters and their bytes per step
+     "collectives": {...},         # FSDP all-gathers, reduce-scatters, all-reduces, bytes per step
                                    # of pipeline rank 0 (stack/residency.py; null under tp > 1)
      "not_modelled": null}         # or why the planner could not predict this layout
 

@@ -39,7 +39,6 @@ from llmscale.errors import ConfigError, ExitCode, JobStopped
 from llmscale.instrument.activations import ActivationMeter
 from llmscale.instrument.pipeline import FILE_NAME as TIMELINE_FILE
 from llmscale.instrument.pipeline import PipelineRecorder, write_timeline
-from llmscale.model.config import tied_copy
 from llmscale.model.transformer import build_model
 from llmscale.parallel import heartbeat
 from llmscale.parallel.data_parallel import apply_micro_batch_controls, reshard_all
@@ -219,10 +218,11 @@ class Trainer:
         # the LR schedulers: one per model part, used as one.
         self.optimizers = build_optimizers(self.model_parts, cfg, self.dims)
         # A tied embedding under a pipeline: the last stage's copy, its gradient summed with the
-        # embedding's before each step and counted once by the norm (parallel/tied_embeddings).
+        # embedding's before each step and counted once by the norm, or in a V without data
+        # parallelism one shared tensor; checkpoints store one (parallel/tied_embeddings).
         self.tied: TiedEmbeddings | None = None
-        if tied_copy(cfg.model, self.dims.pp):
-            self.tied = TiedEmbeddings.find(self.model_parts, self.dims)
+        if cfg.model.tie_embeddings and self.dims.pp > 1:
+            self.tied = TiedEmbeddings.find(self.model_parts, self.dims, self.parallel.collectives)
             self.optimizers.leave_out_of_norm(self.tied.copies)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=cfg.precision.mode == "fp16")
         # Under FSDP2 its MixedPrecisionPolicy casts; autocast only without data parallelism.
