@@ -53,6 +53,7 @@ def test_dense_is_half_of_sparse_and_tf32_is_listed() -> None:
 
 def test_links_per_direction() -> None:
     assert get_link("nvlink4").bandwidth == 450e9  # 900 GB/s bidirectional
+    assert get_link("nvlink4").bus_bandwidth == pytest.approx(18 * 20.6e9)  # NCCL topo.h
     assert get_link("nvlink5").bandwidth == 900e9  # 18 x 100 GB/s = 1.8 TB/s bidirectional
     assert get_link("nvlink3").bandwidth == 300e9
     fabric = get_link("infinity-fabric")

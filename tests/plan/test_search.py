@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from llmscale.errors import ConfigError
@@ -153,3 +155,42 @@ def test_the_search_refuses_what_the_runtime_refuses() -> None:
     assert not res.candidates
     assert any("offload with cp 2" in r for r in res.rejected)
     assert offload_problem("optimizer", 2, 1, False) and not offload_problem("none", 2, 1, False)
+
+
+def test_a_tied_pipeline_is_searched_without_optimizer_offload() -> None:
+    """The runtime refuses optimizer offload with a tied model under pp > 1 (the last stage's
+    copy is summed on the device): the search keeps offload for pp 1 and says why it dropped it
+    for pp 2."""
+    gpt2 = get_preset("gpt2-124m")
+    h100 = Cluster.of("h100")
+    space = SearchSpace(pp=2, offload=("none", "optimizer"), micro_batch_sizes=(1,))
+    res = search(gpt2, 8, h100, 1024, 64, top=50, space=space)
+    assert res.candidates and all(c.plan.offload == "none" for c in res.candidates)
+    assert any("offload optimizer with pp 2" in r for r in res.rejected)
+    flat = search(gpt2, 8, h100, 1024, 64, top=200, space=SearchSpace(pp=1, offload=("optimizer",)))
+    assert flat.candidates and all(c.plan.offload == "optimizer" for c in flat.candidates)
+
+
+def test_zero_2_is_searched_where_it_differs_from_1() -> None:
+    """Without a pipeline the llmscale stack's zero 2 keeps sharded gradient accumulators
+    (zero 1 holds unsharded fp32 ones across micro-batches): a third setting, tried only where
+    it is not the same layout; under a pipeline 1 and 2 gather and reduce alike and 2 is not
+    costed twice."""
+    from llmscale.plan.search import _zero_stages
+    from llmscale.stack import LLMSCALE, MEGATRON_CORE, TORCHTITAN
+
+    space = SearchSpace()
+    assert _zero_stages(8, space, 1, LLMSCALE) == [1, 2, 3]
+    assert _zero_stages(8, space, 4, LLMSCALE) == [1, 3]
+    assert _zero_stages(8, space, 1, TORCHTITAN) == [1, 3]  # FSDP2's "never" for both
+    assert _zero_stages(8, space, 4, MEGATRON_CORE) == [1, 2, 3]
+    assert _zero_stages(1, space, 1, LLMSCALE) == [3]
+    # Zero 2 is proposed where zero 1's unsharded gradients do not fit and its accumulators do.
+    res = search(L70, 64, H200, 4096, 1024, top=200,
+                 space=SearchSpace(pp=1, tp=8, zero_stages=(1, 2), recompute=("full",)))  # fmt: skip
+    twos = [c.plan for c in res.candidates if c.plan.zero_stage == 2]
+    assert twos
+    budget = H200.gpu.memory_bytes - 1.5 * GiB
+    for plan in twos:
+        assert estimate_memory(replace(plan, zero_stage=1)).total > budget
+        assert estimate_memory(plan).total <= budget

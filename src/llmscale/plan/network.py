@@ -123,7 +123,7 @@ def all_to_all_seconds(nbytes: float, gpus: int, cluster: Cluster, kind: str) ->
     if kind != "rail-only" or gpus <= g:
         return base
     cross = nbytes * (gpus - g) / gpus  # bytes a GPU sends off its node
-    forward = (g - 1) / g * cross / fabric.intra.bandwidth + (g - 1) * fabric.intra.latency
+    forward = (g - 1) / g * cross / fabric.intra.bus_bandwidth + (g - 1) * fabric.intra.latency
     return base + forward
 
 

@@ -55,7 +55,7 @@ from llmscale.plan import time as tm
 from llmscale.plan.cache import memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
-from llmscale.stack import LLMSCALE, Stack, tied_pipeline_problem
+from llmscale.stack import LLMSCALE, Residency, Stack, param_residency, tied_pipeline_problem
 
 MULTI_CHUNK = LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES  # schedules that need pp > 1
 
@@ -83,7 +83,9 @@ class SearchSpace:
         "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "gpipe",
     )  # fmt: skip
     chunks: tuple[int, ...] = (2, 4)  # of the loop-style multi-chunk schedules; V ones run 2
-    zero_stages: tuple[int, ...] = (3, 1)  # 2 lays memory out as 1 in FSDP2: not tried twice
+    # Stages whose gathers and reduces are the same under the stack and pipeline are tried once
+    # (`_zero_stages`): under a pipeline the llmscale stack's 1 and 2 are one layout.
+    zero_stages: tuple[int, ...] = (3, 2, 1)
     # not "lsp": it changes the arithmetic (an approximation: the search would trade accuracy
     # for speed, which nothing else it tries does); it serves one process and dp, not tp/pp/cp
     offload: tuple[Offload, ...] = tuple(o for o in OFFLOAD_MODES if o != "lsp")
@@ -333,12 +335,19 @@ def search(
         layouts = iter(())
     for tp, pp, dp in layouts:
         ends = _costed_ranks(model, pp, space)
+        # The runtime's offload rule per layout (a tied model's last-stage copy under pp).
+        pp_offloads = []
+        for o in offloads:
+            if refusal := offload_problem(o, space.cp, pp, model.tie_embeddings):
+                rejected[f"offload {o} with pp {pp}: {refusal}"] = None
+            else:
+                pp_offloads.append(o)
         splits = _dp_splits(dp, tp, cluster, space)
         if not splits:
             fixed = ", ".join(f"{k} {v}" for k, v in space.fixed_degrees().items() if "dp" in k)
             rejected[f"dp {dp} (tp {tp}, pp {pp}) is not {fixed or 'split'}"] = None
         for dp_rep, dp_shard in splits:
-            zeros = _zero_stages(dp_shard, space)
+            zeros = _zero_stages(dp_shard, space, pp, time_params.stack)
             if not zeros:
                 rejected[f"zero_stage 0 with dp_shard {dp_shard} > 1"] = None
                 continue
@@ -366,7 +375,7 @@ def search(
                     if not scheds:
                         rejected[_schedule_rule(model, pp, micro, space)] = None
                         continue
-                    if not found and recs and offloads:  # for `unfit`, while nothing fits
+                    if not found and recs and pp_offloads:  # for `unfit`, while nothing fits
                         frugal = replace(base, micro_batch_size=mbs, recompute=recs[-1],
                                          zero_stage=zeros[-1], sequence_parallel=sp)  # fmt: skip
                         for sched, v in scheds:
@@ -382,7 +391,7 @@ def search(
                         ends = _costed_ranks(model, pp, space, v, where[1])
                         if where not in placed:
                             placed[where] = _fitting_states(
-                                replace(base, pp_schedule=sched, pp_chunks=v), zeros, offloads,
+                                replace(base, pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
                                 ends, memory_options, budget / over, host_per_gpu,
                             )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
@@ -398,7 +407,7 @@ def search(
                                     model=model, seq_len=seq_len, micro_batch_size=mbs,
                                     global_batch_size=global_batch_size, recompute=rec,
                                     recompute_every_k=space.recompute_every_k,
-                                    precision=precision, offload=offloads[oi],
+                                    precision=precision, offload=pp_offloads[oi],
                                     dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
                                     pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
                                     zero_stage=zeros[zi], cp=space.cp, pp_layers=space.pp_layers,
@@ -480,10 +489,15 @@ def _useful_recomputes(recs: list[Recompute], plan: Plan, opt: mem.MemoryOptions
     return out
 
 
-def _zero_stages(dp_shard: int, space: SearchSpace) -> list[int]:
-    """ZeRO stages to try, fewest gathers (1) first; stage 0 only without FSDP shards."""
+def _zero_stages(dp_shard: int, space: SearchSpace, pp: int, stack: Stack) -> list[int]:
+    """ZeRO stages to try, fewest gathers (1) first; stage 0 only without FSDP shards; of the
+    stages `stack` runs alike at this pipeline depth (`param_residency`, accumulating), the
+    lowest only."""
     if dp_shard > 1:
-        return sorted(z for z in space.zero_stages if z != 0)
+        out: dict[Residency, int] = {}
+        for z in sorted(z for z in space.zero_stages if z != 0):
+            out.setdefault(param_residency(stack, zero_stage=z, pp=pp, n_microbatches=2), z)
+        return list(out.values())
     # Without shards the stage changes nothing: keep a fixed one's name, else 3.
     return [space.zero_stages[0]] if len(space.zero_stages) == 1 else [3]
 

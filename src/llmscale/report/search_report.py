@@ -24,7 +24,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 from llmscale.plan.time import time_params
 from llmscale.report import report
-from llmscale.stack import get_stack, recompute_problem, schedule_problem
+from llmscale.stack import get_stack, layout_problem
 
 MEMORY_LEGEND = (
     "memory columns are the fullest GPU, GiB: states = params + grads + optimizer;\n"
@@ -63,8 +63,16 @@ class PlanReport(NamedTuple):
 
     def best_command(self, width: int = 100) -> str:
         """The `llmscale train` overrides of the fastest plan (there must be one), as a shell
-        command continued over lines of at most `width` characters."""
-        lines, line = [], "best: llmscale train"
+        command continued over lines of at most `width` characters. Under another `--stack`
+        the plan was costed as that software runs it, so the line says so: the command runs
+        the layout with llmscale, whose own figures `--stack llmscale` gives."""
+        stack = self.inputs.get("stack", "llmscale")
+        head = (
+            "best"
+            if stack == "llmscale"
+            else f"best layout (costed as {stack} runs it); in llmscale"
+        )
+        lines, line = [], f"{head}: llmscale train"
         for part in self.result.candidates[0].plan.overrides():
             if len(line) + len(part) + 3 > width:
                 lines.append(line + " \\")
@@ -99,10 +107,15 @@ def plan_report(
     st = get_stack(stack)
     # A policy or schedule fixed by a flag that the stack lacks is refused; in a search it is
     # left out.
-    if len(space.recompute) == 1 and (problem := recompute_problem(st, space.recompute[0])):
-        raise ConfigError("recompute", space.recompute[0], problem)
-    if len(space.schedules) == 1 and (problem := schedule_problem(st, space.schedules[0])):
-        raise ConfigError("schedule", space.schedules[0], problem)
+    refused = layout_problem(
+        st,
+        recompute=space.recompute[0] if len(space.recompute) == 1 else None,
+        schedule=space.schedules[0] if len(space.schedules) == 1 else None,
+        pp=1,  # a tied pipeline the stack refuses is left out of the search, with its reason
+        tied=cfg.tie_embeddings,
+    )
+    if refused:
+        raise ConfigError(*refused)
     space = replace(
         space,
         recompute=tuple(r for r in space.recompute if r in st.recompute),

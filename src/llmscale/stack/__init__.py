@@ -35,6 +35,7 @@ __all__ = [
     "Residency",
     "Stack",
     "get_stack",
+    "layout_problem",
     "recompute_problem",
     "schedule_problem",
     "param_residency",
@@ -197,6 +198,23 @@ def schedule_problem(stack: Stack, schedule: str) -> str | None:
     if schedule in stack.schedules:
         return None
     return f"{' | '.join(stack.schedules)} under --stack {stack.name}"
+
+
+def layout_problem(
+    stack: Stack, *, recompute: str | None, schedule: str | None, pp: int, tied: bool
+) -> tuple[str, object, str] | None:
+    """The first of `stack`'s refusals a layout meets, as (config key, value, what is allowed
+    instead), None when it runs: the one check `plan --stack` (a recompute policy or schedule
+    fixed by a flag; None: searched) and `train --dry-run --stack` apply."""
+    checks: tuple[tuple[str, object, str | None], ...] = (
+        ("train.recompute", recompute, recompute and recompute_problem(stack, recompute)),
+        ("parallel.pp", pp, tied_pipeline_problem(stack, tied, pp)),
+        ("parallel.pp_schedule", schedule, schedule and schedule_problem(stack, schedule)),
+    )
+    for key, value, problem in checks:
+        if problem:
+            return key, value, problem
+    return None
 
 
 def tied_pipeline_problem(stack: Stack, tied: bool, pp: int) -> str | None:

@@ -55,9 +55,7 @@ from llmscale.plan.time import StepTime, estimate_step_time, time_params
 from llmscale.stack import (
     Stack,
     get_stack,
-    recompute_problem,
-    schedule_problem,
-    tied_pipeline_problem,
+    layout_problem,
 )
 from llmscale.train.calibration import cached_cluster
 from llmscale.train.memcheck import check_memory
@@ -311,17 +309,11 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     """The dry run under `stack`'s rules (its recompute policies, gathers, kernels), not this
     runtime's: memory per pipeline rank and the step on catalog `gpu`."""
     plan = Plan.from_job(cfg)
-    for problem, key, value in (
-        (recompute_problem(stack, plan.recompute), "train.recompute", plan.recompute),
-        (tied_pipeline_problem(stack, plan.model.tie_embeddings, plan.pp), "parallel.pp", plan.pp),
-        (
-            schedule_problem(stack, plan.pp_schedule) if plan.pp > 1 else None,
-            "parallel.pp_schedule",
-            plan.pp_schedule,
-        ),
-    ):
-        if problem:
-            raise ConfigError(key, value, problem)
+    schedule = plan.pp_schedule if plan.pp > 1 else None
+    refused = layout_problem(stack, recompute=plan.recompute, schedule=schedule, pp=plan.pp,
+                             tied=plan.model.tie_embeddings)  # fmt: skip
+    if refused:
+        raise ConfigError(*refused)
     cluster = Cluster.of(gpu)
     memory = estimate_memory(plan, memory_options(stack), validate=False)
     step = estimate_step_time(plan, cluster, time_params(stack, compiled=cfg.train.compile),

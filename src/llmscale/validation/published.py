@@ -93,7 +93,7 @@ def gpt_model(row: dict[str, Any]) -> ModelConfig:
         mlp="gelu",
         pos_emb="learned",
         bias=True,
-        tie_embeddings=int(row["pp"]) == 1,  # Megatron keeps a copy on the last stage otherwise
+        tie_embeddings=True,  # GPT: under pp the megatron stacks keep a copy on the last stage
     )
 
 
