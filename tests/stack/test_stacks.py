@@ -161,9 +161,10 @@ def test_eager_elementwise_traffic() -> None:
 
 
 def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
-    """A value fitted on a published run lives on the stack that ran it, applied on that GPU
-    only (Cluster.run_by): torchtitan's H100 96GB GEMM share is not the bare GPU's, nor
-    another stack's. Each fit names its row, and a runs.toml row it names is `calibration`."""
+    """A factor fitted on a published run lives on the stack that ran it, applied on that GPU
+    only (Cluster.run_by): torchtitan's H100 96GB share scales the bare GPU's GEMM, FP8 and
+    attention rates alike (one clock), not another stack's. Each fit names its row, and a
+    runs.toml row it names is `calibration`."""
     import re
 
     from llmscale.validation.runs import load_runs
@@ -173,18 +174,22 @@ def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
     assert {f.gpu for f in fits} == {"a100-80g", "h100-96g"}
     for fit in fits:
         named = [
-            m for m in re.findall(r"row ([a-z0-9][a-z0-9.-]+)", fit.value.source) if m in roles
+            m for m in re.findall(r"row ([a-z0-9][a-z0-9.-]+)", fit.scale.source) if m in roles
         ]
-        assert named or "Narayanan et al. 2021 Table 1, row 10" in fit.value.source, fit
+        assert named or "Narayanan et al. 2021 Table 1, row 10" in fit.scale.source, fit
         assert all(roles[m] == "calibration" for m in named), fit
     h100 = Cluster.of("h100-96g")
-    assert h100.gpu.calibration.gemm_efficiency.value == 0.7  # the bare GPU's (assumed)
-    assert h100.run_by(TORCHTITAN).gpu.calibration.gemm_efficiency.value == 0.47
+    bare = h100.gpu.calibration
+    tt = h100.run_by(TORCHTITAN).gpu.calibration
+    (scale,) = [f.scale.value for f in TORCHTITAN.fitted if f.gpu == "h100-96g"]
+    for name in ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"):
+        assert getattr(tt, name).value == pytest.approx(getattr(bare, name).value * scale)
+    assert tt.hbm_efficiency == bare.hbm_efficiency  # the part's own HBM figure
     assert h100.run_by(LLMSCALE) is h100 and h100.run_by(MEGATRON_2021) is h100
     assert h100.run_by(TORCHTITAN) is h100.run_by(TORCHTITAN)  # cached: the search's keys
     a100 = Cluster.of("a100-80g")
-    assert a100.run_by(MEGATRON_2021).gpu.calibration.gemm_efficiency.value == 0.72
-    assert a100.run_by(TORCHTITAN) is a100
+    meg = a100.run_by(MEGATRON_2021).gpu.calibration.gemm_efficiency.value
+    assert meg == pytest.approx(0.7 * 1.03) and a100.run_by(TORCHTITAN) is a100
 
 
 def test_a_catalog_gpu_takes_the_stacks_step_overhead() -> None:

@@ -66,8 +66,8 @@ def calibration_lines() -> list[str]:
         for fit in stack.fitted:
             gpu = default_catalog().gpu(fit.gpu)
             out.append(
-                f"| {gpu.display} under --stack {stack.name} (fitted) | {fit.field} | "
-                f"{fit.value.value:g} | {fit.value.source} |"
+                f"| {gpu.display} under --stack {stack.name} (fitted) | x "
+                f"{', '.join(fit.fields)} | {fit.scale.value:g} | {fit.scale.source} |"
             )
         over = stack.step_overhead_ms
         out.append(f"| any GPU under --stack {stack.name} | step_overhead_ms | {over.value:g} | "

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, Catalog, Link, Node, default_catalog
+from llmscale.hardware.spec import Sourced
 from llmscale.plan.cache import Memo
 from llmscale.plan.collectives import Fabric
 from llmscale.stack import Stack
@@ -27,16 +28,23 @@ class Cluster:
         return self.node.gpus_per_node
 
     def run_by(self, stack: Stack) -> Cluster:
-        """This cluster with the values `stack` was fitted to on its GPU (`Stack.fitted`) in
-        place of the GPU's own rates: the one place the planner applies them (itself when the
+        """This cluster with the GPU's rates scaled by the factors `stack` was fitted to on it
+        (`Stack.fitted`): the one place the planner applies them (itself when the
         stack has none for this GPU). Cached per (cluster, stack), so the search's keys by
         identity keep hitting."""
-        fits = {f.field: f.value for f in stack.fitted if f.gpu == self.gpu.name}
+        fits = [f for f in stack.fitted if f.gpu == self.gpu.name]
         if not fits:
             return self
 
         def build() -> Cluster:
-            cal = replace(self.gpu.calibration, **fits)
+            cal = self.gpu.calibration
+            for fit in fits:
+                scaled = {
+                    name: Sourced(round(num.value * fit.scale.value, 6), fit.scale.source)
+                    for name in fit.fields
+                    if (num := getattr(cal, name)) is not None
+                }
+                cal = replace(cal, **scaled)
             return replace(self, gpu=replace(self.gpu, calibration=cal))
 
         return _RUN_BY.get((id(self), id(stack)), build, (self, stack))

@@ -59,14 +59,14 @@ STEP_OVERHEAD = Sourced(
 
 @dataclass(frozen=True)
 class Fit:
-    """A value fitted on a published run of a stack: it replaces `field` of GPU `gpu`'s
-    calibration (hardware/catalog.py `Calibration`) when that stack runs on it. Its source names
-    the row it was fitted on (validation/data/runs.toml or published.toml), which is therefore
-    a `calibration` row, never a validation one."""
+    """A factor fitted on a published run of a stack: it scales `fields` of GPU `gpu`'s
+    calibration (hardware/catalog.py `Calibration`: the bare GPU's rates) when that stack runs
+    on it. Its source names the row it was fitted on (validation/data/runs.toml or
+    published.toml), which is therefore a `calibration` row, never a validation one."""
 
     gpu: str
-    field: str
-    value: Sourced
+    fields: tuple[str, ...]
+    scale: Sourced
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,12 +259,12 @@ MEGATRON_2021 = Stack(
     fitted=(
         Fit(
             "a100-80g",
-            "gemm_efficiency",
+            ("gemm_efficiency",),
             Sourced(
-                0.72,
+                1.03,
                 "fitted on Narayanan et al. 2021 Table 1, row 10 (1T, t8 p64 d6, 3,072 A100 80GB, "
-                "163 TFLOP/s per GPU): the large-GEMM share Megatron-LM's fp16 kernels need to "
-                "reproduce it (validation/data/published.toml narayanan2021, the calibration "
+                "163 TFLOP/s per GPU): Megatron-LM's fp16 GEMMs against the catalog's assumed "
+                "A100 share (validation/data/published.toml narayanan2021, the calibration "
                 "row); the other Table 1 rows and Korthikanti et al. 2022 are predictions",
             ),
         ),
@@ -321,29 +321,24 @@ TORCHTITAN = Stack(
     elementwise="torchtitan",
     grad_sync_once=False,
     fsdp_over_cp=True,
+    # One factor for every kernel on the SMs of a power-capped part: its GEMMs, FP8 GEMMs and
+    # flash attention run at the same lower clocks (HBM bandwidth is the part's own figure).
     fitted=(
         Fit(
             "h100-96g",
-            "gemm_efficiency",
+            ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
             Sourced(
-                0.47,
+                0.73,
                 "fitted on row tt2412-8b-8gpu-fsdp (torchtitan docs/performance.md, Dec 2024: "
                 "Llama 3.1 8B on 8 x H100 96GB at 500 W, FSDP, 5,762 tokens/s/GPU; the "
-                "calibration row of validation/data/runs.toml); the other H100 96GB rows are "
+                "calibration row of validation/data/runs.toml): the share of the catalog's "
+                "H100 SXM5 rates this 500 W part reaches; the other H100 96GB rows are "
                 "predictions",
-            ),
-        ),
-        Fit(
-            "h100-96g",
-            "fp8_gemm_efficiency",
-            Sourced(
-                0.42,
-                "the fitted bf16 share (0.47, row tt2412-8b-8gpu-fsdp) times the H100 SXM5's "
-                "FP8 / bf16 GEMM shares (0.63 / 0.7)",
             ),
         ),
     ),
 )
+
 
 STACKS: dict[str, Stack] = {s.name: s for s in (LLMSCALE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
 STACK_NAMES = tuple(STACKS)
