@@ -8,7 +8,8 @@ decision (so all ranks refuse alike):
   (keep_last + 1 while the newest is written; `plan/checkpoint_size.py` predicts their bytes);
 - an earlier run's metrics.jsonl or checkpoints refuse a new run unless it says what to do:
   `--resume` (continue the newest intact checkpoint; none: start from step 0, with a notice, so
-  the same command works under automatic restarts) or `--overwrite` (delete llmscale's own
+  the same command works under automatic restarts; the earlier rows of metrics.jsonl are kept,
+  renamed metrics-earlier-N.jsonl) or `--overwrite` (delete llmscale's own
   files of the earlier run first: metrics, checkpoints, prediction, timelines, plots);
 - checkpoints it does not own are never written or pruned: checkpoint.folder is inside the run
   folder, or a folder outside that this run created and marked as its own (.llmscale-owner
@@ -53,7 +54,7 @@ OWNER_NAME = ".llmscale-owner"  # in a checkpoint folder outside its run folder
 METRICS = "metrics.jsonl"
 # What a run (and `llmscale plot`) writes into its folder; --overwrite removes these only.
 OWN_FILES = (METRICS, PREDICTION, PIPELINE_TIMELINE, "config.toml", "loss.png", "timeline.png")
-OWN_GLOBS = ("timeline-rank*.json",)
+OWN_GLOBS = ("timeline-rank*.json", "metrics-earlier-*.jsonl")
 
 
 def free_bytes(path: Path) -> int:
@@ -194,6 +195,20 @@ def own_files(run_dir: Path, ckpt_dir: Path) -> list[Path]:
     if ckpt_dir.is_dir():
         paths += sorted(p for p in ckpt_dir.iterdir() if p.name.startswith("step-"))
     return paths
+
+
+def keep_earlier_metrics(run_dir: Path) -> Path | None:
+    """Rename a non-empty metrics.jsonl to the first free metrics-earlier-N.jsonl (a resume
+    with no checkpoint starts from step 0; the earlier run's rows are kept, not overwritten)."""
+    metrics = run_dir / METRICS
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return None
+    n = 1
+    while (run_dir / f"metrics-earlier-{n}.jsonl").exists():
+        n += 1
+    kept = run_dir / f"metrics-earlier-{n}.jsonl"
+    os.rename(metrics, kept)
+    return kept
 
 
 def _size(path: Path) -> int:
@@ -383,9 +398,7 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
                 purpose=" to resume from",
                 advice="; --overwrite starts again",
             )
-            if chosen is None:
-                say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0")
-            else:
+            if chosen is not None:
                 check_resume(cfg, chosen)
             kept = min(len(checkpointer.checkpoints()), cfg.checkpoint.keep_last)
         elif overwrite:
@@ -401,6 +414,10 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
                     p.unlink()
             if doomed:
                 say(out, f"--overwrite: removed the earlier run's files from {run_dir}")
+        if resume and chosen is None:
+            kept_rows = keep_earlier_metrics(run_dir)
+            also = f"; the earlier {METRICS} kept as {kept_rows.name}" if kept_rows else ""
+            say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0{also}")
         if chosen is not None:
             out.resume_from, out.resume_step = chosen.path, chosen.step
     except BaseException:
