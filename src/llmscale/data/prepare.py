@@ -330,6 +330,7 @@ class ShardWriter:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.shard_tokens = shard_tokens
         self.shards: list[str] = []
+        self.sha256: list[Any] = []  # each shard's hash, fed as it is written
         self.tokens = 0
         self.documents = 0
         self._f: BinaryIO | None = None
@@ -342,7 +343,9 @@ class ShardWriter:
                 self._open_next()
             assert self._f is not None
             k = min(len(ids), self.shard_tokens - self._in_shard)
-            self._f.write(ids[:k].tobytes())
+            chunk = ids[:k].tobytes()
+            self._f.write(chunk)
+            self.sha256[-1].update(chunk)
             self._in_shard += k
             self.tokens += k
             ids = ids[k:]
@@ -351,6 +354,7 @@ class ShardWriter:
         self.close()
         name = f"{self.split}-{len(self.shards):05d}.bin"
         self.shards.append(name)
+        self.sha256.append(hashlib.sha256())
         self._f = open(self.folder / name, "wb")  # noqa: SIM115 (closed in close())
         self._in_shard = 0
 
@@ -360,7 +364,12 @@ class ShardWriter:
             self._f = None
 
     def split_meta(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "shards": self.shards, "documents": self.documents}
+        return {
+            "tokens": self.tokens,
+            "shards": self.shards,
+            "shard_sha256": [h.hexdigest() for h in self.sha256],
+            "documents": self.documents,
+        }
 
 
 # ---- the whole job ----------------------------------------------------------------------------
