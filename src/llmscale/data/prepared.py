@@ -166,23 +166,7 @@ def verify_dataset(meta: PreparedMeta, field_name: str = "data.dataset") -> Prep
     open is one stat (`_ShardCache`)."""
     root = meta.root.resolve()
     data = str(meta.root)
-    tok = meta.root / TOKENIZER_FILE
-    if not tok.is_file():
-        raise ConfigError(
-            field_name,
-            data,
-            f"a prepared folder with its {TOKENIZER_FILE} (missing: prepare the folder again, "
-            "or copy the tokenizer it was prepared with back)",
-        )
-    sha = file_sha256(tok)
-    if sha != meta.tokenizer_sha256:
-        raise ConfigError(
-            field_name,
-            data,
-            f"a {TOKENIZER_FILE} whose sha256 is meta.json's tokenizer_sha256 "
-            f"({meta.tokenizer_sha256[:12]}...; the file's is {sha[:12]}...: it was changed "
-            "after the data was tokenized with it)",
-        )
+    verify_tokenizer(meta, field_name)
     notices: list[str] = []
     splits = dict(meta.splits)
     width = DTYPE_BYTES[meta.dtype]
@@ -241,6 +225,36 @@ def verify_dataset(meta: PreparedMeta, field_name: str = "data.dataset") -> Prep
     elif "val" not in meta.splits:
         notices.append(f"{data}: no validation split: training without validation")
     return dataclasses.replace(meta, splits=splits, notices=meta.notices + tuple(notices))
+
+
+def verify_tokenizer(meta: PreparedMeta, field_name: str = "data.dataset") -> str:
+    """The folder's tokenizer.json, present and the one meta.json's sha256 names (what the data
+    was tokenized with): its text, or a one-line ConfigError."""
+    data = str(meta.root)
+    tok = meta.root / TOKENIZER_FILE
+    try:
+        raw = tok.read_bytes()
+    except OSError as e:
+        why = "missing" if isinstance(e, FileNotFoundError) else (e.strerror or "unreadable")
+        raise ConfigError(
+            field_name,
+            data,
+            f"a prepared folder with its {TOKENIZER_FILE} ({why}: prepare "
+            "the folder again, or copy the tokenizer it was prepared with back)",
+        ) from None
+    sha = hashlib.sha256(raw).hexdigest()
+    if sha != meta.tokenizer_sha256:
+        raise ConfigError(
+            field_name,
+            data,
+            f"a {TOKENIZER_FILE} whose sha256 is meta.json's tokenizer_sha256 "
+            f"({meta.tokenizer_sha256[:12]}...; the file's is {sha[:12]}...: it was changed "
+            "after the data was tokenized with it)",
+        )
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(field_name, data, f"a {TOKENIZER_FILE} of UTF-8 text") from None
 
 
 def _inside(root: Path, data: str, split: str, name: str, field_name: str) -> Path:
