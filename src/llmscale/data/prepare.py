@@ -85,6 +85,7 @@ def list_sources(inputs: list[str], glob: str = "") -> tuple[list[Source], int]:
     skipped. A `.jsonl` file holds one JSON document per line."""
     sources: list[Source] = []
     skipped = 0
+    seen: dict[Path, str] = {}  # each file once: a folder given twice would double its documents
     for given in inputs:
         p = Path(given)
         if p.is_dir():
@@ -97,6 +98,15 @@ def list_sources(inputs: list[str], glob: str = "") -> tuple[list[Source], int]:
         else:
             raise ConfigError("--input", given, "an existing file or folder")
         for f, name in candidates:
+            real = f.resolve()
+            if real in seen:
+                raise ConfigError(
+                    "--input",
+                    given,
+                    f"each file once ({f} is also read through --input {seen[real]}: its "
+                    "documents would be tokenized twice)",
+                )
+            seen[real] = given
             if _is_binary(f):
                 skipped += 1
             else:
