@@ -1,0 +1,34 @@
+"""Cases of the usability review's bad-input sweep (../shared/reviews/usability-2026-12-04.md,
+re-run by bench/bad_inputs.py) fixed after it, by their ids: one line and exit 2 for bad input,
+never a traceback, nothing accepted and ignored. Each case is a row of docs/reliability.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmscale.cli import main
+
+
+def one_line(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    capsys.readouterr()
+    rc = main(args)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2, (out, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])
+def test_sn07_t_w_for_a_schedule_without_a_split_backward(capsys, fault_row, schedule) -> None:
+    """SN07: --t-w was accepted and ignored by the schedules whose backward is one op."""
+    extra = ["--chunks", "2"] if schedule == "interleaved_1f1b" else []
+    line = one_line(capsys, ["schedule", "--schedule", schedule, "--t-w", "5", *extra])
+    assert f"t_w: got '5'; allowed: unset with --schedule {schedule}" in line
+    assert main(["schedule", "--schedule", "zbv", "--t-w", "0.5"]) == 0  # where it applies
+    fault_row(
+        fault=f"SN07: schedule --t-w with --schedule {schedule} (no split backward)",
+        command=f"llmscale schedule --schedule {schedule} --t-w 5",
+        expected="exit 2, one line: --t-w applies to zero_bubble, zbv, dualpipev only",
+        observed=f"exit 2: {line}",
+    )
