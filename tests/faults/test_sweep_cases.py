@@ -32,3 +32,16 @@ def test_sn07_t_w_for_a_schedule_without_a_split_backward(capsys, fault_row, sch
         expected="exit 2, one line: --t-w applies to zero_bubble, zbv, dualpipev only",
         observed=f"exit 2: {line}",
     )
+
+
+def test_ev05_eval_with_a_model_override(earlier, capsys, fault_row) -> None:
+    """EV05: eval --model.dim 128 was accepted and ignored (the checkpoint's shape is used)."""
+    line = one_line(capsys, ["eval", str(earlier), "--model.dim", "128"])
+    assert "model.dim: got 128; allowed: the run's own (64)" in line
+    assert main(["eval", str(earlier), "--model.n_layers", "4"]) == 0  # the run's own value
+    fault_row(
+        fault="EV05: eval RUN --model.dim 128 (the run's model has dim 64)",
+        command="llmscale eval R --model.dim 128",
+        expected="exit 2, one line: eval reads the model from the checkpoint",
+        observed=f"exit 2: {line}",
+    )
