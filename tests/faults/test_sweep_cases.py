@@ -45,3 +45,23 @@ def test_ev05_eval_with_a_model_override(earlier, capsys, fault_row) -> None:
         expected="exit 2, one line: eval reads the model from the checkpoint",
         observed=f"exit 2: {line}",
     )
+
+
+def test_t30_dry_run_with_more_ranks_than_the_layout(tmp_path, capsys, fault_row) -> None:
+    """T30: train --dry-run --nproc-per-node 2 with a 1-rank layout predicted one rank, exit 0;
+    the launch itself refuses it. The dry run now checks the layout against the ranks too."""
+    rd = ["--job.run_dir", str(tmp_path / "r")]
+    line = one_line(capsys, ["train", "--dry-run", "--nproc-per-node", "2", *rd])
+    assert "allowed: degrees whose product equals the world size 2" in line
+    assert "--nproc-per-node: got 0" in one_line(
+        capsys, ["train", "--dry-run", "--nproc-per-node", "0", *rd]
+    )
+    args = ["train", "--dry-run", "--nproc-per-node", "2", "--parallel.dp_shard", "2",
+            "--train.global_batch_size", "16", *rd]  # fmt: skip
+    assert main(args) == 0
+    fault_row(
+        fault="T30: train --dry-run --nproc-per-node 2 with a 1-rank layout",
+        command="llmscale train --dry-run --nproc-per-node 2 --job.run_dir R",
+        expected="exit 2, one line, as the launch (was: a 1-rank prediction, exit 0)",
+        observed=f"exit 2: {line}",
+    )
