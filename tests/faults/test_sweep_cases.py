@@ -65,3 +65,26 @@ def test_t30_dry_run_with_more_ranks_than_the_layout(tmp_path, capsys, fault_row
         expected="exit 2, one line, as the launch (was: a 1-rank prediction, exit 0)",
         observed=f"exit 2: {line}",
     )
+
+
+def test_rf02_overwrite_with_another_checkpoint_folder(run, capsys, fault_row) -> None:
+    """RF02: --overwrite with another checkpoint.folder left the earlier run's checkpoints/
+    beside the new run; the folder its config.toml names is the earlier run's too."""
+    from run_helpers import run_cli, train_args
+
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-000001",
+        "step-000002",
+    ]
+    rc, _, err = run_cli(
+        capsys, train_args(run, "--overwrite", "--checkpoint.folder", "ckpts2", steps=1)
+    )
+    assert rc == 0 and "--overwrite: removed the earlier run's files" in err
+    assert not (run / "checkpoints").exists()
+    assert sorted(p.name for p in (run / "ckpts2").iterdir()) == ["step-000001"]
+    fault_row(
+        fault="RF02: --overwrite with another --checkpoint.folder than the earlier run's",
+        command="llmscale train --job.run_dir R --overwrite --checkpoint.folder ckpts2",
+        expected="the earlier run's checkpoints removed with its other files",
+        observed="checkpoints/ (steps 1, 2) removed; ckpts2/ holds the new step 1",
+    )

@@ -187,13 +187,36 @@ def earlier_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
     return found
 
 
+def earlier_checkpoint_folder(run_dir: Path) -> Path | None:
+    """The checkpoint folder the earlier run's config.toml names, when it is that run's own
+    (inside the run folder, or marked with its owner file); None otherwise."""
+    import tomllib
+
+    try:
+        folder = tomllib.loads((run_dir / "config.toml").read_text())["checkpoint"]["folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(folder, str) or not folder:
+        return None
+    ckpt = (run_dir / folder).resolve()
+    if ckpt.is_relative_to(run_dir.resolve()) or _owner(ckpt) == str(run_dir.resolve()):
+        return run_dir / folder
+    return None
+
+
 def own_files(run_dir: Path, ckpt_dir: Path) -> list[Path]:
-    """llmscale's own files and folders of a run (what --overwrite deletes)."""
+    """llmscale's own files and folders of a run (what --overwrite deletes): also the
+    checkpoints in the folder the earlier run's config.toml names, when another and its own."""
     paths = [run_dir / n for n in OWN_FILES if (run_dir / n).exists()]
     for pattern in OWN_GLOBS:
         paths += sorted(run_dir.glob(pattern))
-    if ckpt_dir.is_dir():
-        paths += sorted(p for p in ckpt_dir.iterdir() if p.name.startswith("step-"))
+    folders = [ckpt_dir]
+    before = earlier_checkpoint_folder(run_dir)
+    if before is not None and before.resolve() != ckpt_dir.resolve():
+        folders.append(before)
+    for folder in folders:
+        if folder.is_dir():
+            paths += sorted(p for p in folder.iterdir() if p.name.startswith("step-"))
     return paths
 
 
@@ -391,6 +414,7 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
         checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last)
         kept, freed, chosen = 0, 0, None
         doomed: list[Path] = []
+        before: Path | None = None
         if resume:
             chosen = newest_intact(
                 ckpt_dir,
@@ -403,6 +427,7 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
             kept = min(len(checkpointer.checkpoints()), cfg.checkpoint.keep_last)
         elif overwrite:
             doomed = own_files(run_dir, ckpt_dir)
+            before = earlier_checkpoint_folder(run_dir)
             freed = sum(_size(p) for p in doomed)
         start = chosen.step if chosen is not None else 0
         check_space(cfg, ckpt_dir, start, kept, freed)
@@ -412,6 +437,8 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
                     shutil.rmtree(p)
                 else:
                     p.unlink()
+            if before is not None and before.resolve() != ckpt_dir.resolve():
+                _remove_empty(before, run_dir.absolute())
             if doomed:
                 say(out, f"--overwrite: removed the earlier run's files from {run_dir}")
         if resume and chosen is None:
