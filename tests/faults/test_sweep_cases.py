@@ -88,3 +88,28 @@ def test_rf02_overwrite_with_another_checkpoint_folder(run, capsys, fault_row) -
         expected="the earlier run's checkpoints removed with its other files",
         observed="checkpoints/ (steps 1, 2) removed; ckpts2/ holds the new step 1",
     )
+
+
+def test_i11_init_from_an_hf_folder_with_more_layers_than_tensors(
+    earlier, tmp_path, capsys, fault_row
+) -> None:
+    """I11: config.json with 8 layers over 4 layers' tensors named a tensor as the value of
+    checkpoint.init_from; now the folder, and the missing tensor in the allowed part."""
+    import json
+
+    hf = tmp_path / "hf"
+    assert main(["export", str(earlier), "--format", "hf", "--out", str(hf)]) == 0
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["num_hidden_layers"] = 8
+    (hf / "config.json").write_text(json.dumps(cfg))
+    args = ["train", "--checkpoint.init_from", f"hf:{hf}", "--job.run_dir", str(tmp_path / "r"),
+            "--train.steps", "1", "--metrics.progress", "false"]  # fmt: skip
+    line = one_line(capsys, args)
+    assert f"checkpoint.init_from: got 'hf:{hf}'" in line
+    assert "model.layers.4.input_layernorm.weight is missing: 8 layers in config.json" in line
+    fault_row(
+        fault="I11: init_from an HF folder whose config.json has 8 layers, its weights 4",
+        command="llmscale train --checkpoint.init_from hf:DIR",
+        expected="exit 2, one line naming the folder and the missing tensor",
+        observed=f"exit 2: {line}",
+    )
