@@ -141,6 +141,9 @@ def test_another_runs_checkpoint_folder_is_refused(run, tmp_path, capsys, fault_
         capsys, train_args(other, "--checkpoint.folder", "../ext", steps=1)
     )
     assert rc_new == 0, err_new
+    # T37: said, not silent
+    ext = (tmp_path / "ext").resolve()
+    assert f"checkpoint.folder {ext} is outside the run folder: marked as this run's" in err_new
     assert json.loads((tmp_path / "ext" / ".llmscale-owner").read_text())["run_dir"] == str(
         other.resolve()
     )

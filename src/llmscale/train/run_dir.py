@@ -411,6 +411,11 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
             say(out, notice)
         if claim:
             claim_checkpoint_folder(cfg)
+            say(
+                out,
+                f"checkpoint.folder {ckpt_dir.resolve()} is outside the run folder: marked as "
+                f"this run's ({OWNER_NAME}); only this run writes and prunes there",
+            )
         checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last)
         kept, freed, chosen = 0, 0, None
         doomed: list[Path] = []
