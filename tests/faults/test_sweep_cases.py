@@ -113,3 +113,18 @@ def test_i11_init_from_an_hf_folder_with_more_layers_than_tensors(
         expected="exit 2, one line naming the folder and the missing tensor",
         observed=f"exit 2: {line}",
     )
+
+
+def test_n_toml2_a_config_with_a_byte_order_mark(tmp_path, capsys, fault_row) -> None:
+    """N_TOML2: a config saved with a UTF-8 byte-order mark was "not valid TOML: Invalid
+    statement (at line 1, column 1)"; now the line says what is wrong with it."""
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")
+    line = one_line(capsys, ["train", "--config", str(bom), "--dry-run"])
+    assert f"--config: {bom} starts with a byte-order mark (bytes ef bb bf)" in line
+    fault_row(
+        fault="N_TOML2: a config file starting with a UTF-8 byte-order mark",
+        command="llmscale train --config BOM.toml",
+        expected="exit 2, one line naming the byte-order mark",
+        observed=f"exit 2: {line}",
+    )
