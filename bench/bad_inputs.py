@@ -13,7 +13,7 @@ LLMSCALE_CACHE_DIR=work/cache set, and a per-case timeout (--timeout for command
 --cli-timeout for the others).
 
 Classes: `traceback` (a Python traceback in the output; `tr-traceback` when it is torchrun's,
-after a bare `torchrun` command), `hang` (timed out), `clean` (exit 2, no traceback), `ok`
+after a bare `torchrun` command), `hang` (timed out), `clean` (exit 2, one line), `ok`
 (exit 0), `rc N` (another exit code, no traceback). "Silent" (accepted though wrong) needs a
 reader: the cases the review called silent are listed with their new first line. Prints totals
 (all, the 153 old, the 280 new) and every traceback with its last line; --out writes each case's
@@ -221,7 +221,8 @@ def classify(command: str, rc: int | None, out: str) -> str:
     if rc == 0:
         return "ok"
     if rc == 2:
-        return "clean"
+        lines = [x for x in out.splitlines() if x.strip()]
+        return "clean" if len(lines) == 1 else f"rc 2, {len(lines)} lines"
     return f"rc {rc}"
 
 
