@@ -734,6 +734,11 @@ def _read_toml(p: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
+        if text.startswith("\ufeff"):  # Windows editors write one; TOML readers refuse it
+            raise UsageError(
+                f"--config: {p} starts with a byte-order mark (bytes ef bb bf); allowed: a TOML "
+                "file saved as UTF-8 without one"
+            ) from None
         raise UsageError(f"--config: {p} is not valid TOML: {e}") from None
     except RecursionError:  # tomllib parses nested inline tables and arrays recursively
         raise UsageError(

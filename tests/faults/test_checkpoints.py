@@ -222,3 +222,48 @@ def test_two_ranks_agree_on_the_intact_checkpoint_and_on_refusals(tmp_path, faul
         f"{refusals} of 2 ranks",
         data_lost="step 2 (retrained)",
     )
+
+
+_KILL_IN_PRUNE = """
+import os, shutil, signal, sys
+import llmscale.train.checkpoint as c
+real = shutil.rmtree
+def rmtree(path, *a, **k):
+    if str(path).endswith(".pruned.tmp") and os.path.isdir(path):
+        os.unlink(os.path.join(path, ".metadata"))  # part of the files gone, then the kill
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *a, **k)
+c.shutil.rmtree = rmtree
+c.Checkpointer(sys.argv[1], keep_last=1).prune(2)
+"""
+
+
+def test_a_kill_during_pruning_leaves_no_damaged_checkpoint(run, capsys, fault_row) -> None:
+    """c14: keep_last pruning renames a checkpoint to step-N.pruned.tmp before deleting it, so a
+    kill -9 while its files go leaves trash that `ckpt list|verify` ignore (not an empty
+    step-N "damaged"), and the next save removes it."""
+    ckpts = run / "checkpoints"
+    p = subprocess.run([sys.executable, "-c", _KILL_IN_PRUNE, str(ckpts)], check=False)
+    assert p.returncode == -9
+    assert sorted(x.name for x in ckpts.iterdir() if x.name.startswith("step-")) == [
+        "step-000001.pruned.tmp",
+        "step-000002",
+    ]
+    assert not (ckpts / "step-000001.pruned.tmp" / ".metadata").exists()  # half deleted
+    rc, out, _ = run_cli(capsys, ["ckpt", "verify", str(run)])
+    assert rc == 0 and "1 intact, 0 damaged" in out and "step-000001" not in out
+    rc, out, _ = run_cli(capsys, ["ckpt", "list", str(run)])
+    assert rc == 0 and "step-000002" in out and "step-000001" not in out
+    rc, out, err = run_cli(capsys, train_args(run, "--resume", steps=3))
+    assert rc == 0 and "step     3" in out and "step     2" not in out
+    assert sorted(x.name for x in ckpts.iterdir() if x.name.startswith("step-")) == [
+        "step-000002",
+        "step-000003",
+    ]
+    fault_row(
+        fault="c14: kill -9 during keep_last pruning (a file of the pruned step already gone)",
+        command="kill -9 of `llmscale train` inside Checkpointer.prune; llmscale ckpt verify R",
+        expected="ckpt verify exit 0 (nothing damaged); the next save cleans up",
+        observed="step-000001.pruned.tmp left, ignored by ckpt list/verify (exit 0); the "
+        "resume to step 3 removed it, keeping steps 2 and 3",
+    )

@@ -131,3 +131,25 @@ def test_resuming_on_data_from_another_tokenizer(tmp_path, capsys, fault_row) ->
         "checkpoints untouched",
         observed=_observed(rc, err),
     )
+
+
+def test_dp28_the_same_input_twice(tmp_path, capsys, fault_row) -> None:
+    """DP28: a folder given twice (or a file inside a folder also given) tokenized its
+    documents twice, with no word; now one line naming the file and both inputs."""
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    one = sorted(p for p in corpus.rglob("*") if p.is_file())[0]
+    out = tmp_path / "out"
+    for inputs in ([corpus, corpus], [corpus, one]):
+        rc, err = _run(capsys, "data", "prepare", "--input", *map(str, inputs), "--out", str(out))
+        _one_line(rc, err)
+        assert "each file once" in err and f"also read through --input {corpus}" in err, err
+        assert not out.exists()
+    rc, _ = _run(capsys, "data", "prepare", "--input", str(corpus), "--out", str(out))
+    assert rc == 0
+    fault_row(
+        fault="DP28: data prepare --input DIR DIR (the same folder twice)",
+        command="llmscale data prepare --input DIR DIR --out OUT",
+        expected="exit 2, one line naming the file read twice; nothing written",
+        observed=_observed(2, err),
+    )

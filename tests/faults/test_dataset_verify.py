@@ -19,7 +19,7 @@ from corpus_maker import prepare_small  # noqa: E402
 
 from llmscale.cli import main  # noqa: E402
 from llmscale.config import load_config  # noqa: E402
-from llmscale.data.prepared import MAX_ID_CACHE, apply_dataset, load_meta  # noqa: E402
+from llmscale.data.prepared import SHARD_CACHE, apply_dataset, load_meta  # noqa: E402
 from llmscale.data.shards import ShardStream  # noqa: E402
 from llmscale.errors import ConfigError  # noqa: E402
 from llmscale.paths import cache_dir  # noqa: E402
@@ -255,22 +255,38 @@ def test_ids_at_or_above_the_vocabulary(prepared, tmp_path, capsys, fault_row) -
     )
 
 
-def test_the_id_check_is_cached_per_shard(prepared, tmp_path) -> None:
-    """A second open of an unchanged shard reads nothing: shown by an id changed behind the
-    cache's back (size and mtime kept) that it does not see, and seen once the mtime moves."""
+def test_the_id_check_is_cached_by_the_shards_sha256(prepared, tmp_path, fault_row) -> None:
+    """A second open of an unchanged shard reads nothing (one stat: the cache gains nothing);
+    a shard rewritten in place with its size and mtime kept (ctime moves) is read again, its
+    sha256 compared with meta.json's; a copy elsewhere finds its largest id by its sha256."""
     ds = copy_of(prepared, tmp_path)
-    cache = cache_dir() / MAX_ID_CACHE
-    before = json.loads(cache.read_text()) if cache.exists() else {}
+    cache = cache_dir() / SHARD_CACHE
     cfg = load_config(None, ["--data.dataset", str(ds)])
     apply_dataset(cfg)
-    after = json.loads(cache.read_text())
-    new = {k: v for k, v in after.items() if k not in before}
-    assert len(new) == 2 and all(0 < v < 264 for v in new.values())  # train and val shards
-    put_id(ds / "train-00000.bin", 263 + 1000)
-    apply_dataset(cfg)  # cached: not read again
-    os.utime(ds / "train-00000.bin")
+    first = json.loads(cache.read_text())
+    shas = [load_meta(ds).splits[s].shard_sha256[0] for s in ("train", "val")]
+    mine = {k: v for k, v in first["fingerprints"].items() if k.startswith(str(ds.resolve()))}
+    assert sorted(mine.values()) == sorted(shas)  # train and val shards, their prepared sha256
+    assert all(0 < first["max_ids"][f"{sha}|uint16"] < 264 for sha in shas)
+    apply_dataset(cfg)
+    assert json.loads(cache.read_text()) == first  # unchanged: nothing read, nothing added
+    twin = copy_of(prepared, tmp_path, "twin")
+    apply_dataset(load_config(None, ["--data.dataset", str(twin)]))
+    assert len(json.loads(cache.read_text())["max_ids"]) == len(first["max_ids"])  # by sha256
+    put_id(ds / "train-00000.bin", 263 + 1000)  # size and mtime kept
     with pytest.raises(ConfigError, match="holds id 1,263"):
         apply_dataset(cfg)
+    put_id(ds / "train-00000.bin", 7, at=200)  # ids below the vocabulary, other bytes
+    put_id(ds / "train-00000.bin", int(np.memmap(twin / "train-00000.bin", "<u2")[100]))
+    with pytest.raises(ConfigError, match="train-00000.bin's sha256 is .* meta.json records") as e:
+        apply_dataset(cfg)
+    fault_row(
+        fault="a shard rewritten in place, size and mtime kept (ids below the vocabulary)",
+        command="rewrite 2 bytes of DS/train-00000.bin, touch -d its old mtime; "
+        "llmscale train --data.dataset DS",
+        expected="read again (not a cache hit); one line naming the shard's changed sha256",
+        observed=str(e.value),
+    )
 
 
 def test_shard_truncated_while_training(prepared, tmp_path, fault_row) -> None:

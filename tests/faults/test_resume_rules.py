@@ -141,6 +141,9 @@ def test_another_runs_checkpoint_folder_is_refused(run, tmp_path, capsys, fault_
         capsys, train_args(other, "--checkpoint.folder", "../ext", steps=1)
     )
     assert rc_new == 0, err_new
+    # T37: said, not silent
+    ext = (tmp_path / "ext").resolve()
+    assert f"checkpoint.folder {ext} is outside the run folder: marked as this run's" in err_new
     assert json.loads((tmp_path / "ext" / ".llmscale-owner").read_text())["run_dir"] == str(
         other.resolve()
     )
@@ -258,3 +261,40 @@ def test_resume_cuts_metrics_without_rewriting_them(tmp_path, monkeypatch, fault
         expected="the rows after the checkpoint cut off; the file never emptied, even for a moment",
         observed=f"one truncate: {len(keep)} B kept byte for byte (15,000 rows), same inode",
     )
+
+
+def test_resume_without_a_checkpoint_keeps_the_earlier_metrics(tmp_path, capsys, fault_row) -> None:
+    """f11: --resume on a folder whose earlier run wrote no checkpoint starts from step 0 and
+    keeps that run's rows (renamed metrics-earlier-1.jsonl), with the notice naming them."""
+    run = tmp_path / "run"
+    assert main_args(train_args(run, "--checkpoint.enabled", "false", steps=3)) == 0
+    earlier_rows = (run / "metrics.jsonl").read_bytes()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 3]  # and eval
+    rc, _, err = run_cli(
+        capsys, train_args(run, "--checkpoint.enabled", "false", "--resume", steps=2)
+    )
+    assert rc == 0
+    assert "starting from step 0; the earlier metrics.jsonl kept as metrics-earlier-1.jsonl" in err
+    assert (run / "metrics-earlier-1.jsonl").read_bytes() == earlier_rows
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 2]
+    # A second resume keeps both earlier files; --overwrite removes them with the run's own.
+    rc, _, err = run_cli(
+        capsys, train_args(run, "--checkpoint.enabled", "false", "--resume", steps=2)
+    )
+    assert rc == 0 and "kept as metrics-earlier-2.jsonl" in err
+    assert (run / "metrics-earlier-1.jsonl").read_bytes() == earlier_rows
+    rc, _, _ = run_cli(capsys, train_args(run, "--checkpoint.enabled", "false", "--overwrite"))
+    assert rc == 0 and not list(run.glob("metrics-earlier-*"))
+    fault_row(
+        fault="f11: --resume on a folder whose earlier run wrote no checkpoint (3 steps)",
+        command="llmscale train --job.run_dir R --checkpoint.enabled false --resume",
+        expected="starts from step 0 with a notice; the earlier rows kept",
+        observed="notice names metrics-earlier-1.jsonl, which holds the 4 earlier rows "
+        "byte for byte; a second resume keeps it and writes metrics-earlier-2.jsonl",
+    )
+
+
+def main_args(args: list[str]) -> int:
+    from llmscale.cli import main
+
+    return main(args)

@@ -10,6 +10,7 @@ tokenizer that encodes as the shards do, bf16 weights at half the bytes, shards 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -187,7 +188,10 @@ def test_ids_a_tokenizer_skips_are_suppressed(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
     tok.save(str(data / "tokenizer.json"))
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 10, "eos_id": 8, "pad_id": 9}))
+    sha = hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest()
+    meta = {"vocab_size": 10, "eos_id": 8, "pad_id": 9, "dtype": "uint16",
+            "tokenizer_sha256": sha, "splits": {"train": {"tokens": 0, "shards": []}}}  # fmt: skip
+    (data / "meta.json").write_text(json.dumps(meta))
     from hf_harness import run_config
 
     cfg = run_config(tmp_path / "run")

@@ -9,6 +9,7 @@ from llmscale.cli._args import (
 )
 from llmscale.config import (
     PP_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
 )
 from llmscale.errors import ConfigError
 from llmscale.paths import check_image_file
@@ -87,6 +88,13 @@ def _cmd_schedule(args: argparse.Namespace, overrides: list[str]) -> int:
     t_bwd = _parse_costs("t_bwd", args.t_bwd)
     t_w = None if args.t_w is None else _parse_costs("t_w", args.t_w)
     schedule = SCHEDULE_ALIASES.get(args.schedule, args.schedule)
+    if t_w is not None and schedule not in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            "t_w",
+            args.t_w,
+            f"unset with --schedule {schedule} (its backward is one op: W is timed apart only "
+            f"by {', '.join(SPLIT_BACKWARD_SCHEDULES)})",
+        )
     chunks = _schedule_chunks(schedule, args.chunks)
     png = check_image_file("--png", args.png) if args.png else None
     check_size(args.pp, args.microbatches, chunks)

@@ -141,6 +141,11 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.dry_run:
         from llmscale.train.prediction import dry_run_lines
+
+        if args.nproc_per_node is not None:  # the layout must fill the ranks a launch would start
+            if args.nproc_per_node < 1:
+                raise ConfigError("--nproc-per-node", args.nproc_per_node, "a positive integer")
+            cfg.validate(world_size=args.nproc_per_node)
         from llmscale.train.weights import with_source_model
         from llmscale.ui import console
 

@@ -88,6 +88,7 @@ def list_sources(inputs: list[str], glob: str = "") -> tuple[list[Source], int]:
     skipped. A `.jsonl` file holds one JSON document per line."""
     sources: list[Source] = []
     skipped = 0
+    seen: dict[Path, str] = {}  # each file once: a folder given twice would double its documents
     for given in inputs:
         p = Path(given)
         if p.is_dir():
@@ -100,6 +101,15 @@ def list_sources(inputs: list[str], glob: str = "") -> tuple[list[Source], int]:
         else:
             raise ConfigError("--input", given, "an existing file or folder")
         for f, name in candidates:
+            real = f.resolve()
+            if real in seen:
+                raise ConfigError(
+                    "--input",
+                    given,
+                    f"each file once ({f} is also read through --input {seen[real]}: its "
+                    "documents would be tokenized twice)",
+                )
+            seen[real] = given
             if _is_binary(f):
                 skipped += 1
             else:
@@ -333,6 +343,7 @@ class ShardWriter:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.shard_tokens = shard_tokens
         self.shards: list[str] = []
+        self.sha256: list[Any] = []  # each shard's hash, fed as it is written
         self.tokens = 0
         self.documents = 0
         self._f: BinaryIO | None = None
@@ -345,7 +356,9 @@ class ShardWriter:
                 self._open_next()
             assert self._f is not None
             k = min(len(ids), self.shard_tokens - self._in_shard)
-            self._f.write(ids[:k].tobytes())
+            chunk = ids[:k].tobytes()
+            self._f.write(chunk)
+            self.sha256[-1].update(chunk)
             self._in_shard += k
             self.tokens += k
             ids = ids[k:]
@@ -354,6 +367,7 @@ class ShardWriter:
         self.close()
         name = f"{self.split}-{len(self.shards):05d}.bin"
         self.shards.append(name)
+        self.sha256.append(hashlib.sha256())
         self._f = open(self.folder / name, "wb")  # noqa: SIM115 (closed in close())
         self._in_shard = 0
 
@@ -363,7 +377,12 @@ class ShardWriter:
             self._f = None
 
     def split_meta(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "shards": self.shards, "documents": self.documents}
+        return {
+            "tokens": self.tokens,
+            "shards": self.shards,
+            "shard_sha256": [h.hexdigest() for h in self.sha256],
+            "documents": self.documents,
+        }
 
 
 # ---- the whole job ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A prepared dataset: the folder `llmscale data prepare` writes, and the facts read from it.
 
     DIR/meta.json        vocab_size, dtype, eos_id, pad_id, tokenizer_sha256,
-                         encode_special_tokens, splits, sources
+                         encode_special_tokens, splits (each: tokens, shards, shard_sha256,
+                         documents), sources
     DIR/tokenizer.json   the tokenizer (a `tokenizers` Tokenizer file)
     DIR/tokenizer_config.json  what transformers reads beside it (split_special_tokens)
     DIR/train-00000.bin  raw little-endian token ids, no header (uint16 or uint32), documents
@@ -9,9 +10,9 @@
 
 Torch-free: the CLI, the trainer and the Hugging Face export read the same meta. A folder is
 verified when a run opens it (`verify_dataset`): every shard inside the folder, present, of a
-whole number of ids, adding up to meta.json's counts and holding only ids below the tokenizer's
-vocabulary (a max over each memory-mapped shard, cached per shard), and tokenizer.json present
-with meta.json's sha256. A missing or empty validation split is a notice, not an error. The model's
+whole number of ids, adding up to meta.json's counts, holding only ids below the tokenizer's
+vocabulary (a max over each memory-mapped shard, cached by the shard's sha256) and with the
+sha256 `data prepare` recorded for it, and tokenizer.json present with meta.json's sha256. A missing or empty validation split is a notice, not an error. The model's
 vocabulary is the tokenizer's, padded (`padded_vocab_size`) so that it splits evenly over tensor
 parallel ranks in GEMM-friendly blocks; the padded ids never occur in the data and are masked
 out of the loss.
@@ -41,7 +42,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 DTYPES = ("uint16", "uint32")
 DTYPE_BYTES = {"uint16": 2, "uint32": 4}
-MAX_ID_CACHE = "dataset-max-ids.json"  # in cache_dir(): each shard's largest id, by fingerprint
+SHARD_CACHE = "dataset-shards.json"  # in cache_dir(): shards' sha256 and largest ids (_ShardCache)
 VOCAB_MULTIPLE = 64  # padded vocabulary: a multiple of this times tp
 
 # The byte-level tokenizer's special tokens, at ids 256.. (data/tokenizer.py: BOS, EOS, PAD, then
@@ -58,6 +59,7 @@ class SplitMeta:
     tokens: int
     shards: list[str] = field(default_factory=list)
     documents: int = 0
+    shard_sha256: list[str] = field(default_factory=list)  # [] in folders prepared before it
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ def load_meta(path: str | Path, field_name: str = "data.dataset") -> PreparedMet
                 tokens=int(s["tokens"]),
                 shards=[str(x) for x in s["shards"]],
                 documents=int(s.get("documents", 0)),
+                shard_sha256=[str(x) for x in s.get("shard_sha256", [])],
             )
             for name, s in raw["splits"].items()
         }
@@ -143,6 +146,13 @@ def load_meta(path: str | Path, field_name: str = "data.dataset") -> PreparedMet
                 getattr(meta, key),
                 f"an id in [0, vocab_size {meta.vocab_size})",
             )
+    for name, s in meta.splits.items():
+        if s.shard_sha256 and len(s.shard_sha256) != len(s.shards):
+            raise ConfigError(
+                f"{field_name} meta.json splits.{name}.shard_sha256",
+                f"{len(s.shard_sha256)} hashes",
+                f"one per shard ({len(s.shards)})",
+            )
     if "train" not in meta.splits:
         raise ConfigError(f"{field_name} meta.json splits", sorted(meta.splits), "a train split")
     return meta
@@ -154,35 +164,20 @@ def verify_dataset(meta: PreparedMeta, field_name: str = "data.dataset") -> Prep
     run trains without validation, and says so) and without a validation split whose files are
     missing.
 
-    The id check reads every shard once (np.max over its memory map: 3.2 GB/s from the page
-    cache here, the disk's rate cold); the largest id is then cached under the shard's
-    fingerprint (its resolved path, size, modification time and inode), so a later open of an
-    unchanged shard reads nothing (0.3 ms for a 256 MB shard). A shard rewritten in place
-    with its size and modification time kept would escape the cache: `data prepare` never does
-    that (it writes a new folder and renames it)."""
+    A shard is read (sha256, then the largest id: np.max over its memory map) when its
+    fingerprint is new: its resolved path, size, inode, modification and change time. The
+    change time (ctime) moves with every write and every utime, and no call sets it back, so
+    a shard rewritten in place with its size and mtime kept is read again. Its sha256 must be
+    the one `data prepare` recorded in meta.json (folders prepared before that are not
+    compared), and its largest id is cached under that sha256. An unchanged shard's later
+    open is one stat (`_ShardCache`)."""
     root = meta.root.resolve()
     data = str(meta.root)
-    tok = meta.root / TOKENIZER_FILE
-    if not tok.is_file():
-        raise ConfigError(
-            field_name,
-            data,
-            f"a prepared folder with its {TOKENIZER_FILE} (missing: prepare the folder again, "
-            "or copy the tokenizer it was prepared with back)",
-        )
-    sha = file_sha256(tok)
-    if sha != meta.tokenizer_sha256:
-        raise ConfigError(
-            field_name,
-            data,
-            f"a {TOKENIZER_FILE} whose sha256 is meta.json's tokenizer_sha256 "
-            f"({meta.tokenizer_sha256[:12]}...; the file's is {sha[:12]}...: it was changed "
-            "after the data was tokenized with it)",
-        )
+    verify_tokenizer(meta, field_name)
     notices: list[str] = []
     splits = dict(meta.splits)
     width = DTYPE_BYTES[meta.dtype]
-    cache = _MaxIdCache()
+    cache = _ShardCache()
     for split, s in meta.splits.items():
         paths = [_inside(root, data, split, name, field_name) for name in s.shards]
         missing = [p for p in paths if not p.is_file()]
@@ -211,12 +206,21 @@ def verify_dataset(meta: PreparedMeta, field_name: str = "data.dataset") -> Prep
                 field_name, data, f"shards holding the {s.tokens:,} {split} tokens meta.json "
                 f"states (they hold {tokens:,}: truncated, or not the files it was written with)"
             )  # fmt: skip
-        for p, size in zip(paths, sizes, strict=True):
-            top = cache.max_id(p, size, meta.dtype)
+        for i, (p, size) in enumerate(zip(paths, sizes, strict=True)):
+            sha = cache.sha256(p)
+            top = cache.max_id(p, sha, size, meta.dtype)
             if top >= meta.vocab_size:
+                cache.save()
                 raise ConfigError(
                     field_name, data, f"token ids below meta.json's vocab_size {meta.vocab_size:,}"
                     f" ({p.name} holds id {top:,}: damaged, or tokenized with another tokenizer)"
+                )  # fmt: skip
+            if s.shard_sha256 and sha != s.shard_sha256[i]:
+                cache.save()
+                raise ConfigError(
+                    field_name, data, f"shards as `data prepare` wrote them ({p.name}'s sha256 is "
+                    f"{sha[:12]}..., meta.json records {s.shard_sha256[i][:12]}...: changed or "
+                    "damaged since; prepare the folder again)"
                 )  # fmt: skip
     cache.save()
     val = splits.get("val")
@@ -228,6 +232,36 @@ def verify_dataset(meta: PreparedMeta, field_name: str = "data.dataset") -> Prep
     elif "val" not in meta.splits:
         notices.append(f"{data}: no validation split: training without validation")
     return dataclasses.replace(meta, splits=splits, notices=meta.notices + tuple(notices))
+
+
+def verify_tokenizer(meta: PreparedMeta, field_name: str = "data.dataset") -> str:
+    """The folder's tokenizer.json, present and the one meta.json's sha256 names (what the data
+    was tokenized with): its text, or a one-line ConfigError."""
+    data = str(meta.root)
+    tok = meta.root / TOKENIZER_FILE
+    try:
+        raw = tok.read_bytes()
+    except OSError as e:
+        why = "missing" if isinstance(e, FileNotFoundError) else (e.strerror or "unreadable")
+        raise ConfigError(
+            field_name,
+            data,
+            f"a prepared folder with its {TOKENIZER_FILE} ({why}: prepare "
+            "the folder again, or copy the tokenizer it was prepared with back)",
+        ) from None
+    sha = hashlib.sha256(raw).hexdigest()
+    if sha != meta.tokenizer_sha256:
+        raise ConfigError(
+            field_name,
+            data,
+            f"a {TOKENIZER_FILE} whose sha256 is meta.json's tokenizer_sha256 "
+            f"({meta.tokenizer_sha256[:12]}...; the file's is {sha[:12]}...: it was changed "
+            "after the data was tokenized with it)",
+        )
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(field_name, data, f"a {TOKENIZER_FILE} of UTF-8 text") from None
 
 
 def _inside(root: Path, data: str, split: str, name: str, field_name: str) -> Path:
@@ -242,32 +276,45 @@ def _inside(root: Path, data: str, split: str, name: str, field_name: str) -> Pa
     return p
 
 
-class _MaxIdCache:
-    """Each shard's largest id, by fingerprint, in cache_dir()/MAX_ID_CACHE; an unreadable or
-    unwritable cache only costs the reads again."""
+class _ShardCache:
+    """What reading a shard found, in cache_dir()/SHARD_CACHE: `fingerprints` (path, size,
+    inode, mtime, ctime -> sha256) and `max_ids` (sha256 and dtype -> the largest id). An
+    unreadable or unwritable cache only costs the reads again."""
 
     def __init__(self) -> None:
-        self.path = cache_dir() / MAX_ID_CACHE
+        self.path = cache_dir() / SHARD_CACHE
         try:
             raw = json.loads(self.path.read_text())
-            self.known: dict[str, int] = {str(k): int(v) for k, v in dict(raw).items()}
-        except (OSError, ValueError, TypeError, AttributeError):
-            self.known = {}
+            self.fingerprints = {str(k): str(v) for k, v in dict(raw["fingerprints"]).items()}
+            self.max_ids = {str(k): int(v) for k, v in dict(raw["max_ids"]).items()}
+        except (OSError, ValueError, TypeError, AttributeError, KeyError):
+            self.fingerprints, self.max_ids = {}, {}
         self.dirty = False
 
-    def max_id(self, path: Path, size: int, dtype: str) -> int:
+    @staticmethod
+    def fingerprint(path: Path) -> str:
+        st = path.stat()
+        return f"{path}|{st.st_size}|{st.st_dev}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+    def sha256(self, path: Path) -> str:
+        key = self.fingerprint(path)
+        if key not in self.fingerprints:
+            self.fingerprints[key] = file_sha256(path)
+            self.dirty = True
+        return self.fingerprints[key]
+
+    def max_id(self, path: Path, sha: str, size: int, dtype: str) -> int:
         if size == 0:
             return -1
-        st = path.stat()
-        key = f"{path}|{size}|{st.st_mtime_ns}|{st.st_ino}|{dtype}"
-        if key not in self.known:
+        key = f"{sha}|{dtype}"
+        if key not in self.max_ids:
             import numpy as np
 
             ids = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
-            self.known[key] = int(ids.max())
+            self.max_ids[key] = int(ids.max())
             del ids
             self.dirty = True
-        return self.known[key]
+        return self.max_ids[key]
 
     def save(self) -> None:
         if not self.dirty:
@@ -275,7 +322,8 @@ class _MaxIdCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(self.known, indent=0) + "\n")
+            body = {"fingerprints": self.fingerprints, "max_ids": self.max_ids}
+            tmp.write_text(json.dumps(body, indent=0) + "\n")
             tmp.replace(self.path)  # atomic: ranks opening the same folder write it together
         except OSError:
             pass

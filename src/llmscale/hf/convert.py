@@ -165,8 +165,14 @@ def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def from_hf_llama(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Hugging Face Llama state dict as llmscale's; ConfigError naming a missing tensor."""
+def from_hf_llama(
+    cfg: ModelConfig,
+    hf_sd: dict[str, torch.Tensor],
+    field: str = "checkpoint.init_from",
+    src: str = "",
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama state dict as llmscale's; ConfigError naming the folder `src` and
+    the missing tensor."""
     theirs_to_ours = {}
     names = ["tok_embeddings.weight", "norm.weight"]
     if not cfg.tie_embeddings:
@@ -182,7 +188,12 @@ def from_hf_llama(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str,
     out = {}
     for theirs, ours in theirs_to_ours.items():
         if theirs not in hf_sd:
-            raise ConfigError("checkpoint.init_from", theirs, "a tensor of the Llama folder")
+            raise ConfigError(
+                field,
+                src or theirs,
+                f"a Llama folder holding every tensor its config.json implies ({theirs} is "
+                f"missing: {cfg.n_layers} layers in config.json)",
+            )
         t = hf_sd[theirs].float()
         if ".attention.wq." in ours:
             t = _pairs(t, cfg.n_heads)

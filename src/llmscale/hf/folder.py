@@ -203,7 +203,7 @@ def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.
             hf_sd.update(load_file(str(f)))
     except (SafetensorError, OSError) as e:
         raise ConfigError(field, src, f"readable safetensors files ({e})") from None
-    sd = from_hf_llama(cfg, hf_sd)
+    sd = from_hf_llama(cfg, hf_sd, field, src)
     for name, p in build_model(cfg, "meta").named_parameters():
         if tuple(sd[name].shape) != tuple(p.shape):
             raise ConfigError(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llmscale.config import ParallelSection, load_config
 from llmscale.data.prepared import load_meta
-from llmscale.errors import UsageError
+from llmscale.errors import ConfigError, UsageError
 from llmscale.train.data import byte_tokenizer_sha256, check_checkpoint_tokenizer
 from llmscale.train.trainer import Trainer
 from llmscale.train.weights import find_checkpoint, read_run_config
@@ -37,6 +37,18 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> Eva
     # The checkpoint the trainer below reads (through init_from): its notices are printed then.
     step, path = find_checkpoint(run_dir, base, say=lambda _: None)
     cfg = load_config(Path(run_dir) / "config.toml", overrides or [])
+    if cfg.model != base.model:
+        # The weights are the checkpoint's, so is its shape: a [model] override would be read,
+        # then silently replaced by init_from's.
+        changed = sorted(
+            k for k, v in dataclasses.asdict(cfg.model).items() if getattr(base.model, k) != v
+        )
+        raise ConfigError(
+            f"model.{changed[0]}" if changed else "model",
+            getattr(cfg.model, changed[0]) if changed else "(changed)",
+            f"the run's own ({getattr(base.model, changed[0]) if changed else ''}): eval reads "
+            "the model from its checkpoint; leave out --model.* overrides",
+        )
     # Data from another tokenizer than the checkpoint's (--data.dataset): one line, not a loss
     # over meaningless ids or an index error in the embedding.
     sha = load_meta(cfg.data.dataset).tokenizer_sha256 if cfg.data.dataset else None

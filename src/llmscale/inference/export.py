@@ -62,7 +62,7 @@ def export_run(
     check_output_folder("--out", out)  # before the weights are read, not after
     family = export_family(read_run_config(run_dir).model)  # refuse before reading weights
     run = read_run_weights(run_dir, step)
-    tokenizer = run_tokenizer(run.cfg)
+    tokenizer = run_tokenizer(run.cfg, run.path)
     model, sd = drop_vocab_padding(run.cfg.model, run.state_dict, tokenizer.vocab_limit)
     suppress = tokenizer.holes()
     folder = write_folder(

@@ -42,7 +42,7 @@ def generate_text(
     if top_k < 0:
         raise ConfigError("--top-k", top_k, ">= 0 (0 = no cut)")
     run = read_run_weights(run_dir, step)
-    tok = run_tokenizer(run.cfg)
+    tok = run_tokenizer(run.cfg, run.path)
     ids = tok.encode(prompt)
     limit = run.cfg.model.max_seq_len
     if len(ids) >= limit:

@@ -2,22 +2,25 @@
 
 The dataset folder (`data.dataset`, written by `llmscale data prepare`) holds tokenizer.json and
 meta.json (vocab_size, eos_id, pad_id): the model's vocabulary may be padded above the
-tokenizer's, and those padded ids must never be generated (`vocab_limit`).
+tokenizer's, and those padded ids must never be generated (`vocab_limit`). Both files are read
+and checked as a run reads them (`load_meta`, `verify_tokenizer`: meta.json's fields, the
+tokenizer's sha256), and the tokenizer is the one the checkpoint was trained with; each fault
+is one line (exit 2). The shards are not needed here and not read.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from llmscale.config import JobConfig
-from llmscale.data.prepared import document_ids, encodes_special_tokens
+from llmscale.data.prepared import document_ids, load_meta, verify_tokenizer
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
 from llmscale.hf.folder import TOKENIZER, TokenizerFiles, byte_tokenizer_files
+from llmscale.train.data import byte_tokenizer_sha256, check_checkpoint_tokenizer
 
 
 @dataclass(frozen=True)
@@ -53,24 +56,33 @@ class RunTokenizer:
         return Tokenizer.from_str(self.files.json_text).decode(ids, skip_special_tokens=True)
 
 
-def run_tokenizer(cfg: JobConfig) -> RunTokenizer:
-    """The tokenizer of the run `cfg` describes (its data.dataset, or bytes)."""
+def run_tokenizer(cfg: JobConfig, checkpoint: Path | None = None) -> RunTokenizer:
+    """The tokenizer of the run `cfg` describes (its data.dataset, or bytes), checked against
+    the `checkpoint` folder it is to decode for (the tokenizer it was trained with)."""
     dataset = getattr(cfg.data, "dataset", "")
     if not dataset:
+        if checkpoint is not None:
+            check_checkpoint_tokenizer(checkpoint, byte_tokenizer_sha256(), "")
         vocab = cfg.model.vocab_size
         files = byte_tokenizer_files(vocab)
         return RunTokenizer(files=files, vocab_limit=vocab, byte_level=True)
-    root = Path(dataset)
+    meta = load_meta(dataset)
+    text = verify_tokenizer(meta)
+    if checkpoint is not None:
+        check_checkpoint_tokenizer(checkpoint, meta.tokenizer_sha256, dataset)
     try:
-        meta = json.loads((root / "meta.json").read_text())
-        text = (root / TOKENIZER).read_text()
-    except (OSError, json.JSONDecodeError):
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # the tokenizers library raises its own Exception subclasses
+        raise ConfigError(
+            "data.dataset", dataset, f"a {TOKENIZER} the tokenizers library reads ({e})"
+        ) from None
+    if meta.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             "data.dataset",
             dataset,
-            "the prepared folder the run trained on (meta.json, tokenizer.json)",
-        ) from None
-    tok = Tokenizer.from_str(text)
+            f"a tokenizer of at most the model's model.vocab_size={cfg.model.vocab_size} ids "
+            f"(meta.json's vocab_size is {meta.vocab_size}: not the data this run trained on)",
+        )
     bos = next(
         (
             tok.token_to_id(t)
@@ -82,8 +94,8 @@ def run_tokenizer(cfg: JobConfig) -> RunTokenizer:
     files = TokenizerFiles(
         text,
         bos_id=bos,
-        eos_id=int(meta["eos_id"]),
-        pad_id=int(meta["pad_id"]),
-        encode_special_tokens=encodes_special_tokens(meta),
+        eos_id=meta.eos_id,
+        pad_id=meta.pad_id,
+        encode_special_tokens=meta.encode_special_tokens,
     )
-    return RunTokenizer(files=files, vocab_limit=int(meta["vocab_size"]), byte_level=False)
+    return RunTokenizer(files=files, vocab_limit=meta.vocab_size, byte_level=False)

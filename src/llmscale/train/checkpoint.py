@@ -19,6 +19,10 @@ manifest does not list (or a manifest listing none), or no manifest is skipped (
 naming it) for the newest intact one. An interrupted save leaves only a .tmp folder, which is
 ignored and removed by the next save; a failed save (full disk, permissions) removes its .tmp,
 keeps the earlier checkpoints and stops the run with one line naming the last good step.
+A checkpoint is deleted (pruned, or replaced by a re-save of its step) by renaming it to a
+trash name first (step-000010.pruned.tmp, .replaced.tmp), so a kill while its files go leaves
+no half-deleted step-N folder: the trash is ignored by every reader and `ckpt list`, and
+removed by the next save.
 
 Only the newest `keep_last` checkpoints are kept, and never at the cost of the one just written:
 checkpoints with a higher step than the current one (an abandoned history, e.g. damaged ones
@@ -52,6 +56,12 @@ from llmscale.errors import ConfigError, ExitCode, JobStopped, UsageError
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 20
+TRASH_SUFFIXES = (".pruned.tmp", ".replaced.tmp")  # a checkpoint being deleted
+
+
+def is_trash(path: Path) -> bool:
+    """A checkpoint folder renamed to be deleted (see the module docstring)."""
+    return path.name.endswith(TRASH_SUFFIXES)
 
 
 def _barrier() -> None:
@@ -314,9 +324,20 @@ class Checkpointer:
         others = [f for f in self.checkpoints() if f.step != current]
         others.sort(key=lambda f: (f.step <= current, f.step))
         doomed = others[: max(0, len(others) - (self.keep_last - 1))]
+        trashed = []
         for f in doomed:
-            shutil.rmtree(f.path, ignore_errors=True)
-        return [f.path for f in doomed]
+            trash = f.path.with_name(f.path.name + ".pruned.tmp")
+            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                f.path.rename(trash)  # atomic: a kill later leaves trash, never a half step
+            except OSError:
+                continue  # kept (as rmtree's ignore_errors did): the next save tries again
+            trashed.append((f.path, trash))
+        if trashed:
+            fsync_dir(self.folder)
+        for _, trash in trashed:
+            shutil.rmtree(trash, ignore_errors=True)
+        return [path for path, _ in trashed]
 
     def _failure_message(self, step: int, problem: str) -> str:
         last = self.latest()

@@ -1,7 +1,8 @@
 """`llmscale ckpt list|verify RUN_DIR`: each checkpoint's step, layout, size and integrity.
 
 Every finished checkpoint folder is verified against its manifest (train/checkpoint.py);
-unfinished `.tmp` folders (an interrupted or failed save) are listed as such.
+unfinished `.tmp` folders (an interrupted or failed save) are listed as such; a checkpoint
+being deleted (renamed to .pruned.tmp or .replaced.tmp, see train/checkpoint.py) is not listed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from llmscale.errors import UsageError
 from llmscale.train.checkpoint import (
     Checkpointer,
     human_bytes,
+    is_trash,
     read_manifest,
     verify_checkpoint,
 )
@@ -70,7 +72,7 @@ def checkpoint_rows(run_dir: str | Path, folder: str = "checkpoints") -> list[Ch
                 problem=verify_checkpoint(found.path),
             )
         )
-    for tmp in sorted(ckpt_dir.glob("step-*.tmp")):
+    for tmp in sorted(t for t in ckpt_dir.glob("step-*.tmp") if not is_trash(t)):
         digits = tmp.name.removeprefix("step-").split(".", 1)[0]
         rows.append(
             CheckpointRow(

@@ -8,7 +8,8 @@ decision (so all ranks refuse alike):
   (keep_last + 1 while the newest is written; `plan/checkpoint_size.py` predicts their bytes);
 - an earlier run's metrics.jsonl or checkpoints refuse a new run unless it says what to do:
   `--resume` (continue the newest intact checkpoint; none: start from step 0, with a notice, so
-  the same command works under automatic restarts) or `--overwrite` (delete llmscale's own
+  the same command works under automatic restarts; the earlier rows of metrics.jsonl are kept,
+  renamed metrics-earlier-N.jsonl) or `--overwrite` (delete llmscale's own
   files of the earlier run first: metrics, checkpoints, prediction, timelines, plots);
 - checkpoints it does not own are never written or pruned: checkpoint.folder is inside the run
   folder, or a folder outside that this run created and marked as its own (.llmscale-owner
@@ -53,7 +54,7 @@ OWNER_NAME = ".llmscale-owner"  # in a checkpoint folder outside its run folder
 METRICS = "metrics.jsonl"
 # What a run (and `llmscale plot`) writes into its folder; --overwrite removes these only.
 OWN_FILES = (METRICS, PREDICTION, PIPELINE_TIMELINE, "config.toml", "loss.png", "timeline.png")
-OWN_GLOBS = ("timeline-rank*.json",)
+OWN_GLOBS = ("timeline-rank*.json", "metrics-earlier-*.jsonl")
 
 
 def free_bytes(path: Path) -> int:
@@ -186,14 +187,51 @@ def earlier_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
     return found
 
 
+def earlier_checkpoint_folder(run_dir: Path) -> Path | None:
+    """The checkpoint folder the earlier run's config.toml names, when it is that run's own
+    (inside the run folder, or marked with its owner file); None otherwise."""
+    import tomllib
+
+    try:
+        folder = tomllib.loads((run_dir / "config.toml").read_text())["checkpoint"]["folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(folder, str) or not folder:
+        return None
+    ckpt = (run_dir / folder).resolve()
+    if ckpt.is_relative_to(run_dir.resolve()) or _owner(ckpt) == str(run_dir.resolve()):
+        return run_dir / folder
+    return None
+
+
 def own_files(run_dir: Path, ckpt_dir: Path) -> list[Path]:
-    """llmscale's own files and folders of a run (what --overwrite deletes)."""
+    """llmscale's own files and folders of a run (what --overwrite deletes): also the
+    checkpoints in the folder the earlier run's config.toml names, when another and its own."""
     paths = [run_dir / n for n in OWN_FILES if (run_dir / n).exists()]
     for pattern in OWN_GLOBS:
         paths += sorted(run_dir.glob(pattern))
-    if ckpt_dir.is_dir():
-        paths += sorted(p for p in ckpt_dir.iterdir() if p.name.startswith("step-"))
+    folders = [ckpt_dir]
+    before = earlier_checkpoint_folder(run_dir)
+    if before is not None and before.resolve() != ckpt_dir.resolve():
+        folders.append(before)
+    for folder in folders:
+        if folder.is_dir():
+            paths += sorted(p for p in folder.iterdir() if p.name.startswith("step-"))
     return paths
+
+
+def keep_earlier_metrics(run_dir: Path) -> Path | None:
+    """Rename a non-empty metrics.jsonl to the first free metrics-earlier-N.jsonl (a resume
+    with no checkpoint starts from step 0; the earlier run's rows are kept, not overwritten)."""
+    metrics = run_dir / METRICS
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return None
+    n = 1
+    while (run_dir / f"metrics-earlier-{n}.jsonl").exists():
+        n += 1
+    kept = run_dir / f"metrics-earlier-{n}.jsonl"
+    os.rename(metrics, kept)
+    return kept
 
 
 def _size(path: Path) -> int:
@@ -373,9 +411,15 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
             say(out, notice)
         if claim:
             claim_checkpoint_folder(cfg)
+            say(
+                out,
+                f"checkpoint.folder {ckpt_dir.resolve()} is outside the run folder: marked as "
+                f"this run's ({OWNER_NAME}); only this run writes and prunes there",
+            )
         checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last)
         kept, freed, chosen = 0, 0, None
         doomed: list[Path] = []
+        before: Path | None = None
         if resume:
             chosen = newest_intact(
                 ckpt_dir,
@@ -383,13 +427,12 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
                 purpose=" to resume from",
                 advice="; --overwrite starts again",
             )
-            if chosen is None:
-                say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0")
-            else:
+            if chosen is not None:
                 check_resume(cfg, chosen)
             kept = min(len(checkpointer.checkpoints()), cfg.checkpoint.keep_last)
         elif overwrite:
             doomed = own_files(run_dir, ckpt_dir)
+            before = earlier_checkpoint_folder(run_dir)
             freed = sum(_size(p) for p in doomed)
         start = chosen.step if chosen is not None else 0
         check_space(cfg, ckpt_dir, start, kept, freed)
@@ -399,8 +442,14 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
                     shutil.rmtree(p)
                 else:
                     p.unlink()
+            if before is not None and before.resolve() != ckpt_dir.resolve():
+                _remove_empty(before, run_dir.absolute())
             if doomed:
                 say(out, f"--overwrite: removed the earlier run's files from {run_dir}")
+        if resume and chosen is None:
+            kept_rows = keep_earlier_metrics(run_dir)
+            also = f"; the earlier {METRICS} kept as {kept_rows.name}" if kept_rows else ""
+            say(out, f"--resume: no checkpoint in {ckpt_dir}: starting from step 0{also}")
         if chosen is not None:
             out.resume_from, out.resume_step = chosen.path, chosen.step
     except BaseException:

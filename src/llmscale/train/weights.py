@@ -45,6 +45,7 @@ class RunWeights:
     cfg: JobConfig
     step: int
     state_dict: dict[str, torch.Tensor]
+    path: Path | None = None  # the checkpoint folder read
 
 
 def read_run_config(run_dir: str | Path, field: str = "RUN_DIR") -> JobConfig:
@@ -85,7 +86,7 @@ def read_run_weights(
     # The trainer saves {"app": {"model": ..., "optim": ..., "trainer": ...}}; DCP loads only
     # the keys asked for.
     Checkpointer(path.parent).load(path, {"app": {"model": template}})
-    return RunWeights(cfg=cfg, step=step, state_dict=template)
+    return RunWeights(cfg=cfg, step=step, state_dict=template, path=path)
 
 
 # ---- checkpoint.init_from ---------------------------------------------------------------------
