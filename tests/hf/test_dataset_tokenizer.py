@@ -18,6 +18,7 @@ import pytest
 from hf_harness import llama_style_tokenizer, run_config
 
 from llmscale.cli import main
+from llmscale.config import JobConfig
 from llmscale.data import prepare as P
 from llmscale.data.prepared import (
     dataset_tokenizer,
@@ -39,6 +40,15 @@ DOCS = [
     "plain words and numbers 12345 with no special text at all\n",
     "<|endoftext|>",
 ]
+
+
+def dataset_config(run_dir: Path, data: Path) -> JobConfig:
+    """A run on the prepared folder `data`, its model's vocabulary the dataset's padded one (as
+    training sets it: generate refuses a tokenizer larger than the model)."""
+    cfg = run_config(run_dir)
+    cfg.data.dataset = str(data)
+    cfg.model = cfg.model.with_overrides(vocab_size=padded_vocab_size(load_meta(data).vocab_size))
+    return cfg
 
 
 def prepared(root: Path, tokenizer: str) -> Path:
@@ -69,8 +79,7 @@ def shard_documents(data: Path) -> list[list[int]]:
 
 def exported(data: Path, out: Path) -> Path:
     """An HF folder of a tiny random model on `data`, with generate's tokenizer files."""
-    cfg = run_config(out.parent / "run")
-    cfg.data.dataset = str(data)
+    cfg = dataset_config(out.parent / "run", data)
     model = get_preset("tiny").with_overrides(
         vocab_size=padded_vocab_size(load_meta(data).vocab_size)
     )
@@ -105,8 +114,7 @@ def test_every_way_of_loading_encodes_as_the_shards(tokenizer: str, tmp_path: Pa
     assert differ == [tokenizer != "llama", True, False, tokenizer != "llama"]
 
     plain.encode_special_tokens = raw["encode_special_tokens"]  # as meta.json records
-    cfg = run_config(tmp_path / "run")
-    cfg.data.dataset = str(data)
+    cfg = dataset_config(tmp_path / "run", data)
     generate = run_tokenizer(cfg)
     auto = AutoTokenizer.from_pretrained(data)
     fast = PreTrainedTokenizerFast.from_pretrained(data)
@@ -137,8 +145,7 @@ def test_readers_follow_what_meta_json_records(
     eos = raw["eos_id"]
     raw["encode_special_tokens"] = False
     (data / "meta.json").write_text(json.dumps(raw))
-    cfg = run_config(tmp_path / "run")
-    cfg.data.dataset = str(data)
+    cfg = dataset_config(tmp_path / "run", data)
     assert eos in run_tokenizer(cfg).encode(DOCS[0])
     assert document_ids(dataset_tokenizer(load_meta(data)), [DOCS[3]])[0] == [eos]
     out = exported(data, tmp_path / "hf")
