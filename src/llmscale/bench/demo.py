@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from llmscale.bench.report import Row
+from llmscale.bench.timed import WALL, now_iso, wall_row
 from llmscale.paths import SOURCE_ROOT
 from llmscale.train.progress import SUMMARY, Compared, comparison_table, format_row, plain
 
@@ -49,7 +49,6 @@ PLAN = (
 )  # fmt: skip
 RECORD = SOURCE_ROOT / "docs" / "results" / "demo.json"
 SUITE = "demo"
-WALL = "wall time"
 
 
 def run_dir(root: Path = SOURCE_ROOT) -> Path:
@@ -109,13 +108,7 @@ def record(
     config = f"make demo, {layout}"
     rows = [_row(config, r) for r in comparison["rows"]]
     if wall_s is not None and load is not None:
-        rows.append(
-            Row(
-                SUITE, "make demo", WALL, "s", wall_s,
-                note=f"{os.cpu_count()} CPU cores; load average {load[0]:.2f} at the start, "
-                f"{load[1]:.2f} at the end",
-            ).to_dict()
-        )  # fmt: skip
+        rows.append(wall_row(SUITE, "make demo", wall_s, load))
     return {
         SUITE: {
             "measured_at": measured_at,
@@ -211,9 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             return rc
         load = (before, os.getloadavg()[0])
-    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     try:
-        rec = record(run_dir(), wall_s, load, lines, now)
+        rec = record(run_dir(), wall_s, load, lines, now_iso())
     except (OSError, ValueError, KeyError) as e:
         print(f"make demo: not recorded: {e}", file=sys.stderr)
         return 1
