@@ -212,6 +212,22 @@ def fp16_underflow(ctx: Context) -> str:
     )
 
 
+def loader_memory(ctx: Context) -> str:
+    """README: the shard loader's resident memory over corpus sizes (the loader suite)."""
+    rss = ctx.rows("loader", "RSS")
+    if not rss:
+        return "resident memory not measured yet: make results"
+    sizes = sorted(rss, key=lambda k: float(k.split(" MB")[0]))
+    lo, hi = rss[sizes[0]], rss[sizes[-1]]
+    gib = [r["measured"] / 2**30 for r in rss.values()]
+    flat = "flat" if max(gib) - min(gib) < 0.05 * max(gib) else "not flat"
+    return (
+        f"resident memory {flat} from {sizes[0].split(',')[0]} to {sizes[-1].split(',')[0]} of "
+        f"tokens, {lo['measured'] / 2**30:.2f} and {hi['measured'] / 2**30:.2f} GiB, in `make "
+        f"results` ({_when(ctx, 'loader')})"
+    )
+
+
 def serving_table(ctx: Context) -> str:
     """docs/inference.md: H100 vs H200 serving Llama 2 70B, as `llmscale infer` predicts it."""
     from llmscale.model.config import get_preset
@@ -804,6 +820,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "plan-speed", plan_speed, timed=True),
     Block("README.md", "roofline-training", roofline_training),
     Block("README.md", "fp16-underflow", fp16_underflow),
+    Block("README.md", "loader-memory", loader_memory),
     Block("README.md", "serving-ratio", serving_ratio),
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
