@@ -584,6 +584,120 @@ def inflight_table(ctx: Context) -> str:
     return "\n".join(lines) if len(lines) > 2 else "Not measured yet: `make results`."
 
 
+# ---- what pipeline ranks hold besides activations (bench/pipeline_memory.py) ------------------
+
+PIPELINE_MEMORY_RUNS = ((2, 4), (4, 8))  # docs/schedule.md's two commands
+
+
+def _pipeline_memory(ctx: Context) -> dict[tuple[int, int], dict[str, dict[int, dict[str, Any]]]]:
+    """{(pp, m): {schedule: {rank: {quantity: row}}}} of docs/results/pipeline_memory.json."""
+    path = ctx.results_path.parent / "pipeline_memory.json"
+    out: dict[tuple[int, int], dict[str, dict[int, dict[str, Any]]]] = {}
+    for r in (Results(path).suite("pipeline_memory") or {}).get("rows", []):
+        pp, m, sched, _, rank = r["config"].split()  # "pp=2 m=4 zbv rank 1"
+        key = (int(pp[3:]), int(m[2:]))
+        out.setdefault(key, {}).setdefault(sched, {}).setdefault(int(rank), {})[r["quantity"]] = r
+    return out
+
+
+def _schedule_label(pp: int, schedule: str, m: int) -> str:
+    from llmscale.bench.pipeline import PipeConfig
+
+    return PipeConfig(pp, schedule, m).label.split(" ", 1)[1].rsplit(" m=", 1)[0]
+
+
+def pipeline_memory_table(ctx: Context) -> str:
+    """docs/schedule.md: pending weight gradients / receive buffers per rank and schedule, as
+    `python -m llmscale.bench.pipeline_memory --json-out` measured them."""
+    runs = _pipeline_memory(ctx)
+    if not runs:
+        return "Not measured yet: `python -m llmscale.bench.pipeline_memory --json-out ...`."
+    keys = ("pending_weight_grad_bytes", "pipeline_buffer_bytes")
+    rows = [r for scheds in runs.values() for ranks in scheds.values()
+            for q in ranks.values() for k, r in q.items() if k in keys]  # fmt: skip
+    exact = all(r["measured"] == r["predicted"] for r in rows)
+    worst = max(abs(r["predicted"] / r["measured"] - 1) for r in rows if r["measured"])
+    at = " and ".join(f"pp {pp} m {m}" for pp, m in runs)
+    lines = [
+        "Each cell is `pending_weight_grad_bytes / pipeline_buffer_bytes` in bytes, measured. "
+        + (
+            "Predicted = measured **to the byte** in every cell"
+            if exact
+            else f"Predicted within {worst:.1%} of measured in every cell"
+        )  # fmt: skip
+        + f", at {at}:",
+        "",
+        "| pp, m | schedule | "
+        + " | ".join(f"rank {r}" for r in range(max(pp for pp, _ in runs)))
+        + " |",
+        "|---|---|" + "---:|" * max(pp for pp, _ in runs),
+    ]
+    width = max(pp for pp, _ in runs)
+    for (pp, m), scheds in runs.items():
+        merged: list[tuple[list[str], list[str]]] = []
+        for sched, ranks in scheds.items():
+            cells = [
+                f"{int(ranks[r][keys[0]]['measured']):,} / {int(ranks[r][keys[1]]['measured']):,}"
+                if r in ranks
+                else ""
+                for r in range(width)
+            ]
+            if merged and merged[-1][1] == cells:
+                merged[-1][0].append(_schedule_label(pp, sched, m))
+            else:
+                merged.append(([_schedule_label(pp, sched, m)], cells))
+        for names, cells in merged:
+            lines.append(f"| {pp}, {m} | {', '.join(names)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pipeline_memory_reading(ctx: Context) -> str:
+    """docs/schedule.md: what B keeps against the saved activations, and the activation peak's
+    error, from the same rows."""
+    runs = _pipeline_memory(ctx)
+    held = [
+        (q["pending_weight_grad_bytes"]["measured"], q["activation_peak_bytes"]["measured"],
+         pp, sched, rank)
+        for (pp, _), scheds in runs.items() for sched, ranks in scheds.items()
+        for rank, q in ranks.items() if q["pending_weight_grad_bytes"]["measured"]
+    ]  # fmt: skip
+    if not held:
+        return "Not measured yet."
+    share = [h / a for h, a, *_ in held]
+    acts = [a for _, a, *_ in held]
+    h, a, pp, sched, rank = max(held)
+    parts = [
+        f"Against the saved activations on the same rank ({min(acts) / 1e6:.2f}-"
+        f"{max(acts) / 1e6:.2f} MB), what B keeps adds {min(share):.0%}-{max(share):.0%}: "
+        f"{_schedule_label(pp, sched, 2)}'s rank {rank} at pp {pp} holds {h / 1e6:.2f} MB more "
+        f"than its {a / 1e6:.2f} MB of activations."
+    ]
+    for (pp, _), scheds in runs.items():
+        err = max(
+            ((q["activation_peak_bytes"]["measured"] / q["activation_peak_bytes"]["predicted"] - 1,
+              sched, rank) for sched, ranks in scheds.items() for rank, q in ranks.items()),
+            key=lambda e: abs(e[0]),
+        )  # fmt: skip
+        parts.append(
+            f"At pp {pp}, `activation_peak_bytes` is furthest from the planner under "
+            f"{_schedule_label(pp, err[1], 2)} on rank {err[2]}: {abs(err[0]):.1%} "
+            f"{'above' if err[0] > 0 else 'below'} it."
+        )
+    return " ".join(parts)
+
+
+def pipeline_memory_times(ctx: Context) -> str:
+    """docs/schedule.md: how long each of the two commands took (`bench/timed.py`)."""
+    cmd = "python -m llmscale.bench.pipeline_memory --pp {} --microbatches {}"
+    took = [(pp, m, ctx.timing(cmd.format(pp, m))) for pp, m in PIPELINE_MEMORY_RUNS]
+    if not all(r for *_, r in took):
+        return "Not timed yet (`python -m llmscale.bench.timed NAME -- CMD`)."
+    return "; ".join(
+        f"pp {pp}: {r['measured']:.0f} s ({r['measured_at'][:10]}; {r['note']})"  # type: ignore[index]
+        for pp, m, r in took
+    )
+
+
 # ---- measured vs predicted --------------------------------------------------------------------
 
 
@@ -848,6 +962,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
     Block("docs/schedule.md", "inflight-table", inflight_table),
+    Block("docs/schedule.md", "pipeline-memory-table", pipeline_memory_table),
+    Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
+    Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
     Block("docs/parallel.md", "cp-results", cp_results),
     Block("docs/parallel.md", "compile-results", compile_results),
     Block("docs/offload.md", "lsp-results", lsp_results),
