@@ -21,7 +21,9 @@ def test_every_rendered_block_is_current() -> None:
     assert docs.stale() == []
 
 
-RECORDS = tuple(f"docs/results/{n}.json" for n in ("results", "demo", "timings", "pipeline_memory"))
+RECORDS = tuple(
+    f"docs/results/{n}.json" for n in ("results", "demo", "timings", "pipeline_memory", "overhead")
+)
 
 
 def _copy(tmp_path: Path) -> Path:

@@ -228,6 +228,20 @@ def loader_memory(ctx: Context) -> str:
     )
 
 
+def overhead_ratio(ctx: Context) -> str:
+    """README: the trainer's step over a plain loop's (`bench/overhead.py --json-out`)."""
+    rec = Results(ctx.results_path.parent / "overhead.json")
+    suite = rec.suite("overhead")
+    row = next(iter(rec.rows("overhead", "trainer / plain loop").values()), None)
+    if suite is None or row is None:
+        return "not recorded yet: `python -m llmscale.bench.overhead --json-out " \
+            "docs/results/overhead.json`"  # fmt: skip
+    return (
+        f"{row['measured']:.3f} on {row['config']}, {suite['measured_at'][:10]}: {row['note']}; "
+        "goal <= 1.03"
+    )
+
+
 def serving_table(ctx: Context) -> str:
     """docs/inference.md: H100 vs H200 serving Llama 2 70B, as `llmscale infer` predicts it."""
     from llmscale.model.config import get_preset
@@ -935,6 +949,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "roofline-training", roofline_training),
     Block("README.md", "fp16-underflow", fp16_underflow),
     Block("README.md", "loader-memory", loader_memory),
+    Block("README.md", "overhead-ratio", overhead_ratio),
     Block("README.md", "serving-ratio", serving_ratio),
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
