@@ -422,6 +422,29 @@ def pipeline_configs(ctx: Context) -> str:
     return f"{len(runs)} configurations in `make results`' run: {listed}"
 
 
+def _op_times(ctx: Context) -> tuple[list[float], list[float]] | None:
+    """The pipeline suite's mean op times (forward and backward, every stage) and p2p waits, ms."""
+    t = ctx.results.table("pipeline", "measured op times")
+    if t is None:
+        return None
+    head, rows = t
+    col = {h: i for i, h in enumerate(head)}
+    ops = [float(x) for r in rows for c in ("forward", "backward") for x in r[col[c]].split()]
+    return ops, [float(r[col["p2p wait"]]) for r in rows]
+
+
+def pipeline_op_range(ctx: Context) -> str:
+    """docs/pipeline-bench.md: the range of the ops the instrument times (make results)."""
+    t = _op_times(ctx)
+    return "ops not measured yet" if t is None else f"ops of {min(t[0]):.0f}-{max(t[0]):.0f} ms"
+
+
+def pipeline_p2p_range(ctx: Context) -> str:
+    """docs/pipeline-bench.md: the median p2p waits of the pipeline suite's runs."""
+    t = _op_times(ctx)
+    return "not measured yet" if t is None else f"{min(t[1]):.2f}-{max(t[1]):.2f} ms"
+
+
 def pipeline_results(ctx: Context) -> str:
     """docs/pipeline-bench.md's results: the suite's rows and op times, and what they say."""
     runs = _pipeline(ctx)
@@ -984,6 +1007,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/parallel.md", "compile-results", compile_results),
     Block("docs/offload.md", "lsp-results", lsp_results),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
+    Block("docs/pipeline-bench.md", "pipeline-op-range", pipeline_op_range),
+    Block("docs/pipeline-bench.md", "pipeline-p2p-range", pipeline_p2p_range),
     Block("docs/pipeline-bench.md", "pipeline-results", pipeline_results),
     Block("docs/claims.md", None, _claims_md),
     Block("docs/results.md", None, _results_md),
