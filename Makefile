@@ -5,7 +5,7 @@ LLMSCALE := $(VENV)/bin/llmscale
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test lint results claims docs reliability clean
+.PHONY: demo test test-timed lint results claims docs reliability clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,16 +13,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[dev]'
 	touch $(STAMP)
 
-# The demo trains on 4 CPU processes: FSDP over 2 ranks x tensor parallelism over 2 (docs/parallel.md).
+# The demo trains on 4 CPU processes: FSDP over 2 ranks x tensor parallelism over 2 (docs/parallel.md),
+# plots the run and plans Llama 2 70B on 64 H200s (the commands: src/llmscale/bench/demo.py, which
+# prints each), then records the run and its wall time in docs/results/demo.json and renders
+# README's demo blocks from it.
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m llmscale train --config configs/default.toml \
-		--parallel.dp_shard 2 --parallel.tp 2 --overwrite
-	$(LLMSCALE) plot runs/demo
-	$(LLMSCALE) plan --model llama2-70b --gpu h200 --gpus 64 --seq 4096 --global-batch 1024 --top 5 \
-		--png runs/demo/plan-llama2-70b-h200.png
+	$(PY) -m llmscale.bench.demo
+	$(PY) -m llmscale.docs --block demo-wall --block demo-fit --block demo-run
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# make test, timed: its wall time goes to docs/results/timings.json and README's line about it.
+test-timed: $(STAMP)
+	$(PY) -m llmscale.bench.timed "make test" -- $(PY) -m pytest -q
+	$(PY) -m llmscale.docs --block test-time
 
 # Measured vs predicted, every bench suite on this machine: docs/results.md and its plots.
 results: $(STAMP)

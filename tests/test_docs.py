@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from llmscale import docs
+from llmscale.bench import timed
 from llmscale.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,10 +21,16 @@ def test_every_rendered_block_is_current() -> None:
     assert docs.stale() == []
 
 
+RECORDS = tuple(
+    f"docs/results/{n}.json" for n in ("results", "demo", "timings", "pipeline_memory", "overhead")
+)
+
+
 def _copy(tmp_path: Path) -> Path:
-    for b in {b.file for b in docs.BLOCKS} | {"docs/results/results.json"}:
+    for b in {b.file for b in docs.BLOCKS} | set(RECORDS):
         (tmp_path / b).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / b, tmp_path / b)
+        if (ROOT / b).is_file():
+            shutil.copy(ROOT / b, tmp_path / b)
     return tmp_path
 
 
@@ -43,11 +52,74 @@ def test_a_hand_edited_figure_is_stale_and_make_docs_restores_it(tmp_path: Path)
 def test_a_changed_result_makes_its_block_stale(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     res = root / "docs" / "results" / "results.json"
-    res.write_text(res.read_text().replace('"measured": 1.252900896207904', '"measured": 1.5', 1))
+    data = json.loads(res.read_text())
+    rows = data["recompute"]["rows"]
+    row = next(r for r in rows if r["config"] == "recompute=full" and "/ none" in r["quantity"])
+    row["measured"] *= 1.2
+    res.write_text(json.dumps(data))
     stale = docs.stale(root)
     assert "README.md: measured-vs-predicted" in stale  # the recompute row
     assert "docs/claims.md: the whole file" in stale  # claims' recompute row
     assert "docs/results.md: the whole file" in stale  # make results' page of the same file
+
+
+def _edit_block(path: Path, name: str, old: str, new: str) -> str:
+    text = path.read_text()
+    i, j = docs._span(text, name)
+    assert old in text[i:j], (name, old)
+    path.write_text(text[:i] + text[i:j].replace(old, new, 1) + text[j:])
+    return text
+
+
+def test_the_demo_transcript_is_rendered_from_its_record(tmp_path: Path) -> None:
+    """README's demo block is what make demo recorded (docs/results/demo.json), rendered with
+    the train command's own renderers: a hand-edited figure in it, or a changed record, is
+    stale, and make docs restores the block."""
+    root = _copy(tmp_path)
+    readme = root / "README.md"
+    record = json.loads((root / "docs/results/demo.json").read_text())
+    step = next(r for r in record["demo"]["rows"] if r["quantity"] == "step_time_s")
+    ratio = f"{step['predicted'] / step['measured']:.2f}"
+    text = _edit_block(
+        readme, "demo-run", f"   {ratio}\n", "   1.00\n" if ratio != "1.00" else "   0.99\n"
+    )
+    assert docs.stale(root) == ["README.md: demo-run"]
+    assert docs.write(root) == ["README.md: demo-run"] and readme.read_text() == text
+    i, j = docs._span(text, "demo-fit")
+    assert text[i:j].endswith(f"step time predicted/measured {ratio}")
+
+    step["measured"] *= 2  # another run
+    (root / "docs/results/demo.json").write_text(json.dumps(record))
+    assert docs.stale(root) == ["README.md: demo-fit", "README.md: demo-run"]
+    docs.write(root)
+    i, j = docs._span(readme.read_text(), "demo-run")
+    assert f"{step['predicted'] / step['measured']:.2f}\n" in readme.read_text()[i:j]
+
+
+def test_the_test_suites_time_is_rendered_from_its_record(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    timings = root / "docs/results/timings.json"
+    if timings.is_file():  # the record without a row for make test
+        data = json.loads(timings.read_text())
+        data["timings"]["rows"] = [r for r in data["timings"]["rows"] if r["config"] != "make test"]
+        timings.write_text(json.dumps(data))
+    docs.write(root, only=["test-time"])
+    readme = root / "README.md"
+    i, j = docs._span(readme.read_text(), "test-time")
+    assert "has not been timed here yet" in readme.read_text()[i:j]
+    timed.record(
+        timings,
+        timed.wall_row("timings", "make test", 856.4, (1.5, 2.25)),
+        "2026-12-05T01:00:00+00:00",
+    )
+    assert docs.stale(root) == ["README.md: test-time"]
+    docs.write(root)
+    i, j = docs._span(readme.read_text(), "test-time")
+    assert readme.read_text()[i:j] == (
+        "`make test` took 14 minutes (856 s) on 2026-12-05; "
+        f"{os.cpu_count()} CPU cores; load average 1.50 at the start, 2.25 at the end "
+        "(`make test-timed` runs it and records its wall time)."
+    )
 
 
 def test_timings_alone_do_not_make_a_block_stale(tmp_path: Path) -> None:
@@ -69,3 +141,23 @@ def test_the_plan_example_is_the_commands_output(capsys: pytest.CaptureFixture[s
     assert block.startswith(f"$ {docs.DEMO_PLAN}\n")
     got = block.split("\n", 1)[1]
     assert docs.TIMING.sub("<t>", got) == docs.TIMING.sub("<t>", printed)
+
+
+def test_the_pipeline_memory_table_is_rendered_from_its_record(tmp_path: Path) -> None:
+    """docs/schedule.md's bytes per rank are bench.pipeline_memory's rows: a changed row makes
+    the table stale, and the table shows the new figure."""
+    root = _copy(tmp_path)
+    path = root / "docs/results/pipeline_memory.json"
+    data = json.loads(path.read_text())
+    row = next(
+        r for r in data["pipeline_memory"]["rows"]
+        if r["config"] == "pp=4 m=8 zbv rank 3" and r["quantity"] == "pending_weight_grad_bytes"
+    )  # fmt: skip
+    row["measured"] += 1
+    path.write_text(json.dumps(data))
+    assert docs.stale(root) == ["docs/schedule.md: pipeline-memory-table"]  # 0.72 MB: the same
+    docs.write(root)
+    text = (root / "docs/schedule.md").read_text()
+    i, j = docs._span(text, "pipeline-memory-table")
+    assert f"| {row['measured']:,} / 262,144 |" in text[i:j]
+    assert "Predicted within 0.0% of measured in every cell" in text[i:j]  # no longer exact

@@ -1,27 +1,36 @@
 """Trainer step time vs a plain hand-written PyTorch loop on the same model and data.
 
     python bench/overhead.py [--model small] [--steps 20] [--seq 256] [--batch 8]
-    python -m llmscale.bench.overhead [same flags]
+    python -m llmscale.bench.overhead [same flags] [--json-out docs/results/overhead.json]
 
 Both run one process, fp32, on the same batches; the trainer with its default metrics
 (saved-activation counting, memory ledger, JSONL). Prints the median step times and their ratio
 (goal: <= 1.03). Steps of the two are interleaved so that machine noise hits both alike.
+--json-out writes the figures as one suite of results.json's schema (README renders its line
+from docs/results/overhead.json, `make docs`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from llmscale.bench.jobs import short_job
+from llmscale.bench.report import Row
+from llmscale.bench.timed import now_iso
 from llmscale.config import load_config
 from llmscale.model.transformer import build_model
 from llmscale.train.trainer import Trainer
+
+SUITE = "overhead"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--json-out", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
 
     run_dir = tempfile.mkdtemp(prefix="llmscale-overhead-")
     overrides = short_job(
@@ -81,6 +92,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"plain loop   median step {1000 * mp:8.1f} ms")
     print(f"llmscale     median step {1000 * mt:8.1f} ms")
     print(f"ratio trainer/plain = {mt / mp:.3f}  (goal <= 1.03)")
+    if args.json_out:
+        config = f"{args.model}, batch {args.batch} x {args.seq}, {torch.get_num_threads()} threads"
+        note = (
+            f"median of {args.steps} interleaved steps; {os.cpu_count()} CPU cores, load average "
+            f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+        )
+        rows = [
+            Row(SUITE, f"{config}, plain loop", "step time (median)", "s", mp, note=note),
+            Row(SUITE, f"{config}, llmscale trainer", "step time (median)", "s", mt, note=note),
+            Row(SUITE, config, "trainer / plain loop", "x", mt / mp, note=note),
+        ]
+        suite = {
+            "measured_at": now_iso(),
+            "title": "The trainer's step against a plain hand-written loop (bench/overhead.py)",
+            "rows": [r.to_dict() for r in rows],
+            "tables": {},
+            "notes": [note],
+            "figures": [],
+        }
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps({SUITE: suite}, indent=1) + "\n")
+        print(f"wrote {args.json_out}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""What a run prints: a header, a progress bar on a terminal, a line every log_every steps."""
+"""What a run prints: a header, a progress bar on a terminal, a line every log_every steps, the
+end-of-run table; and RUN_DIR/summary.json, the same as data."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from llmscale.config import JobConfig
 from llmscale.instrument.calibrate import BUSY_CORES
@@ -60,40 +64,76 @@ def measured_step_time(step_times: Sequence[float]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def comparison_lines(
+class Compared(NamedTuple):
+    """A row of the end-of-run table: a figure the planner predicted next to the measured one.
+    `unit`: "s" seconds, "B" bytes (as bench rows)."""
+
+    quantity: str
+    predicted: float | None
+    measured: float | None
+    unit: str
+
+
+def compared_rows(
     prediction: RunPrediction, step_times: Sequence[float], last: dict[str, Any]
+) -> list[Compared]:
+    """Step time (the median of `step_times` after the first) and each memory figure of the
+    `last` row, leaving out those both sides report as zero."""
+    rows = [Compared("step_time_s", prediction.step_time_s, measured_step_time(step_times), "s")]
+    for key, pred in prediction.memory_bytes.items():
+        got = last.get(key)
+        if pred or got:
+            rows.append(Compared(key, pred, got, "B"))
+    return rows
+
+
+def comparison_table(
+    rows: Sequence[Compared],
+    hardware: dict[str, Any],
+    rank: int,
+    now: float,
+    not_modelled: str | None = None,
+) -> list[str]:
+    """The end-of-run table of `rows` and the calibration line as of `now` (what a run prints,
+    and README's demo block from the demo's record)."""
+    out = [
+        f"predicted (prediction.json, {hardware.get('display', '?')}) vs measured, rank {rank}:",
+        f"  {'':<24} {'predicted':>11}  {'measured':>11}  {'ratio':>6}",
+    ]
+    for r in rows:
+        fmt: Callable[[float], str] = (lambda s: f"{s:.3f} s") if r.unit == "s" else human_bytes
+        ratio = f"{r.predicted / r.measured:.2f}" if r.predicted is not None and r.measured else "-"
+        p = fmt(r.predicted) if r.predicted is not None else "-"
+        g = fmt(r.measured) if r.measured is not None else "-"
+        out.append(f"  {r.quantity:<24} {p:>11}  {g:>11}  {ratio:>6}")
+        if r.quantity == "step_time_s" and r.predicted is None and not_modelled:
+            out.append(f"  (step time not modelled: {not_modelled})")
+    calibration = calibration_line(hardware, now)
+    if calibration:
+        out.append(calibration)
+    return out
+
+
+def comparison_lines(
+    prediction: RunPrediction,
+    step_times: Sequence[float],
+    last: dict[str, Any],
+    now: float | None = None,
 ) -> list[str]:
     """The end-of-run summary: each predicted figure next to the measured one (step time: the
     median of `step_times` after the first; memory: the `last` row's keys, leaving out those
-    both sides report as zero)."""
+    both sides report as zero); the calibration's age as of `now` (default: now)."""
     if not step_times:
         return []
     if not prediction.memory_bytes and prediction.step_time_s is None:
         return [f"predicted vs measured: not modelled ({prediction.not_modelled})"]
-    hw = prediction.hardware.get("display", "?")
-    out = [
-        f"predicted (prediction.json, {hw}) vs measured, rank {prediction.rank}:",
-        f"  {'':<24} {'predicted':>11}  {'measured':>11}  {'ratio':>6}",
-    ]
-
-    def line(name: str, pred: float | None, got: float | None, fmt: Callable[[float], str]) -> None:
-        ratio = f"{pred / got:.2f}" if pred is not None and got else "-"
-        p = fmt(pred) if pred is not None else "-"
-        g = fmt(got) if got is not None else "-"
-        out.append(f"  {name:<24} {p:>11}  {g:>11}  {ratio:>6}")
-
-    step = prediction.step_time_s
-    line("step_time_s", step, measured_step_time(step_times), lambda s: f"{s:.3f} s")
-    if step is None and prediction.not_modelled:
-        out.append(f"  (step time not modelled: {prediction.not_modelled})")
-    for key, pred in prediction.memory_bytes.items():
-        got = last.get(key)
-        if pred or got:
-            line(key, pred, got, human_bytes)
-    calibration = calibration_line(prediction.hardware, time.time())
-    if calibration:
-        out.append(calibration)
-    return out
+    return comparison_table(
+        compared_rows(prediction, step_times, last),
+        prediction.hardware,
+        prediction.rank,
+        time.time() if now is None else now,
+        prediction.not_modelled,
+    )
 
 
 def _age(seconds: float) -> str:
@@ -141,8 +181,24 @@ def calibration_line(hardware: dict[str, Any], now: float) -> str:
     return text
 
 
+SUMMARY = "summary.json"  # in the run folder: what the run printed, as data (bench/demo.py)
+
+
+def logs_step(step: int, log_every: int, steps: int) -> bool:
+    """Whether a run prints step `step`'s line."""
+    return step % log_every == 0 or step == steps
+
+
+def plain(text: str) -> str:
+    """A line as a pipe sees it: rich markup removed."""
+    return Text.from_markup(text).plain
+
+
 class StepReporter:
-    """Prints on rank 0 only; the bar needs a terminal and metrics.progress = true."""
+    """Prints on rank 0 only; the bar needs a terminal and metrics.progress = true. At the end
+    it writes RUN_DIR/summary.json: the lines it printed around the steps, which steps it
+    printed (their rows are metrics.jsonl's) and the end-of-run table's rows (`Compared`), so
+    its output can be rendered again (README's demo block)."""
 
     def __init__(
         self, cfg: JobConfig, enabled: bool, prediction: RunPrediction | None = None
@@ -152,20 +208,27 @@ class StepReporter:
         self.prediction = prediction  # printed next to the measured figures at the end
         self.step_times: list[float] = []  # this call's steps
         self.last_row: dict[str, Any] = {}
+        self.header: list[str] = []  # printed before the first step, plain
+        self.logged_steps: list[int] = []
         self.console = console()
         self.progress: Progress | None = None
         self.task: Any = None
+
+    def _say(self, text: str, to: list[str], **kwargs: Any) -> None:
+        self.console.print(text, **kwargs)
+        to.append(text if kwargs.get("markup") is False else plain(text))
 
     def start(self, trainer: Trainer, resumed: bool) -> None:
         if not self.enabled:
             return
         c = self.cfg
-        self.console.print(
+        self._say(
             f"[bold]llmscale train[/] {c.job.name}: model {c.model.name} "
             f"({trainer.n_params:,} params) on {trainer.device}, {c.precision.mode}, "
             f"recompute={c.train.recompute}, global batch {c.train.global_batch_size} x "
             f"{c.data.seq_len} tokens = {c.train.micro_batch_size} x {c.n_microbatches} accum"
-            + (f" x dp {trainer.dims.dp}" if trainer.dims.dp > 1 else "")
+            + (f" x dp {trainer.dims.dp}" if trainer.dims.dp > 1 else ""),
+            self.header,
         )
         if trainer.dims.world_size > 1:
             p = c.parallel
@@ -176,14 +239,15 @@ class StepReporter:
                 "sequence parallel" if p.sequence_parallel else "",
                 f"zero {p.zero_stage}" if p.dp_shard > 1 else "",
             ]
-            self.console.print(
-                f"layout: {trainer.dims.describe()}" + "".join(f", {e}" for e in extras if e)
+            self._say(
+                f"layout: {trainer.dims.describe()}" + "".join(f", {e}" for e in extras if e),
+                self.header,
             )
-        self.console.print(f"data: {trainer.corpus_summary}")
+        self._say(f"data: {trainer.corpus_summary}", self.header)
         for w in trainer.memory_warnings:
-            self.console.print(f"[yellow]{w}[/]", highlight=False)
+            self._say(f"[yellow]{w}[/]", self.header, highlight=False)
         if resumed:
-            self.console.print(f"resumed from step {trainer.step}")
+            self._say(f"resumed from step {trainer.step}", self.header)
         if c.metrics.progress and self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[progress.description]{task.description}"),
@@ -203,8 +267,9 @@ class StepReporter:
             return
         self.step_times.append(row["step_time_s"])
         self.last_row = row
-        if row["step"] % self.cfg.metrics.log_every == 0 or row["step"] == self.cfg.train.steps:
+        if logs_step(row["step"], self.cfg.metrics.log_every, self.cfg.train.steps):
             self.console.print(format_row(row))
+            self.logged_steps.append(row["step"])
         if self.progress is not None:
             self.progress.update(
                 self.task, completed=row["step"], description=f"loss {row['loss']:.3f}"
@@ -220,18 +285,44 @@ class StepReporter:
             self.progress.stop()
         if not self.enabled:
             return
+        closing: list[str] = []
         # A signal's stop is the one line the CLI prints (JobStopped); checkpoint.stop_after's
         # is printed here.
         if result.interrupted and result.stop_signal is None:
             saved = "checkpoint written, resume with --resume"
             if not self.cfg.checkpoint.enabled:
                 saved = "no checkpoint written (checkpoint.enabled = false)"
-            self.console.print(
-                f"stopped after step {result.steps_done} (checkpoint.stop_after); {saved}"
+            self._say(
+                f"stopped after step {result.steps_done} (checkpoint.stop_after); {saved}", closing
             )
         elif result.val_loss is not None:
-            self.console.print(f"validation loss {result.val_loss:.4f}")
+            self._say(f"validation loss {result.val_loss:.4f}", closing)
+        now = time.time()
         if self.prediction is not None:
-            for line in comparison_lines(self.prediction, self.step_times, self.last_row):
+            for line in comparison_lines(self.prediction, self.step_times, self.last_row, now):
                 self.console.print(line, markup=False)
         self.console.print(f"run folder: {self.cfg.job.run_dir}")
+        self._write_summary(closing, now)
+
+    def _write_summary(self, closing: list[str], now: float) -> None:
+        p = self.prediction
+        modelled = p is not None and bool(p.memory_bytes or p.step_time_s is not None)
+        summary = {
+            "header": self.header,
+            "logged_steps": self.logged_steps,
+            "closing": closing,
+            "comparison": {
+                "rows": [r._asdict() for r in compared_rows(p, self.step_times, self.last_row)],
+                "hardware": p.hardware,
+                "rank": p.rank,
+                "not_modelled": p.not_modelled,
+                "printed_at": now,
+            }
+            if p is not None and modelled and self.step_times
+            else None,
+            "run_folder": self.cfg.job.run_dir,
+        }
+        try:
+            (Path(self.cfg.job.run_dir) / SUMMARY).write_text(json.dumps(summary, indent=2))
+        except OSError as e:  # the run's own files are written; this one only repeats them
+            self.note(f"{SUMMARY} not written: {e}")

@@ -47,13 +47,22 @@ from llmscale.train.checkpoint import (
 )
 from llmscale.train.launch import restart_attempt
 from llmscale.train.prediction import FILE_NAME as PREDICTION
+from llmscale.train.progress import SUMMARY
 from llmscale.train.weights import check_resume_model
 
 LOCK_NAME = ".lock"
 OWNER_NAME = ".llmscale-owner"  # in a checkpoint folder outside its run folder
 METRICS = "metrics.jsonl"
 # What a run (and `llmscale plot`) writes into its folder; --overwrite removes these only.
-OWN_FILES = (METRICS, PREDICTION, PIPELINE_TIMELINE, "config.toml", "loss.png", "timeline.png")
+OWN_FILES = (
+    METRICS,
+    PREDICTION,
+    PIPELINE_TIMELINE,
+    SUMMARY,
+    "config.toml",
+    "loss.png",
+    "timeline.png",
+)
 OWN_GLOBS = ("timeline-rank*.json", "metrics-earlier-*.jsonl")
 
 
