@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("offload", "overhead", "scaling", "plan_speed", "published", "loader")
+SCRIPTS = ("offload", "overhead", "scaling", "plan_speed", "published", "loader", "bad_inputs")
 
 
 def test_every_script_is_a_package_module() -> None:
