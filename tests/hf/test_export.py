@@ -7,6 +7,7 @@ GPT-style model exported as GPT-2, and a checkpoint saved by two tensor-parallel
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -183,7 +184,9 @@ def test_a_prepared_datasets_tokenizer_goes_into_the_folder(tmp_path: Path) -> N
     data.mkdir()
     bpe.save(str(data / "tokenizer.json"))
     real = bpe.get_vocab_size()
-    meta = {"vocab_size": real, "eos_id": 0, "pad_id": 1}
+    sha = hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest()
+    meta = {"vocab_size": real, "eos_id": 0, "pad_id": 1, "dtype": "uint16",
+            "tokenizer_sha256": sha, "splits": {"train": {"tokens": 0, "shards": []}}}  # fmt: skip
     (data / "meta.json").write_text(json.dumps(meta))
 
     cfg = run_config(tmp_path / "run", "--model.vocab_size", "320")  # padded above `real`
