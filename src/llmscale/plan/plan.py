@@ -95,9 +95,10 @@ class Plan(MeshDegrees):
 
     @property
     def fsdp_shards(self) -> int:
-        """Ranks each FSDP2 parameter is sharded over: dp_shard, times cp under context
-        parallelism (torchtitan's dp_shard x cp mesh: cp ranks hold the same parameters)."""
-        return self.dp_shard * self.cp if self.fsdp else 1
+        """Ranks each FSDP2 parameter is sharded over as the llmscale runtime runs this layout:
+        dp_shard, times cp under context parallelism (the dp_shard x cp mesh: cp ranks hold the
+        same parameters); `fsdp_shards_for` another stack."""
+        return self.fsdp_shards_for(LLMSCALE)
 
     def fsdp_for(self, stack: Stack) -> bool:
         """FSDP2 holds the states as `stack` runs this layout: dp_shard > 1, or, for a stack
@@ -105,7 +106,8 @@ class Plan(MeshDegrees):
         return self.fsdp or (stack.fsdp_over_cp and self.cp > 1)
 
     def fsdp_shards_for(self, stack: Stack) -> int:
-        """`fsdp_shards` as `stack` runs this layout (`fsdp_for`)."""
+        """Ranks each FSDP2 parameter is sharded over as `stack` runs this layout (`fsdp_for`;
+        1: not sharded)."""
         return self.dp_shard * self.cp if self.fsdp_for(stack) else 1
 
     @property
