@@ -60,6 +60,31 @@ def test_torchtitan_shards_over_the_cp_ranks_without_dp_shard() -> None:
     assert (whole.total - shard.total) / GiB > 100
 
 
+def test_torchtitan_compiles_the_loss_with_the_model() -> None:
+    """With compile on, torchtitan compiles its loss (since 2025-04): no fp32 logits are kept or
+    made, only the bf16 logits and two fp32 numbers per token. Its H200 run fits its published
+    memory that way; run eager, as the 2024 torchtitan did (the row says `compiled_loss =
+    false`), the same layout keeps the fp32 log-softmax (4 B per logit, not the logits' 2) and
+    the backward's two fp32 temporaries (8 B)."""
+    from llmscale.hardware.catalog import GiB
+    from llmscale.plan.memory import estimate_memory, memory_options
+
+    rows = {r["id"]: r for r in load_runs()}
+    row = rows["tt2506-h200-8b-32gpu-fsdp-compile-float8"]
+    plan, stack, compiled = run_plan(row)
+    assert compiled and stack.compiles_loss
+    fused = estimate_memory(plan, memory_options(stack, compiled=True), validate=False).worst
+    eager = estimate_memory(plan, memory_options(stack, compiled=False), validate=False).worst
+    tokens = plan.micro_batch_size * plan.seq_len
+    logits = tokens * plan.model.vocab_size
+    assert eager.activations - fused.activations == (4 - 2) * logits - 8 * tokens
+    assert eager.transient == 8 * logits > fused.transient  # tp 1: the plain kernels
+    assert abs(fused.total / GiB / row["memory_GiB"] - 1) < 0.15
+    assert eager.total / GiB / row["memory_GiB"] > 1.15
+    _, old, _ = run_plan(rows["tt2412-8b-8gpu-fsdp-compile"])
+    assert not old.compiles_loss
+
+
 def test_a_row_is_driven_as_the_cli_drives_it() -> None:
     """Megatron-Core's distributed optimizer is --dp-shard N --zero-stage 1; torchtitan's FSDP
     is zero 3; interleaving is the row's virtual pipeline size."""

@@ -287,8 +287,14 @@ def head_tensors(
     per_token.append(("output projection input", a * d, "linear_in"))
     vocab_div = tp if kernels.splits_logits(model, tp) else 1
     out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
+    if kernels.compiled_loss:  # the compiled loss keeps its input and a log-sum-exp per token
+        out += [
+            Saved("logits (the compiled loss's input)", a * tokens * v / vocab_div, "seq"),
+            Saved("row max and log-sum-exp (fp32)", 8 * tokens, "seq"),
+        ]
+    else:
+        out.append(Saved("log-softmax output (fp32 logits)", 4 * tokens * v / vocab_div, "seq"))
     out += [
-        Saved("log-softmax output (fp32 logits)", 4 * tokens * v / vocab_div, "seq"),
         Saved("targets (int64)", 8 * tokens, "seq"),
         Saved("loss total weight", 4, "seq"),
     ]
@@ -393,10 +399,21 @@ def loss_transient_bytes(
 
     In the loss's backward, the gradient of the log-softmax output and the gradient of its
     input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per logit on
-    top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4).
+    top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4). On
+    vocabulary shards under torch's `loss_parallel` the backward is composite (the zeros it
+    scatters the targets into, exp of the saved output, their sum): 12 bytes per logit of the
+    shard (torch's MemTracker over the two, tests/plan/test_loss_memory.py). A compiled loss
+    (`Kernels.compiled_loss`) computes the logits' gradient in one fused kernel: none.
+    Megatron's vocab-parallel cross-entropy is taken as the plain kernels' 8 (not measured).
     """
-    div = tp if kernels.splits_logits(model, tp) else 1
-    return 8.0 * micro_batch_size * seq_len * model.vocab_size / div
+    if kernels.compiled_loss:
+        return 0.0
+    split = kernels.splits_logits(model, tp)
+    if kernels.vocab_parallel_loss not in ("dtensor", "megatron"):
+        raise ConfigError("kernels.vocab_parallel_loss", kernels.vocab_parallel_loss,
+                          "dtensor | megatron")  # fmt: skip
+    per_logit = 12.0 if split and kernels.vocab_parallel_loss == "dtensor" else 8.0
+    return per_logit * micro_batch_size * seq_len * model.vocab_size / (tp if split else 1)
 
 
 def korthikanti_bytes(

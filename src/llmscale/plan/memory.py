@@ -129,10 +129,13 @@ class MemoryOptions:
     stack: Stack = LLMSCALE
 
 
-def memory_options(stack: Stack, kernels: act.Kernels | None = None) -> MemoryOptions:
-    """The memory model's options for `stack` (`kernels`: a measured device's instead)."""
+def memory_options(
+    stack: Stack, kernels: act.Kernels | None = None, compiled: bool = False
+) -> MemoryOptions:
+    """The memory model's options for `stack` (`kernels`: a measured device's instead;
+    `compiled`: under torch.compile, which some stacks extend to the loss)."""
     return MemoryOptions(
-        kernels=stack.kernels if kernels is None else kernels,
+        kernels=stack.kernels_for(compiled) if kernels is None else kernels,
         allocator_overhead=stack.allocator_overhead,
         device_reserve_GiB=stack.device_reserve_GiB,
         prefetch_blocks=stack.prefetch_blocks,

@@ -166,7 +166,7 @@ def time_params(
         dp_overlap=stack.dp_overlap,
         p2p_scatter_gather=stack.p2p_scatter_gather,
         optimizer_bytes_per_param=stack.optimizer_bytes_per_param,
-        kernels=stack.kernels if kernels is None else kernels,
+        kernels=stack.kernels_for(compiled) if kernels is None else kernels,
         grad_sync_once=stack.grad_sync_once,
         elementwise=stack.elementwise,
         compiled=compiled,

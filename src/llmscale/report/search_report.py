@@ -121,7 +121,7 @@ def plan_report(
         recompute=tuple(r for r in space.recompute if r in st.recompute),
         schedules=tuple(s for s in space.schedules if s in st.schedules),
     )
-    options = mem.memory_options(st)
+    options = mem.memory_options(st, compiled=compiled)
     res = search(
         cfg, gpus, cluster, seq, global_batch, precision, top, space=space,
         memory_options=options, time_params=time_params(st, compiled=compiled),

@@ -121,6 +121,15 @@ class Stack:
     step_overhead_ms: Sourced = STEP_OVERHEAD
     # Values fitted on this stack's published runs, per GPU (`Fit`).
     fitted: tuple[Fit, ...] = ()
+    # With torch.compile on, the loss is compiled too (`Kernels.compiled_loss`); the llmscale
+    # runtime compiles its blocks only (parallel/compile.py).
+    compiles_loss: bool = False
+
+    def kernels_for(self, compiled: bool) -> Kernels:
+        """The kernels this stack runs with torch.compile on (`compiled`) or off."""
+        if compiled and self.compiles_loss:
+            return replace(self.kernels, compiled_loss=True)
+        return self.kernels
 
     def on(self, **changes: object) -> Stack:
         """This stack with some facts replaced (a measured device's kernels, say)."""
@@ -286,6 +295,7 @@ MEGATRON_CORE = Stack(
         sp_saves_gathered_input=False,  # SP inputs re-gathered in backward
         vocab_parallel=True,
         loss_parallel=True,  # vocab-parallel cross-entropy
+        vocab_parallel_loss="megatron",
         fused_swiglu=True,  # bias_activation_fusion: BiasSwiGLUFunction keeps its input only
         fp8_saves_casts=True,  # TransformerEngine's fp8 linears save their float8 inputs
     ),
@@ -321,6 +331,10 @@ TORCHTITAN = Stack(
     elementwise="torchtitan",
     grad_sync_once=False,
     fsdp_over_cp=True,
+    # components/loss.py BaseLoss._maybe_compile (torch.compile(self.fn) when compile is on and
+    # "loss" in compile.components, the default), as since bbb1b616 (2025-04-02); from
+    # e8977b00 (2024-12-18) to then the loss ran eager (a run row of that time says so).
+    compiles_loss=True,
     # One factor for every kernel on the SMs of a power-capped part: its GEMMs, FP8 GEMMs and
     # flash attention run at the same lower clocks (HBM bandwidth is the part's own figure).
     fitted=(

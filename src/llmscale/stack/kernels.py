@@ -45,6 +45,16 @@ class Kernels:
     # linears keep the bf16 input and cast again in backward); where the bf16 tensor is kept
     # anyway (the attention output, for the attention's backward), the cast is kept beside it.
     fp8_saves_casts: bool = False
+    # How the loss runs on vocabulary shards (where it does, `splits_logits`): torch's
+    # `loss_parallel` (DTensor: a composite backward, `(zeros + exp(log_softmax)) * grad`, three
+    # fp32 (b, s, V/tp) temporaries beside the saved output) or Megatron's vocab-parallel
+    # cross-entropy (its own autograd function over the saved softmax).
+    vocab_parallel_loss: str = "dtensor"  # dtensor | megatron
+    # The loss (the fp32 upcast, log-softmax and NLL) runs as one compiled graph (torchtitan
+    # compiles it with the model): it keeps its input, the logits in the activation dtype, and
+    # one fp32 log-sum-exp per token instead of the fp32 log-softmax output, and its backward
+    # writes the logits' gradient in one fused kernel, with no fp32 (b, s, V) temporaries.
+    compiled_loss: bool = False
 
     @classmethod
     def for_runtime(cls, model: ModelConfig, tp: int, device: str = "cuda") -> Kernels:
@@ -93,4 +103,5 @@ MEGATRON_2021 = Kernels(
     sp_saves_gathered_input=False,
     vocab_parallel=True,
     loss_parallel=True,
+    vocab_parallel_loss="megatron",
 )

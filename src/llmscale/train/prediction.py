@@ -315,7 +315,9 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     if refused:
         raise ConfigError(*refused)
     cluster = Cluster.of(gpu)
-    memory = estimate_memory(plan, memory_options(stack), validate=False)
+    memory = estimate_memory(
+        plan, memory_options(stack, compiled=cfg.train.compile), validate=False
+    )
     step = estimate_step_time(plan, cluster, time_params(stack, compiled=cfg.train.compile),
                               validate=False)  # fmt: skip
     g = cluster.gpu

@@ -140,6 +140,8 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         stack = stack.on(tp_overlap_gemm=True)
     if row.get("grad_reduce_in_fp32") is False:  # Megatron's bf16 main gradients
         stack = stack.on(main_grad_bytes=2)
+    if row.get("compiled_loss") is False:  # a torchtitan of 2024: the loss ran eager
+        stack = stack.on(compiles_loss=False)
     return plan, stack, bool(row.get("compile"))
 
 
@@ -161,7 +163,7 @@ def evaluate(row: dict[str, Any]) -> RunResult:
     plan, stack, compiled = run_plan(row)
     cluster = Cluster.of(str(row["gpu"]))
     step = estimate_step_time(plan, cluster, time_params(stack, compiled=compiled), validate=False)
-    mem = estimate_memory(plan, memory_options(stack), validate=False)
+    mem = estimate_memory(plan, memory_options(stack, compiled=compiled), validate=False)
     world = plan.world_size
     if "tokens_per_s_per_gpu" in row:
         quantity, published = "tokens/s per GPU", float(row["tokens_per_s_per_gpu"])
