@@ -57,6 +57,13 @@ STEP_OVERHEAD = Sourced(
 )
 
 
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the allocator maps pages into one segment
+# per stream that grows and shrinks, so blocks of different sizes no longer strand the rest of
+# fixed-size segments (PyTorch "CUDA semantics", optimizing memory usage); what it reserves
+# beyond what is allocated is page rounding (2 MiB pages), taken as none.
+EXPANDABLE_SEGMENTS_OVERHEAD = 0.0
+
+
 @dataclass(frozen=True)
 class Fit:
     """A factor fitted on a published run of a stack: it scales `fields` of GPU `gpu`'s
@@ -109,7 +116,9 @@ class Stack:
     # Bytes per parameter of the gradients accumulated unsharded until the step's reduce (fp32
     # main gradients; 2 where a stack reduces in bf16: Megatron's grad_reduce_in_fp32 = False).
     main_grad_bytes: int = 4
-    allocator_overhead: float = 0.05  # the caching allocator's share over what is allocated
+    # The caching allocator's share over what is allocated (fragmentation of its fixed-size
+    # segments; a run with expandable segments: `EXPANDABLE_SEGMENTS_OVERHEAD`).
+    allocator_overhead: float = 0.05
     device_reserve_GiB: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
     prefetch_blocks: int = 2  # FSDP units unsharded at once under reshard-after-forward
     # FSDP2 wraps the model whenever dp_shard x cp > 1, sharding over the flattened dp_shard_cp

@@ -29,7 +29,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import estimate_step_time, time_params
-from llmscale.stack import STACKS, Stack
+from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, Stack
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
 ROLES = ("calibration", "validation")
@@ -142,6 +142,8 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         stack = stack.on(main_grad_bytes=2)
     if row.get("compiled_loss") is False:  # a torchtitan of 2024: the loss ran eager
         stack = stack.on(compiles_loss=False)
+    if row.get("expandable_segments"):  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
+        stack = stack.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD)
     return plan, stack, bool(row.get("compile"))
 
 
