@@ -17,7 +17,7 @@ from llmscale.plan.collectives import collective
 from llmscale.plan.memory import estimate_memory, plan_rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.predict import expected_runtime_metrics
-from llmscale.plan.search import RECOMPUTE_ORDER, SearchSpace, search
+from llmscale.plan.search import RECOMPUTE_LEVEL, RECOMPUTE_ORDER, SearchSpace, search
 from llmscale.plan.time import (
     DEFAULT_TIME,
     estimate_step_time,
@@ -231,13 +231,38 @@ def test_default_search_of_405b_tries_pp_that_does_not_divide_126() -> None:
     assert any(126 % p for p in pps), pps
 
 
-def test_selective_op_sits_before_every_k_because_it_is_faster_and_smaller() -> None:
+def test_selective_op_and_every_k_are_not_ordered_under_tp() -> None:
+    """op-level SAC keeps less than every_k; it is faster with sequence parallelism, but runs
+    every block's TP all-reduces again without it (the runtime keeps only the reduce-scatter:
+    OP_SAC_SAVED_COLLECTIVES), which makes it slower there: the search costs both."""
     assert RECOMPUTE_ORDER == ("none", "selective", "selective_op", "every_k", "full")
+    assert RECOMPUTE_LEVEL["selective_op"] == RECOMPUTE_LEVEL["every_k"]
     base = Plan(model=L70, seq_len=4096, micro_batch_size=2, global_batch_size=64, tp=8, pp=4,
                 dp_shard=2)  # fmt: skip
-    op, k = replace(base, recompute="selective_op"), replace(base, recompute="every_k")
-    assert estimate_step_time(op, H100).seconds < estimate_step_time(k, H100).seconds
-    assert estimate_memory(op).worst.activations < estimate_memory(k).worst.activations
+    for sp, op_faster in ((True, True), (False, False)):
+        op = replace(base, recompute="selective_op", sequence_parallel=sp)
+        k = replace(base, recompute="every_k", sequence_parallel=sp)
+        t_op, t_k = estimate_step_time(op, H100), estimate_step_time(k, H100)
+        assert (t_op.seconds < t_k.seconds) == op_faster
+        assert estimate_memory(op).worst.activations < estimate_memory(k).worst.activations
+
+
+def test_op_sac_runs_the_collectives_it_does_not_keep_again() -> None:
+    """Under selective_op a block's backward re-runs the forward's all-gathers (SP) or
+    all-reduces (no SP), never the reduce-scatters: the TP traffic grows by exactly that."""
+    from llmscale.model.config import OP_SAC_SAVED_COLLECTIVES
+    from llmscale.plan.collectives import collective
+
+    assert frozenset({"reduce_scatter"}) == OP_SAC_SAVED_COLLECTIVES
+    base = Plan(model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=8, tp=8,
+                dp_shard=1, dp_replicate=8)  # fmt: skip
+    tokens_bytes = 4096 * L70.dim * 2
+    for sp, kind in ((True, "all_gather"), (False, "all_reduce")):
+        none = estimate_step_time(replace(base, sequence_parallel=sp), H100)
+        op = estimate_step_time(replace(base, sequence_parallel=sp, recompute="selective_op"), H100)
+        again = collective(kind, tokens_bytes, 8, 8, H100.fabric).seconds
+        extra = op.breakdown["tp_comm"] - none.breakdown["tp_comm"]
+        assert extra == pytest.approx(2 * L70.n_layers * again, rel=1e-9)
 
 
 def test_fsdp_under_pp_reports_grad_bytes_as_the_runtime_measures_them() -> None:

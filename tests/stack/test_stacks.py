@@ -128,6 +128,64 @@ def test_tp_comm_overlap_hides_tensor_parallel_traffic() -> None:
     assert hidden.breakdown["tp_comm"] < 0.5 * exposed.breakdown["tp_comm"]
 
 
+def test_each_tp_collective_hides_behind_the_gemms_beside_it() -> None:
+    """With TP overlap (async TP, Megatron's tp_comm_overlap) an all-gather hides behind the
+    column-parallel GEMMs reading it and a reduce-scatter behind the row-parallel GEMM writing
+    its input, region by region: for Llama 3 8B at tp 8 the attention region's small GEMMs (wq,
+    wk, wv; wo) leave part of its traffic exposed, the MLP's hide theirs."""
+    from llmscale.plan.collectives import collective
+    from llmscale.plan.time import _overlapped, tp_region_gemm_seconds
+
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=12, global_batch_size=96, tp=8,
+                dp_shard=8, sequence_parallel=True)  # fmt: skip
+    tp_ = time_params(TORCHTITAN.on(tp_overlap_gemm=True))
+    peak = H100.gpu.peak_flops("bf16")
+    (a_cols, a_rows), (m_cols, m_rows) = tp_region_gemm_seconds(plan, H100, peak, None)
+    assert a_cols < m_cols and a_rows < m_rows
+    nbytes = 12 * 8192 * L8.dim * 2
+    ag = collective("all_gather", nbytes, 8, 8, H100.fabric).seconds
+    rs = collective("reduce_scatter", nbytes, 8, 8, H100.fabric).seconds
+    assert ag > a_cols and rs > a_rows  # the attention region cannot hide its traffic
+    eta = tp_.dp_overlap
+    per_block = sum(_overlapped(c, g, eta) for c, g in ((ag, a_cols), (rs, a_rows), (ag, m_cols),
+                                                         (rs, m_rows)))  # fmt: skip
+    step = estimate_step_time(plan, H100, tp_, validate=False)
+    # forward, backward (mirrors beside the same GEMMs), and op-free: no recompute here
+    assert step.breakdown["tp_comm"] == pytest.approx(2 * L8.n_layers * per_block, rel=1e-9)
+
+
+def test_torchtitan_gathers_float8_inputs_under_tp() -> None:
+    """torchtitan's Float8 TP styles all-gather the float8 cast of a region's input: the
+    forward all-gathers move half the bytes of bf16 ones; backward's stay bf16."""
+    from llmscale.plan.collectives import collective
+
+    plan = Plan(model=L70, seq_len=8192, micro_batch_size=1, global_batch_size=32, tp=8,
+                dp_shard=4, sequence_parallel=True, precision="fp8")  # fmt: skip
+    tt = estimate_step_time(plan, H100, time_params(TORCHTITAN), validate=False)
+    bf = estimate_step_time(plan, H100, time_params(TORCHTITAN.on(
+        kernels=replace(TORCHTITAN.kernels, fp8_all_gathers=False))), validate=False)  # fmt: skip
+    nbytes = 8192 * L70.dim * 2
+    saved = (collective("all_gather", nbytes, 8, 8, H100.fabric).seconds
+             - collective("all_gather", nbytes / 2, 8, 8, H100.fabric).seconds)  # fmt: skip
+    assert bf.breakdown["tp_comm"] - tt.breakdown["tp_comm"] == pytest.approx(
+        8 * 2 * L70.n_layers * saved, rel=1e-9
+    )  # 8 micro-batches, two regions' forward all-gathers per block
+
+
+def test_compiled_float8_casts_each_shared_input_once() -> None:
+    """Compiled, the linears reading one tensor (wq, wk, wv; w1, w3) cast it to float8 once
+    (AOTAutograd's CSE merges the identical casts): 2 + 1 fewer input casts per block."""
+    from llmscale.plan.time import fp8_cast_bytes
+
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=2, global_batch_size=16,
+                dp_shard=8, precision="fp8")  # fmt: skip
+    eager_f, eager_b = fp8_cast_bytes(plan)
+    fused_f, fused_b = fp8_cast_bytes(plan, compiled=True)
+    x = 2 * 8192 * L8.dim  # the attention and MLP inputs have the same shape
+    assert eager_f - fused_f == 5.0 * 3 * x
+    assert eager_b - fused_b == 2.0 * 3 * x
+
+
 def test_tied_pipelines() -> None:
     assert tied_pipeline_problem(TORCHTITAN, True, 2) is not None
     assert tied_pipeline_problem(MEGATRON_CORE, True, 2) is None

@@ -499,6 +499,12 @@ def block_recompute(mode: str, layer_id: int, every_k: int = 2) -> BlockMode:
     raise ConfigError("train.recompute", mode, "none | selective | selective_op | every_k | full")
 
 
+# Collectives whose outputs selective_op keeps (torchtitan's op-level list: the sequence-parallel
+# reduce-scatter); a block's other tensor-parallel collectives (sequence parallelism's
+# all-gathers, the all-reduces without it) run again when its forward is recomputed in backward.
+OP_SAC_SAVED_COLLECTIVES = frozenset({"reduce_scatter"})
+
+
 def op_sac_saves_matmul(index: int) -> bool:
     """selective_op: does a block keep the output of its `index`-th matmul (0-based, in
     `ModelConfig.block_matmuls` order)? Every other one, from the first (torchtitan's op-level

@@ -46,23 +46,30 @@ from torch.utils.checkpoint import (
 )
 
 from llmscale.instrument.activations import note_checkpoint_kept
-from llmscale.model.config import block_recompute, op_sac_saves_matmul
+from llmscale.model.config import OP_SAC_SAVED_COLLECTIVES, block_recompute, op_sac_saves_matmul
 from llmscale.model.transformer import AttentionCore, TransformerBlock
 from llmscale.torch_internals import sac_stored_tensors
 
 _aten = torch.ops.aten
 # The matmuls the op-level policy counts (nn.Linear: mm without bias, addmm with one).
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default})
+# The functional collectives by the names model.config's facts use.
+_COLLECTIVE_OPS = {
+    "reduce_scatter": torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    "all_gather": torch.ops._c10d_functional.all_gather_into_tensor.default,
+    "all_reduce": torch.ops._c10d_functional.all_reduce.default,
+}
 # Ops whose outputs selective_op always keeps: the fused attention kernels (torchtitan's list,
-# with the CPU flash kernel and cuDNN's) and the sequence-parallel reduce-scatter.
+# with the CPU flash kernel and cuDNN's) and the collectives `OP_SAC_SAVED_COLLECTIVES` names
+# (the sequence-parallel reduce-scatter); the planner counts the others as run again.
 SAVED_OPS = frozenset(
     {
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
         _aten._scaled_dot_product_efficient_attention.default,
         _aten._scaled_dot_product_cudnn_attention.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
+    | {_COLLECTIVE_OPS[name] for name in OP_SAC_SAVED_COLLECTIVES}
 )
 
 

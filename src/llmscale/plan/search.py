@@ -60,9 +60,12 @@ from llmscale.stack import LLMSCALE, Residency, Stack, param_residency, tied_pip
 MULTI_CHUNK = LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES  # schedules that need pp > 1
 
 # Least recompute time first (the search skips a mode once a faster one fits). selective_op
-# sits before every_k (k = 2): it recomputes half the matmuls and the element-wise ops where
-# every_k recomputes half the blocks whole, and keeps less (Llama 2 70B, t8 p4 on H100, mbs 2,
-# seq 4096: 27 GiB of activations and 5.63 s against 35 GiB and 5.92 s).
+# and every_k (k = 2) are not ordered: op-level SAC recomputes half the matmuls and the
+# element-wise ops of every block, every_k half the blocks whole, and under tensor parallelism
+# op-level SAC also runs every block's all-gathers (or, without sequence parallelism, its
+# all-reduces) again. Llama 2 70B, t8 p4 dp_shard 2 on H100, mbs 2, seq 4096: with sequence
+# parallelism 5.66 s against 5.77 s, without it 6.69 s against 6.45 s (`RECOMPUTE_LEVEL`: a fit
+# of one does not skip the other).
 RECOMPUTE_ORDER: tuple[Recompute, ...] = (
     "none",
     "selective",
@@ -70,6 +73,12 @@ RECOMPUTE_ORDER: tuple[Recompute, ...] = (
     "every_k",
     "full",
 )
+
+
+# A fit of a mode skips the modes of a higher level only.
+RECOMPUTE_LEVEL: dict[str, int] = {
+    "none": 0, "selective": 1, "selective_op": 2, "every_k": 2, "full": 3,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -324,6 +333,7 @@ def search(
     if "every_k" in recs and space.recompute_every_k > model.n_layers:
         recs.remove("every_k")
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
+    levels = [RECOMPUTE_LEVEL[r] for r in recs]
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
     problems = {o: offload_problem(o, space.cp, 1, False) for o in offloads}
     for why in dict.fromkeys(p for p in problems.values() if p):
@@ -401,7 +411,11 @@ def search(
                             if rec not in useful:
                                 continue
                             for zi, oi in placed[where]:
-                                if any(f[0] <= ri and f[1] <= zi and f[2] <= oi for f in fits):
+                                if any(
+                                    (f[0] == ri or levels[f[0]] < levels[ri])
+                                    and f[1] <= zi and f[2] <= oi
+                                    for f in fits
+                                ):  # fmt: skip
                                     continue
                                 plan = Plan(
                                     model=model, seq_len=seq_len, micro_batch_size=mbs,

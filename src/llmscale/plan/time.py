@@ -13,7 +13,8 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
 - fp8 (torchao's float8 training): the blocks' linears at the GPU's FP8 dense peak and its own
   `fp8_gemm_efficiency` (same size curve), plus the casts torchao adds, memory-bound
   (`fp8_cast_bytes`: amax and cast of each linear's input and weight in forward, of its output
-  gradient in backward, and the transposed float8 copies the backward GEMMs take); attention,
+  gradient in backward, and the transposed float8 copies the backward GEMMs take; compiled,
+  the linears reading one tensor cast it once); attention,
   the output projection and everything else in bf16, and MFU against the bf16 peak. A GPU
   without an FP8 peak refuses the plan (`check_fp8`).
 - attention core (QK^T, AV): a flash kernel executes half of the s x s products under causal
@@ -48,7 +49,10 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
 - tensor parallelism: 2 all-reduces in forward and 2 in backward per block of b*s*h activations
   (one per row-wise region of the runtime's TP plan, `TP_REGIONS_PER_BLOCK`; with sequence
   parallelism an all-gather and a reduce-scatter in place of each); recomputed blocks repeat
-  their forward pair; `tp_overlap` of it hidden (default none).
+  their forward pair, op-level SAC the collectives it does not keep (the all-gathers or
+  all-reduces: `OP_SAC_SAVED_COLLECTIVES`); a stack that overlaps them with GEMMs hides each
+  behind the GEMMs it feeds or drains (`_tp_block_seconds`); under float8 torchtitan gathers
+  1-byte casts (`Kernels.fp8_all_gathers`); `tp_overlap` of it hidden (default none).
 - FSDP (dp_shard > 1), per unit (block): its all-gather is prefetched one unit ahead behind the
   previous unit's compute, the first one exposed (forward, and backward under zero_stage 3);
   gradients are reduce-scattered per unit behind the next unit's backward, sharing that window
@@ -81,10 +85,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from llmscale.config import DTYPE_BYTES
+from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, Calibration
 from llmscale.model.config import (
+    OP_SAC_SAVED_COLLECTIVES,
     SP_GATHERED_INPUTS,
     TP_STYLES,
     op_sac_saves_matmul,
@@ -261,6 +266,26 @@ def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
     return out
 
 
+def tp_region_gemm_seconds(
+    plan: Plan, cluster: Cluster, peak: float, flat: float | None
+) -> list[tuple[float, float]]:
+    """Seconds of one block's forward GEMMs per tensor-parallel region (attention, MLP), as
+    (column-parallel, row-parallel): the GEMMs a region's all-gather feeds and the one its
+    reduce-scatter drains (`TP_STYLES`)."""
+    regions: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+    for (name, _, _), mnk in zip(plan.model.block_matmuls(), block_gemms(plan), strict=True):
+        group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
+        cols, rows = regions.setdefault(group, ([], []))
+        (cols if TP_STYLES[f"{group}.{name}"].style == "colwise" else rows).append(mnk)
+    return [
+        (
+            _linear_seconds(plan, cols, cluster, peak, flat),
+            _linear_seconds(plan, rows, cluster, peak, flat),
+        )
+        for cols, rows in regions.values()
+    ]
+
+
 def cp_tokens(plan: Plan) -> int:
     """Tokens of one micro-batch on one context-parallel rank: b x s / cp (each rank holds s / cp
     of every sequence; load-balanced for causal masking, two chunks of s / 2cp)."""
@@ -284,29 +309,37 @@ def _linear_seconds(
                for m, n, k in shapes)  # fmt: skip
 
 
-def fp8_cast_bytes(plan: Plan) -> tuple[float, float]:
-    """HBM bytes of torchao's float8 casts around one block's linears (forward, backward), run
-    eagerly: each cast reads its bf16 tensor for the absolute maximum (2 B per element), then
-    reads it again and writes float8 (2 + 1) with the scale; forward casts each linear's input
-    and weight, backward its output gradient, and writes the transposed float8 copies of input,
-    weight and output gradient that the backward GEMMs take (read 1, write 1 per element)."""
+def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
+    """HBM bytes of torchao's float8 casts around one block's linears (forward, backward): each
+    cast reads its bf16 tensor for the absolute maximum (2 B per element), then reads it again
+    and writes float8 (2 + 1) with the scale; forward casts each linear's input and weight,
+    backward its output gradient, and writes the transposed float8 copies of input, weight and
+    output gradient that the backward GEMMs take (read 1, write 1 per element). Run eagerly,
+    every linear casts its own input; compiled (`compiled`), the linears reading one tensor (a
+    region's column-parallel ones: wq, wk, wv; w1, w3) cast it once, as AOTAutograd's graph
+    CSE merges the identical casts."""
     if not plan.fp8_matmuls:
         return 0.0, 0.0
     fwd = bwd = 0.0
-    for m, n, k in block_gemms(plan):
-        x, w, go = m * k, n * k, m * n
+    seen: set[str] = set()
+    for (name, _, _), (m, n, k) in zip(plan.model.block_matmuls(), block_gemms(plan), strict=True):
+        group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
+        colwise = TP_STYLES[f"{group}.{name}"].style == "colwise"
+        shared = compiled and colwise and group in seen
+        seen.add(group) if colwise else None
+        x, w, go = (0 if shared else m * k), n * k, m * n
         fwd += 5.0 * (x + w)
         bwd += 5.0 * go + 2.0 * (x + w + go)
     return fwd, bwd
 
 
 def _fp8_cast_seconds(
-    plan: Plan, cluster: Cluster, n_blocks: int, n_redo: int
+    plan: Plan, cluster: Cluster, n_blocks: int, n_redo: int, compiled: bool
 ) -> tuple[float, float]:
     """Seconds of the float8 casts of a rank's blocks in one micro-batch (forward, backward);
     recomputed blocks cast again in backward. The output projection stays bf16 (torchao's
     converter skips `output` in torchtitan) and attention too."""
-    fwd, bwd = fp8_cast_bytes(plan)
+    fwd, bwd = fp8_cast_bytes(plan, compiled)
     hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
     return n_blocks * fwd / hbm, (n_blocks * bwd + n_redo * fwd) / hbm
 
@@ -611,21 +644,11 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     # Tensor-parallel collectives (inside a node), per block.
     tp_f = tp_b = 0.0
     if tp > 1:
-        act_bytes = DTYPE_BYTES[plan.precision]
-        nbytes = cp_tokens(plan) * m.dim * act_bytes
-        if plan.sequence_parallel:
-            one = (
-                collective("all_gather", nbytes, tp, tp, cluster.fabric).seconds
-                + collective("reduce_scatter", nbytes, tp, tp, cluster.fabric).seconds
-            )
-        else:
-            one = collective("all_reduce", nbytes, tp, tp, cluster.fabric).seconds
-        exposed = (1 - tp_.tp_overlap) * one
-        if tp_.tp_overlap_gemm:  # each region's collective runs beside that region's GEMMs
-            region_gemm = gemm_block / TP_REGIONS_PER_BLOCK
-            exposed = _overlapped(exposed, region_gemm, tp_.dp_overlap)
-        tp_f = TP_REGIONS_PER_BLOCK * n_blocks * exposed
-        tp_b = TP_REGIONS_PER_BLOCK * (n_blocks + n_full) * exposed
+        fwd_one, bwd_one, tp_redo = _tp_block_seconds(plan, cluster, tp_, peak, flat)
+        tp_f = n_blocks * fwd_one
+        tp_b = n_blocks * bwd_one + n_full * fwd_one
+        if op_sac:  # op-level SAC runs a block's collectives again, but those it keeps
+            tp_b += n_blocks * tp_redo
     loss_f = _loss_comm_seconds(plan, rank, cluster, kern)
     # Context parallelism: the ring's traffic (every element-wise count above is already this
     # cp rank's s / cp tokens: `cp_tokens`, `saved_bytes`; the weights' casts are not per token).
@@ -633,7 +656,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     cp_f, cp_b = _ring_attention_seconds(
         plan, cluster, tp_, attn_f, attn_b, n_blocks + redo_attn, n_blocks
     )
-    cast_f, cast_b = _fp8_cast_seconds(plan, cluster, n_blocks, n_full)
+    cast_f, cast_b = _fp8_cast_seconds(plan, cluster, n_blocks, n_full, tp_.compiled)
     # Per-op dispatch where the host waits for each op (a CPU): the rank's share of the
     # model's blocks, a third in forward and two thirds in backward; a recomputed block
     # dispatches its forward's ops again (full, or op-level SAC's element-wise ops and matmuls),
@@ -662,6 +685,48 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         parts["fsdp_comm"] = gather
         bwd += gather
     return _RankTimes(fwd, bwd, parts, sync, wgrad)
+
+
+def _tp_block_seconds(
+    plan: Plan, cluster: Cluster, tp_: TimeParams, peak: float, flat: float | None
+) -> tuple[float, float, float]:
+    """Exposed tensor-parallel traffic of one block on one rank: (forward, backward, what an
+    op-level SAC recompute runs again). Per region (`TP_REGIONS_PER_BLOCK`), with sequence
+    parallelism an all-gather of the region's input and a reduce-scatter of its output (in
+    backward their mirror images: a reduce-scatter and an all-gather of the gradients), else
+    one all-reduce each way. Under float8 a stack whose kernels gather the float8 cast
+    (`Kernels.fp8_all_gathers`) moves 1 byte per element in the forward's all-gathers.
+
+    Where the stack overlaps them with GEMMs (`tp_overlap_gemm`), each runs beside the GEMMs it
+    feeds or drains (`tp_region_gemm_seconds`): an all-gather (and, in backward, its
+    reduce-scatter) beside the column-parallel GEMMs reading its output, a reduce-scatter or
+    all-reduce (and its mirror) beside the row-parallel GEMM writing its input."""
+    m, tp = plan.model, plan.tp
+    nbytes = cp_tokens(plan) * m.dim * DTYPE_BYTES[plan.precision]
+    fp8_gather = plan.fp8_matmuls and tp_.kernels.fp8_all_gathers
+
+    def seconds(kind: str, size: float) -> float:
+        return (1 - tp_.tp_overlap) * collective(kind, size, tp, tp, cluster.fabric).seconds
+
+    if plan.sequence_parallel:
+        gather = nbytes * FP8_MATMUL_BYTES / DTYPE_BYTES[plan.precision] if fp8_gather else nbytes
+        # (the collective, the GEMMs beside it: 0 column-parallel, 1 row-parallel)
+        fwd = [("all_gather", seconds("all_gather", gather), 0),
+               ("reduce_scatter", seconds("reduce_scatter", nbytes), 1)]  # fmt: skip
+        bwd = [("reduce_scatter", seconds("reduce_scatter", nbytes), 0),
+               ("all_gather", seconds("all_gather", nbytes), 1)]  # fmt: skip
+    else:
+        fwd = bwd = [("all_reduce", seconds("all_reduce", nbytes), 1)]
+
+    def exposed(parts: list[tuple[str, float, int]], kept: frozenset[str] = frozenset()) -> float:
+        parts = [p for p in parts if p[0] not in kept]
+        if not tp_.tp_overlap_gemm:
+            return TP_REGIONS_PER_BLOCK * sum(sec for _, sec, _ in parts)
+        regions = tp_region_gemm_seconds(plan, cluster, peak, flat)
+        return sum(_overlapped(sec, gemms[side], tp_.dp_overlap)
+                   for gemms in regions for _, sec, side in parts)  # fmt: skip
+
+    return exposed(fwd), exposed(bwd), exposed(fwd, OP_SAC_SAVED_COLLECTIVES)
 
 
 def _dispatch_seconds(

@@ -328,7 +328,12 @@ TORCHTITAN = Stack(
     "SAC, loss parallel, optional compile and Float8",
     source="pytorch/torchtitan models/llama3/infra/parallelize.py (apply_fsdp, _op_sac_save_list, "
     "apply_tp loss_parallel), config/job_config.py",
-    kernels=Kernels(residual_fp32=False, vocab_parallel=True, loss_parallel=True),
+    kernels=Kernels(
+        residual_fp32=False,
+        vocab_parallel=True,
+        loss_parallel=True,
+        fp8_all_gathers=True,  # apply_tp's Float8ColwiseParallel, PrepareFloat8ModuleInput
+    ),
     recompute=("none", "selective_op", "full", "every_k"),
     refusals=(
         (

@@ -45,6 +45,10 @@ class Kernels:
     # linears keep the bf16 input and cast again in backward); where the bf16 tensor is kept
     # anyway (the attention output, for the attention's backward), the cast is kept beside it.
     fp8_saves_casts: bool = False
+    # Under fp8, sequence parallelism's forward all-gathers move the float8 cast of the region's
+    # input, 1 byte per element (torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput,
+    # which torchtitan's apply_tp uses with float8 linears); gradients stay bf16.
+    fp8_all_gathers: bool = False
     # How the loss runs on vocabulary shards (where it does, `splits_logits`): torch's
     # `loss_parallel` (DTensor: a composite backward, `(zeros + exp(log_softmax)) * grad`, three
     # fp32 (b, s, V/tp) temporaries beside the saved output) or Megatron's vocab-parallel
