@@ -21,6 +21,7 @@ from llmscale.stack import (
     STACK_NAMES,
     STACKS,
     TORCHTITAN,
+    Stack,
     get_stack,
     param_residency,
     recompute_problem,
@@ -184,6 +185,28 @@ def test_compiled_float8_casts_each_shared_input_once() -> None:
     x = 2 * 8192 * L8.dim  # the attention and MLP inputs have the same shape
     assert eager_f - fused_f == 5.0 * 3 * x
     assert eager_b - fused_b == 2.0 * 3 * x
+
+
+def test_torch_context_parallel_gathers_k_and_v_once_per_call() -> None:
+    """torchtitan runs torch's context_parallel, whose default rotation all-gathers every rank's
+    K and V beside the first step only, and passes fp32 K/V gradients around the ring: across
+    nodes (tp 8 fills one) more of it is exposed than a step-by-step p2p ring's; K and V
+    repeated to the query heads first (the 2024-25 torchtitan's repeat_kv) move 16x more for
+    Llama 3 405B (128 heads, 8 KV heads)."""
+    L405 = get_preset("llama3-405b")
+    plan = Plan(model=L405, seq_len=262144, micro_batch_size=1, global_batch_size=8, tp=8,
+                cp=8, dp_shard=1, sequence_parallel=True, recompute="full",
+                precision="bf16")  # fmt: skip
+    assert TORCHTITAN.cp_rotate == "allgather" and MEGATRON_CORE.cp_rotate == "ring"
+
+    def cp_comm(stack: Stack) -> float:
+        tp_ = time_params(stack.on(tp_overlap_gemm=False, fsdp_over_cp=False))
+        return estimate_step_time(plan, H100, tp_, validate=False).breakdown["cp_comm"]
+
+    ring = cp_comm(TORCHTITAN.on(cp_rotate="ring"))
+    gathered = cp_comm(TORCHTITAN)
+    repeated = cp_comm(TORCHTITAN.on(kernels=replace(TORCHTITAN.kernels, repeat_kv=True)))
+    assert ring < gathered < repeated
 
 
 def test_tied_pipelines() -> None:

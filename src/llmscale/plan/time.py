@@ -403,8 +403,15 @@ def _ring_attention_seconds(
     then 2 per step); in backward cp - 1 passes of K and V and cp of their gradients, the pass
     of step t's gradients beside step t + 1's blocks and the last one exposed.
 
-    Otherwise as torch's `context_parallel` runs it: cp - 1 ring steps per call, each passing
-    this rank's K and V chunk in the run's dtype beside attn / cp of the compute (the
+    A stack on torch's `context_parallel` (`Stack.cp_rotate` "allgather", its default
+    rotation; torchtitan): per call one all-gather of every rank's K and V in the run's dtype
+    (with `Kernels.repeat_kv`, repeated to the query heads first), issued beside step 0's
+    blocks, so whatever exceeds 1/cp of the attention is exposed; in backward that all-gather
+    again, and the K and V gradients passed around the ring in fp32 (`convert_to_f32`), each
+    beside one step's blocks and the last one exposed.
+
+    Otherwise a p2p ring (TransformerEngine's, Megatron-Core): cp - 1 ring steps per call, each
+    passing this rank's K and V chunk in the run's dtype beside attn / cp of the compute (the
     load-balanced split gives every step an equal share); backward passes K, V and their
     gradients."""
     cp = plan.cp
@@ -420,6 +427,18 @@ def _ring_attention_seconds(
         blocks = [3] + [2] * (cp - 2)  # beside the passes of steps 0 .. cp - 2
         fwd = sum(_overlapped(step, n * unit_f, eta) for n in blocks)
         bwd = sum(_overlapped(2 * step, n * unit_b, eta) for n in blocks) + step
+        return n_fwd * fwd, n_bwd * bwd
+    if tp_.stack.cp_rotate == "allgather":
+        heads = m.n_heads if tp_.kernels.repeat_kv else m.n_kv_heads
+        local = 2.0 * cp_tokens(plan) * (heads // plan.tp) * m.head_dim  # K and V elements
+        in_node = max(1, min(cp, cluster.gpus_per_node // plan.tp))
+        gather = collective(
+            "all_gather", cp * local * DTYPE_BYTES[plan.precision], cp, in_node, cluster.fabric
+        ).seconds
+        grads = collective("p2p", 4 * local, 2, per_node, cluster.fabric).seconds  # fp32
+        fwd = _overlapped(gather, attn_f / cp, eta)
+        bwd = _overlapped(gather, attn_b / cp, eta)
+        bwd += (cp - 1) * _overlapped(grads, attn_b / cp, eta) + grads
         return n_fwd * fwd, n_bwd * bwd
     kv = 2.0 * cp_tokens(plan) * (m.kv_dim // plan.tp) * DTYPE_BYTES[plan.precision]
     step = collective("p2p", kv, 2, per_node, cluster.fabric).seconds

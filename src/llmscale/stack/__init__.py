@@ -130,6 +130,10 @@ class Stack:
     step_overhead_ms: Sourced = STEP_OVERHEAD
     # Values fitted on this stack's published runs, per GPU (`Fit`).
     fitted: tuple[Fit, ...] = ()
+    # How context parallelism moves K and V: a p2p ring step by step (TransformerEngine), or
+    # torch's `context_parallel` with its default rotation, one all-gather per attention call
+    # (torch.distributed.tensor.experimental._context_parallel, `_cp_options.rotate_method`).
+    cp_rotate: Literal["ring", "allgather"] = "ring"
     # With torch.compile on, the loss is compiled too (`Kernels.compiled_loss`); the llmscale
     # runtime compiles its blocks only (parallel/compile.py).
     compiles_loss: bool = False
@@ -349,6 +353,9 @@ TORCHTITAN = Stack(
     # "loss" in compile.components, the default), as since bbb1b616 (2025-04-02); from
     # e8977b00 (2024-12-18) to then the loss ran eager (a run row of that time says so).
     compiles_loss=True,
+    # torch's context_parallel: ALL_GATHER is `_cp_options.rotate_method`'s default (and the
+    # default of the 2024 torchtitan's experimental.context_parallel_rotate_method).
+    cp_rotate="allgather",
     # One factor for every kernel on the SMs of a power-capped part: its GEMMs, FP8 GEMMs and
     # flash attention run at the same lower clocks (HBM bandwidth is the part's own figure).
     fitted=(

@@ -54,6 +54,10 @@ class Kernels:
     # fp32 (b, s, V/tp) temporaries beside the saved output) or Megatron's vocab-parallel
     # cross-entropy (its own autograd function over the saved softmax).
     vocab_parallel_loss: str = "dtensor"  # dtensor | megatron
+    # K and V repeated to the query heads before the attention kernel (grouped-query attention
+    # without the kernel's own support: torchtitan's Llama repeat_kv before 2025); what a
+    # context-parallel all-gather moves.
+    repeat_kv: bool = False
     # The loss (the fp32 upcast, log-softmax and NLL) runs as one compiled graph (torchtitan
     # compiles it with the model): it keeps its input, the logits in the activation dtype, and
     # one fp32 log-sum-exp per token instead of the fp32 log-softmax output, and its backward
