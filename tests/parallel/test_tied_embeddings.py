@@ -1,8 +1,8 @@
 """Tied embeddings under pipeline parallelism train exactly like one process.
 
-The tied tiny model (4 layers), 3 steps of 4 micro-batches (parallel_harness.BASE), fp32, gloo;
-one torchrun per world size trains every layout of it in turn (tied_worker.py), and the tests
-below read its outputs. Each layout's losses, gradient norms (the tied weight counted once, as
+The tied tiny model with 8 layers, 3 steps of 4 micro-batches (parallel_harness.BASE), fp32,
+gloo; one torchrun per world size trains every layout of it in turn (tied_worker.py: the layout
+worker's loop, hashing the tied weights after every step), and the tests below read its outputs. Each layout's losses, gradient norms (the tied weight counted once, as
 one process counts it), validation loss and final parameters equal the single-process run to
 1e-5 relative. Where the last stage keeps a copy of the embedding (`output.weight`), the copy
 equals the embedding bit for bit after every step; in a V without data parallelism (zbv,
@@ -20,7 +20,15 @@ from typing import Any
 
 import pytest
 import torch
-from parallel_harness import BASE, HERE, RTOL, rel_error, single_process_reference, torchrun
+from parallel_harness import (
+    BASE,
+    HERE,
+    RTOL,
+    assert_same_run,
+    rel_error,
+    run_layouts,
+    single_process_reference,
+)
 
 from llmscale.config import load_config
 from llmscale.hf.folder import read_llama_folder
@@ -32,7 +40,8 @@ from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
 STEPS = 3
-TIED = ("--model.tie_embeddings", "true", "--train.steps", str(STEPS))
+# 8 layers: pp 4 x 2 chunks (interleaved) is 8 stages of one layer each.
+TIED = ("--model.tie_embeddings", "true", "--model.n_layers", "8", "--train.steps", str(STEPS))
 EMB, COPY = "tok_embeddings.weight", "output.weight"
 CKPT = ("--checkpoint.enabled", "true", "--checkpoint.keep_last", "5")
 CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
@@ -58,6 +67,8 @@ WORLD4 = {
     "tied_pp2_fsdp2": _p(pp=2, dp_shard=2),
     "tied_pp2_tp2_sp": _p(pp=2, tp=2, sequence_parallel=True),
     "tied_pp4_gpipe": _p(pp=4, pp_schedule="gpipe"),  # the embedding group of pp ranks 0, 3
+    # stages 0 and 4 on pp rank 0, 3 and 7 on pp rank 3: the embedding group of pp ranks 0, 3
+    "tied_pp4_interleaved": _p(pp=4, pp_schedule="interleaved_1f1b", pp_chunks=2),
     "tied_pp2_dp_replicate2": _p(pp=2, dp_replicate=2),
     "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),  # a V keeping the copy
 }
@@ -78,37 +89,21 @@ pytestmark = pytest.mark.slow
 
 
 def _run(nproc: int, out: Path, layouts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Train `layouts` in one torchrun group (tied_worker.py); per layout the merged stages:
-    losses, validation loss, parameters, the tied weights' hashes after every step by name,
-    every pp rank's metrics rows and tied tensor count, and the rank-0 metrics rows."""
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "base": [*BASE, *TIED], "layouts": layouts}))
-    torchrun(nproc, str(HERE / "tied_worker.py"), str(spec))
-    results = {}
+    """Train `layouts` in one torchrun group (tied_worker.py); per layout run_layouts' merged
+    result, plus every pp rank's metrics rows (`pp_rows`) and tied tensor count (`tensors`),
+    the tied weights' hashes after every step by name (`hashes`), and rank 0's metrics rows."""
+    results = run_layouts(nproc, out, layouts, base=[*BASE, *TIED], worker=HERE / "tied_worker.py")
     for layout in layouts:
-        name = layout["name"]
-        files = sorted(out.glob(f"{name}.stage*.pt"))  # by pp rank
-        assert files, f"{name}: no results written"
-        merged: dict[str, Any] = {"params": {}, "hashes": None, "pp_rows": [], "tensors": []}
-        for f in files:
-            d = torch.load(f, weights_only=False)
-            merged["pp_rows"].append(d["rows"])
-            merged["tensors"].append(d["tied_tensors"])
-            assert not set(d["params"]) & set(merged["params"]), name
-            merged["params"].update(d["params"])
-            if merged["hashes"] is None:
-                merged["hashes"] = [{} for _ in d["hashes"]]
+        merged = results[layout["name"]]
+        stages = merged["stages"]  # by pp rank
+        merged["pp_rows"] = [d["rows"] for d in stages]
+        merged["tensors"] = [d["tied_tensors"] for d in stages]
+        merged["hashes"] = [{} for _ in stages[0]["hashes"]]
+        for d in stages:
             for mine, step in zip(merged["hashes"], d["hashes"], strict=True):
                 mine.update(step)
-            for k in ("losses", "val_loss", "steps_done"):
-                merged.setdefault(k, d[k])
-        merged["rows"] = [
-            r
-            for r in read_jsonl(out / layout.get("run", name) / "metrics.jsonl")
-            if r["kind"] == "train"
-        ]
-        results[name] = merged
+        rows = read_jsonl(merged["run_dir"] / "metrics.jsonl")
+        merged["rows"] = [r for r in rows if r["kind"] == "train"]
     return results
 
 
@@ -174,15 +169,8 @@ def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
 
 
 def _check_layout(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
-    assert got["steps_done"] == STEPS and len(got["hashes"]) == STEPS, name
-    params = _one_tensor(got, name)
-    assert len(got["losses"]) == len(ref["losses"]) == STEPS
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
-        assert rel_error(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
-    assert rel_error(got["val_loss"], ref["val_loss"]) < RTOL, name
-    assert set(params) == set(ref["params"]), name
-    for k, want in ref["params"].items():
-        assert rel_error(params[k], want) < RTOL, (name, k)
+    assert len(got["hashes"]) == STEPS, name
+    assert_same_run({**got, "params": _one_tensor(got, name)}, ref, name, steps=STEPS)
     # The gradient norm counts the tied weight once, as one process does.
     for a, b in zip(got["rows"], ref["rows"], strict=True):
         assert rel_error(a["grad_norm"], b["grad_norm"]) < RTOL, (name, a["step"], a, b)
@@ -230,7 +218,7 @@ def test_tied_all_reduces_equal_the_planners(name, world2, world4) -> None:
 
 
 # All-reduces per step of each pp rank: the tied one on pp ranks 0 and pp - 1, none in a V;
-# under dp_replicate 2 also one per FSDP unit (2 blocks and the root on each rank).
+# under dp_replicate 2 also one per FSDP unit (4 blocks and the root on each rank).
 ALLREDUCES = {
     "tied_pp2_1f1b": [1, 1],
     "tied_pp2_zero_bubble": [1, 1],
@@ -238,7 +226,8 @@ ALLREDUCES = {
     "tied_pp2_fsdp2": [1, 1],
     "tied_pp2_tp2_sp": [1, 1],
     "tied_pp4_gpipe": [1, 0, 0, 1],
-    "tied_pp2_dp_replicate2": [4, 4],
+    "tied_pp4_interleaved": [1, 0, 0, 1],
+    "tied_pp2_dp_replicate2": [6, 6],
     "tied_pp2_zbv_fsdp2": [0, 0],
 }
 
@@ -288,7 +277,14 @@ def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tied_pp2_1f1b", "tied_pp2_zbv", "tied_pp2_fsdp2", "tied_pp2_zbv_fsdp2"]
+    "name",
+    [
+        "tied_pp2_1f1b",
+        "tied_pp2_zbv",
+        "tied_pp2_fsdp2",
+        "tied_pp2_zbv_fsdp2",
+        "tied_pp4_interleaved",
+    ],
 )
 def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) -> None:
     """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on pp rank
