@@ -105,3 +105,37 @@ def test_planner_counts_the_copy_on_the_last_stage() -> None:
     assert shared[0].autocast_numel + shared[1].autocast_numel == one.autocast_numel
     wrapped = rank_params(TINY_TIED, 1, 2, 0, chunks=2, v_shape=True, wrapped=True)
     assert wrapped.numel - shared[0].numel == v * d
+
+
+def test_cli_accepts_the_tied_pipeline(capsys, tmp_path, monkeypatch) -> None:
+    """`plan --model gpt2-124m --gpu h100 --gpus 8 --seq 1024 --pp 2` and `train --model.name
+    gpt2-124m --parallel.pp 2 --train.micro_batch_size 4 --dry-run` take the tied layout; the
+    dry run's last pp rank holds the copy: its fp32 parameters are the planner's, the copy's
+    `vocab x dim` beyond what the split gives it. (The dry run against the h100 here: without
+    --gpu it calibrates this machine first, a minute.)"""
+    import json
+
+    from llmscale.cli import main
+    from llmscale.plan.memory import MemoryOptions
+    from llmscale.plan.predict import expected_runtime_metrics
+
+    monkeypatch.chdir(tmp_path)
+    plan = ["plan", "--model", "gpt2-124m", "--gpu", "h100", "--gpus", "8", "--seq", "1024"]
+    assert main([*plan, "--pp", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["candidates"] and all(c["plan"]["pp"] == 2 for c in got["candidates"])
+    assert any(c["fits"] for c in got["candidates"])
+    job = ["--model.name", "gpt2-124m", "--parallel.pp", "2", "--train.micro_batch_size", "4"]
+    assert main(["train", *job, "--dry-run", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "tied_embedding_comm" in out
+    gpt2 = get_preset("gpt2-124m")
+    cfg = load_config(None, job)
+    ranks = [expected_runtime_metrics(cfg, rank=r, options=MemoryOptions()) for r in (0, 1)]
+    split = rank_params(gpt2, 1, 2, 1, wrapped=False)
+    one = rank_params(gpt2, 1, 1, 0)
+    assert ranks[1]["param_bytes"] == 4 * split.numel
+    assert split.numel - (one.numel - rank_params(gpt2, 1, 2, 0).numel) == 50257 * 768
+    for r, row in enumerate(ranks):  # the dry run's table, GiB to 2 decimals
+        line = next(x for x in out.splitlines() if x.split()[:2] == [str(r), str(r)])
+        assert line.split()[2] == f"{row['param_bytes'] / 2**30:.2f}", (r, line)
