@@ -1,12 +1,13 @@
 """Tied embeddings under pipeline parallelism train exactly like one process.
 
 The tied tiny model with 8 layers, 3 steps of 4 micro-batches (parallel_harness.BASE), fp32,
-gloo; one torchrun per world size trains every layout of it in turn (tied_worker.py: the layout
-worker's loop, hashing the tied weights after every step), and the tests below read its outputs. Each layout's losses, gradient norms (the tied weight counted once, as
-one process counts it), validation loss and final parameters equal the single-process run to
-1e-5 relative. Where the last stage keeps a copy of the embedding (`output.weight`), the copy
-equals the embedding bit for bit after every step; in a V without data parallelism (zbv,
-dualpipev) pp rank 0 holds one tensor and all-reduces nothing. Every rank's data-parallel and
+gloo; one torchrun per world size trains every layout of it in turn (tied_worker.py: the
+layout worker's loop, hashing the tied weights after every step), and the tests below read its
+outputs. Each layout's losses, gradient norms (the tied weight counted once, as one process
+counts it), validation loss and final parameters equal the single-process run to 1e-5
+relative. Where the last stage keeps a copy of the embedding (`output.weight`), the copy equals
+the embedding bit for bit after every step; in a V (zbv, dualpipev), with or without FSDP2, pp
+rank 0 holds one tensor and all-reduces nothing. Every rank's data-parallel and
 tied all-reduce counts equal the planner's (`plan_collectives`). A checkpoint written under
 pp = 2 (1F1B's copy, or ZB-V's one tensor) resumes under pp = 1 with the same losses, and one
 written under pp = 1 resumes under pp = 2.
@@ -70,9 +71,11 @@ WORLD4 = {
     # stages 0 and 4 on pp rank 0, 3 and 7 on pp rank 3: the embedding group of pp ranks 0, 3
     "tied_pp4_interleaved": _p(pp=4, pp_schedule="interleaved_1f1b", pp_chunks=2),
     "tied_pp2_dp_replicate2": _p(pp=2, dp_replicate=2),
-    "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),  # a V keeping the copy
+    # a V under FSDP2: one tensor in the last stage's root unit, zero 3 (the default) and 1
+    "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),
+    "tied_pp2_zbv_fsdp2_zero1": _p(pp=2, pp_schedule="zbv", dp_shard=2, zero_stage=1),
 }
-SHARED = {"tied_pp2_zbv", "from_hf"}  # a V without data parallelism
+SHARED = {"tied_pp2_zbv", "tied_pp2_zbv_fsdp2", "tied_pp2_zbv_fsdp2_zero1", "from_hf"}  # V
 LAYOUTS = {**WORLD2, **WORLD4}
 # Trained in the world-2 group after the layouts above: saved under pp = 2 after step 2 (then
 # resumed here under pp = 1), and resumed under pp = 2 from a pp = 1 checkpoint of step 2.
@@ -152,8 +155,8 @@ def world4(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
     """The layout's parameters under one process's names, after checking the tied weight: one
-    tensor on pp rank 0 in a V without data parallelism (named `output.weight`, the head's),
-    else the copy equal to the embedding bit for bit after every step and at the end."""
+    tensor on pp rank 0 in a V (named `output.weight`, the head's), else the copy equal to the
+    embedding bit for bit after every step and at the end."""
     params = dict(got["params"])
     if name in SHARED:
         assert got["tensors"][0] == 1, name  # the embedding reads the head's very tensor
@@ -163,8 +166,6 @@ def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
     for step, h in enumerate(got["hashes"], 1):
         assert h[EMB] == h[COPY], f"{name} step {step}: the copy differs from the embedding"
     assert torch.equal(params.pop(COPY), params[EMB]), name
-    if "zbv" in name:  # a V under data parallelism: the embedding and its copy on pp rank 0
-        assert got["tensors"][0] == 2, name
     return params
 
 
@@ -229,6 +230,7 @@ ALLREDUCES = {
     "tied_pp4_interleaved": [1, 0, 0, 1],
     "tied_pp2_dp_replicate2": [6, 6],
     "tied_pp2_zbv_fsdp2": [0, 0],
+    "tied_pp2_zbv_fsdp2_zero1": [0, 0],
 }
 
 
@@ -287,9 +289,8 @@ def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
     ],
 )
 def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) -> None:
-    """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on pp rank
-    1, or 0 in a V under FSDP2, sharded; none in a V without data parallelism) equal the
-    planner's expectation exactly."""
+    """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on the last
+    pp rank, sharded under FSDP2; none in a V) equal the planner's expectation exactly."""
     got = {**world2, **world4}[name]
     cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
@@ -297,8 +298,8 @@ def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) 
     for rank, rows in enumerate(got["pp_rows"]):
         want = expected_runtime_metrics(cfg, rank=rank, options=CPU)
         assert {k: rows[0][k] for k in keys} == {k: want[k] for k in keys}, (name, rank)
-    # Rank 0 in a V holds both stages: the embedding, and the copy unless shared.
-    if "zbv" in name:
-        one = expected_runtime_metrics(load_config(None, [*BASE, *TIED]), rank=0, options=CPU)
-        extra = got["pp_rows"][0][0]["param_bytes"] + got["pp_rows"][1][0]["param_bytes"]
-        assert extra * shard - one["param_bytes"] == (0 if name in SHARED else 4 * v * d)
+    # The copy: the last pp rank's parameters beyond the split's (sharded); a V holds none, its
+    # two ranks together the one process's parameters.
+    one = expected_runtime_metrics(load_config(None, [*BASE, *TIED]), rank=0, options=CPU)
+    held = sum(rows[0]["param_bytes"] for rows in got["pp_rows"]) * shard
+    assert held - one["param_bytes"] == (0 if name in SHARED else 4 * v * d), name
