@@ -41,6 +41,7 @@ from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
 STEPS = 3
+GB16 = ["--train.global_batch_size", "16"]
 # 8 layers: pp 4 x 2 chunks (interleaved) is 8 stages of one layer each.
 TIED = ("--model.tie_embeddings", "true", "--model.n_layers", "8", "--train.steps", str(STEPS))
 EMB, COPY = "tok_embeddings.weight", "output.weight"
@@ -74,9 +75,16 @@ WORLD4 = {
     # a V under FSDP2: one tensor in the last stage's root unit, zero 3 (the default) and 1
     "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),
     "tied_pp2_zbv_fsdp2_zero1": _p(pp=2, pp_schedule="zbv", dp_shard=2, zero_stage=1),
+    # DualPipeV needs 2 pp micro-batches per rank: the global batch of 16 (its own reference)
+    "tied_pp2_dualpipev_fsdp2": [*_p(pp=2, pp_schedule="dualpipev", dp_shard=2), *GB16],
 }
-SHARED = {"tied_pp2_zbv", "tied_pp2_zbv_fsdp2", "tied_pp2_zbv_fsdp2_zero1", "from_hf"}  # V
-LAYOUTS = {**WORLD2, **WORLD4}
+# HSDP (dp_replicate 2 x dp_shard 2) under a tied pipeline: 2 micro-batches per rank
+WORLD8 = {
+    "tied_pp2_hsdp": [*_p(pp=2, dp_replicate=2, dp_shard=2), *GB16],
+    "tied_pp2_zbv_hsdp": [*_p(pp=2, pp_schedule="zbv", dp_replicate=2, dp_shard=2), *GB16],
+}
+LAYOUTS = {**WORLD2, **WORLD4, **WORLD8}
+SHARED = {n for n in LAYOUTS if "zbv" in n or "dualpipev" in n} | {"from_hf"}  # a V
 # Trained in the world-2 group after the layouts above: saved under pp = 2 after step 2 (then
 # resumed here under pp = 1), and resumed under pp = 2 from a pp = 1 checkpoint of step 2.
 RESUME2 = [
@@ -117,12 +125,21 @@ def _in_process(run_dir: Path, *args: str) -> tuple[list[float], dict[str, torch
         return r.losses, {n: p.detach().clone() for n, p in t.model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, Any]:
-    run_dir = tmp_path_factory.mktemp("single") / "run"
-    ref = single_process_reference(run_dir, TIED)
+def _reference(run_dir: Path, *extra: str) -> dict[str, Any]:
+    ref = single_process_reference(run_dir, (*TIED, *extra))
     ref["rows"] = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    return _reference(tmp_path_factory.mktemp("single") / "run")
+
+
+@pytest.fixture(scope="module")
+def reference16(tmp_path_factory) -> dict[str, Any]:
+    """One process on the global batch of 16 (the layouts with GB16)."""
+    return _reference(tmp_path_factory.mktemp("single16") / "run", *GB16)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +170,26 @@ def world4(tmp_path_factory) -> dict[str, dict[str, Any]]:
     )
 
 
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return _run(
+        8, tmp_path_factory.mktemp("tied8"), [{"name": n, "args": a} for n, a in WORLD8.items()]
+    )
+
+
+def _got(name: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Layout `name`'s result, from its world size's group."""
+    for world, table in (("world2", WORLD2), ("world4", WORLD4), ("world8", WORLD8)):
+        if name in table:
+            return request.getfixturevalue(world)[name]  # type: ignore[no-any-return]
+    raise KeyError(name)
+
+
+def _ref(name: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The one-process run on layout `name`'s global batch."""
+    return request.getfixturevalue("reference16" if GB16[1] in LAYOUTS[name] else "reference")  # type: ignore[no-any-return]
+
+
 def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
     """The layout's parameters under one process's names, after checking the tied weight: one
     tensor on pp rank 0 in a V (named `output.weight`, the head's), else the copy equal to the
@@ -178,23 +215,30 @@ def _check_layout(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
-def test_tied_pp_two_ranks_equal_one_process(name, world2, reference) -> None:
-    _check_layout(world2[name], reference, name)
+def test_tied_pp_two_ranks_equal_one_process(name, request) -> None:
+    _check_layout(_got(name, request), _ref(name, request), name)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_tied_pp_four_ranks_equal_one_process(name, world4, reference) -> None:
-    _check_layout(world4[name], reference, name)
+def test_tied_pp_four_ranks_equal_one_process(name, request) -> None:
+    _check_layout(_got(name, request), _ref(name, request), name)
+
+
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_tied_pp_eight_ranks_equal_one_process(name, request) -> None:
+    """HSDP under a tied pipeline: the copy's all-reduce (1F1B) or one tensor (ZB-V) beside
+    HSDP's per-unit all-reduces across the replicas."""
+    _check_layout(_got(name, request), _ref(name, request), name)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tied_all_reduces_equal_the_planners(name, world2, world4) -> None:
+def test_tied_all_reduces_equal_the_planners(name, request) -> None:
     """Every pp rank's collectives (metrics rows) equal `plan_collectives`: the tied
     all-reduce once per step on pp ranks 0 and pp - 1 (of the local embedding gradient: a
     shard under FSDP2), none in a V; replicate's and FSDP2's counted beside it. Under FSDP2 the
     first step's shape inference gathers once more (not compared); under tp > 1 the planner
     does not predict (the tied all-reduce is then the whole tensor)."""
-    got = {**world2, **world4}[name]
+    got = _got(name, request)
     cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
     plan = as_plan(cfg)
     v, d = cfg.model.vocab_size, cfg.model.dim
@@ -231,6 +275,11 @@ ALLREDUCES = {
     "tied_pp2_dp_replicate2": [6, 6],
     "tied_pp2_zbv_fsdp2": [0, 0],
     "tied_pp2_zbv_fsdp2_zero1": [0, 0],
+    "tied_pp2_dualpipev_fsdp2": [0, 0],
+    # HSDP: one all-reduce per unit (4 blocks, and the root) and the tied one; in a V pp rank 0's
+    # first stage has no root unit (the tied weight is the last stage's)
+    "tied_pp2_hsdp": [6, 6],
+    "tied_pp2_zbv_hsdp": [5, 4],
 }
 
 
@@ -285,13 +334,15 @@ def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
         "tied_pp2_zbv",
         "tied_pp2_fsdp2",
         "tied_pp2_zbv_fsdp2",
+        "tied_pp2_dualpipev_fsdp2",
         "tied_pp4_interleaved",
+        "tied_pp2_zbv_hsdp",
     ],
 )
-def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) -> None:
+def test_planner_predicts_each_stage_memory_with_the_copy(name, request) -> None:
     """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on the last
     pp rank, sharded under FSDP2; none in a V) equal the planner's expectation exactly."""
-    got = {**world2, **world4}[name]
+    got = _got(name, request)
     cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
     v, d, shard = cfg.model.vocab_size, cfg.model.dim, cfg.parallel.dp_shard
