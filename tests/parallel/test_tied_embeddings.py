@@ -1,7 +1,7 @@
 """Tied embeddings under pipeline parallelism train exactly like one process.
 
-The tied tiny model with 8 layers, 3 steps of 4 micro-batches (parallel_harness.BASE), fp32,
-gloo; one torchrun per world size trains every layout of it in turn (tied_worker.py: the
+The tied tiny model with 8 layers, 3 steps of 4 micro-batches (parallel_harness.BASE; the GB16
+layouts: a global batch of 16, against their own one-process run), fp32, gloo; one torchrun per world size trains every layout of it in turn (tied_worker.py: the
 layout worker's loop, hashing the tied weights after every step), and the tests below read its
 outputs. Each layout's losses, gradient norms (the tied weight counted once, as one process
 counts it), validation loss and final parameters equal the single-process run to 1e-5
