@@ -7,13 +7,18 @@ For each layout the rank holding the loss of pipeline stage s (dp, tp and cp ran
 OUT/NAME.stage{s}.pt with the per-step losses, the final validation loss and this stage's
 parameters gathered to full tensors; rank 0 also writes the metrics rows it logged. Collective
 counts of the first step are recorded when the layout asks for them ("count": true).
+
+`train_layouts` is the loop itself; another worker (tied_worker.py) passes a hook that adds its
+own entries to the same payload.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,9 +107,15 @@ def _record_rows(trainer: Trainer) -> list[dict]:
     return rows
 
 
-def main() -> None:
+# Called with each layout's trainer before it trains (to wrap its steps); what it returns is
+# called after training on every rank and its entries join that rank's payload.
+Hook = Callable[[Trainer], Callable[[], dict[str, Any]]]
+
+
+def train_layouts(spec_path: str, hook: Hook | None = None) -> None:
+    """Train every layout of the spec in turn; the writing ranks save their payloads."""
     torch.set_num_threads(1)
-    spec = json.loads(Path(sys.argv[1]).read_text())
+    spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     for layout in spec["layouts"]:
         run_dir = out / layout.get("run", layout["name"])
@@ -112,8 +123,10 @@ def main() -> None:
         t = Trainer(cfg)
         recorder = FirstStepEvents(t)
         rows = _record_rows(t)
+        extra = hook(t) if hook is not None else dict
         result = t.fit()
         params = full_parameters(t.model_parts)
+        more = extra()
         d = t.dims
         if d.dp_rank == 0 and d.tp_rank == 0 and d.cp_rank == 0:
             payload = {
@@ -132,11 +145,16 @@ def main() -> None:
                     if getattr(t.pp_schedule, "pipeline_order", None)
                     else None
                 ),
+                **more,
             }
             torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
         t.close()  # its stages and meshes hold process groups: gone before destroy_process_group
         dist.barrier()
     dist.destroy_process_group()
+
+
+def main() -> None:
+    train_layouts(sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -60,17 +60,25 @@ def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.Complet
 
 
 def run_layouts(
-    nproc: int, out: Path, layouts: list[dict[str, Any]], timeout: float = 240
+    nproc: int,
+    out: Path,
+    layouts: list[dict[str, Any]],
+    timeout: float = 240,
+    base: list[str] | None = None,
+    worker: Path = WORKER,
 ) -> dict[str, dict[str, Any]]:
-    """Train each layout in turn in one process group; results by layout name.
+    """Train each layout in turn in one process group (`base` overrides, BASE by default, then
+    the layout's); results by layout name.
 
     A result merges the per-stage files: losses and events of the first stage's writer, and the
-    parameters of all stages (each name must come from exactly one stage).
+    parameters of all stages (each name must come from exactly one stage); `stages` keeps each
+    pipeline rank's payload but its parameters (a worker's own entries among them).
     """
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "base": BASE, "layouts": layouts}))
-    torchrun(nproc, str(WORKER), str(spec), timeout=timeout)
+    base = BASE if base is None else base
+    spec.write_text(json.dumps({"out": str(out), "base": base, "layouts": layouts}))
+    torchrun(nproc, str(worker), str(spec), timeout=timeout)
     results: dict[str, dict[str, Any]] = {}
     for layout in layouts:
         name = layout["name"]
@@ -81,6 +89,7 @@ def run_layouts(
             "stage_events": [],
             "activation_peaks": [],
             "first_rows": [],
+            "stages": [],
         }
         for f in files:
             d = torch.load(f, weights_only=False)
@@ -90,6 +99,7 @@ def run_layouts(
             merged["stage_events"].append(d["events"])
             merged["activation_peaks"].append(d.get("activation_peak"))  # by pipeline rank
             merged["first_rows"].append(d.get("first_row"))  # metrics of step 1, by pp rank
+            merged["stages"].append({k: v for k, v in d.items() if k != "params"})
             for k in ("losses", "val_loss", "steps_done"):
                 merged.setdefault(k, d[k])
                 assert d[k] == merged[k], f"{name}: stages disagree on {k}"
@@ -120,11 +130,11 @@ def rel_error(a: Any, b: Any) -> float:
 
 
 def assert_same_run(
-    got: dict[str, Any], ref: dict[str, Any], name: str, rtol: float = RTOL
+    got: dict[str, Any], ref: dict[str, Any], name: str, rtol: float = RTOL, steps: int = 5
 ) -> None:
-    """Same 5 losses, validation loss and gathered parameters as the reference, to rtol."""
-    assert got["steps_done"] == 5
-    assert len(got["losses"]) == len(ref["losses"]) == 5
+    """Same `steps` losses, validation loss and gathered parameters as the reference, to rtol."""
+    assert got["steps_done"] == steps, name
+    assert len(got["losses"]) == len(ref["losses"]) == steps, name
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
         assert rel_error(a, b) < rtol, f"{name} step {step}: loss {a} vs {b}"
     assert rel_error(got["val_loss"], ref["val_loss"]) < rtol, (

@@ -1,12 +1,13 @@
 """Tied embeddings under pipeline parallelism train exactly like one process.
 
-The tied tiny model (4 layers), 3 steps of 4 micro-batches (parallel_harness.BASE), fp32, gloo;
-one torchrun per world size trains every layout of it in turn (tied_worker.py), and the tests
-below read its outputs. Each layout's losses, gradient norms (the tied weight counted once, as
-one process counts it), validation loss and final parameters equal the single-process run to
-1e-5 relative. Where the last stage keeps a copy of the embedding (`output.weight`), the copy
-equals the embedding bit for bit after every step; in a V without data parallelism (zbv,
-dualpipev) pp rank 0 holds one tensor and all-reduces nothing. Every rank's data-parallel and
+The tied tiny model with 8 layers, 3 steps of 4 micro-batches (parallel_harness.BASE; the GB16
+layouts: a global batch of 16, against their own one-process run), fp32, gloo; one torchrun per world size trains every layout of it in turn (tied_worker.py: the
+layout worker's loop, hashing the tied weights after every step), and the tests below read its
+outputs. Each layout's losses, gradient norms (the tied weight counted once, as one process
+counts it), validation loss and final parameters equal the single-process run to 1e-5
+relative. Where the last stage keeps a copy of the embedding (`output.weight`), the copy equals
+the embedding bit for bit after every step; in a V (zbv, dualpipev), with or without FSDP2, pp
+rank 0 holds one tensor and all-reduces nothing. Every rank's data-parallel and
 tied all-reduce counts equal the planner's (`plan_collectives`). A checkpoint written under
 pp = 2 (1F1B's copy, or ZB-V's one tensor) resumes under pp = 1 with the same losses, and one
 written under pp = 1 resumes under pp = 2.
@@ -20,7 +21,15 @@ from typing import Any
 
 import pytest
 import torch
-from parallel_harness import BASE, HERE, RTOL, rel_error, single_process_reference, torchrun
+from parallel_harness import (
+    BASE,
+    HERE,
+    RTOL,
+    assert_same_run,
+    rel_error,
+    run_layouts,
+    single_process_reference,
+)
 
 from llmscale.config import load_config
 from llmscale.hf.folder import read_llama_folder
@@ -32,7 +41,9 @@ from llmscale.train.metrics import read_jsonl
 from llmscale.train.trainer import Trainer
 
 STEPS = 3
-TIED = ("--model.tie_embeddings", "true", "--train.steps", str(STEPS))
+GB16 = ["--train.global_batch_size", "16"]
+# 8 layers: pp 4 x 2 chunks (interleaved) is 8 stages of one layer each.
+TIED = ("--model.tie_embeddings", "true", "--model.n_layers", "8", "--train.steps", str(STEPS))
 EMB, COPY = "tok_embeddings.weight", "output.weight"
 CKPT = ("--checkpoint.enabled", "true", "--checkpoint.keep_last", "5")
 CPU = MemoryOptions(kernels=act.RUNTIME_CPU)
@@ -58,11 +69,22 @@ WORLD4 = {
     "tied_pp2_fsdp2": _p(pp=2, dp_shard=2),
     "tied_pp2_tp2_sp": _p(pp=2, tp=2, sequence_parallel=True),
     "tied_pp4_gpipe": _p(pp=4, pp_schedule="gpipe"),  # the embedding group of pp ranks 0, 3
+    # stages 0 and 4 on pp rank 0, 3 and 7 on pp rank 3: the embedding group of pp ranks 0, 3
+    "tied_pp4_interleaved": _p(pp=4, pp_schedule="interleaved_1f1b", pp_chunks=2),
     "tied_pp2_dp_replicate2": _p(pp=2, dp_replicate=2),
-    "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),  # a V keeping the copy
+    # a V under FSDP2: one tensor in the last stage's root unit, zero 3 (the default) and 1
+    "tied_pp2_zbv_fsdp2": _p(pp=2, pp_schedule="zbv", dp_shard=2),
+    "tied_pp2_zbv_fsdp2_zero1": _p(pp=2, pp_schedule="zbv", dp_shard=2, zero_stage=1),
+    # DualPipeV needs 2 pp micro-batches per rank: the global batch of 16 (its own reference)
+    "tied_pp2_dualpipev_fsdp2": [*_p(pp=2, pp_schedule="dualpipev", dp_shard=2), *GB16],
 }
-SHARED = {"tied_pp2_zbv", "from_hf"}  # a V without data parallelism
-LAYOUTS = {**WORLD2, **WORLD4}
+# HSDP (dp_replicate 2 x dp_shard 2) under a tied pipeline: 2 micro-batches per rank
+WORLD8 = {
+    "tied_pp2_hsdp": [*_p(pp=2, dp_replicate=2, dp_shard=2), *GB16],
+    "tied_pp2_zbv_hsdp": [*_p(pp=2, pp_schedule="zbv", dp_replicate=2, dp_shard=2), *GB16],
+}
+LAYOUTS = {**WORLD2, **WORLD4, **WORLD8}
+SHARED = {n for n in LAYOUTS if "zbv" in n or "dualpipev" in n} | {"from_hf"}  # a V
 # Trained in the world-2 group after the layouts above: saved under pp = 2 after step 2 (then
 # resumed here under pp = 1), and resumed under pp = 2 from a pp = 1 checkpoint of step 2.
 RESUME2 = [
@@ -78,37 +100,21 @@ pytestmark = pytest.mark.slow
 
 
 def _run(nproc: int, out: Path, layouts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Train `layouts` in one torchrun group (tied_worker.py); per layout the merged stages:
-    losses, validation loss, parameters, the tied weights' hashes after every step by name,
-    every pp rank's metrics rows and tied tensor count, and the rank-0 metrics rows."""
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "base": [*BASE, *TIED], "layouts": layouts}))
-    torchrun(nproc, str(HERE / "tied_worker.py"), str(spec))
-    results = {}
+    """Train `layouts` in one torchrun group (tied_worker.py); per layout run_layouts' merged
+    result, plus every pp rank's metrics rows (`pp_rows`) and tied tensor count (`tensors`),
+    the tied weights' hashes after every step by name (`hashes`), and rank 0's metrics rows."""
+    results = run_layouts(nproc, out, layouts, base=[*BASE, *TIED], worker=HERE / "tied_worker.py")
     for layout in layouts:
-        name = layout["name"]
-        files = sorted(out.glob(f"{name}.stage*.pt"))  # by pp rank
-        assert files, f"{name}: no results written"
-        merged: dict[str, Any] = {"params": {}, "hashes": None, "pp_rows": [], "tensors": []}
-        for f in files:
-            d = torch.load(f, weights_only=False)
-            merged["pp_rows"].append(d["rows"])
-            merged["tensors"].append(d["tied_tensors"])
-            assert not set(d["params"]) & set(merged["params"]), name
-            merged["params"].update(d["params"])
-            if merged["hashes"] is None:
-                merged["hashes"] = [{} for _ in d["hashes"]]
+        merged = results[layout["name"]]
+        stages = merged["stages"]  # by pp rank
+        merged["pp_rows"] = [d["rows"] for d in stages]
+        merged["tensors"] = [d["tied_tensors"] for d in stages]
+        merged["hashes"] = [{} for _ in stages[0]["hashes"]]
+        for d in stages:
             for mine, step in zip(merged["hashes"], d["hashes"], strict=True):
                 mine.update(step)
-            for k in ("losses", "val_loss", "steps_done"):
-                merged.setdefault(k, d[k])
-        merged["rows"] = [
-            r
-            for r in read_jsonl(out / layout.get("run", name) / "metrics.jsonl")
-            if r["kind"] == "train"
-        ]
-        results[name] = merged
+        rows = read_jsonl(merged["run_dir"] / "metrics.jsonl")
+        merged["rows"] = [r for r in rows if r["kind"] == "train"]
     return results
 
 
@@ -119,12 +125,21 @@ def _in_process(run_dir: Path, *args: str) -> tuple[list[float], dict[str, torch
         return r.losses, {n: p.detach().clone() for n, p in t.model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, Any]:
-    run_dir = tmp_path_factory.mktemp("single") / "run"
-    ref = single_process_reference(run_dir, TIED)
+def _reference(run_dir: Path, *extra: str) -> dict[str, Any]:
+    ref = single_process_reference(run_dir, (*TIED, *extra))
     ref["rows"] = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    return _reference(tmp_path_factory.mktemp("single") / "run")
+
+
+@pytest.fixture(scope="module")
+def reference16(tmp_path_factory) -> dict[str, Any]:
+    """One process on the global batch of 16 (the layouts with GB16)."""
+    return _reference(tmp_path_factory.mktemp("single16") / "run", *GB16)
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +170,30 @@ def world4(tmp_path_factory) -> dict[str, dict[str, Any]]:
     )
 
 
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return _run(
+        8, tmp_path_factory.mktemp("tied8"), [{"name": n, "args": a} for n, a in WORLD8.items()]
+    )
+
+
+def _got(name: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Layout `name`'s result, from its world size's group."""
+    for world, table in (("world2", WORLD2), ("world4", WORLD4), ("world8", WORLD8)):
+        if name in table:
+            return request.getfixturevalue(world)[name]  # type: ignore[no-any-return]
+    raise KeyError(name)
+
+
+def _ref(name: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The one-process run on layout `name`'s global batch."""
+    return request.getfixturevalue("reference16" if GB16[1] in LAYOUTS[name] else "reference")  # type: ignore[no-any-return]
+
+
 def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
     """The layout's parameters under one process's names, after checking the tied weight: one
-    tensor on pp rank 0 in a V without data parallelism (named `output.weight`, the head's),
-    else the copy equal to the embedding bit for bit after every step and at the end."""
+    tensor on pp rank 0 in a V (named `output.weight`, the head's), else the copy equal to the
+    embedding bit for bit after every step and at the end."""
     params = dict(got["params"])
     if name in SHARED:
         assert got["tensors"][0] == 1, name  # the embedding reads the head's very tensor
@@ -168,44 +203,42 @@ def _one_tensor(got: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
     for step, h in enumerate(got["hashes"], 1):
         assert h[EMB] == h[COPY], f"{name} step {step}: the copy differs from the embedding"
     assert torch.equal(params.pop(COPY), params[EMB]), name
-    if "zbv" in name:  # a V under data parallelism: the embedding and its copy on pp rank 0
-        assert got["tensors"][0] == 2, name
     return params
 
 
 def _check_layout(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
-    assert got["steps_done"] == STEPS and len(got["hashes"]) == STEPS, name
-    params = _one_tensor(got, name)
-    assert len(got["losses"]) == len(ref["losses"]) == STEPS
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
-        assert rel_error(a, b) < RTOL, f"{name} step {step}: loss {a} vs {b}"
-    assert rel_error(got["val_loss"], ref["val_loss"]) < RTOL, name
-    assert set(params) == set(ref["params"]), name
-    for k, want in ref["params"].items():
-        assert rel_error(params[k], want) < RTOL, (name, k)
+    assert len(got["hashes"]) == STEPS, name
+    assert_same_run({**got, "params": _one_tensor(got, name)}, ref, name, steps=STEPS)
     # The gradient norm counts the tied weight once, as one process does.
     for a, b in zip(got["rows"], ref["rows"], strict=True):
         assert rel_error(a["grad_norm"], b["grad_norm"]) < RTOL, (name, a["step"], a, b)
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
-def test_tied_pp_two_ranks_equal_one_process(name, world2, reference) -> None:
-    _check_layout(world2[name], reference, name)
+def test_tied_pp_two_ranks_equal_one_process(name, request) -> None:
+    _check_layout(_got(name, request), _ref(name, request), name)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_tied_pp_four_ranks_equal_one_process(name, world4, reference) -> None:
-    _check_layout(world4[name], reference, name)
+def test_tied_pp_four_ranks_equal_one_process(name, request) -> None:
+    _check_layout(_got(name, request), _ref(name, request), name)
+
+
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_tied_pp_eight_ranks_equal_one_process(name, request) -> None:
+    """HSDP under a tied pipeline: the copy's all-reduce (1F1B) or one tensor (ZB-V) beside
+    HSDP's per-unit all-reduces across the replicas."""
+    _check_layout(_got(name, request), _ref(name, request), name)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tied_all_reduces_equal_the_planners(name, world2, world4) -> None:
+def test_tied_all_reduces_equal_the_planners(name, request) -> None:
     """Every pp rank's collectives (metrics rows) equal `plan_collectives`: the tied
     all-reduce once per step on pp ranks 0 and pp - 1 (of the local embedding gradient: a
     shard under FSDP2), none in a V; replicate's and FSDP2's counted beside it. Under FSDP2 the
     first step's shape inference gathers once more (not compared); under tp > 1 the planner
     does not predict (the tied all-reduce is then the whole tensor)."""
-    got = {**world2, **world4}[name]
+    got = _got(name, request)
     cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
     plan = as_plan(cfg)
     v, d = cfg.model.vocab_size, cfg.model.dim
@@ -230,7 +263,7 @@ def test_tied_all_reduces_equal_the_planners(name, world2, world4) -> None:
 
 
 # All-reduces per step of each pp rank: the tied one on pp ranks 0 and pp - 1, none in a V;
-# under dp_replicate 2 also one per FSDP unit (2 blocks and the root on each rank).
+# under dp_replicate 2 also one per FSDP unit (4 blocks and the root on each rank).
 ALLREDUCES = {
     "tied_pp2_1f1b": [1, 1],
     "tied_pp2_zero_bubble": [1, 1],
@@ -238,8 +271,15 @@ ALLREDUCES = {
     "tied_pp2_fsdp2": [1, 1],
     "tied_pp2_tp2_sp": [1, 1],
     "tied_pp4_gpipe": [1, 0, 0, 1],
-    "tied_pp2_dp_replicate2": [4, 4],
+    "tied_pp4_interleaved": [1, 0, 0, 1],
+    "tied_pp2_dp_replicate2": [6, 6],
     "tied_pp2_zbv_fsdp2": [0, 0],
+    "tied_pp2_zbv_fsdp2_zero1": [0, 0],
+    "tied_pp2_dualpipev_fsdp2": [0, 0],
+    # HSDP: one all-reduce per unit (4 blocks, and the root) and the tied one; in a V pp rank 0's
+    # first stage has no root unit (the tied weight is the last stage's)
+    "tied_pp2_hsdp": [6, 6],
+    "tied_pp2_zbv_hsdp": [5, 4],
 }
 
 
@@ -288,21 +328,29 @@ def test_init_from_tied_hf_folder_into_pp2(world2) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tied_pp2_1f1b", "tied_pp2_zbv", "tied_pp2_fsdp2", "tied_pp2_zbv_fsdp2"]
+    "name",
+    [
+        "tied_pp2_1f1b",
+        "tied_pp2_zbv",
+        "tied_pp2_fsdp2",
+        "tied_pp2_zbv_fsdp2",
+        "tied_pp2_dualpipev_fsdp2",
+        "tied_pp4_interleaved",
+        "tied_pp2_zbv_hsdp",
+    ],
 )
-def test_planner_predicts_each_stage_memory_with_the_copy(name, world2, world4) -> None:
-    """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on pp rank
-    1, or 0 in a V under FSDP2, sharded; none in a V without data parallelism) equal the
-    planner's expectation exactly."""
-    got = {**world2, **world4}[name]
+def test_planner_predicts_each_stage_memory_with_the_copy(name, request) -> None:
+    """param_bytes, grad_bytes and optimizer_bytes of every pipeline rank (the copy on the last
+    pp rank, sharded under FSDP2; none in a V) equal the planner's expectation exactly."""
+    got = _got(name, request)
     cfg = load_config(None, [*BASE, *TIED, *LAYOUTS[name]])
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
     v, d, shard = cfg.model.vocab_size, cfg.model.dim, cfg.parallel.dp_shard
     for rank, rows in enumerate(got["pp_rows"]):
         want = expected_runtime_metrics(cfg, rank=rank, options=CPU)
         assert {k: rows[0][k] for k in keys} == {k: want[k] for k in keys}, (name, rank)
-    # Rank 0 in a V holds both stages: the embedding, and the copy unless shared.
-    if "zbv" in name:
-        one = expected_runtime_metrics(load_config(None, [*BASE, *TIED]), rank=0, options=CPU)
-        extra = got["pp_rows"][0][0]["param_bytes"] + got["pp_rows"][1][0]["param_bytes"]
-        assert extra * shard - one["param_bytes"] == (0 if name in SHARED else 4 * v * d)
+    # The copy: the last pp rank's parameters beyond the split's (sharded); a V holds none, its
+    # two ranks together the one process's parameters.
+    one = expected_runtime_metrics(load_config(None, [*BASE, *TIED]), rank=0, options=CPU)
+    held = sum(rows[0]["param_bytes"] for rows in got["pp_rows"]) * shard
+    assert held - one["param_bytes"] == (0 if name in SHARED else 4 * v * d), name

@@ -1,7 +1,7 @@
 """The pieces of tied embeddings under pipeline parallelism, in one process (no torchrun):
 the last stage's copy starts as the embedding, the config accepts the layout and refuses what
 it cannot run with one line, checkpoints hold one tensor, the planner counts the copy; a V
-without data parallelism holds one tensor."""
+holds one tensor, and under FSDP2 the planner puts it in the last stage's root unit."""
 
 from __future__ import annotations
 
@@ -17,17 +17,16 @@ from llmscale.model.transformer import build_model
 from llmscale.parallel.pipeline import pipeline_split
 from llmscale.parallel.tied_embeddings import give_copies, store_once
 from llmscale.plan.params import rank_params
+from llmscale.stack.residency import stage_units
 
 TINY_TIED = dataclasses.replace(get_preset("tiny"), tie_embeddings=True, n_layers=8)
 
 
-@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zbv", 2), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_last_stage_copy_starts_as_the_embedding(schedule, chunks) -> None:
     model = build_model(TINY_TIED, seed=3)
     emb = model.tok_embeddings.weight
-    last = 0 if schedule == "zbv" else 1
-    # (wrapped: under data parallelism, where a V keeps the copy too)
-    parts, ids = pipeline_split(model, last, 2, chunks, (), schedule, wrapped=True)
+    parts, ids = pipeline_split(model, 1, 2, chunks, (), schedule)
     (head,) = [p for p, s in zip(parts, ids, strict=True) if s == 2 * chunks - 1]
     assert torch.equal(head.output.weight, emb)
     assert head.tok_embeddings is None
@@ -37,12 +36,13 @@ def test_last_stage_copy_starts_as_the_embedding(schedule, chunks) -> None:
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_v_without_data_parallelism_holds_one_tensor(schedule) -> None:
-    """A V places the first and the last stage on pp rank 0: without data parallelism the
-    embedding reads the head's weight, the one tensor, registered once (on the last stage)."""
+def test_v_holds_one_tensor(schedule) -> None:
+    """A V places the first and the last stage on pp rank 0: the embedding reads the head's
+    weight, the one tensor, registered once (on the last stage), with or without data
+    parallelism (under FSDP2 it gathers the last stage's root unit first)."""
     model = build_model(TINY_TIED, seed=3)
     emb = model.tok_embeddings.weight.detach().clone()
-    parts, ids = pipeline_split(model, 0, 2, 2, (), schedule, wrapped=False)
+    parts, ids = pipeline_split(model, 0, 2, 2, (), schedule)
     first, last = parts[ids.index(0)], parts[ids.index(3)]
     assert first.tok_embeddings.weight is last.output.weight
     names = [n for part in parts for n, _ in part.named_parameters()]
@@ -52,7 +52,7 @@ def test_v_without_data_parallelism_holds_one_tensor(schedule) -> None:
     tokens = torch.tensor([[1, 5, 7]])
     assert torch.equal(first.tok_embeddings(tokens), model.tok_embeddings(tokens))
     # pp rank 1 (the middle stages) holds neither.
-    mid, _ = pipeline_split(model, 1, 2, 2, (), schedule, wrapped=False)
+    mid, _ = pipeline_split(model, 1, 2, 2, (), schedule)
     assert all(p.tok_embeddings is None and p.output is None for p in mid)
 
 
@@ -91,17 +91,48 @@ def test_planner_counts_the_copy_on_the_last_stage() -> None:
     first, last = rank_params(TINY_TIED, 1, 2, 0), rank_params(TINY_TIED, 1, 2, 1)
     assert last.numel - (one.numel - first.numel) == v * d  # the copy, beyond the split
     assert first.numel + last.numel == one.numel + v * d
-    # In a V, pp rank 0 holds the embedding and the copy; FSDP shards the copy too.
-    v0 = rank_params(TINY_TIED, 1, 2, 0, dp_shard=2, chunks=2, v_shape=True)
-    assert v0.head is not None and v0.embedding is not None
-    assert v0.head.shard_numel - rank_params(TINY_TIED, 1, 1, 0, dp_shard=2).head.shard_numel == (
-        v * d // 2
-    )
-    # A V without data parallelism: one tensor on rank 0, as in one process.
-    shared = [
-        rank_params(TINY_TIED, 1, 2, r, chunks=2, v_shape=True, wrapped=False) for r in (0, 1)
-    ]
+    # A V: one tensor on rank 0, as in one process, with or without FSDP2.
+    shared = [rank_params(TINY_TIED, 1, 2, r, chunks=2, v_shape=True) for r in (0, 1)]
     assert shared[0].numel + shared[1].numel == one.numel
     assert shared[0].autocast_numel + shared[1].autocast_numel == one.autocast_numel
-    wrapped = rank_params(TINY_TIED, 1, 2, 0, chunks=2, v_shape=True, wrapped=True)
-    assert wrapped.numel - shared[0].numel == v * d
+    sharded = [rank_params(TINY_TIED, 1, 2, r, 2, chunks=2, v_shape=True) for r in (0, 1)]
+    assert sharded[0].shard_numel + sharded[1].shard_numel == one.numel // 2
+    # FSDP2's units: the first stage's root holds no tied weight, the last stage's holds it.
+    v_units = [stage_units(TINY_TIED, s, 4, v_shape=True) for s in (0, 3)]
+    loop_units = [stage_units(TINY_TIED, s, 4) for s in (0, 3)]
+    assert len(v_units[0]) == len(loop_units[0]) - 1 == 2  # 2 blocks, no root
+    assert v_units[1] == loop_units[1] and (v, d) in v_units[1][-1]  # 2 blocks, norm + weight
+
+
+def test_cli_accepts_the_tied_pipeline(capsys, tmp_path, monkeypatch) -> None:
+    """`plan --model gpt2-124m --gpu h100 --gpus 8 --seq 1024 --pp 2` and `train --model.name
+    gpt2-124m --parallel.pp 2 --train.micro_batch_size 4 --dry-run` take the tied layout; the
+    dry run's last pp rank holds the copy: its fp32 parameters are the planner's, the copy's
+    `vocab x dim` beyond what the split gives it. (The dry run against the h100 here: without
+    --gpu it calibrates this machine first, a minute.)"""
+    import json
+
+    from llmscale.cli import main
+    from llmscale.plan.memory import MemoryOptions
+    from llmscale.plan.predict import expected_runtime_metrics
+
+    monkeypatch.chdir(tmp_path)
+    plan = ["plan", "--model", "gpt2-124m", "--gpu", "h100", "--gpus", "8", "--seq", "1024"]
+    assert main([*plan, "--pp", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["candidates"] and all(c["plan"]["pp"] == 2 for c in got["candidates"])
+    assert any(c["fits"] for c in got["candidates"])
+    job = ["--model.name", "gpt2-124m", "--parallel.pp", "2", "--train.micro_batch_size", "4"]
+    assert main(["train", *job, "--dry-run", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "tied_embedding_comm" in out
+    gpt2 = get_preset("gpt2-124m")
+    cfg = load_config(None, job)
+    ranks = [expected_runtime_metrics(cfg, rank=r, options=MemoryOptions()) for r in (0, 1)]
+    split = rank_params(gpt2, 1, 2, 1, wrapped=False)
+    one = rank_params(gpt2, 1, 1, 0)
+    assert ranks[1]["param_bytes"] == 4 * split.numel
+    assert split.numel - (one.numel - rank_params(gpt2, 1, 2, 0).numel) == 50257 * 768
+    for r, row in enumerate(ranks):  # the dry run's table, GiB to 2 decimals
+        line = next(x for x in out.splitlines() if x.split()[:2] == [str(r), str(r)])
+        assert line.split()[2] == f"{row['param_bytes'] / 2**30:.2f}", (r, line)

@@ -1,26 +1,23 @@
-"""One rank of the tied-embedding tests: train several layouts in turn in one process group.
+"""One rank of the tied-embedding tests: layout_worker.py's loop, with two more entries.
 
     torchrun --nproc-per-node N tests/parallel/tied_worker.py SPEC.json
 
-SPEC: {"out": folder, "base": [overrides...], "layouts": [{"name", "args", "run"?}, ...]}.
-The rank holding pipeline stage s at data, tensor and context rank 0 writes OUT/NAME.stage{s}.pt:
-losses, validation loss, final parameters gathered to full tensors, and after every step the
-sha256 of the full embedding (`tok_embeddings.weight`) and of the last stage's copy
-(`output.weight`) where this rank's stages hold them, this rank's metrics rows, and how many
-distinct tensors hold the tied weight on this rank (`tied_tensors`).
+SPEC as layout_worker.py's. Besides layout_worker's payload, the rank holding pipeline stage s
+at data, tensor and context rank 0 writes, in OUT/NAME.stage{s}.pt, the sha256 after every step
+of the full embedding (`tok_embeddings.weight`) and of the last stage's copy (`output.weight`)
+where this rank's stages hold them (`hashes`), and how many distinct tensors hold the tied
+weight on this rank (`tied_tensors`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-import torch
-import torch.distributed as dist
+from layout_worker import train_layouts
 
-from llmscale.config import load_config
 from llmscale.parallel import full_parameters
 from llmscale.tensors import local_tensor
 from llmscale.train.trainer import Trainer
@@ -51,44 +48,19 @@ def tied_tensors(t: Trainer) -> int:
     return len(ptrs)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
-    for layout in spec["layouts"]:
-        run_dir = out / layout.get("run", layout["name"])
-        cfg = load_config(None, [*spec["base"], "--job.run_dir", str(run_dir), *layout["args"]])
-        t = Trainer(cfg)
-        hashes: list[dict[str, str]] = []
-        rows: list[dict] = []  # this rank's metrics rows (its own memory figures)
-        step = t.train_step
+def hook(t: Trainer) -> Callable[[], dict[str, Any]]:
+    """Hash the tied weights after every step; count their tensors after training."""
+    hashes: list[dict[str, str]] = []
+    step = t.train_step
 
-        def train_step(step=step, t=t, hashes=hashes, rows=rows):
-            row = step()
-            rows.append(dict(row))
-            hashes.append(tied_hashes(t))
-            return row
+    def train_step():
+        row = step()
+        hashes.append(tied_hashes(t))
+        return row
 
-        t.train_step = train_step
-        result = t.fit()
-        params = full_parameters(t.model_parts)
-        d = t.dims
-        if d.dp_rank == 0 and d.tp_rank == 0 and d.cp_rank == 0:
-            payload = {
-                "losses": result.losses,
-                "val_loss": result.val_loss,
-                "steps_done": result.steps_done,
-                "params": params,
-                "hashes": hashes,
-                "first_row": rows[0] if rows else None,
-                "rows": rows,
-                "tied_tensors": tied_tensors(t),
-            }
-            torch.save(payload, out / f"{layout['name']}.stage{d.pp_rank}.pt")
-        t.close()
-        dist.barrier()
-    dist.destroy_process_group()
+    t.train_step = train_step
+    return lambda: {"hashes": hashes, "tied_tensors": tied_tensors(t)}
 
 
 if __name__ == "__main__":
-    main()
+    train_layouts(sys.argv[1], hook)

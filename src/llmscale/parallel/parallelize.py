@@ -51,9 +51,8 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
         convert_to_fp8(model)
     if dims.pp > 1:
         parts, ids = pipeline_split(
-            model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers, p.pp_schedule,
-            wrapped=dims.reduces_grads,
-        )  # fmt: skip
+            model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers, p.pp_schedule
+        )
         n_stages = dims.pp * pipeline_chunks(p.pp_schedule, p.pp_chunks)
     else:
         parts, ids, n_stages = [model], [0], 1

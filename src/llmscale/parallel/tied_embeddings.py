@@ -20,17 +20,19 @@ DeepSpeed's `TiedLayerSpec`):
   loaded under the embedding's names (`store_once`, `give_copies`), so a checkpoint of a tied
   pipelined run is the single-process one, and loads under any layout.
 
-Under V placement (zbv, dualpipev) pp rank 0 holds the first and the last stage. Without data
-parallelism there is then one tensor and no communication: the last stage's `output.weight` is
+Under V placement (zbv, dualpipev) pp rank 0 holds the first and the last stage. There is then
+one tensor and no communication (`model.config.tied_copy`): the last stage's `output.weight` is
 the tied weight, and the first stage's embedding is a `SharedEmbedding` that reads it without
 registering it (`share_tied_head`). It is registered on the last stage, not the first, because
 a split backward's input and weight halves (zbv) look for the weights of a stage among its own
 module's parameters, and the first stage's weight half is a whole backward that reaches every
 leaf it read. Autograd sums both uses into its one gradient; the optimizer steps it once, the
 norm counts it once, and the checkpoint stores it under the embedding's name (`store_once`).
-FSDP2 and replicate cannot share one parameter between two stage roots (each root's state owns
-its parameters, and a unit spanning both would need two roots), so a V under data parallelism
-keeps the copy and adds the two gradients locally (`model.config.tied_copy`).
+Under FSDP2 or replicate the tensor belongs to the last stage's root unit alone (a parameter
+cannot be in two units): the embedding gathers that unit before its lookup (`unshard`, a no-op
+when gathered), the lookups' gradients accumulate into the unit's unsharded gradient with the
+head's, and the last stage's gradient reduction is moved after the first stage's backward
+(`pipeline.reduce_shared_tied_weight_last`), so the one reduce-scatter carries both uses.
 
 Offloaded optimizers (gradients on the host) are refused with a tied pipeline (config.py).
 """
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from llmscale.model.config import EMBEDDING_WEIGHT, TIED_HEAD_WEIGHT
 from llmscale.parallel.data_parallel import CollectiveCounter
@@ -53,19 +56,24 @@ from llmscale.tensors import local_tensor
 
 
 class SharedEmbedding(nn.Module):
-    """The first stage's token embedding in a V without data parallelism: a lookup in the last
-    stage's head weight (`head.weight`, read at each call, so it follows the parameter through
-    materialization and loads), which this module does not register."""
+    """The first stage's token embedding in a V: a lookup in the last stage's head weight
+    (`head.weight`, read at each call, so it follows the parameter through materialization,
+    loads and FSDP2's swaps between sharded and gathered), which this module does not register.
+    Where FSDP2 or replicate holds the last stage (`last`), its root unit is gathered first."""
 
-    def __init__(self, head: nn.Linear) -> None:
+    def __init__(self, head: nn.Linear, last: nn.Module) -> None:
         super().__init__()
-        self.__dict__["head"] = head  # not a submodule: the weight is the last stage's
+        self.__dict__["head"] = head  # not submodules: the weight is the last stage's
+        self.__dict__["last"] = last
 
     @property
     def weight(self) -> torch.Tensor:
         return self.__dict__["head"].weight  # type: ignore[no-any-return]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        last = self.__dict__["last"]
+        if isinstance(last, FSDPModule):
+            last.unshard()  # the root unit only (not recursive); a no-op when gathered
         return F.embedding(tokens, self.weight)
 
 
@@ -75,13 +83,13 @@ def share_tied_head(parts: Sequence[nn.Module], ids: Sequence[int], n_stages: in
     first = parts[list(ids).index(0)]
     last = parts[list(ids).index(n_stages - 1)]
     assert first.tok_embeddings is not None and last.output is not None
-    first.tok_embeddings = SharedEmbedding(last.output)  # type: ignore[assignment]
+    first.tok_embeddings = SharedEmbedding(last.output, last)  # type: ignore[assignment]
 
 
 class TiedEmbeddings:
     """This rank's share of a tied embedding under a pipeline: the embedding (first stage), its
-    copy (last stage), both (a V under data parallelism), neither (a middle rank: nothing to
-    do), or the one shared tensor (a V without: `shared`, nothing to do either)."""
+    copy (last stage), neither (a middle rank: nothing to do), or the one shared tensor (a V:
+    `shared`, nothing to do either)."""
 
     def __init__(
         self,
@@ -127,19 +135,16 @@ class TiedEmbeddings:
         held = [p for p in (self.embedding, self.copy) if p is not None]
         if not held or self.shared:  # one tensor: autograd summed both uses
             return
+        (param,) = held  # (both stages on one rank: a V, which shares one tensor)
         match_grad_placements_(held)
-        for p in held:
-            if p.grad is None:  # (a stage that saw no micro-batch: nothing to add)
-                p.grad = torch.zeros_like(p)
-        grads = [local_tensor(p.grad) for p in held]  # type: ignore[arg-type]
-        if len(grads) == 2:  # a V under data parallelism: both stages here
-            grads[0].add_(grads[1])
-            grads[1].copy_(grads[0])
-        elif self.group is not None:
+        if param.grad is None:  # (a stage that saw no micro-batch: nothing to add)
+            param.grad = torch.zeros_like(param)
+        grad = local_tensor(param.grad)
+        if self.group is not None:
             # a + b on both ranks: the same bits on both (addition commutes exactly).
-            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
             if self.counter is not None:
-                self.counter.all_reduced(grads[0])
+                self.counter.all_reduced(grad)
 
 
 def _embedding_key(key: str) -> str | None:

@@ -40,7 +40,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from llmscale.config import V_SCHEDULES, pipeline_chunks
-from llmscale.model.config import ModelConfig, split_layers, stage_ids, tied_copy
+from llmscale.model.config import (
+    EMBEDDING_WEIGHT,
+    ModelConfig,
+    split_layers,
+    stage_ids,
+    tied_copy,
+)
 from llmscale.stack import LLMSCALE, Residency, param_residency
 
 
@@ -115,22 +121,29 @@ def unit_numel(shapes: list[tuple[int, ...]], dp_shard: int) -> int:
 
 
 def stage_units(
-    model: ModelConfig, stage: int, n_stages: int, pp_layers: list[int] | tuple[int, ...] = ()
+    model: ModelConfig,
+    stage: int,
+    n_stages: int,
+    pp_layers: list[int] | tuple[int, ...] = (),
+    v_shape: bool = False,
 ) -> list[list[tuple[int, ...]]]:
     """The FSDP units of pipeline stage `stage` of `n_stages` (1: the whole model), each a list
     of parameter shapes: one per block, then the root's (embedding on the first stage, final norm
     and output projection on the last: under a pipeline a tied embedding's copy), left out when
-    it holds no parameter."""
+    it holds no parameter. In a tied V (`v_shape`) the one tied tensor is the last stage's: its
+    root holds it, the first stage's root does not (`model.config.tied_copy`)."""
     groups = model.parameter_shapes()
     block = [s for _, s in groups["block"]]
     layers = split_layers(model.n_layers, n_stages, pp_layers)[stage]
     units = [list(block) for _ in layers]
     root: list[tuple[int, ...]] = []
+    tied = n_stages > 1 and model.tie_embeddings
+    shared = tied and not tied_copy(model, n_stages, v_shape=v_shape)  # a V: one tensor
     if stage == 0:
-        root += [s for _, s in groups["embedding"]]
+        root += [s for n, s in groups["embedding"] if not (shared and n == EMBEDDING_WEIGHT)]
     if stage == n_stages - 1:
         root += [s for _, s in groups["head"]]
-        if tied_copy(model, n_stages):  # the last stage's copy of a tied embedding
+        if tied:  # the last stage's copy of a tied embedding, or in a V the one tied tensor
             root.append((model.vocab_size, model.dim))
     if root:
         units.append(root)
@@ -255,9 +268,10 @@ def predict_collectives(
         n_chunks = pipeline_chunks(schedule, chunks)
         n_stages = pp * n_chunks
         gathers_of = pipeline_gathers(zero_stage, order)
-        for s in stage_ids(pp_rank, pp, n_chunks, v_shape=schedule in V_SCHEDULES):
+        v_shape = schedule in V_SCHEDULES
+        for s in stage_ids(pp_rank, pp, n_chunks, v_shape=v_shape):
             g = gathers_of.get(s, 0) + (1 if first_step else 0)
-            per_unit += [(u, g, 1) for u in stage_units(model, s, n_stages, pp_layers)]
+            per_unit += [(u, g, 1) for u in stage_units(model, s, n_stages, pp_layers, v_shape)]
     ag = rs = ag_b = rs_b = ar = ar_b = 0
     for shapes, g, r in per_unit:
         n = unit_numel(shapes, dp_shard)
