@@ -86,3 +86,33 @@ def test_the_demo_commands_are_the_makefiles_and_readmes() -> None:
     assert plot == ("llmscale", "plot", "runs/demo")
     assert plan[: len(demo.PLAN)] == demo.PLAN and plan[-1].startswith("runs/demo/")
     assert f"$ {' '.join(demo.PLAN)}\n" in (root / "README.md").read_text()
+
+
+def test_make_demo_records_in_the_run_folder_and_demo_record_in_the_project(
+    run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """make demo changes no tracked file: its record goes to the (git-ignored) run folder;
+    make demo-record writes docs/results/demo.json, and only it renders README's blocks."""
+    folder, _ = run
+    checkout = demo.run_dir  # the commands' folder stays the checkout's runs/demo
+    monkeypatch.setattr(
+        demo, "run_dir", lambda root=None: folder if root is None else checkout(root)
+    )
+    project = demo.RECORD.read_bytes()
+    assert demo.main(["--record-only"]) == 0
+    rec = json.loads((folder / demo.RUN_RECORD).read_text())
+    assert demo.transcript(rec)[-1] == f"run folder: {folder}"
+    assert demo.RECORD.read_bytes() == project  # the checkout's record untouched
+    assert f"recorded {folder / demo.RUN_RECORD}: step time predicted/measured " in (
+        capsys.readouterr().out
+    )
+    assert demo.record_path(True) == demo.RECORD
+    assert demo.record_path(False) == folder / demo.RUN_RECORD
+    root = Path(__file__).resolve().parents[2]
+    assert "/runs/" in (root / ".gitignore").read_text().splitlines()
+    assert demo.run_dir(root).relative_to(root).parts[0] == "runs"
+    make = (root / "Makefile").read_text()
+    recipe = make.split("\ndemo: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
+    assert recipe.strip() == "$(PY) -m llmscale.bench.demo"  # no --record, no make docs
+    record = make.split("\ndemo-record: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
+    assert "--record" in record and "llmscale.docs" in record

@@ -1,10 +1,14 @@
-"""`make demo`: its commands, run and timed, and its record, docs/results/demo.json.
+"""`make demo`: its commands, run and timed, and its record (the run folder's demo.json; with
+`--record`, the project's docs/results/demo.json).
 
 The demo trains the tiny model on 4 CPU processes (FSDP over 2 ranks x tensor parallelism over
 2), plots the run, and plans Llama 2 70B on 64 H200s. This module holds those commands (the
 Makefile runs it; README's plan block is the last one), runs them in order and times them (wall
 seconds from the first to the end of the last; the .venv's creation is not counted), then writes
-what the run printed, as data, to `docs/results/demo.json`, one suite in results.json's schema:
+what the run printed, as data, one suite in results.json's schema. `make demo` writes it into
+the run folder (`runs/demo/demo.json`, untracked: a user's checkout stays as it was); `make
+demo-record` (`--record`) writes the project's record, docs/results/demo.json, from which `make
+docs` renders README's demo blocks:
 
 - `rows`: the end-of-run table (`train/progress.py`'s `Compared` rows: step time, then each
   memory figure, predicted and measured) and the demo's wall time (measured only, with the
@@ -16,7 +20,8 @@ what the run printed, as data, to `docs/results/demo.json`, one suite in results
 `transcript` renders README's demo block from it with the train command's own renderers
 (`format_row`, `comparison_table`): `make docs` re-measures nothing.
 
-    python -m llmscale.bench.demo                # run the demo, write docs/results/demo.json
+    python -m llmscale.bench.demo                # run the demo, write runs/demo/demo.json
+    python -m llmscale.bench.demo --record       # the same, written to docs/results/demo.json
     python -m llmscale.bench.demo --record-only  # record runs/demo as it is (no run, no wall)
 """
 
@@ -47,7 +52,8 @@ PLAN = (
     "llmscale", "plan", "--model", "llama2-70b", "--gpu", "h200", "--gpus", "64",
     "--seq", "4096", "--global-batch", "1024", "--top", "5",
 )  # fmt: skip
-RECORD = SOURCE_ROOT / "docs" / "results" / "demo.json"
+RECORD = SOURCE_ROOT / "docs" / "results" / "demo.json"  # the project's (make demo-record)
+RUN_RECORD = "demo.json"  # in the run folder (make demo)
 SUITE = "demo"
 
 
@@ -185,17 +191,35 @@ def write(rec: dict[str, Any], out: Path) -> None:
     out.write_text(json.dumps(rec, indent=1) + "\n")
 
 
+def record_path(project: bool, out: Path | None = None) -> Path:
+    """Where a demo's record goes: `out`, else the project's (`project`, make demo-record),
+    else the run folder's (make demo: no tracked file changes)."""
+    if out is not None:
+        return out
+    return RECORD if project else run_dir() / RUN_RECORD
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m llmscale.bench.demo",
         description="make demo: train on 4 CPU processes, plot, plan; record the run and its "
-        "wall time in docs/results/demo.json (make docs renders README's demo block from it)",
+        f"wall time in the run folder's {RUN_RECORD} (--record: in the project's "
+        "docs/results/demo.json, from which make docs renders README's demo blocks)",
     )
-    ap.add_argument("--out", type=Path, default=RECORD, help="the record (default: %(default)s)")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument(
+        "--out", type=Path, help=f"the record (default: RUN_DIR/{RUN_RECORD}, untracked)"
+    )
+    where.add_argument(
+        "--record",
+        action="store_true",
+        help=f"write the project's record, {RECORD.relative_to(SOURCE_ROOT)} (make demo-record)",
+    )
     ap.add_argument(
         "--record-only", action="store_true", help="record the run folder as it is, run nothing"
     )
     args = ap.parse_args(argv)
+    out = record_path(args.record, args.out)
     wall_s = load = None
     lines = [" ".join(c) for c in commands()]
     if not args.record_only:
@@ -209,14 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"make demo: not recorded: {e}", file=sys.stderr)
         return 1
-    write(rec, args.out)
+    write(rec, out)
     ratio = step_ratio(rec)
     print(
-        f"recorded {args.out}: step time predicted/measured "
+        f"recorded {_shown(out)}: step time predicted/measured "
         + (f"{ratio:.2f}" if ratio is not None else "-")
         + (f", make demo {wall_s:.0f} s" if wall_s is not None else "")
     )
     return 0
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the checkout where it is inside it."""
+    try:
+        return str(path.resolve().relative_to(SOURCE_ROOT))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":
