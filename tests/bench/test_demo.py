@@ -4,6 +4,7 @@ line for line by the command's own renderers (README's demo block)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -67,6 +68,22 @@ def test_the_record_renders_what_the_train_command_printed(run, tmp_path: Path) 
     out = tmp_path / "demo.json"
     demo.write(rec, out)
     assert demo.transcript(json.loads(out.read_text())) == printed
+
+
+def test_the_record_says_the_load_while_training_next_to_the_calibrations(run) -> None:
+    """A step time measured under other users' load next to a prediction from figures measured
+    under another: the record keeps both loads, and the demo prints them in one line."""
+    folder, _ = run
+    assert demo.load_line(demo.record(folder, None, None, [], AT)) == ""  # not measured
+    rec = demo.record(folder, 12.3, (1.0, 2.0), [], AT, train_load=2.345)
+    assert rec["demo"]["run"]["training_other_load_cores"] == 2.345
+    rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = 0.5
+    assert demo.load_line(rec) == (
+        "other processes used 2.35 cores while the run trained; "
+        "0.50 while the device's figures were measured"
+    )
+    rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = math.nan  # unknown
+    assert demo.load_line(rec) == "other processes used 2.35 cores while the run trained"
 
 
 def test_a_run_without_its_summary_is_not_recorded(run) -> None:
