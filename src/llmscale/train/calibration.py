@@ -28,8 +28,10 @@ version, the model's shape, micro-batch, sequence length and precision. With the
 the time of a fixed probe workload (`probe_seconds`) measured alongside; a run that finds the
 figures times the probe again, and measures again when the machine now runs it more than
 `PROBE_TOLERANCE` times slower or faster (another engineer's load on a shared machine), saying so
-in one line: figures from a quiet hour would otherwise predict a busy hour's run (predicted /
-measured step time 0.57-0.78 under a load average of 8-11 on 2 cores, 0.96-0.99 measured again).
+in one line: figures from a quiet hour would otherwise predict a busy hour's run (the demo's
+predicted / measured step time was 0.57-0.78 under a load average of 8-11 on 2 cores from a
+cache measured on a quiet machine, 0.96 and 0.99 measured again under that load). Re-measuring
+costs about a second at the demo's shape; the probe, about 50 ms.
 """
 
 from __future__ import annotations
@@ -391,7 +393,7 @@ def probe_change(then: float, now: float, what: str) -> str:
     pace = f"{ratio:.2f}x slower" if ratio > 1 else f"{1 / ratio:.2f}x faster"
     return (
         f"calibration: this machine runs a fixed probe {pace} than when its cached {what} were "
-        f"measured ({1e3 * now:.1f} ms, then {1e3 * then:.1f} ms; tolerance "
+        f"measured ({1e3 * now:.1f} ms, then {1e3 * then:.1f} ms; beyond the tolerance, "
         f"{PROBE_TOLERANCE}x): measuring again"
     )
 
