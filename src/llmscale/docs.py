@@ -374,17 +374,20 @@ def demo_wall(ctx: Context) -> str:
 
 
 def demo_fit(ctx: Context) -> str:
-    """README: the demo's predicted-vs-measured summary (memory rows, the step-time ratio)."""
+    """README: the demo's predicted-vs-measured summary (memory rows, the step-time ratio, and
+    the other processes' load while it trained and while its calibration was measured)."""
     rec = ctx.demo
     if rec is None:
         return "not recorded yet: make demo"
     mem = [r for r in demo.table_rows(rec) if r.unit == "B"]
     exact = all(r.predicted == r.measured for r in mem)
     ratio = demo.step_ratio(rec)
+    load = demo.load_line(rec)
     return (
         ("memory exact" if exact else "memory not exact: see the table")
         + ", step time predicted/measured "
         + ("-" if ratio is None else f"{ratio:.2f}")
+        + (f" ({load})" if load else "")
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmscale import docs
 from llmscale.bench import demo
 from llmscale.bench.jobs import short_job
 from llmscale.config import load_config
@@ -70,7 +71,9 @@ def test_the_record_renders_what_the_train_command_printed(run, tmp_path: Path) 
     assert demo.transcript(json.loads(out.read_text())) == printed
 
 
-def test_the_record_says_the_load_while_training_next_to_the_calibrations(run) -> None:
+def test_the_record_says_the_load_while_training_next_to_the_calibrations(
+    run, tmp_path: Path
+) -> None:
     """A step time measured under other users' load next to a prediction from figures measured
     under another: the record keeps both loads, and the demo prints them in one line."""
     folder, _ = run
@@ -84,6 +87,13 @@ def test_the_record_says_the_load_while_training_next_to_the_calibrations(run) -
     )
     rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = math.nan  # unknown
     assert demo.load_line(rec) == "other processes used 2.35 cores while the run trained"
+    # README's summary of the record says it too
+    demo.write(rec, tmp_path / "results" / "demo.json")
+    fit = docs.demo_fit(docs.Context(tmp_path / "results" / "results.json", measure=False))
+    assert fit.endswith(
+        f"step time predicted/measured {demo.step_ratio(rec):.2f} "
+        "(other processes used 2.35 cores while the run trained)"
+    )
 
 
 def test_a_run_without_its_summary_is_not_recorded(run) -> None:
