@@ -5,7 +5,7 @@ LLMSCALE := $(VENV)/bin/llmscale
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test test-timed lint results claims docs reliability clean
+.PHONY: demo demo-record test test-timed lint results claims docs reliability clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,10 +15,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The demo trains on 4 CPU processes: FSDP over 2 ranks x tensor parallelism over 2 (docs/parallel.md),
 # plots the run and plans Llama 2 70B on 64 H200s (the commands: src/llmscale/bench/demo.py, which
-# prints each), then records the run and its wall time in docs/results/demo.json and renders
-# README's demo blocks from it.
+# prints each), then records the run and its wall time in the run folder, runs/demo/demo.json
+# (untracked: make demo changes no file of the checkout).
 demo: $(STAMP)
 	$(PY) -m llmscale.bench.demo
+
+# make demo, recorded as the project's record, docs/results/demo.json, and README's demo blocks
+# rendered from it.
+demo-record: $(STAMP)
+	$(PY) -m llmscale.bench.demo --record
 	$(PY) -m llmscale.docs --block demo-wall --block demo-fit --block demo-run
 
 test: $(STAMP)

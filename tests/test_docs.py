@@ -22,7 +22,8 @@ def test_every_rendered_block_is_current() -> None:
 
 
 RECORDS = tuple(
-    f"docs/results/{n}.json" for n in ("results", "demo", "timings", "pipeline_memory", "overhead")
+    f"docs/results/{n}.json"
+    for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload")
 )
 
 

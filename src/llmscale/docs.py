@@ -374,17 +374,20 @@ def demo_wall(ctx: Context) -> str:
 
 
 def demo_fit(ctx: Context) -> str:
-    """README: the demo's predicted-vs-measured summary (memory rows, the step-time ratio)."""
+    """README: the demo's predicted-vs-measured summary (memory rows, the step-time ratio, and
+    the other processes' load while it trained and while its calibration was measured)."""
     rec = ctx.demo
     if rec is None:
         return "not recorded yet: make demo"
     mem = [r for r in demo.table_rows(rec) if r.unit == "B"]
     exact = all(r.predicted == r.measured for r in mem)
     ratio = demo.step_ratio(rec)
+    load = demo.load_line(rec)
     return (
         ("memory exact" if exact else "memory not exact: see the table")
         + ", step time predicted/measured "
         + ("-" if ratio is None else f"{ratio:.2f}")
+        + (f" ({load})" if load else "")
     )
 
 
@@ -600,6 +603,51 @@ def lsp_results(ctx: Context) -> str:
     if lsp is None:
         return "The finetune suite has not been measured yet (`make results`)."
     return f"In `make results`' latest run ({ctx.results.when('finetune')}), lsp against optimizer: {lsp}"
+
+
+def offload_modes(ctx: Context) -> str:
+    """docs/offload.md: step times and bytes of each offload mode and link, as
+    `python -m llmscale.bench.offload --json-out docs/results/offload.json` recorded them."""
+    from llmscale.bench import offload
+
+    rec = Results(ctx.results_path.parent / "offload.json").suite(offload.SUITE)
+    if not rec:
+        return "Not measured yet: `python -m llmscale.bench.offload --json-out ...`."
+
+    def ms(seconds: float) -> str:
+        return f"{1e3 * seconds:.0f} ms"
+
+    def pct(share: float) -> str:  # a share hidden; none (overlap no faster) or NaN: a dash
+        return f"{share:.0%}" if share == share and share >= 0 else "—"
+
+    lines = [
+        f"    {rec['command']}",
+        "",
+        f"(measured {rec['measured_at'][:16].replace('T', ' ')} UTC, {rec['cores']} CPU cores, "
+        f"{rec['threads']} torch thread{'s' if rec['threads'] != 1 else ''}, load average {rec['load_average'][0]:.1f} at the start, {rec['load_average'][1]:.1f} "
+        f"at the end; {rec['notes'][0]}):",
+        "",
+        "| mode | link | off | serial | overlap | bytes moved / step (measured; predicted) "
+        "| host Adam / step | hidden (wall / timeline) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rec["runs"]:
+        step, moved, want = r["step_s"], r["bytes_moved"], r["bytes_moved_predicted"]
+        got = {moved["serial"], moved["overlap"]}
+        if got == {want}:
+            said = " (= predicted)"
+        elif want is None:
+            said = " (not predicted)"
+        else:
+            said = f" (predicted {want / 2**20:.2f} MiB)"
+        bytes_cell = " / ".join(f"{b / 2**20:.2f} MiB" for b in sorted(got)) + said
+        lines.append(
+            f"| `{r['offload']}` | {offload.link_label(r['link_gbps'])} | {ms(step['off'])} | "
+            f"{ms(step['serial'])} | {ms(step['overlap'])} | {bytes_cell} | "
+            f"{1e3 * r['host_adam_s']:.1f} ms | {pct(r['hidden_wall'])} / "
+            f"{pct(r['hidden_timeline'])} |"
+        )
+    return "\n".join(lines)
 
 
 def inflight_table(ctx: Context) -> str:
@@ -1006,6 +1054,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/parallel.md", "cp-results", cp_results),
     Block("docs/parallel.md", "compile-results", compile_results),
     Block("docs/offload.md", "lsp-results", lsp_results),
+    Block("docs/offload.md", "offload-modes", offload_modes),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
     Block("docs/pipeline-bench.md", "pipeline-op-range", pipeline_op_range),
     Block("docs/pipeline-bench.md", "pipeline-p2p-range", pipeline_p2p_range),

@@ -4,11 +4,13 @@ line for line by the command's own renderers (README's demo block)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
 import pytest
 
+from llmscale import docs
 from llmscale.bench import demo
 from llmscale.bench.jobs import short_job
 from llmscale.config import load_config
@@ -69,6 +71,31 @@ def test_the_record_renders_what_the_train_command_printed(run, tmp_path: Path) 
     assert demo.transcript(json.loads(out.read_text())) == printed
 
 
+def test_the_record_says_the_load_while_training_next_to_the_calibrations(
+    run, tmp_path: Path
+) -> None:
+    """A step time measured under other users' load next to a prediction from figures measured
+    under another: the record keeps both loads, and the demo prints them in one line."""
+    folder, _ = run
+    assert demo.load_line(demo.record(folder, None, None, [], AT)) == ""  # not measured
+    rec = demo.record(folder, 12.3, (1.0, 2.0), [], AT, train_load=2.345)
+    assert rec["demo"]["run"]["training_other_load_cores"] == 2.345
+    rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = 0.5
+    assert demo.load_line(rec) == (
+        "other processes used 2.35 cores while the run trained; "
+        "0.50 while the device's figures were measured"
+    )
+    rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = math.nan  # unknown
+    assert demo.load_line(rec) == "other processes used 2.35 cores while the run trained"
+    # README's summary of the record says it too
+    demo.write(rec, tmp_path / "results" / "demo.json")
+    fit = docs.demo_fit(docs.Context(tmp_path / "results" / "results.json", measure=False))
+    assert fit.endswith(
+        f"step time predicted/measured {demo.step_ratio(rec):.2f} "
+        "(other processes used 2.35 cores while the run trained)"
+    )
+
+
 def test_a_run_without_its_summary_is_not_recorded(run) -> None:
     folder, _ = run
     (folder / SUMMARY).unlink()
@@ -86,3 +113,33 @@ def test_the_demo_commands_are_the_makefiles_and_readmes() -> None:
     assert plot == ("llmscale", "plot", "runs/demo")
     assert plan[: len(demo.PLAN)] == demo.PLAN and plan[-1].startswith("runs/demo/")
     assert f"$ {' '.join(demo.PLAN)}\n" in (root / "README.md").read_text()
+
+
+def test_make_demo_records_in_the_run_folder_and_demo_record_in_the_project(
+    run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """make demo changes no tracked file: its record goes to the (git-ignored) run folder;
+    make demo-record writes docs/results/demo.json, and only it renders README's blocks."""
+    folder, _ = run
+    checkout = demo.run_dir  # the commands' folder stays the checkout's runs/demo
+    monkeypatch.setattr(
+        demo, "run_dir", lambda root=None: folder if root is None else checkout(root)
+    )
+    project = demo.RECORD.read_bytes()
+    assert demo.main(["--record-only"]) == 0
+    rec = json.loads((folder / demo.RUN_RECORD).read_text())
+    assert demo.transcript(rec)[-1] == f"run folder: {folder}"
+    assert demo.RECORD.read_bytes() == project  # the checkout's record untouched
+    assert f"recorded {folder / demo.RUN_RECORD}: step time predicted/measured " in (
+        capsys.readouterr().out
+    )
+    assert demo.record_path(True) == demo.RECORD
+    assert demo.record_path(False) == folder / demo.RUN_RECORD
+    root = Path(__file__).resolve().parents[2]
+    assert "/runs/" in (root / ".gitignore").read_text().splitlines()
+    assert demo.run_dir(root).relative_to(root).parts[0] == "runs"
+    make = (root / "Makefile").read_text()
+    recipe = make.split("\ndemo: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
+    assert recipe.strip() == "$(PY) -m llmscale.bench.demo"  # no --record, no make docs
+    record = make.split("\ndemo-record: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
+    assert "--record" in record and "llmscale.docs" in record

@@ -47,6 +47,7 @@ def _counting_measure(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         return {**FAKE, f"gemm_{precision}_flops": 2e9}
 
     monkeypatch.setattr(calibration, "measure", measure)
+    monkeypatch.setattr(calibration, "probe_seconds", lambda device: 0.01)  # a steady machine
     return calls
 
 
@@ -71,7 +72,10 @@ def test_figures_are_measured_once_per_shape_then_read(tmp_path, monkeypatch) ->
     stored = json.loads(path.read_text())
     assert stored["key"] == calibration.cache_key(CPU, TINY, 2, 16, "fp32")
     assert stored["key"]["host"] == calibrate.machine_key(CPU)["host"]
+    assert stored["probe_s"] > 0  # the probe's time alongside
     calls = _counting_measure(monkeypatch)
+    # the machine as fast as then (the probe's re-timing is tests/train/test_calibration_probe's)
+    monkeypatch.setattr(calibration, "probe_seconds", lambda device: stored["probe_s"])
     again, measured = calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)
     assert calls == [] and not measured and again == first
     # Another shape or precision is another file, measured once.

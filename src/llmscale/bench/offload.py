@@ -33,10 +33,14 @@ compute. On a CUDA host copies are real PCIe transfers and the flag is ignored.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -73,11 +77,11 @@ def _trainer(args: argparse.Namespace, mode: str, link_gbps: float, offload: str
     )
     t = Trainer(load_config(None, overrides))
     if mode != "off" and link_gbps > 0 and t.device.type == "cpu":
-        simulate_link(t, link_gbps)
+        simulatelink_label(t, link_gbps)
     return t
 
 
-def simulate_link(trainer: Trainer, link_gbps: float) -> None:
+def simulatelink_label(trainer: Trainer, link_gbps: float) -> None:
     """Make each of the offloaded optimizer's CPU-host copies last as long as over a link.
 
     The one place this benchmark reaches into the optimizer's internals: it replaces the `link`
@@ -149,7 +153,9 @@ def interleaved_blocks(trainers: Mapping[str, Trainer], rounds: int, block: int)
             yield Block(name, times, cpu, steps, row)
 
 
-def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
+def run(args: argparse.Namespace, link_gbps: float, offload: str) -> dict[str, Any]:
+    """One offload mode at one link: the three trainers' figures, printed, and returned as a
+    record's entry (`record`)."""
     trainers = {m: _trainer(args, m, link_gbps, offload) for m in ("off", "serial", "overlap")}
     last_row: dict[str, dict] = {}
     for t in trainers.values():
@@ -240,8 +246,6 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
             )
         )
     if args.save_timeline:
-        from pathlib import Path
-
         from llmscale.train.plot import plot_timeline, timeline_path
 
         for mode in ("serial", "overlap"):
@@ -252,6 +256,65 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> None:
     for tr in trainers.values():
         if hasattr(tr.optimizer, "close"):
             tr.optimizer.close()
+    return {
+        "offload": offload,
+        "link_gbps": link_gbps if t.device.type == "cpu" else 0.0,
+        "step_s": med,  # off, serial, overlap
+        "offload_work_s": w,
+        "host_adam_s": _median(adam_round),
+        "bytes_moved": {m: row["offload_bytes_moved"] for m, row in last_row.items()},
+        "bytes_moved_predicted": want,
+        "hidden_wall": hidden_wall,
+        "hidden_timeline": _median(hidden_tl),
+    }
+
+
+SUITE = "offload_modes"
+
+
+def record(
+    args: argparse.Namespace,
+    runs: list[dict[str, Any]],
+    argv: list[str],
+    load: tuple[float, float],
+) -> dict[str, Any]:
+    """The runs as a record in results.json's suite schema (docs/results/offload.json): each
+    run's figures (`runs`), the offloaded trainers' bytes moved per step as measured-vs-predicted
+    rows, the command and the machine's load average around it."""
+    from llmscale.bench.report import Row
+    from llmscale.bench.timed import now_iso
+
+    rows = [
+        Row(SUITE, f"{r['offload']}, link {link_label(r['link_gbps'])}, {mode}",
+            "offload_bytes_moved", "B", r["bytes_moved"][mode], r["bytes_moved_predicted"]
+            ).to_dict()
+        for r in runs for mode in ("serial", "overlap")
+    ]  # fmt: skip
+    return {
+        SUITE: {
+            "measured_at": now_iso(),
+            "title": "Step time with the optimizer on the device, offloaded serially, and "
+            "offloaded with overlap",
+            "rows": rows,
+            "tables": {},
+            "figures": [],
+            "notes": [
+                f"model {args.model}, {args.precision}, batch {args.batch} x {args.seq} x "
+                f"{args.accum} micro-steps, clip {args.clip}; {args.rounds} rounds of {args.block} "
+                "steps per trainer; step times: per round the block's fastest, median over rounds",
+            ],
+            "command": "python -m llmscale.bench.offload " + " ".join(argv),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "load_average": list(load),
+            "runs": runs,
+        }
+    }
+
+
+def link_label(gbps: float) -> str:
+    """A run's link as the tables name it: memcpy (0, the CPU host's own copies) or its rate."""
+    return "memcpy" if gbps <= 0 else f"{gbps:g} GB/s"
 
 
 def offload_choices() -> list[str]:
@@ -294,10 +357,20 @@ def main(argv: list[str] | None = None) -> None:
         "matrix at half its smaller dimension)",
     )
     ap.add_argument("--save-timeline", help="folder for the timelines (JSON + PNG) of both runs")
+    ap.add_argument(
+        "--json-out",
+        type=Path,
+        help="write the figures as a record (docs/results/offload.json: make docs renders "
+        "docs/offload.md's table of the offload modes from it)",
+    )
     args = ap.parse_args(argv)
-    for offload in args.offload:
-        for g in args.link_gbps:
-            run(args, g, offload)
+    load = os.getloadavg()[0]
+    runs = [run(args, g, offload) for offload in args.offload for g in args.link_gbps]
+    if args.json_out is not None:
+        rec = record(args, runs, sys.argv[1:] if argv is None else argv, (load, os.getloadavg()[0]))
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(rec, indent=1) + "\n")
+        print(f"wrote {args.json_out}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,14 @@ that are not the training step, each for the model and micro-batch at hand:
 measures once per machine and shape and keeps the figures in the calibration cache
 (instrument/calibrate.py: `$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
 `~/.cache/llmscale`), in a file named by everything they depend on: host, device, threads, torch
-version, the model's shape, micro-batch, sequence length and precision.
+version, the model's shape, micro-batch, sequence length and precision. With the figures it keeps
+the time of a fixed probe workload (`probe_seconds`) measured alongside; a run that finds the
+figures times the probe again, and measures again when the machine now runs it more than
+`PROBE_TOLERANCE` times slower or faster (another engineer's load on a shared machine), saying so
+in one line: figures from a quiet hour would otherwise predict a busy hour's run (the demo's
+predicted / measured step time was 0.57-0.78 under a load average of 8-11 on 2 cores from a
+cache measured on a quiet machine, 0.96 and 0.99 measured again under that load). Re-measuring
+costs about a second at the demo's shape; the probe, about 50 ms.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +75,7 @@ from llmscale.tensors import DTYPES
 from llmscale.train.optim import build_optimizer
 
 SOURCE = "measured by llmscale micro-benchmarks on this machine"
-VERSION = 3  # 3: element-wise bandwidth net of the ops' fixed cost
+VERSION = 4  # 4: the probe's time kept with the figures; 3: element-wise bandwidth net of the ops' fixed cost
 
 
 @dataclass(frozen=True)
@@ -333,6 +341,68 @@ def measured_cluster(
     return cluster_from(figures, model, precision, display_name(device)), figures
 
 
+# ---- is a cached measurement still this machine's? -------------------------------------------
+
+PROBE_GEMM = 160  # n of the probe's n x n fp32 GEMM
+PROBE_NUMEL = 2**17  # elements of the probe's element-wise add
+PROBE_REPEATS = 64  # GEMM + add per pass: about 10 ms on one core of a quiet 2-core EPYC
+PROBE_PASSES = 5  # passes timed; the median
+# A machine that now runs the probe more than this many times slower or faster than when the
+# cached figures were measured is measured again: a step predicted from figures that far off
+# is off by about as much (the demo's step time is ~90% compute and per-op dispatch, both
+# scaling with the CPU share a rank gets).
+PROBE_TOLERANCE = 1.25
+
+
+def probe_seconds(device: torch.device) -> float:
+    """Seconds of a fixed small workload (GEMMs, element-wise adds and their dispatch), the
+    median of `PROBE_PASSES` passes of about 10 ms each: how fast this process runs now, at
+    whatever share of the cores the machine's other processes leave it. Timed alongside every
+    measurement and again whenever cached figures are used (about 60 ms on a quiet machine);
+    each pass is long enough to span the scheduler's time slices, so that it sees the share,
+    and the median passes over a single burst of others' work."""
+    a = torch.randn(PROBE_GEMM, PROBE_GEMM, device=device)
+    b = torch.randn(PROBE_GEMM, PROBE_GEMM, device=device)
+    x = torch.randn(PROBE_NUMEL, device=device)
+    y = torch.randn(PROBE_NUMEL, device=device)
+    out = torch.empty_like(x)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        for _ in range(PROBE_REPEATS):
+            a @ b
+            torch.add(x, y, out=out)
+        sync(device)
+        return time.perf_counter() - start
+
+    one_pass()  # warm: allocations, kernels' first-call set-up
+    passes = sorted(one_pass() for _ in range(PROBE_PASSES))
+    return passes[len(passes) // 2]
+
+
+def probe_change(then: float, now: float, what: str) -> str:
+    """'' when the probe's time `now` is within `PROBE_TOLERANCE` of `then` (when `what` was
+    measured); else the one line that says the machine's speed changed and `what` is measured
+    again (also when `then` is unknown: a record without a probe cannot tell)."""
+    if not (math.isfinite(then) and then > 0):
+        return f"calibration: the cached {what} carry no probe time to compare: measuring again"
+    ratio = now / then
+    if 1 / PROBE_TOLERANCE <= ratio <= PROBE_TOLERANCE:
+        return ""
+    pace = f"{ratio:.2f}x slower" if ratio > 1 else f"{1 / ratio:.2f}x faster"
+    return (
+        f"calibration: this machine runs a fixed probe {pace} than when its cached {what} were "
+        f"measured ({1e3 * now:.1f} ms, then {1e3 * then:.1f} ms; beyond the tolerance, "
+        f"{PROBE_TOLERANCE}x): measuring again"
+    )
+
+
+def say(line: str) -> None:
+    """A calibration's one line to the user (stderr: stdout is the run's table)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 # ---- the per-machine cache of a run's figures -------------------------------------------------
 
 
@@ -365,6 +435,14 @@ def read_figures(path: Path, key: dict[str, str]) -> dict[str, float] | None:
     return figures
 
 
+def read_probe(path: Path) -> float:
+    """The probe's seconds stored with a cache record; NaN when it has none."""
+    try:
+        return float(json.loads(path.read_text())["probe_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return math.nan
+
+
 @dataclass(frozen=True)
 class Measured:
     """When the cached figures were measured, and the load other processes put on the machine
@@ -373,6 +451,8 @@ class Measured:
     measured_at: float  # unix time
     other_load_cores: float
     warning: str = ""  # a machine that stayed busy through a second measurement
+    refreshed: str = ""  # why cached figures were measured again (`probe_change`)
+    probe_s: float = math.nan  # the probe's time alongside the measurement
 
 
 def cached_figures(
@@ -397,19 +477,26 @@ def cached_record(
     device: torch.device,
     folder: Path | None = None,
 ) -> tuple[dict[str, float], bool, Measured]:
-    """`cached_figures`, with when and under what load they were measured. A measurement taken
-    while other processes used more than `calibrate.BUSY_CORES` is taken again, once; if the
-    machine stays busy the quieter one is kept, with a warning."""
+    """`cached_figures`, with when and under what load they were measured. Cached figures are
+    used while the probe runs within `PROBE_TOLERANCE` of its time when they were measured;
+    else they are measured again, and a line says so. A measurement taken while other
+    processes used more than `calibrate.BUSY_CORES` is taken again, once; if the machine stays
+    busy the quieter one is kept, with a warning."""
     key = cache_key(device, model, micro_batch, seq_len, precision)
     path = calibrate.cache_path(key, folder)
     found = read_figures(path, key)
+    refreshed = ""
     if found is not None:
-        return found, False, _read_measured(path)
+        refreshed = probe_change(read_probe(path), probe_seconds(device), "figures")
+        if not refreshed:
+            return found, False, _read_measured(path)
+        say(refreshed)
 
     def once() -> tuple[dict[str, float], Measured]:
         meter = calibrate.LoadMeter()
         figures = measure(model, micro_batch, seq_len, precision, device, effort=QUICK)
-        return figures, Measured(time.time(), meter.other_load_cores())
+        probe = probe_seconds(device)
+        return figures, Measured(time.time(), meter.other_load_cores(), probe_s=probe)
 
     figures, when = once()
     if when.other_load_cores > calibrate.BUSY_CORES:
@@ -427,16 +514,21 @@ def cached_record(
         "figures": figures,
         "measured_at": when.measured_at,
         "other_load_cores": when.other_load_cores,
+        "probe_s": when.probe_s,
     }
     calibrate.write_json(path, payload)
-    return figures, True, when
+    return figures, True, dataclasses.replace(when, refreshed=refreshed)
 
 
 def _read_measured(path: Path) -> Measured:
     """The record's time and load; a file written before they were kept: its mtime, load NaN."""
     try:
         data = json.loads(path.read_text())
-        return Measured(float(data["measured_at"]), float(data["other_load_cores"]))
+        return Measured(
+            float(data["measured_at"]),
+            float(data["other_load_cores"]),
+            probe_s=float(data.get("probe_s", math.nan)),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         try:
             return Measured(path.stat().st_mtime, math.nan)

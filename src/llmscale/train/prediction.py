@@ -100,6 +100,8 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
             "measured_at": when.measured_at,
             "other_load_cores": when.other_load_cores,
             "warning": when.warning,
+            "refreshed": when.refreshed,  # why the cached figures were measured again, if so
+            "probe_s": when.probe_s,
         },
     }
     return Hardware(cluster, "cpu" if device.type == "cpu" else "cuda", measured=True, info=info)

@@ -20,7 +20,10 @@ several ranks (the demo: 4 ranks, dp_shard 2 x tp 2, over gloo on 2 cores) also 
 plan/shared_cores.py composes them with the planner's step. The figures are cached next to the
 single-process ones (instrument/calibrate.py's folder), with when they were measured and the
 load other processes put on the machine meanwhile (`instrument.calibrate.LoadMeter`); a
-measurement taken while others used more than a quarter of a core is taken again, once.
+measurement taken while others used more than a quarter of a core is taken again, once. With
+them is the time of train/calibration.py's probe run on every rank at once; a run that finds
+the costs runs it again and measures them again when it is more than `PROBE_TOLERANCE` slower
+or faster (the machine's load changed), with a line that says so.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from llmscale.instrument import calibrate
 from llmscale.parallel.dims import ParallelDims
 from llmscale.plan.plan import Plan
 from llmscale.plan.shared_cores import SharedCoreCosts, overhead_seq_len
+from llmscale.train.calibration import probe_change, probe_seconds, say
 
-VERSION = 3  # 3: a workload long enough to overlap; 2: the step's bookkeeping (activation meter, ledgers) in the overhead
+VERSION = 4  # 4: the probe's time kept with the costs; 3: a workload long enough to overlap; 2: the step's bookkeeping (activation meter, ledgers) in the overhead
 MESSAGE_BYTES = (4 * 2**10, 8 * 2**20)  # all-reduce sizes: latency-bound, bandwidth-bound
 OVERSUB_GEMM = 192  # n of the n x n fp32 GEMM timed alone and on every rank at once
 OVERSUB_SECONDS = 0.1  # the GEMM workload's length alone
@@ -175,17 +179,28 @@ def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.devi
     return times[len(times) // 2]
 
 
-def measure(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> SharedCoreCosts:
-    """Every figure, on every rank at once (a collective call), with the machine's load."""
+def probe_together(dims: ParallelDims, device: torch.device) -> float:
+    """train/calibration.py's probe on every rank at once (the slowest rank's seconds): how fast
+    the ranks run now, sharing the cores with each other and with the machine's other load."""
+    dist.barrier()
+    return _agree(dims, probe_seconds(device))
+
+
+def measure(
+    cfg: JobConfig, dims: ParallelDims, device: torch.device
+) -> tuple[SharedCoreCosts, float]:
+    """Every figure, on every rank at once (a collective call), with the machine's load; and
+    the probe's seconds (`probe_together`) alongside."""
     meter = calibrate.LoadMeter()
     over = oversubscription(dims)
     latency, rate = allreduce_alpha_beta(dims)
     overhead = step_overhead_seconds(cfg, dims, device)
+    probe = probe_together(dims, device)
     wall, busy, own = meter.stop()
     # every rank's own CPU time is ours: the rest of the machine's busy time is the others'
     own = _agree(dims, own, dist.ReduceOp.SUM)
     wall = _agree(dims, wall)
-    return SharedCoreCosts(
+    costs = SharedCoreCosts(
         oversubscription=over,
         allreduce_latency_s=latency,
         allreduce_bytes_per_s=rate,
@@ -193,6 +208,7 @@ def measure(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> SharedC
         other_load_cores=calibrate.other_load_cores(wall, busy, own),
         measured_at=time.time(),
     )
+    return costs, probe
 
 
 def cache_key(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> dict[str, str]:
@@ -211,33 +227,48 @@ def cache_key(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> dict[
     }
 
 
-def _read(path: Any, key: dict[str, str]) -> SharedCoreCosts | None:
+def _read(path: Any, key: dict[str, str]) -> tuple[SharedCoreCosts | None, float]:
+    """The cached costs for `key` (None: no file, another key, unusable) and their probe's
+    seconds (NaN: none kept)."""
     try:
         data = json.loads(path.read_text())
         if data["key"] != key:
-            return None
-        return SharedCoreCosts(**{k: float(v) for k, v in data["costs"].items()})
+            return None, math.nan
+        costs = SharedCoreCosts(**{k: float(v) for k, v in data["costs"].items()})
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return None, math.nan
+    try:
+        return costs, float(data["probe_s"])
+    except (KeyError, TypeError, ValueError):
+        return costs, math.nan
 
 
 def cached_costs(
     cfg: JobConfig, dims: ParallelDims, device: torch.device
 ) -> tuple[SharedCoreCosts | None, list[str]]:
     """This run's costs on rank 0 (None elsewhere), from the cache or measured and cached: a
-    collective call, every rank of a multi-process CPU run makes it. A measurement taken while
-    other processes used more than `calibrate.BUSY_CORES` is taken again, once; if the machine
-    stays busy the quieter one is used, with a warning (the second item)."""
+    collective call, every rank of a multi-process CPU run makes it. Cached costs are used
+    while the probe, run on every rank at once, is within `PROBE_TOLERANCE` of its time when
+    they were measured; else they are measured again, with a line saying so (printed, and the
+    first of the warnings). A measurement taken while other processes used more than
+    `calibrate.BUSY_CORES` is taken again, once; if the machine stays busy the quieter one is
+    used, with a warning (the second item)."""
     key = cache_key(cfg, dims, device)
     path = calibrate.cache_path(key)
-    found = _read(path, key) if dims.rank == 0 else None
-    if _agree(dims, 1.0 if found is not None else 0.0):  # rank 0 has them: no one measures
-        return found, []
-    costs = measure(cfg, dims, device)
+    found, then = _read(path, key) if dims.rank == 0 else (None, math.nan)
     warnings: list[str] = []
+    if _agree(dims, 1.0 if found is not None else 0.0):  # rank 0 has them: probe the machine
+        now = probe_together(dims, device)
+        change = probe_change(then, now, "costs of the ranks sharing cores")
+        if not _agree(dims, 1.0 if change and dims.rank == 0 else 0.0):
+            return found, []
+        if dims.rank == 0:
+            say(change)
+            warnings.append(change)
+    costs, probe = measure(cfg, dims, device)
     if costs.other_load_cores > calibrate.BUSY_CORES:
         again = measure(cfg, dims, device)
-        costs = min(costs, again, key=lambda c: c.other_load_cores)
+        costs, probe = min((costs, probe), again, key=lambda cp: cp[0].other_load_cores)
         if costs.other_load_cores > calibrate.BUSY_CORES:
             warnings.append(
                 f"calibration of the ranks sharing cores: other processes used "
@@ -246,6 +277,11 @@ def cached_costs(
             )
     if dims.rank != 0:
         return None, []
-    payload = {"version": VERSION, "key": key, "costs": dataclasses.asdict(costs)}
+    payload = {
+        "version": VERSION,
+        "key": key,
+        "costs": dataclasses.asdict(costs),
+        "probe_s": probe,
+    }
     calibrate.write_json(path, payload)
     return costs, warnings
