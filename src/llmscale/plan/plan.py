@@ -16,7 +16,7 @@ next to the fields, so a new field is added to them in the same place
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
@@ -176,21 +176,7 @@ class Plan(MeshDegrees):
         return Counter(block_recompute(self.recompute, i, k) for i in layer_ids)
 
     # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
-    def _key(self, name: str, compute: Callable[[], tuple[Hashable, ...]]) -> tuple[Hashable, ...]:
-        """A cache key, computed once per Plan (a frozen record: its fields never change; the
-        search asks for each key many times)."""
-        memo = self.__dict__.get("_keys")
-        if memo is None:
-            memo = self.__dict__["_keys"] = {}
-        key = memo.get(name)
-        if key is None:
-            key = memo[name] = compute()
-        return key
-
     def states_key(self) -> tuple[Hashable, ...]:
-        return self._key("states_key", self._states_key)
-
-    def _states_key(self) -> tuple[Hashable, ...]:
         """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
         return (
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
@@ -203,9 +189,6 @@ class Plan(MeshDegrees):
         )  # fmt: skip
 
     def activations_key(self) -> tuple[Hashable, ...]:
-        return self._key("activations_key", self._activations_key)
-
-    def _activations_key(self) -> tuple[Hashable, ...]:
         """Saved activations of a rank at its peak (plan/memory.py)."""
         return (
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
@@ -215,9 +198,6 @@ class Plan(MeshDegrees):
         )  # fmt: skip
 
     def blocks_key(self) -> tuple[Hashable, ...]:
-        return self._key("blocks_key", self._blocks_key)
-
-    def _blocks_key(self) -> tuple[Hashable, ...]:
         """What the blocks of a rank save for one micro-batch (plan/memory.py; no schedule but
         where it places the layers)."""
         return (
@@ -227,9 +207,6 @@ class Plan(MeshDegrees):
         )  # fmt: skip
 
     def pipeline_key(self) -> tuple[Hashable, ...]:
-        return self._key("pipeline_key", self._pipeline_key)
-
-    def _pipeline_key(self) -> tuple[Hashable, ...]:
         """What a rank's pipeline stages hold besides saved activations: receive buffers and
         split backwards' pending gradients (plan/memory.py; no recompute: it saves no less)."""
         return (
