@@ -107,3 +107,30 @@ def test_a_prepared_datasets_tokenizer_must_be_the_folders(
     tok.save(str(folder / "tokenizer.json"))
     err = refused(capsys, train_args(tmp_path, folder, *on_data))
     assert "it encodes text differently" in err
+
+
+@pytest.mark.parametrize("what", ["no config.json", "another tokenizer"])
+def test_a_bad_folder_is_refused_before_torch_is_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """The folder's config and tokenizer are checked torch-free (hf/check.py) ahead of the
+    trainer's imports: the refusal took 7-12 s on a loaded 2-core machine, ~0.1 s now."""
+    import subprocess
+    import sys
+
+    folder = save_random_llama(tmp_path / "hf")
+    if what == "no config.json":
+        (folder / "config.json").unlink()
+    else:
+        other_tokenizer(folder / "tokenizer.json", 264)
+    probe = (
+        "import sys\nfrom llmscale.cli import main\n"
+        f"rc = main({train_args(tmp_path, folder)!r})\n"
+        "print(rc, sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
+    )
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.stdout == "2 []\n", p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint.init_from: got" in err, err
+    assert ("a folder with config.json" if what == "no config.json" else "2 tokens differ") in err
+    assert not (tmp_path / "run").exists()
