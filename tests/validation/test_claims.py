@@ -168,7 +168,8 @@ def test_rule_verdicts() -> None:
 def test_same_verdicts_from_any_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The results are found from the package, never from the working directory."""
+    """CL04: the results are found from the package, never from the working directory (from
+    /tmp the two "does not hold here" verdicts became "holds with a caveat")."""
     monkeypatch.chdir(ROOT)
     assert main(["claims", "--json"]) == 0
     here = json.loads(capsys.readouterr().out)
