@@ -180,20 +180,43 @@ def test_ds18_missing_validation_shard_is_a_notice(prepared, tmp_path, fault_row
     )
 
 
-def test_ds23_zero_validation_tokens_warn(prepared, tmp_path, capsys, fault_row) -> None:
-    ds = prepare_small(tmp_path, "bytes", val_fraction=0.0)
-    assert json.loads((ds / "meta.json").read_text())["splits"]["val"]["tokens"] == 0
+def test_ds23_zero_validation_tokens_warn(tmp_path, capsys, fault_row) -> None:
+    """The review's own fixture: the stdlib json package (5 documents) prepared with the default
+    --val-fraction 0.05, where every document's name hashes into train."""
+    corpus = tmp_path / "my_texts"
+    shutil.copytree(
+        Path(json.__file__).parent, corpus, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    ds = tmp_path / "mine"
+    rc = main(["data", "prepare", "--input", str(corpus), "--tokenizer", "bpe", "--vocab-size",
+               "8192", "--out", str(ds)])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    splits = json.loads((ds / "meta.json").read_text())["splits"]
+    assert (splits["train"]["documents"], splits["val"]["documents"], splits["val"]["tokens"]) == (
+        5, 0, 0,
+    )  # fmt: skip
+    said = [line for line in err.splitlines() if "fell into the validation split" in line]
+    assert said == [
+        "llmscale data: note: no document of the 5 fell into the validation split "
+        f"(--val-fraction 0.05, decided per document): training on {ds} reports no validation "
+        "loss; a larger --val-fraction or more documents gives one"
+    ], err
     run = tmp_path / "run"
     rc = main(["train", "--data.dataset", str(ds), "--job.run_dir", str(run), *TINY])
     out, err = capsys.readouterr()
     assert rc == 0, err
     notice = [line for line in (out + err).splitlines() if "validation split holds 0" in line]
     assert len(notice) == 1, out + err
+    assert "validation loss" not in out  # nothing evaluated, nothing pretended
     fault_row(
-        fault="DS23: a prepared folder with 0 validation tokens",
-        command="llmscale data prepare --val-fraction 0 --out DS; llmscale train --data.dataset DS",
-        expected="trains, with a notice that there is no validation",
-        observed=f"exit {rc}: {notice[0].strip()}",
+        fault="DS23: a prepared folder with 0 validation tokens (5 documents, --val-fraction "
+        "0.05: all hashed into train)",
+        command="llmscale data prepare --input JSON_PKG --tokenizer bpe --vocab-size 8192 --out "
+        "DS; llmscale train --data.dataset DS",
+        expected="a notice from data prepare and from train: no validation loss; trains",
+        observed=f"prepare: {said[0].split('note: ')[1][:60]}...; train exit {rc}: "
+        f"{notice[0].strip()}",
     )
 
 

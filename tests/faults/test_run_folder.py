@@ -231,3 +231,31 @@ def test_metrics_file_that_is_a_folder_is_refused(tmp_path, capsys, fault_row) -
         expected="exit 2 before any work, one line; the folder left alone",
         observed=f"exit {rc}: {line}",
     )
+
+
+def test_a_run_refused_by_its_data_leaves_no_folder(tmp_path, fault_row) -> None:
+    """D02, D08, D11, D12, I06 of the usability sweep: refused after the run folder was claimed
+    (the data and init_from are read by the trainer), they left an empty run folder. The folders
+    the run created go again; one that was there before stays. A process, as a user runs it:
+    the lock's release at exit is the backstop that removes them."""
+    made = tmp_path / "new" / "run"
+    there = tmp_path / "there"
+    there.mkdir()
+    for run in (made, there):
+        p = subprocess.run(
+            [sys.executable, "-m", "llmscale", "train", "--data.path", str(tmp_path),
+             "--data.glob", "*.nothing", "--job.run_dir", str(run), "--train.steps", "1",
+             "--metrics.progress", "false"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "data.glob: got '*.nothing'" in p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["there"]  # new/ and new/run removed
+    assert list(there.iterdir()) == []  # the user's empty folder kept, its .lock gone
+    fault_row(
+        fault="D11 and kin: a run refused by its data after its folder was created",
+        command="llmscale train --data.glob '*.nothing' --job.run_dir NEW/run",
+        expected="exit 2, one line; NEW/run and NEW removed again, an existing folder kept",
+        observed=f"exit 2: {p.stderr.strip()[:90]}...; left: {sorted(x.name for x in tmp_path.iterdir())}",
+    )

@@ -128,3 +128,29 @@ def test_n_toml2_a_config_with_a_byte_order_mark(tmp_path, capsys, fault_row) ->
         expected="exit 2, one line naming the byte-order mark",
         observed=f"exit 2: {line}",
     )
+
+
+def test_t03_pl26_context_parallel_with_offload_in_the_dry_run_and_plan(
+    tmp_path, capsys, fault_row
+) -> None:
+    """T03: train --dry-run accepted cp 2 with optimizer offload (a step time printed) that the
+    real run refuses (T04); PL26: plan found layouts for it. Both now say why, as the run does."""
+    line = one_line(capsys, ["train", "--dry-run", "--parallel.cp", "2", "--optimizer.offload",
+                             "optimizer", "--job.run_dir", str(tmp_path / "r")])  # fmt: skip
+    assert line == (
+        "llmscale train: error: optimizer.offload: got 'optimizer'; allowed: none with "
+        "parallel.cp > 1 (not supported yet)"
+    )
+    assert not (tmp_path / "r").exists()
+    capsys.readouterr()
+    assert main(["plan", "--gpus", "64", "--cp", "2", "--offload", "optimizer"]) == 1  # no plan
+    out, err = capsys.readouterr()
+    assert "0 plans costed, 0 fit" in out
+    assert "offload with cp 2: none with parallel.cp > 1 (not supported yet)" in out + err
+    fault_row(
+        fault="T03, PL26: context parallelism with optimizer offload in train --dry-run and plan",
+        command="llmscale train --dry-run --parallel.cp 2 --optimizer.offload optimizer; "
+        "llmscale plan --gpus 64 --cp 2 --offload optimizer",
+        expected="dry run: exit 2, one line as the run (T04); plan: no layout, the reason named",
+        observed=f"exit 2: {line}; plan exit 1, 0 plans costed",
+    )

@@ -107,3 +107,58 @@ def test_a_prepared_datasets_tokenizer_must_be_the_folders(
     tok.save(str(folder / "tokenizer.json"))
     err = refused(capsys, train_args(tmp_path, folder, *on_data))
     assert "it encodes text differently" in err
+
+
+@pytest.mark.parametrize("what", ["no config.json", "another tokenizer"])
+def test_a_bad_folder_is_refused_before_torch_is_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """The folder's config and tokenizer are checked torch-free (hf/check.py) ahead of the
+    trainer's imports: the refusal took 7-12 s on a loaded 2-core machine, ~0.1 s now."""
+    import subprocess
+    import sys
+
+    folder = save_random_llama(tmp_path / "hf")
+    if what == "no config.json":
+        (folder / "config.json").unlink()
+    else:
+        other_tokenizer(folder / "tokenizer.json", 264)
+    probe = (
+        "import sys\nfrom llmscale.cli import main\n"
+        f"rc = main({train_args(tmp_path, folder)!r})\n"
+        "print(rc, sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
+    )
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.stdout == "2 []\n", p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint.init_from: got" in err, err
+    assert ("a folder with config.json" if what == "no config.json" else "2 tokens differ") in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_i14_a_bpe_folder_on_byte_level_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """I14: a folder exported from a BPE run (its own tokenizer.json, a larger vocabulary) as
+    init_from of a run on byte-level data trained on (loss 11.9), no check; now one line."""
+    import json
+
+    from llmscale.data.prepare import prepare
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(4):
+        (texts / f"{i}.txt").write_text(f"def f(x):\n\treturn x * {i}  # a function\n" * 30)
+    bpe = prepare([str(texts)], tmp_path / "bpe", "bpe", 300, val_fraction=0.0, progress=False)
+    folder = save_random_llama(tmp_path / "hf", vocab_size=320)  # holds the 264 byte ids
+    (folder / "tokenizer.json").write_text((bpe.out / "tokenizer.json").read_text())
+    theirs = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    err = refused(capsys, train_args(tmp_path, folder))  # a real run
+    mine = byte_tokenizer(264).get_vocab(with_added_tokens=True)
+    differ = sum(theirs.get(t) != i for t, i in mine.items()) + len(theirs.keys() - mine.keys())
+    assert err == (
+        f"llmscale train: error: checkpoint.init_from: got 'hf:{folder}'; allowed: a folder "
+        f"whose tokenizer.json is the data's tokenizer (byte-level, data.path): {differ} tokens "
+        "differ"
+    )
+    assert differ > 0 and not (tmp_path / "run").exists()

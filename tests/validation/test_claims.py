@@ -168,7 +168,8 @@ def test_rule_verdicts() -> None:
 def test_same_verdicts_from_any_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The results are found from the package, never from the working directory."""
+    """CL04: the results are found from the package, never from the working directory (from
+    /tmp the two "does not hold here" verdicts became "holds with a caveat")."""
     monkeypatch.chdir(ROOT)
     assert main(["claims", "--json"]) == 0
     here = json.loads(capsys.readouterr().out)
@@ -180,14 +181,37 @@ def test_same_verdicts_from_any_directory(
     assert claims.DEFAULT_RESULTS == RESULTS
 
 
-def test_missing_or_stale_results_are_a_notice_on_stderr(
+@pytest.mark.parametrize("case", ["CL01", "CL06"])
+def test_a_given_results_path_that_is_missing_or_a_folder_is_one_line_exit_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CL01, CL06: an explicit --results that is no file was read as "not measured" (exit 0)."""
+    path = tmp_path / "missing.json" if case == "CL01" else tmp_path
+    assert main(["claims", "--json", "--results", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    why = "missing" if case == "CL01" else "a folder"
+    assert err == (
+        f"llmscale claims: error: --results: got '{path}'; allowed: a results JSON file, "
+        f"as make results writes ({why})\n"
+    )
+
+
+def test_a_missing_default_results_file_is_a_notice_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --results, a checkout (or wheel) with no results file still checks the claims."""
+    monkeypatch.setattr(claims, "DEFAULT_RESULTS", tmp_path / "missing.json")
+    assert main(["claims", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)["claims"]  # stdout stays pure JSON
+    assert err.startswith("llmscale claims: note: no results at") and err.count("\n") == 1
+    assert sum(r["verdict"] == "not measured" for r in rows) >= 1
+
+
+def test_stale_results_are_a_notice_on_stderr(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    missing = tmp_path / "missing.json"
-    assert main(["claims", "--json", "--results", str(missing)]) == 0
-    out, err = capsys.readouterr()
-    json.loads(out)  # stdout stays pure JSON
-    assert err.startswith("llmscale claims: note: no results at") and err.count("\n") == 1
     data = json.loads(RESULTS.read_text())
     for s in data.values():
         s["measured_at"] = "2000-01-01T00:00:00+00:00"

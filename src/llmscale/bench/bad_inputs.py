@@ -6,8 +6,8 @@ Reads the review (../shared/reviews/usability-2026-12-04.md by default): the `id
 rc | class ...` rows of its "Per-case results" tables, the "before ID: `setup`" steps and the
 two fixture scripts of its Appendix. In a fresh folder (--work, a temporary one by default) it
 builds the base fixtures the review names (fixtures/ck, runs/demo, hf/demo, the prepared
-datasets fixtures/ds_bytes and ds_bpe, fixtures/run_bpe, hf/mine, runs/flipped2|3 and a few
-work/ files), runs the Appendix scripts, then each case as the review did: `bash -c COMMAND`
+datasets fixtures/ds_bytes and ds_bpe, fixtures/run_bpe, hf/mine, data/mine, runs/flipped2|3
+and a few work/ files), runs the Appendix scripts, then each case as the review did: `bash -c COMMAND`
 from that folder, stdin from /dev/null, with F, RD (a fresh runs-test/ID), TB, TBNS and
 LLMSCALE_CACHE_DIR=work/cache set, and a per-case timeout (--timeout for commands that train,
 --cli-timeout for the others).
@@ -22,7 +22,8 @@ record (command, rc, class, wall, the review's class, the output's tail) as JSON
 The Appendix does not say how every fixture was built; where it does not, this script makes the
 closest one it can (the runs are short: 4 steps instead of the demo's 50), and says so here:
 runs/demo is one process of the default config, 4 steps, checkpoints at 2 and 4; hf/demo its
-export; fixtures/run_bpe 4 steps on ds_bpe; hf/mine that run's export; work/cache_* copies of
+export; fixtures/run_bpe 4 steps on ds_bpe; hf/mine that run's export; data/mine (DS23) the
+stdlib json package prepared as the review's walk-through did; work/cache_* copies of
 work/cache that are a file, garbage JSON, read-only, and figures set to -1.
 """
 
@@ -170,6 +171,10 @@ def build_fixtures(w: Path, env: dict[str, str], scripts: list[str]) -> None:
         f"llmscale train --train.steps 4 --checkpoint.interval 2 --data.dataset fixtures/ds_bpe "
         f"--job.run_dir fixtures/run_bpe {FAST}",
         "llmscale export fixtures/run_bpe --format hf --out hf/mine",
+        # DS23's data/mine: the README walk-through's `data prepare` of my_texts/, which held
+        # the stdlib json package (5 documents, all hashed into train at --val-fraction 0.05).
+        f"cp -r {STDLIB / 'json'} my_texts && rm -rf my_texts/__pycache__ && llmscale data "
+        "prepare --input my_texts/ --tokenizer bpe --vocab-size 8192 --out data/mine",
     ]
     for cmd in steps:
         print(f"fixture: {cmd}", flush=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from llmscale.cli._args import (
     Parser,
 )
+from llmscale.errors import ConfigError
 from llmscale.paths import check_output_file
 
 # ---- claims -------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ def _add_claims(sub: argparse._SubParsersAction[Parser]) -> None:
         metavar="FILE",
         default=None,
         help="measured results (default: this checkout's docs/results/results.json, found from "
-        "the package, not the working directory; missing: not measured)",
+        "the package, not the working directory; when that is missing, measured rows say not measured; a given FILE that is missing is an error)",
     )
     p.set_defaults(func=_cmd_claims)
 
@@ -55,6 +56,13 @@ def _cmd_claims(args: argparse.Namespace, overrides: list[str]) -> int:
     )
 
     results = Path(args.results) if args.results else DEFAULT_RESULTS
+    if args.results and not results.is_file():
+        # Only a path the user gave is an error; a missing default (a wheel, no make results)
+        # stays the notice below: measured rows say "not measured".
+        why = "a folder" if results.is_dir() else "missing"
+        raise ConfigError(
+            "--results", args.results, f"a results JSON file, as make results writes ({why})"
+        )
     if args.markdown:
         check_output_file("markdown", args.markdown)
     rows = check_claims(results)

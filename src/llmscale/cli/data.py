@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from llmscale.cli._args import (
     Parser,
@@ -87,6 +88,8 @@ def _cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
         + (f", {res.skipped_binary} binary skipped" if res.skipped_binary else "")
         + f"; {res.tokens_per_s:,.0f} tokens/s"
     )
+    for notice in res.notices:
+        print(f"llmscale data: note: {notice}", file=sys.stderr)
     return 0
 
 

@@ -135,6 +135,11 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     # data.dataset: verified, and the vocabulary follows its tokenizer (dry run too)
     apply_dataset(cfg, given_keys(args.config, overrides))
+    from llmscale.hf.check import check_hf_init_from
+
+    # checkpoint.init_from = "hf:DIR": its config and tokenizer against the data, before torch is
+    # imported (a bad folder is refused in a fraction of a second, not after ~10 s)
+    check_hf_init_from(cfg)
     if args.nproc_per_node is not None and not args.dry_run:
         return _launch_workers(args, cfg)
     from llmscale.train.trainer import resolve_device, run_training

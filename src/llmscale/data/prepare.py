@@ -74,6 +74,7 @@ class PrepareResult:
     skipped_binary: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    notices: list[str] = field(default_factory=list)  # said on stderr by `data prepare`
 
 
 @dataclass
@@ -509,12 +510,26 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dt = time.perf_counter() - t0
+    notices = []
+    val_docs, all_docs = (
+        writers["val"].documents,
+        writers["val"].documents + writers["train"].documents,
+    )
+    if val_fraction > 0 and val_docs == 0:
+        # Asked for a validation split and got none (DS23): each document's split is a hash of
+        # its name, so a few documents may all land in train. Training on it says so again.
+        notices.append(
+            f"no document of the {all_docs:,} fell into the validation split (--val-fraction "
+            f"{val_fraction}, decided per document): training on {final} reports no validation "
+            "loss; a larger --val-fraction or more documents gives one"
+        )
     return PrepareResult(
         out=final,
         meta=meta,
         skipped_binary=skipped,
         seconds=dt,
         tokens_per_s=stats.tokens / dt if dt > 0 else 0.0,
+        notices=notices,
     )
 
 

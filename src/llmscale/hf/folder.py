@@ -25,17 +25,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from llmscale.data.prepared import byte_tokenizer, document_ids, tokenizer_config
+from llmscale.data.prepared import byte_tokenizer, tokenizer_config
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
+from llmscale.hf.check import CONFIG, FIELD, TOKENIZER, read_llama_config
 from llmscale.hf.convert import from_hf_llama, hf_config
-from llmscale.model.config import ModelConfig, from_hf_config
+from llmscale.model.config import ModelConfig
 from llmscale.model.transformer import build_model
 
-CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.json"
 
 ExportDtype = Literal["fp32", "bf16"]
 EXPORT_DTYPES: tuple[ExportDtype, ...] = get_args(ExportDtype)
@@ -175,28 +174,13 @@ def training_tokenizer_json(json_text: str) -> str:
 def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model shape and llmscale state dict of a Hugging Face Llama folder.
 
-    Refused with one line (ConfigError on checkpoint.init_from): a missing folder, no config.json,
-    a config that is not Llama, missing or unreadable weights, a tensor of the wrong shape.
+    Refused with one line (ConfigError on checkpoint.init_from): what `hf.check.read_llama_config`
+    refuses (no folder, no config.json, not Llama, no weights), unreadable weights, a tensor of
+    the wrong shape.
     """
-    field = "checkpoint.init_from"
+    field = FIELD
     src = f"hf:{folder}"
-    root = Path(folder)
-    if not root.is_dir():
-        raise ConfigError(field, src, "hf:DIR with DIR an existing Hugging Face model folder")
-    try:
-        raw = json.loads((root / CONFIG).read_text())
-    except FileNotFoundError:
-        raise ConfigError(field, src, f"a folder with {CONFIG}") from None
-    except json.JSONDecodeError:
-        raise ConfigError(field, src, f"a folder whose {CONFIG} is JSON") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(field, src, f"a folder whose {CONFIG} is a JSON object")
-    if raw.get("model_type") != "llama":
-        raise ConfigError(field, src, "a Llama folder (config.json model_type 'llama')")
-    cfg = from_hf_config(raw, field, src)
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(field, src, "a folder with model.safetensors (or its shards)")
+    cfg, files = read_llama_config(folder, field)
     hf_sd: dict[str, torch.Tensor] = {}
     try:
         for f in files:
@@ -210,53 +194,3 @@ def read_llama_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.
                 field, src, f"{name} of shape {tuple(p.shape)} (found {tuple(sd[name].shape)})"
             )
     return cfg, sd
-
-
-# Encoded by the folder's tokenizer and the data's when both have a tokenizer.json: equal
-# vocabularies with other merges or normalisation would still encode differently.
-_PROBE = "The quick brown fox <s> </s> <|endoftext|> 12345 def f(x):\n\treturn x  # ünïcode 日本語"
-
-
-def check_folder_data(
-    folder: str | Path, vocab_size: int, data_tokenizer: Tokenizer, data_name: str
-) -> None:
-    """That a Hugging Face folder can start a run on data of `data_tokenizer` (`data_name`).
-
-    Its vocabulary must hold every id of the data. With a tokenizer.json, that tokenizer must
-    be the data's (same tokens, same ids, same encoding); without one, its vocab_size must equal
-    the data tokenizer's size, the one thing to go by. ConfigError on checkpoint.init_from
-    otherwise, one line.
-    """
-    field, src = "checkpoint.init_from", f"hf:{folder}"
-    data_vocab = max(data_tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-    if vocab_size < data_vocab:
-        raise ConfigError(
-            field,
-            src,
-            f"a folder whose vocab_size holds the {data_vocab} ids of the data's tokenizer "
-            f"({data_name}); its config.json says {vocab_size}",
-        )
-    path = Path(folder) / TOKENIZER
-    if not path.is_file():
-        if vocab_size != data_vocab:
-            raise ConfigError(
-                field,
-                src,
-                f"a folder with {TOKENIZER}, or whose vocab_size equals the data tokenizer's "
-                f"{data_vocab} ids ({data_name}); its config.json says {vocab_size}",
-            )
-        return
-    try:
-        theirs = Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises its own Exception subclasses for bad files
-        raise ConfigError(field, src, f"a readable {TOKENIZER} ({type(e).__name__})") from None
-    theirs.encode_special_tokens = data_tokenizer.encode_special_tokens  # compared as the data
-    a, b = theirs.get_vocab(with_added_tokens=True), data_tokenizer.get_vocab(True)
-    differ = sum(a.get(token) != i for token, i in b.items()) + len(a.keys() - b.keys())
-    if differ or document_ids(theirs, [_PROBE]) != document_ids(data_tokenizer, [_PROBE]):
-        raise ConfigError(
-            field,
-            src,
-            f"a folder whose {TOKENIZER} is the data's tokenizer ({data_name}): "
-            + (f"{differ} tokens differ" if differ else "it encodes text differently"),
-        )

@@ -174,10 +174,19 @@ class RunFolder:
     resume_step: int = 0
     notices: list[str] = field(default_factory=list)
     lock: RunLock | None = None
+    created: Path | None = None  # rank 0: the folder above the ones this run created
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        _release(self.lock, self.path, self.created)
+
+
+def _release(lock: RunLock | None, path: Path, created: Path | None) -> None:
+    """The lock released; the folders this run created removed again while they are empty (a
+    run refused after the folder was claimed, e.g. by its data, leaves nothing behind)."""
+    if lock is not None:
+        lock.release()
+    if created is not None:
+        _remove_empty(path, created)
 
 
 def earlier_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
@@ -407,7 +416,7 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
         raise ConfigError(
             "job.run_dir", str(run_dir), f"a folder that can be created ({e.strerror})"
         ) from None
-    out = RunFolder(run_dir, lock=RunLock(run_dir))
+    out = RunFolder(run_dir, lock=RunLock(run_dir), created=created)
     assert out.lock is not None
     try:
         try:
@@ -463,7 +472,6 @@ def _decide(cfg: JobConfig, say: Any) -> RunFolder:
             out.resume_from, out.resume_step = chosen.path, chosen.step
     except BaseException:
         out.release()
-        _remove_empty(run_dir, created)
         raise
     return out
 
@@ -502,5 +510,5 @@ def open_run_folder(cfg: JobConfig, rank: int = 0) -> RunFolder:
         return RunFolder(Path(cfg.job.run_dir), Path(path) if path else None, step)
     if decided.lock is not None:
         # Released at the end of the run; this is the backstop (an error before the loop).
-        weakref.finalize(decided, decided.lock.release)
+        weakref.finalize(decided, _release, decided.lock, decided.path, decided.created)
     return decided

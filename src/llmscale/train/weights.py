@@ -27,15 +27,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from llmscale.config import JobConfig, load_config
-from llmscale.data.prepared import byte_tokenizer, dataset_tokenizer, load_meta
 from llmscale.errors import ConfigError
-from llmscale.hf.folder import check_folder_data, read_llama_folder
-from llmscale.model.config import BYTE_VOCAB_SIZE, ModelConfig, value_name
+from llmscale.hf.check import HF_PREFIX, check_hf_init_from
+from llmscale.hf.folder import read_llama_folder
+from llmscale.model.config import ModelConfig, value_name
 from llmscale.model.transformer import build_model
 from llmscale.parallel.materialize import copy_full_into
 from llmscale.train.checkpoint import Checkpointer, choose_checkpoint, notice, read_manifest
-
-HF_PREFIX = "hf:"
 
 
 @dataclass(frozen=True)
@@ -102,21 +100,14 @@ def source_model(init_from: str) -> ModelConfig:
 def with_source_model(cfg: JobConfig) -> JobConfig:
     """`cfg` with [model] replaced by the init_from source's (cfg itself without init_from).
 
-    A Hugging Face folder is checked against the run's data first (`check_folder_data`: its
-    vocabulary and tokenizer), one line instead of an index error in the first step."""
+    A Hugging Face folder is checked against the run's data first (`hf.check.check_hf_init_from`:
+    its config, vocabulary and tokenizer, torch-free, as `llmscale train` does before importing
+    torch), one line instead of an index error in the first step; then its weights are read."""
     init_from = cfg.checkpoint.init_from
     if not init_from:
         return cfg
-    model = source_model(init_from)
-    if init_from.startswith(HF_PREFIX):
-        dataset = cfg.data.dataset
-        if dataset:
-            data_tok = dataset_tokenizer(load_meta(dataset))
-            name = f"data.dataset {dataset}"
-        else:
-            data_tok, name = byte_tokenizer(BYTE_VOCAB_SIZE), "byte-level, data.path"
-        check_folder_data(init_from[len(HF_PREFIX) :], model.vocab_size, data_tok, name)
-    return dataclasses.replace(cfg, model=model)
+    check_hf_init_from(cfg)
+    return dataclasses.replace(cfg, model=source_model(init_from))
 
 
 def source_weights(init_from: str) -> dict[str, torch.Tensor]:
