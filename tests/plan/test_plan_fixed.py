@@ -215,3 +215,14 @@ def test_fixed_pp_layers_fix_pp_and_each_ranks_layers() -> None:
                 *_ALL_BUT_CP, "--dp-shard", "2")  # fmt: skip
     e = json.loads(even.stdout)["candidates"][0]
     assert e["plan"]["pp_layers"] == [] and e["step_time"]["seconds"] < c["step_time"]["seconds"]
+
+
+def test_a_zero_stage_without_shards_is_named() -> None:
+    """PL11: --zero-stage 3 with --dp-shard 1 plans plain data parallelism; it says so."""
+    r = _run("plan", "--gpus", "64", "--tp", "8", "--pp", "2", "--dp-shard", "1",
+             "--zero-stage", "3", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--zero-stage 3 shards over the dp_shard ranks" in r.stderr
+    assert json.loads(r.stdout)["candidates"][0]["plan"]["dp_shard"] == 1
+    quiet = _run("plan", "--gpus", "64", "--tp", "8", "--pp", "2", "--dp-shard", "4", "--json")
+    assert "zero-stage" not in quiet.stderr

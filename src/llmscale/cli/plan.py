@@ -135,6 +135,11 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if given["schedule"] is not None:
         given["schedule"] = SCHEDULE_ALIASES.get(given["schedule"], given["schedule"])
     space, fixed = fixed_space(args.gpus, given)
+    if given["zero_stage"] in (1, 2, 3) and given["dp_shard"] == 1:
+        sys.stderr.write(
+            f"llmscale plan: note: --zero-stage {given['zero_stage']} shards over the dp_shard "
+            "ranks; with --dp-shard 1 nothing is sharded (plain data parallelism)\n"
+        )
     rep = plan_report(
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
         node=args.node, nic=args.nic, space=space, fixed=fixed, stack=args.stack,
