@@ -15,7 +15,9 @@ several ranks (the demo: 4 ranks, dp_shard 2 x tp 2, over gloo on 2 cores) also 
   optimizer, the loss under tensor parallelism) on one token per micro-batch, every rank at
   once (`step_overhead_s`): dispatch, DTensor and FSDP2 bookkeeping, the parameter all-gathers
   and gradient reduce-scatters (their size does not depend on the tokens), the gradient-norm
-  and loss reductions and the optimizer step, under the oversubscription they run in.
+  and loss reductions and the optimizer step, under the oversubscription they run in; the
+  median of steps spanning `STEP_SPAN_S` (a burst of others' work shorter than half of it
+  cannot move it).
 
 plan/shared_cores.py composes them with the planner's step. The figures are cached next to the
 single-process ones (instrument/calibrate.py's folder), with when they were measured and the
@@ -49,7 +51,15 @@ VERSION = 4  # 4: the probe's time kept with the costs; 3: a workload long enoug
 MESSAGE_BYTES = (4 * 2**10, 8 * 2**20)  # all-reduce sizes: latency-bound, bandwidth-bound
 OVERSUB_GEMM = 192  # n of the n x n fp32 GEMM timed alone and on every rank at once
 OVERSUB_SECONDS = 0.1  # the GEMM workload's length alone
-STEP_REPEATS = 6  # one-token steps timed (after one untimed); the median
+# One-token steps timed (after one untimed), the median (`overhead_estimate`): at least
+# STEP_MIN_REPEATS of them and STEP_SPAN_S seconds, so that a burst of other work shorter than
+# half that span cannot move it. Six steps (about 2 s at the demo's 0.26-0.33 s) read 529 ms
+# instead of about 256 in one demo run, its predicted / measured 1.46: a burst of a second or
+# two lengthened half of them. At the demo's shape the span costs about 13 steps, 2 s more
+# than six, once per measurement.
+STEP_MIN_REPEATS = 9
+STEP_SPAN_S = 4.0
+STEP_MAX_REPEATS = 40  # a slow machine's step: the span's limit in steps
 
 
 def applies(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> bool:
@@ -169,14 +179,31 @@ def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.devi
         float(loss_sum)
 
     step()
-    times = []
-    for _ in range(STEP_REPEATS):
+    times: list[float] = []
+    while not enough_steps(times):  # the slowest rank's times: every rank stops together
         dist.barrier()
         start = time.perf_counter()
         step()
         times.append(_agree(dims, time.perf_counter() - start))
-    times.sort()
-    return times[len(times) // 2]
+    return overhead_estimate(times)
+
+
+def enough_steps(times: list[float]) -> bool:
+    """Whether the one-token steps timed so far (`times`, seconds) suffice: at least
+    `STEP_MIN_REPEATS` of them spanning at least `STEP_SPAN_S`, or `STEP_MAX_REPEATS`."""
+    return len(times) >= STEP_MAX_REPEATS or (
+        len(times) >= STEP_MIN_REPEATS and sum(times) >= STEP_SPAN_S
+    )
+
+
+def overhead_estimate(times: list[float]) -> float:
+    """The step overhead from the one-token steps' `times`: their median (the upper one of an
+    even count). Steps that a burst of other work lengthens are consecutive; the median stays a
+    quiet step's time while they are fewer than half, a burst shorter than half the
+    `STEP_SPAN_S` the steps span. A load that lasts through all of them lengthens the median as
+    it lengthens the run's own steps, which the median of the run's steps reports."""
+    ordered = sorted(times)
+    return ordered[len(ordered) // 2]
 
 
 def probe_together(dims: ParallelDims, device: torch.device) -> float:
