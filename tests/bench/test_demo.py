@@ -83,7 +83,7 @@ def test_the_record_says_the_load_while_training_next_to_the_calibrations(
     rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = 0.5
     assert demo.load_line(rec) == (
         "other processes used 2.35 cores while the run trained; "
-        "0.50 while the device's figures were measured"
+        "0.50 on the cores the device's figures were measured on"
     )
     rec["demo"]["run"]["hardware"]["calibration"]["other_load_cores"] = math.nan  # unknown
     assert demo.load_line(rec) == "other processes used 2.35 cores while the run trained"

@@ -267,10 +267,15 @@ def test_the_summary_puts_predicted_next_to_measured() -> None:
 # ---- the calibration's age and load ----------------------------------------------------------
 
 
-def _loads(monkeypatch: pytest.MonkeyPatch, loads: list[float]) -> None:
-    """Each calibration sees the next of `loads` as the other processes' load."""
+def _loads(
+    monkeypatch: pytest.MonkeyPatch, loads: list[float], threads: int = 2, cores: int = 2
+) -> None:
+    """Each calibration sees the next of `loads` as the other processes' load, measuring on
+    `threads` threads of a machine of `cores` cores (as many as its cores: none left idle)."""
     it = iter(loads)
     monkeypatch.setattr(calibrate.LoadMeter, "other_load_cores", lambda self: next(it))
+    monkeypatch.setattr(calibrate, "cpu_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
 
 
 @pytest.mark.parametrize(
@@ -294,6 +299,34 @@ def test_a_calibration_on_a_busy_machine_is_measured_again(
     again, now, read = calibration.cached_record(TINY, 2, 16, "fp32", CPU, tmp_path)
     assert not now and again == figures and len(calls) == measures
     assert (read.measured_at, read.other_load_cores) == (when.measured_at, kept)
+
+
+@pytest.mark.parametrize(
+    ("loads", "measures", "kept", "warned"),
+    [
+        ([1.2], 1, 0.2, False),  # others on the idle core, 0.2 on the measurement's: quiet
+        ([1.9, 1.1], 2, 0.1, False),  # busy on its own core, then quiet
+        ([1.5, 1.7], 2, 0.5, True),
+    ],
+)
+def test_a_one_thread_calibration_counts_only_the_load_on_the_core_it_used(
+    tmp_path, monkeypatch, loads, measures, kept, warned
+) -> None:
+    # a rank of the demo: one thread on a 2-core machine leaves a core to the others
+    calls = _counting_measure(monkeypatch)
+    _loads(monkeypatch, loads, threads=1, cores=2)
+    _, _, when = calibration.cached_record(TINY, 2, 16, "fp32", CPU, tmp_path)
+    assert len(calls) == measures and bool(when.warning) == warned
+    assert when.other_load_cores == pytest.approx(kept)
+
+
+def test_the_contending_load_is_the_others_beyond_the_idle_cores() -> None:
+    assert calibration.contending_load(1.2, threads=1, cores=2) == pytest.approx(0.2)
+    assert calibration.contending_load(0.7, threads=1, cores=2) == 0.0  # all on the idle core
+    assert calibration.contending_load(1.2, threads=2, cores=2) == 1.2  # none idle: all count
+    assert calibration.contending_load(1.2, threads=4, cores=2) == 1.2  # oversubscribed
+    assert calibration.contending_load(3.5, threads=2, cores=8) == 0.0
+    assert math.isnan(calibration.contending_load(math.nan, threads=1, cores=2))
 
 
 def test_the_load_is_the_machines_busy_time_less_ours() -> None:

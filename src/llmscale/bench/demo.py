@@ -226,10 +226,12 @@ def load_line(rec: dict[str, Any]) -> str:
         return ""
     hw = run["hardware"]
     then = [
-        f"{hw[k]['other_load_cores']:.2f} while {what} measured"
+        f"{hw[k]['other_load_cores']:.2f} {what}"
         for k, what in (
-            ("shared_cores", "its ranks' shared-core costs were"),
-            ("calibration", "the device's figures were"),
+            ("shared_cores", "while its ranks' shared-core costs were measured"),
+            # one rank's figures, on its threads: the load on the cores they left idle is not
+            # counted (train/calibration.py's contending_load)
+            ("calibration", "on the cores the device's figures were measured on"),
         )
         if k in hw and math.isfinite(hw[k]["other_load_cores"])
     ]

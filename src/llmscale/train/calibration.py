@@ -443,10 +443,26 @@ def read_probe(path: Path) -> float:
         return math.nan
 
 
+def contending_load(other_cores: float, threads: int, cores: int | None = None) -> float:
+    """Of the cores other processes used on average while this process measured with `threads`
+    threads (`other_cores`), those beyond the ones its threads left idle (`cores` - `threads`,
+    the machine's cores by default): the load that contended with the measurement.
+
+    A measurement on fewer threads than cores leaves cores idle, and other processes fill them
+    without slowing it: on the 2-core machine a rank of the demo (one thread under torchrun)
+    measured while other engineers' jobs used 1.20-1.34 cores, of which 0.26 CPU-s of 0.31 s was
+    its own, the job's three waiting ranks 0.02-0.05 CPU-s, while its four ranks together
+    measured 0.75 at the same time: counted in full, that load was over `calibrate.BUSY_CORES`
+    in every demo run, and the figures were measured twice with a busy-machine warning."""
+    idle = max(0, (calibrate.cpu_cores() if cores is None else cores) - threads)
+    return max(0.0, other_cores - idle) if math.isfinite(other_cores) else other_cores
+
+
 @dataclass(frozen=True)
 class Measured:
-    """When the cached figures were measured, and the load other processes put on the machine
-    meanwhile (cores on average; `calibrate.BUSY_CORES` and above is a busy machine)."""
+    """When the cached figures were measured, and the load other processes put meanwhile on
+    the cores the measurement used (`contending_load`, cores on average;
+    `calibrate.BUSY_CORES` and above is a busy machine)."""
 
     measured_at: float  # unix time
     other_load_cores: float
@@ -496,7 +512,8 @@ def cached_record(
         meter = calibrate.LoadMeter()
         figures = measure(model, micro_batch, seq_len, precision, device, effort=QUICK)
         probe = probe_seconds(device)
-        return figures, Measured(time.time(), meter.other_load_cores(), probe_s=probe)
+        load = contending_load(meter.other_load_cores(), torch.get_num_threads())
+        return figures, Measured(time.time(), load, probe_s=probe)
 
     figures, when = once()
     if when.other_load_cores > calibrate.BUSY_CORES:

@@ -15,7 +15,9 @@ several ranks (the demo: 4 ranks, dp_shard 2 x tp 2, over gloo on 2 cores) also 
   optimizer, the loss under tensor parallelism) on one token per micro-batch, every rank at
   once (`step_overhead_s`): dispatch, DTensor and FSDP2 bookkeeping, the parameter all-gathers
   and gradient reduce-scatters (their size does not depend on the tokens), the gradient-norm
-  and loss reductions and the optimizer step, under the oversubscription they run in.
+  and loss reductions and the optimizer step, under the oversubscription they run in; the
+  median of steps spanning `STEP_SPAN_S`, timed on while a burst of others' work fills most of
+  either half (`enough_steps`).
 
 plan/shared_cores.py composes them with the planner's step. The figures are cached next to the
 single-process ones (instrument/calibrate.py's folder), with when they were measured and the
@@ -43,13 +45,23 @@ from llmscale.instrument import calibrate
 from llmscale.parallel.dims import ParallelDims
 from llmscale.plan.plan import Plan
 from llmscale.plan.shared_cores import SharedCoreCosts, overhead_seq_len
-from llmscale.train.calibration import probe_change, probe_seconds, say
+from llmscale.train.calibration import PROBE_TOLERANCE, probe_change, probe_seconds, say
 
 VERSION = 4  # 4: the probe's time kept with the costs; 3: a workload long enough to overlap; 2: the step's bookkeeping (activation meter, ledgers) in the overhead
 MESSAGE_BYTES = (4 * 2**10, 8 * 2**20)  # all-reduce sizes: latency-bound, bandwidth-bound
 OVERSUB_GEMM = 192  # n of the n x n fp32 GEMM timed alone and on every rank at once
 OVERSUB_SECONDS = 0.1  # the GEMM workload's length alone
-STEP_REPEATS = 6  # one-token steps timed (after one untimed); the median
+# One-token steps timed (after one untimed), the median (`overhead_estimate`): at least
+# STEP_MIN_REPEATS of them and STEP_SPAN_S seconds, and on while a burst of other work fills
+# most of either half (`enough_steps`), so that the burst stays a minority of the steps. Six
+# steps (about 2 s at the demo's 0.25-0.35 s) read 529 ms instead of about 256 in one demo
+# run, its predicted / measured 1.46: a burst of a second or two lengthened most of them. At
+# the demo's shape the span costs 14 steps, about 2.5 s more than six (the ranks' whole
+# measurement: about 8 s, was 5.5), up to STEP_MAX_SPAN_S under a burst.
+STEP_MIN_REPEATS = 9
+STEP_SPAN_S = 4.0
+STEP_MAX_SPAN_S = 12.0
+STEP_MAX_REPEATS = 40  # a fast machine's step: the span's limit in steps
 
 
 def applies(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> bool:
@@ -169,14 +181,42 @@ def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.devi
         float(loss_sum)
 
     step()
-    times = []
-    for _ in range(STEP_REPEATS):
+    times: list[float] = []
+    while not enough_steps(times):  # the slowest rank's times: every rank stops together
         dist.barrier()
         start = time.perf_counter()
         step()
         times.append(_agree(dims, time.perf_counter() - start))
-    times.sort()
-    return times[len(times) // 2]
+    return overhead_estimate(times)
+
+
+def enough_steps(times: list[float]) -> bool:
+    """Whether the one-token steps timed so far (`times`, seconds, in the order they ran)
+    suffice: at least `STEP_MIN_REPEATS` of them spanning at least `STEP_SPAN_S`, whose first
+    and second halves' medians agree within `PROBE_TOLERANCE` (a burst over most of one half
+    makes them disagree: timing on until it is a minority of the steps); else
+    `STEP_MAX_SPAN_S` or `STEP_MAX_REPEATS`, whichever comes first."""
+    n = len(times)
+    if n >= STEP_MAX_REPEATS:
+        return True
+    if n < STEP_MIN_REPEATS:
+        return False
+    if sum(times) >= STEP_MAX_SPAN_S:
+        return True
+    if sum(times) < STEP_SPAN_S:
+        return False
+    first, second = overhead_estimate(times[: n // 2]), overhead_estimate(times[n // 2 :])
+    return max(first, second) <= PROBE_TOLERANCE * min(first, second)
+
+
+def overhead_estimate(times: list[float]) -> float:
+    """The step overhead from the one-token steps' `times`: their median (the upper one of an
+    even count). Steps that a burst of other work lengthens are consecutive; the median stays a
+    quiet step's time while they are fewer than half, a burst shorter than half the
+    `STEP_SPAN_S` the steps span. A load that lasts through all of them lengthens the median as
+    it lengthens the run's own steps, which the median of the run's steps reports."""
+    ordered = sorted(times)
+    return ordered[len(ordered) // 2]
 
 
 def probe_together(dims: ParallelDims, device: torch.device) -> float:
