@@ -261,7 +261,7 @@ def plan_rank_params(
     vp = kernels.splits_vocab(plan.model, plan.tp)
     return rank_params(
         plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards_for(stack), vp, plan.chunks,
-        plan.pp_layers, plan.v_shape, plan.dp * plan.cp > 1,
+        plan.pp_layers, plan.v_shape,
     )  # fmt: skip
 
 
