@@ -3,11 +3,11 @@ end, as the planner predicts (issue 12).
 
 torch.distributed.pipelining turns FSDP2's gradient sync and its reshard-after-backward off for
 every micro-batch and reduce-scatters once after the last (`backward_maybe_with_nosync`,
-`perform_reduce_grad`). Four gloo ranks (pp=2 x dp_shard=2) train the tiny model; right before
-each stage's reduction the unsharded gradients and the unsharded parameters (param_dtype) the
-rank holds equal the planner's `grads` and `working_params` for that rank, exactly, and so does
-the most the rank holds at any point of the step (`peak_params`: gathered units plus all-gathers
-issued and not yet copied out).
+`perform_reduce_grad`). Four gloo ranks (pp=2 x dp_shard=2, or pp=2 x dp_replicate=2: replicate)
+train the tiny model; right before each stage's reduction the unsharded gradients and the
+unsharded parameters (param_dtype) the rank holds equal the planner's `grads` and
+`working_params` for that rank, exactly, and so does the most the rank holds at any point of the
+step (`peak_params`: gathered units plus all-gathers issued and not yet copied out).
 
 A V (zbv) with tied embeddings: the last stage's root unit (final norm and the one tied weight)
 is gathered by the first stage's embedding and stays until the last stage's own forward
@@ -18,6 +18,10 @@ gathered. (A V's gradients are not compared: zbv's weight halves run after FSDP2
 hook, so a stage holds param_dtype gradients beside its fp32 accumulated ones until its
 reduction; measured on pp rank 0, bf16 zero 3: 594,560 B at the first stage's reduction against
 the planner's 462,080, the last stage's param_dtype gradients.)
+
+Under replicate FSDP2's param_dtype replaces autocast: the rank holds every parameter's copy in
+param_dtype (bf16 or fp32), not autocast's casts of the linear weights (the planner's figure
+before: 230,400 B against 231,040 on the tied V's rank 0, bf16; none in fp32).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ LAYOUTS = [
     "bf16:3",
     "fp32:2",
     "bf16:3:zbv:tied",
+    "bf16:1:zbv:tied:replicate",
+    "fp32:1:1f1b:replicate",
 ]
 
 
