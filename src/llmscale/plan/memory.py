@@ -285,11 +285,14 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
             grads_held = float(opt.stack.main_grad_bytes * rp.numel)
         unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
-    elif plan.dp * plan.cp > 1 and opt.stack.sharding == "llmscale":
-        # The runtime's replicate (FSDP2's, with its param_dtype: autocast casts nothing): every
-        # unit's copy in param_dtype from its forward to its backward (measured:
-        # tests/parallel/test_fsdp_pipeline_memory.py), its gradients all-reduced in fp32.
-        # (torchtitan's DDP runs autocast; Megatron's DDP is read as it was.)
+    elif plan.fsdp_cpu_offload or (
+        plan.offload == "none" and plan.dp * plan.cp > 1 and opt.stack.sharding == "llmscale"
+    ):
+        # The runtime's replicate (FSDP2's, with its param_dtype: autocast casts nothing; also
+        # any stack's FSDP2 CPUOffloadPolicy): every unit's copy in param_dtype from its forward
+        # to its backward (measured: tests/parallel/test_fsdp_pipeline_memory.py), its
+        # gradients all-reduced in fp32. (torchtitan's DDP runs autocast; Megatron's DDP and
+        # the other offloads are read as they were.)
         shard = float(rp.numel)
         unsharded = pb * float(rp.numel)
         rs_transient = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
