@@ -9,15 +9,16 @@ unsharded parameters (param_dtype) the rank holds equal the planner's `grads` an
 `working_params` for that rank, exactly, and so does the most the rank holds at any point of the
 step (`peak_params`: gathered units plus all-gathers issued and not yet copied out).
 
-A V (zbv) with tied embeddings: the last stage's root unit (final norm and the one tied weight)
-is gathered by the first stage's embedding and stays until the last stage's own forward
-reshards it (zero 3); it adds nothing to the peak, which is at the step's start: the schedule
-issues the all-gathers of both of the rank's stages there (`_add_unshard_reshard`), and a stage
-is resharded once it has no op left in the step, so at the end only the first stage's units are
-gathered. (A V's gradients are not compared: zbv's weight halves run after FSDP2's post-backward
-hook, so a stage holds param_dtype gradients beside its fp32 accumulated ones until its
-reduction; measured on pp rank 0, bf16 zero 3: 594,560 B at the first stage's reduction against
-the planner's 462,080, the last stage's param_dtype gradients.)
+A V (zbv) holds the planner's working_params too, at the step's start: the schedule issues the
+all-gathers of both of the rank's stages there (`_add_unshard_reshard`), and reshards a stage
+once it has no op left in the step, so at the end only the first stage's units are gathered
+(pp rank 0, bf16 zero 3: 264,832 B untied). With tied embeddings the last stage's root unit
+(final norm and the one tied weight) is gathered by the first stage's embedding and stays until
+the last stage's own forward reshards it (zero 3): it adds nothing to that peak (231,040 B).
+(A V's gradients are not compared: zbv's weight halves run after FSDP2's post-backward hook, so
+a stage holds param_dtype gradients beside its fp32 accumulated ones until its reduction;
+measured on the tied V's pp rank 0, bf16 zero 3: 594,560 B at the first stage's reduction
+against the planner's 462,080, the last stage's param_dtype gradients.)
 
 Under replicate FSDP2's param_dtype replaces autocast: the rank holds every parameter's copy in
 param_dtype (bf16 or fp32), not autocast's casts of the linear weights (the planner's figure
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.slow
 LAYOUTS = [
     "bf16:3",
     "fp32:2",
+    "bf16:3:zbv",
     "bf16:3:zbv:tied",
     "bf16:1:zbv:tied:replicate",
     "fp32:1:1f1b:replicate",

@@ -37,7 +37,10 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   (`stack.param_residency`), so at the end of the last backward a stage
   holds every unit's unsharded parameters (param_dtype, `working_params`, whatever the
   zero_stage) and its unsharded fp32 gradients (`grads`: 4 B per TP-local parameter instead of
-  the shard; the sharded gradients only replace them unit by unit as they are reduced).
+  the shard; the sharded gradients only replace them unit by unit as they are reduced). A rank
+  with two or three stages (a V, interleaved) holds all of its units' parameters at the step's
+  start instead, where the schedule issues every stage's all-gather, and reshards a stage once
+  it has no op left (measured, a tied ZB-V: tests/parallel/test_fsdp_pipeline_memory.py).
 - Context parallelism (cp > 1): FSDP2 shards over dp_shard x cp (`Plan.fsdp_shards_for`: under
   torchtitan also with dp_shard 1); without FSDP the cp ranks hold the states whole. Activations, token ids and logits are split on the
   sequence: 1/cp of each (ring attention keeps no s x s matrix beyond its own queries' rows).
