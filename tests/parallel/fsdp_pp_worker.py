@@ -2,15 +2,16 @@
 
     torchrun --nproc-per-node 4 tests/parallel/fsdp_pp_worker.py OUT.json LAYOUT ...
 
-LAYOUT is PRECISION:ZERO[:SCHEDULE[:tied]] (schedule 1f1b unless given; `tied`: tied
-embeddings, which in a V put the one tied tensor in the last stage's root unit, gathered by the
-first stage's embedding). Trains pp=2 x dp_shard=2 for two steps per layout. Right before each
-stage's end-of-step reduce-scatter (`perform_reduce_grad`, called by torch's schedules after the
-last micro-batch's backward) it adds up the unsharded gradients FSDP2 has accumulated and the
-unsharded parameters it still holds, over every stage of the rank (a V holds two); it also keeps
-the most unsharded parameter bytes the rank held at any point of the step (after every
-all-gather's wait: `peak_params`). dp rank 0 of each pp rank writes the most seen against the
-planner's prediction for that rank.
+LAYOUT is PRECISION:ZERO[:SCHEDULE[:tied][:replicate]] (schedule 1f1b unless given; `tied`:
+tied embeddings, which in a V put the one tied tensor in the last stage's root unit, gathered by
+the first stage's embedding; `replicate`: pp=2 x dp_replicate=2, else pp=2 x dp_shard=2). Trains
+two steps per layout. Right before each stage's end-of-step reduction (`perform_reduce_grad`,
+called by torch's schedules after the last micro-batch's backward) it adds up, over every stage
+of the rank (a V holds two), the unsharded gradients FSDP2 holds (fp32 accumulated, and
+param_dtype ones not yet added to them) and the unsharded parameters; it also keeps the most
+parameter bytes the rank held at any point of the step (`peak_params`: gathered units plus
+issued all-gathers' output buffers, after every unshard and every wait). dp rank 0 of each pp
+rank writes the most seen against the planner's prediction for that rank.
 """
 
 from __future__ import annotations
