@@ -129,7 +129,7 @@ def test_cli_accepts_the_tied_pipeline(capsys, tmp_path, monkeypatch) -> None:
     gpt2 = get_preset("gpt2-124m")
     cfg = load_config(None, job)
     ranks = [expected_runtime_metrics(cfg, rank=r, options=MemoryOptions()) for r in (0, 1)]
-    split = rank_params(gpt2, 1, 2, 1, wrapped=False)
+    split = rank_params(gpt2, 1, 2, 1)
     one = rank_params(gpt2, 1, 1, 0)
     assert ranks[1]["param_bytes"] == 4 * split.numel
     assert split.numel - (one.numel - rank_params(gpt2, 1, 2, 0).numel) == 50257 * 768

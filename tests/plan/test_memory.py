@@ -205,6 +205,29 @@ def test_optimizer_and_params_under_fsdp2_is_its_cpu_offload_policy() -> None:
     assert r.host == 16 * PSI_7B + 4 * TENSORS_7B and r.working_params == 2 * PSI_7B
 
 
+def test_replicate_holds_param_dtype_copies_not_autocast_casts() -> None:
+    """The runtime's replicate is FSDP2's, with its param_dtype: every parameter's bf16 copy is
+    held from its unit's forward to its backward (autocast casts nothing), and the gradients
+    are all-reduced in fp32 (one block's bf16 and fp32 gradients, a transient). One process
+    runs autocast: the linears' 2 B casts (tests/parallel/test_fsdp_pipeline_memory.py measures
+    both under a pipeline). The torchtitan stack's DDP runs autocast."""
+    from llmscale.stack import TORCHTITAN
+
+    base = dict(model=L7, seq_len=2048, micro_batch_size=1, global_batch_size=8)
+    rep = estimate_memory(Plan(**base, dp_replicate=8, precision="bf16")).worst
+    one = estimate_memory(Plan(**base, precision="bf16")).worst
+    rp = plan_rank_params(Plan(**base), 0, act.RUNTIME)
+    assert rp.numel == PSI_7B and rp.autocast_numel == PSI_7B - 32 * 2 * 4096 - 4096 - 32000 * 4096
+    assert rep.working_params == 2 * PSI_7B and one.working_params == 2 * rp.autocast_numel
+    assert rep.transient >= 6 * rp.block.numel  # (bf16 + fp32) x one block
+    assert rep.params == one.params == 4 * PSI_7B
+    fp32 = estimate_memory(Plan(**base, dp_replicate=8, precision="fp32")).worst
+    assert fp32.working_params == 4 * PSI_7B
+    titan_plan = Plan(**base, dp_replicate=8, precision="bf16")
+    titan = estimate_memory(titan_plan, MemoryOptions(stack=TORCHTITAN)).worst
+    assert titan.working_params == 2 * rp.autocast_numel
+
+
 _CASES = [
     (schedule, pp, mult, chunks)
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b")

@@ -400,16 +400,14 @@ EMBEDDING_WEIGHT = "tok_embeddings.weight"
 TIED_HEAD_WEIGHT = "output.weight"
 
 
-def tied_copy(model: ModelConfig, pp: int, *, v_shape: bool = False, wrapped: bool = True) -> bool:
+def tied_copy(model: ModelConfig, pp: int, *, v_shape: bool = False) -> bool:
     """Whether the last pipeline stage keeps a copy of the tied embedding: pp > 1 and tied,
     except where the first and the last stage share a rank (`v_shape`: zbv, dualpipev). There
-    the head and the embedding are one tensor, with or without a data-parallel wrapper
-    (`wrapped`, FSDP2 or replicate: no longer changes the answer): the last stage's
-    `output.weight`, which the first stage's embedding reads
+    the head and the embedding are one tensor, with or without a data-parallel wrapper: the last
+    stage's `output.weight`, which the first stage's embedding reads
     (`parallel.tied_embeddings.SharedEmbedding`; under FSDP2 it gathers the last stage's root
     unit first, which then holds the tied weight and the final norm, while the first stage's
     root holds no tied weight: `stack.residency.stage_units`)."""
-    del wrapped
     return pp > 1 and model.tie_embeddings and not v_shape
 
 

@@ -7,7 +7,10 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   tensor (torch keeps it on the CPU; counted here because the runtime's optimizer_bytes does).
   Under bf16/fp16 autocast every linear weight is cast once per forward and the cast is kept
   (autocast cache, then autograd) until that layer's backward: 2 B per linear weight and bias,
-  reported as `working_params`.
+  reported as `working_params`. Under the runtime's `replicate` (dp x cp > 1, no sharding)
+  FSDP2's param_dtype replaces autocast's casts: every parameter's copy in param_dtype, held
+  from its unit's forward to its backward (`working_params`), and fp32 gradients all-reduced
+  (a transient, as FSDP2's reduce-scatter).
 - FSDP2 (dp_shard = N > 1, `fully_shard` per block and at the root): sharded fp32 parameters,
   gradients (reduce_dtype fp32) and Adam states, rank 0's padded shard (see plan/params.py).
   Unsharded parameters in param_dtype (bf16 for bf16/fp16, else fp32) are `working_params`:
@@ -34,7 +37,10 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
   (`stack.param_residency`), so at the end of the last backward a stage
   holds every unit's unsharded parameters (param_dtype, `working_params`, whatever the
   zero_stage) and its unsharded fp32 gradients (`grads`: 4 B per TP-local parameter instead of
-  the shard; the sharded gradients only replace them unit by unit as they are reduced).
+  the shard; the sharded gradients only replace them unit by unit as they are reduced). A rank
+  with two or three stages (a V, interleaved) holds all of its units' parameters at the step's
+  start instead, where the schedule issues every stage's all-gather, and reshards a stage once
+  it has no op left (measured, a tied ZB-V: tests/parallel/test_fsdp_pipeline_memory.py).
 - Context parallelism (cp > 1): FSDP2 shards over dp_shard x cp (`Plan.fsdp_shards_for`: under
   torchtitan also with dp_shard 1); without FSDP the cp ranks hold the states whole. Activations, token ids and logits are split on the
   sequence: 1/cp of each (ring attention keeps no s x s matrix beyond its own queries' rows).
@@ -261,7 +267,7 @@ def plan_rank_params(
     vp = kernels.splits_vocab(plan.model, plan.tp)
     return rank_params(
         plan.model, plan.tp, plan.pp, rank, plan.fsdp_shards_for(stack), vp, plan.chunks,
-        plan.pp_layers, plan.v_shape, plan.dp * plan.cp > 1,
+        plan.pp_layers, plan.v_shape,
     )  # fmt: skip
 
 
@@ -282,6 +288,17 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
             grads_held = float(opt.stack.main_grad_bytes * rp.numel)
         unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
+    elif plan.fsdp_cpu_offload or (
+        plan.offload == "none" and plan.dp * plan.cp > 1 and opt.stack.sharding == "llmscale"
+    ):
+        # The runtime's replicate (FSDP2's, with its param_dtype: autocast casts nothing; also
+        # any stack's FSDP2 CPUOffloadPolicy): every unit's copy in param_dtype from its forward
+        # to its backward (measured: tests/parallel/test_fsdp_pipeline_memory.py), its
+        # gradients all-reduced in fp32. (torchtitan's DDP runs autocast; Megatron's DDP and
+        # the other offloads are read as they were.)
+        shard = float(rp.numel)
+        unsharded = pb * float(rp.numel)
+        rs_transient = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
     else:
         shard = float(rp.numel)
         unsharded = 2.0 * rp.autocast_numel if low else 0.0  # autocast's cast weights
@@ -311,11 +328,7 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         # optimizer+params under data parallelism is FSDP2's CPUOffloadPolicy: the fp32 shards
         # (the master), their fp32 gradients and Adam's moments on the host (16 B per parameter
         # of the shard); the device holds the unsharded units in use, as without offload.
-        # Under replicate every unit stays from its forward to its backward (as ZeRO-1/2), and
-        # its gradients are all-reduced in fp32 on the device before they go down.
-        if not fsdp:
-            unsharded = pb * float(rp.numel)
-            rs_transient = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
+        # Under replicate every unit stays from its forward to its backward (as above).
         return RankPieces(
             0.0, grads_held or 0.0, 0.0, unsharded, 0.0, rs_transient, 16 * shard + counters
         )

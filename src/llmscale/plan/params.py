@@ -6,7 +6,8 @@ biases), wo and w2 row-wise (dim 1; their biases stay whole); norms are replicat
 embedding and the output projection are replicated across tp unless `vocab_parallel` (then
 split along the vocabulary, dim 0: `VOCAB_TP_STYLES`). Pipeline ranks hold the layers
 `model.config.split_layers` gives them (uneven splits, automatic or `parallel.pp_layers`); a
-tied model's last stage (pp > 1) also holds its copy of the embedding as the output projection.
+tied model's last stage (pp > 1) also holds its copy of the embedding as the output projection,
+except in a V, whose one tied tensor is counted with the embedding (`model.config.tied_copy`).
 FSDP2 (`fully_shard`) shards every tensor along dim 0 and pads dim 0 up to a multiple of the
 shard count, so a rank holds ceil(dim0 / n) rows; rank 0 always holds the full ceil, which is
 what is reported (the largest rank).
@@ -124,26 +125,26 @@ def rank_params(
     chunks: int = 1,
     pp_layers: tuple[int, ...] = (),
     v_shape: bool = False,
-    wrapped: bool = True,
 ) -> RankParams:
     """Parameters of pipeline rank `rank` (embedding on rank 0, final norm and head on the last,
     or on rank 0 too when `v_shape` places the stages in a V), whose blocks are those of its
     `chunks` stages in the runtime's split (`pp_layers` per stage, or automatic); `dp_shard` is
-    the FSDP shard count; `wrapped`: FSDP2 or replicate holds the model (dp x cp > 1), which
-    decides whether a tied V keeps a copy (`model.config.tied_copy`)."""
+    the FSDP shard count. `autocast_numel` is what autocast casts where it runs (unwrapped
+    bf16/fp16: `Plan.lowp_weights` false); under FSDP2 or replicate param_dtype casts instead
+    and the planner reads the whole `numel` (plan/memory.py)."""
     shapes = model.parameter_shapes()
     head_rank = 0 if v_shape else pp - 1
     emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
     head_shapes = shapes["head"]
-    copy = tied_copy(model, pp, v_shape=v_shape, wrapped=wrapped)
+    copy = tied_copy(model, pp, v_shape=v_shape)
     if copy:
         # The last stage's copy of the tied embedding, its output projection: a tensor of its
         # own, with its own gradient and optimizer state (parallel/tied_embeddings.py).
         head_shapes = [*head_shapes, (TIED_HEAD_WEIGHT, (model.vocab_size, model.dim))]
     head = Group.of(head_shapes, tp, dp_shard, vocab_parallel) if rank == head_rank else None
     if model.tie_embeddings and not copy and emb is not None:
-        # pp = 1, or a V without data parallelism, rank 0: the tied head has no tensor of its
-        # own, but autocast casts the embedding for it.
+        # pp = 1, or a V's rank 0: the tied head has no tensor of its own, but where autocast
+        # runs it casts the shared weight for the head (the embedding's lookup reads it uncast).
         assert emb is not None and head is not None
         v, d = model.vocab_size, model.dim
         emb_cast = v * d // (tp if vocab_parallel else 1)

@@ -182,7 +182,7 @@ class Plan(MeshDegrees):
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
             self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
             self.v_shape, self.lsp_dim, self.lsp_nonzeros,
-            self.dp * self.cp > 1,  # wrapped by FSDP2 or replicate: a tied V's copy
+            self.dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
             self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
             # lsp's host transfer buffers: gradient hooks per step (plan.lsp.hooks_per_step)
             (self.n_microbatches, self.dp_replicate) if self.offload == "lsp" else None,
