@@ -84,6 +84,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES
 from llmscale.errors import ConfigError
@@ -250,20 +251,36 @@ def _rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Ra
     return _RANK_TIMES.get(key, compute, (plan.model, cluster, tp_))
 
 
-def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
-    """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (M = tokens), in the
-    order the block runs them (`ModelConfig.block_matmuls`), split as the runtime's TP plan
-    splits each (`TP_STYLES`: column-parallel outputs, row-parallel inputs over tp); under
-    context parallelism a rank's linears see its s / cp tokens."""
+class BlockLinear(NamedTuple):
+    """One of a block's linears on one tensor-parallel rank: its TP region (`TP_STYLES`'
+    "attention" or "feed_forward"), whether it is column-parallel, and its GEMM (M, N, K)."""
+
+    region: str
+    colwise: bool
+    mnk: tuple[int, int, int]
+
+
+def block_linears(plan: Plan) -> list[BlockLinear]:
+    """A block's linears in the order its forward runs them (`ModelConfig.block_matmuls`), each
+    split as the runtime's TP plan splits it (`TP_STYLES`: column-parallel outputs, row-parallel
+    inputs over tp); under context parallelism a rank's linears see its s / cp tokens."""
     tokens = cp_tokens(plan)
     out = []
     for name, fan_in, fan_out in plan.model.block_matmuls():
-        group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
-        if TP_STYLES[f"{group}.{name}"].style == "colwise":
-            out.append((tokens, fan_out // plan.tp, fan_in))
-        else:
-            out.append((tokens, fan_out, fan_in // plan.tp))
+        region = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
+        colwise = TP_STYLES[f"{region}.{name}"].style == "colwise"
+        mnk = (
+            (tokens, fan_out // plan.tp, fan_in)
+            if colwise
+            else (tokens, fan_out, fan_in // plan.tp)
+        )
+        out.append(BlockLinear(region, colwise, mnk))
     return out
+
+
+def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
+    """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (`block_linears`)."""
+    return [lin.mnk for lin in block_linears(plan)]
 
 
 def tp_region_gemm_seconds(
@@ -273,10 +290,9 @@ def tp_region_gemm_seconds(
     (column-parallel, row-parallel): the GEMMs a region's all-gather feeds and the one its
     reduce-scatter drains (`TP_STYLES`)."""
     regions: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
-    for (name, _, _), mnk in zip(plan.model.block_matmuls(), block_gemms(plan), strict=True):
-        group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
-        cols, rows = regions.setdefault(group, ([], []))
-        (cols if TP_STYLES[f"{group}.{name}"].style == "colwise" else rows).append(mnk)
+    for lin in block_linears(plan):
+        cols, rows = regions.setdefault(lin.region, ([], []))
+        (cols if lin.colwise else rows).append(lin.mnk)
     return [
         (
             _linear_seconds(plan, cols, cluster, peak, flat),
@@ -321,12 +337,12 @@ def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
     if not plan.fp8_matmuls:
         return 0.0, 0.0
     fwd = bwd = 0.0
-    seen: set[str] = set()
-    for (name, _, _), (m, n, k) in zip(plan.model.block_matmuls(), block_gemms(plan), strict=True):
-        group = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
-        colwise = TP_STYLES[f"{group}.{name}"].style == "colwise"
-        shared = compiled and colwise and group in seen
-        seen.add(group) if colwise else None
+    cast: set[str] = set()  # regions whose shared column-parallel input is cast already
+    for lin in block_linears(plan):
+        m, n, k = lin.mnk
+        shared = compiled and lin.colwise and lin.region in cast
+        if lin.colwise:
+            cast.add(lin.region)
         x, w, go = (0 if shared else m * k), n * k, m * n
         fwd += 5.0 * (x + w)
         bwd += 5.0 * go + 2.0 * (x + w + go)
