@@ -160,7 +160,8 @@ def pipeline_gathers(zero_stage: int, order: Sequence[tuple[str, int]]) -> dict[
 
     What torch 2.13 does, replayed: before each op the schedule unshards the next
     `MAX_ACTIVE_STAGES` distinct stages it will compute on and reshards the others
-    (`_add_unshard_reshard`; with at most 3 stages per rank nothing is ever resharded); a
+    (`_add_unshard_reshard`; with at most 3 stages per rank a stage is resharded only once it
+    has no work left in the step, so none is gathered twice); a
     forward gathers its stage if it is not gathered, and under zero 3 reshards it after; a
     backward gathers it if needed and leaves it gathered (`PipelineStage` turns
     reshard-after-backward off until the step's REDUCE_GRAD, which reshards). A W op needs no
