@@ -77,11 +77,11 @@ def _trainer(args: argparse.Namespace, mode: str, link_gbps: float, offload: str
     )
     t = Trainer(load_config(None, overrides))
     if mode != "off" and link_gbps > 0 and t.device.type == "cpu":
-        simulatelink_label(t, link_gbps)
+        simulate_link(t, link_gbps)
     return t
 
 
-def simulatelink_label(trainer: Trainer, link_gbps: float) -> None:
+def simulate_link(trainer: Trainer, link_gbps: float) -> None:
     """Make each of the offloaded optimizer's CPU-host copies last as long as over a link.
 
     The one place this benchmark reaches into the optimizer's internals: it replaces the `link`
