@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from llmscale.bench.jobs import short_job
 from llmscale.config import load_config
+from llmscale.errors import ConfigError
 from llmscale.instrument import calibrate
 from llmscale.parallel.dims import ParallelDims
 from llmscale.plan.shared_cores import SharedCoreCosts
@@ -26,6 +27,25 @@ CFG = load_config(None, short_job())
 TINY = CFG.model
 FAKE = {"gemm_fp32_flops": 2e9, "attention_flops": 1e9, "bandwidth_bytes": 1e10,
         "fixed_s": 1e-3, "optimizer_s": 2e-3}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _probe_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite turns the probe's re-check off (tests/conftest.py); these tests are about it."""
+    monkeypatch.delenv(calibration.PROBE_TOLERANCE_ENV, raising=False)
+
+
+def test_the_tolerance_can_be_set_and_a_bad_one_is_one_line(monkeypatch) -> None:
+    assert calibration.probe_tolerance() == calibration.PROBE_TOLERANCE == 1.25
+    assert calibration.probe_change(0.01, 0.02, "figures")  # 2x slower: measured again
+    monkeypatch.setenv(calibration.PROBE_TOLERANCE_ENV, "3")
+    assert calibration.probe_change(0.01, 0.02, "figures") == ""
+    monkeypatch.setenv(calibration.PROBE_TOLERANCE_ENV, "inf")
+    assert calibration.probe_change(0.01, 10.0, "figures") == ""
+    for bad in ("0.5", "nan", "fast"):
+        monkeypatch.setenv(calibration.PROBE_TOLERANCE_ENV, bad)
+        with pytest.raises(ConfigError, match="LLMSCALE_PROBE_TOLERANCE: got"):
+            calibration.probe_tolerance()
 
 
 class Machine:

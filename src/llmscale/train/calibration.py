@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from llmscale.config import OptimizerSection
+from llmscale.errors import ConfigError
 from llmscale.hardware.spec import Sourced
 from llmscale.instrument import calibrate
 from llmscale.model.config import ModelConfig
@@ -352,6 +354,24 @@ PROBE_PASSES = 5  # passes timed; the median
 # is off by about as much (the demo's step time is ~90% compute and per-op dispatch, both
 # scaling with the CPU share a rank gets).
 PROBE_TOLERANCE = 1.25
+# `$LLMSCALE_PROBE_TOLERANCE` replaces it for cached figures (a number >= 1; "inf": reuse the
+# cache whatever the machine's speed, as the test suite does so that a run's stderr does not
+# depend on other processes' load).
+PROBE_TOLERANCE_ENV = "LLMSCALE_PROBE_TOLERANCE"
+
+
+def probe_tolerance() -> float:
+    """`PROBE_TOLERANCE`, or `$LLMSCALE_PROBE_TOLERANCE` when set (one line, exit 2 if bad)."""
+    text = os.environ.get(PROBE_TOLERANCE_ENV)
+    if text is None:
+        return PROBE_TOLERANCE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 1:  # NaN too
+        raise ConfigError(PROBE_TOLERANCE_ENV, text, "a number >= 1, or inf")
+    return value
 
 
 def probe_seconds(device: torch.device) -> float:
@@ -388,13 +408,14 @@ def probe_change(then: float, now: float, what: str) -> str:
     if not (math.isfinite(then) and then > 0):
         return f"calibration: the cached {what} carry no probe time to compare: measuring again"
     ratio = now / then
-    if 1 / PROBE_TOLERANCE <= ratio <= PROBE_TOLERANCE:
+    tolerance = probe_tolerance()
+    if 1 / tolerance <= ratio <= tolerance:
         return ""
     pace = f"{ratio:.2f}x slower" if ratio > 1 else f"{1 / ratio:.2f}x faster"
     return (
         f"calibration: this machine runs a fixed probe {pace} than when its cached {what} were "
         f"measured ({1e3 * now:.1f} ms, then {1e3 * then:.1f} ms; beyond the tolerance, "
-        f"{PROBE_TOLERANCE}x): measuring again"
+        f"{tolerance}x): measuring again"
     )
 
 
