@@ -162,24 +162,6 @@ def test_ds22_vocab_size_next_to_a_dataset(prepared, tmp_path, capsys, fault_row
     )
 
 
-def test_raw_data_keys_next_to_a_dataset_are_named(prepared, capsys, fault_row) -> None:
-    """data.glob / max_files / val_fraction choose data.path's raw files: next to a prepared
-    dataset they do nothing, and the run says so (was silently ignored)."""
-    given = ["--data.dataset", str(prepared), "--data.max_files", "40", "--data.glob", "*.py"]
-    cfg = load_config(None, given)
-    assert apply_dataset(cfg, {"data.max_files", "data.glob"}) is not None
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "data.glob, data.max_files apply to data.path" in err
-    apply_dataset(load_config(None, given[:2]), {"data.dataset"})
-    assert capsys.readouterr().err == ""
-    fault_row(
-        fault="--data.max_files / --data.glob next to --data.dataset (was silently ignored)",
-        command="llmscale train --data.dataset DS --data.max_files 40",
-        expected="one notice line naming the keys, the run goes on",
-        observed=err.strip(),
-    )
-
-
 def test_ds18_missing_validation_shard_is_a_notice(prepared, tmp_path, fault_row) -> None:
     ds = copy_of(prepared, tmp_path)
     assert json.loads((ds / "meta.json").read_text())["splits"]["val"]["tokens"] > 0

@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -368,18 +367,7 @@ def apply_dataset(cfg: JobConfig, given: Collection[str] = ()) -> PreparedMeta |
         )  # fmt: skip
     if cfg.model.vocab_size != vocab:
         cfg.model = cfg.model.with_overrides(vocab_size=vocab)
-    unused = sorted(k for k in RAW_DATA_KEYS if k in given)
-    if unused:  # they choose raw files; `data prepare` chose this dataset's (its own flags)
-        sys.stderr.write(
-            f"llmscale: notice: {', '.join(unused)} apply to data.path's raw files, not to "
-            f"data.dataset {cfg.data.dataset}, whose files and validation split `data prepare` "
-            "chose (its --glob, --val-fraction): ignored\n"
-        )
     return meta
-
-
-# data.* keys that choose raw files (data.path); a prepared dataset has chosen its own.
-RAW_DATA_KEYS = ("data.glob", "data.max_files", "data.val_fraction")
 
 
 # ---- how a document is encoded, and where a folder records it ---------------------------------
