@@ -162,6 +162,30 @@ def test_ds22_vocab_size_next_to_a_dataset(prepared, tmp_path, capsys, fault_row
     )
 
 
+def test_raw_data_keys_next_to_a_dataset_are_named(prepared, tmp_path, capsys, fault_row) -> None:
+    """data.glob / max_files / val_fraction choose data.path's raw files: next to a prepared
+    dataset they are not read, and the run says so with its data notices, before step 1 (was
+    silently ignored); a run without them says nothing of the kind."""
+    from llmscale.train.data import unread_raw_data_keys
+
+    cfg = load_config(None, ["--data.dataset", str(prepared), "--data.max_files", "40",
+                             "--data.glob", "*.py"])  # fmt: skip
+    (line,) = unread_raw_data_keys(cfg)
+    assert line.startswith("data.glob, data.max_files choose data.path's raw files")
+    assert unread_raw_data_keys(load_config(None, ["--data.dataset", str(prepared)])) == []
+    run = tmp_path / "run"
+    rc = main(["train", "--data.dataset", str(prepared), "--job.run_dir", str(run), *TINY,
+               "--data.max_files", "40"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "data.max_files choose data.path's raw files" in out
+    fault_row(
+        fault="--data.max_files / --data.glob next to --data.dataset (was silently ignored)",
+        command="llmscale train --data.dataset DS --data.max_files 40",
+        expected="a notice with the run's data line, before step 1; the run goes on",
+        observed=line,
+    )
+
+
 def test_ds18_missing_validation_shard_is_a_notice(prepared, tmp_path, fault_row) -> None:
     ds = copy_of(prepared, tmp_path)
     assert json.loads((ds / "meta.json").read_text())["splits"]["val"]["tokens"] > 0

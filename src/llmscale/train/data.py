@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from llmscale.config import JobConfig
+from llmscale.config import DataSection, JobConfig
 from llmscale.data.corpus import load_corpus
 from llmscale.data.prepared import PreparedMeta, byte_tokenizer
 from llmscale.data.shards import ShardStream
@@ -97,8 +97,27 @@ def build_data(cfg: JobConfig, dp_rank: int, dp_size: int, meta: PreparedMeta | 
         ),
         tokenizer_sha256=meta.tokenizer_sha256,
         n_valid_vocab=meta.vocab_size if meta.vocab_size < cfg.model.vocab_size else None,
-        warnings=list(meta.notices),  # a missing or empty validation split (verify_dataset)
+        # a missing or empty validation split (verify_dataset); raw-data keys it does not read
+        warnings=[*meta.notices, *unread_raw_data_keys(cfg)],
     )
+
+
+# data.* keys that choose data.path's raw files; a prepared dataset chose its own.
+RAW_DATA_KEYS = ("glob", "val_fraction", "max_files")
+
+
+def unread_raw_data_keys(cfg: JobConfig) -> list[str]:
+    """With data.dataset: one notice naming the raw-data keys set to other than their defaults
+    (printed with the run's data notices, before step 1, after every refusal): they choose
+    data.path's files, and `data prepare` chose the dataset's."""
+    default = DataSection()
+    unread = [f"data.{k}" for k in RAW_DATA_KEYS if getattr(cfg.data, k) != getattr(default, k)]
+    if not unread:
+        return []
+    return [
+        f"{', '.join(unread)} choose data.path's raw files; data.dataset's files and validation "
+        "split were chosen by `data prepare` (its --glob, --val-fraction): not read"
+    ]
 
 
 def checkpoint_tokenizer_sha256(path: str | Path) -> str | None:
