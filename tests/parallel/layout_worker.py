@@ -93,17 +93,22 @@ class FirstStepEvents:
             self._undo.clear()
 
 
-def _record_rows(trainer: Trainer) -> list[dict]:
-    """Every step's metrics row as this rank computed it (rank 0 alone writes metrics.jsonl)."""
-    rows: list[dict] = []
+def after_each_step(trainer: Trainer, note: Callable[[dict], None]) -> None:
+    """Call `note` with each step's metrics row once the step has run."""
     orig = trainer.train_step
 
     def step():
         row = orig()
-        rows.append(dict(row))
+        note(row)
         return row
 
     trainer.train_step = step
+
+
+def _record_rows(trainer: Trainer) -> list[dict]:
+    """Every step's metrics row as this rank computed it (rank 0 alone writes metrics.jsonl)."""
+    rows: list[dict] = []
+    after_each_step(trainer, lambda row: rows.append(dict(row)))
     return rows
 
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from layout_worker import train_layouts
+from layout_worker import after_each_step, train_layouts
 
 from llmscale.parallel import full_parameters
 from llmscale.tensors import local_tensor
@@ -51,14 +51,7 @@ def tied_tensors(t: Trainer) -> int:
 def hook(t: Trainer) -> Callable[[], dict[str, Any]]:
     """Hash the tied weights after every step; count their tensors after training."""
     hashes: list[dict[str, str]] = []
-    step = t.train_step
-
-    def train_step():
-        row = step()
-        hashes.append(tied_hashes(t))
-        return row
-
-    t.train_step = train_step
+    after_each_step(t, lambda row: hashes.append(tied_hashes(t)))
     return lambda: {"hashes": hashes, "tied_tensors": tied_tensors(t)}
 
 

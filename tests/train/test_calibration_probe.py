@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from llmscale.bench.jobs import short_job
 from llmscale.config import load_config
@@ -130,15 +129,6 @@ def test_a_cache_record_without_a_probe_is_measured_again(
     path.write_text(json.dumps(data))
     _, now, when = calibration.cached_record(TINY, 2, 16, "fp32", CPU, tmp_path)
     assert now and machine.measured == 2 and "no probe time" in when.refreshed
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield ParallelDims()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_shared_core_costs_are_measured_again_when_the_ranks_run_slower(

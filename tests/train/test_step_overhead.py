@@ -5,11 +5,8 @@ machine's real load."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from llmscale.bench.jobs import short_job
 from llmscale.config import load_config
@@ -19,15 +16,6 @@ from llmscale.train import shared_cores
 CPU = torch.device("cpu")
 CFG = load_config(None, short_job())
 QUIET, BURST = 0.256, 0.529  # a demo run's one-token step, and what a burst made of it
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield ParallelDims()
-    finally:
-        dist.destroy_process_group()
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> list[float]:
