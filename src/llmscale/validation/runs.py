@@ -142,7 +142,7 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         stack = stack.on(main_grad_bytes=2)
     if row.get("compiled_loss") is False:  # a torchtitan of 2024: the loss ran eager
         stack = stack.on(compiles_loss=False)
-    if row.get("repeat_kv"):  # a torchtitan of 2024: K and V repeated before the kernel
+    if row.get("repeat_kv"):  # torchtitan runs through 2025-06: K, V repeated before SDPA
         stack = stack.on(kernels=replace(stack.kernels, repeat_kv=True))
     if row.get("expandable_segments"):  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         stack = stack.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD)
