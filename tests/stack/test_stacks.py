@@ -155,6 +155,37 @@ def test_each_tp_collective_hides_behind_the_gemms_beside_it() -> None:
     assert step.breakdown["tp_comm"] == pytest.approx(2 * L8.n_layers * per_block, rel=1e-9)
 
 
+def test_micro_pipelined_tp_runs_its_gemms_in_tp_row_chunks() -> None:
+    """torch's async TP multiplies each peer's shard of the tokens as it arrives: every linear
+    of a block is tp GEMMs of M / tp rows, in forward, in the backward's input gradients and in
+    a full recompute (weight gradients stay whole). A hand sum over the block's linears on the
+    GPU's GEMM size curve; nothing without the chunks, without SP, or with Megatron's overlap."""
+    from llmscale.plan.time import block_gemms, tp_chunked_gemm_seconds
+
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=1, global_batch_size=8, tp=8,
+                dp_shard=8, sequence_parallel=True, recompute="full")  # fmt: skip
+    async_tp = TORCHTITAN.on(tp_overlap_gemm=True, tp_overlap_chunks=True)
+    cal, peak = H100.gpu.calibration, H100.gpu.peak_flops("bf16")
+
+    def seconds(m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / (peak * cal.gemm_efficiency_at(m, n, k))
+
+    by_hand = sum(8 * seconds(m // 8, n, k) - seconds(m, n, k) for m, n, k in block_gemms(plan))
+    split = tp_chunked_gemm_seconds(plan, H100, time_params(async_tp), peak, None)
+    assert split == pytest.approx(by_hand, rel=1e-12) and split > 0
+    whole = estimate_step_time(plan, H100, time_params(TORCHTITAN.on(tp_overlap_gemm=True)),
+                               validate=False)  # fmt: skip
+    chunked = estimate_step_time(plan, H100, time_params(async_tp), validate=False)
+    n_micro = plan.n_microbatches
+    # forward + input gradients + the full recompute's forward, per block and micro-batch
+    assert chunked.breakdown["matmul"] - whole.breakdown["matmul"] == pytest.approx(
+        3 * L8.n_layers * n_micro * split, rel=1e-9
+    )
+    no_sp = replace(plan, sequence_parallel=False)
+    assert tp_chunked_gemm_seconds(no_sp, H100, time_params(async_tp), peak, None) == 0.0
+    assert tp_chunked_gemm_seconds(plan, H100, time_params(MEGATRON_CORE), peak, None) == 0.0
+
+
 def test_torchtitan_gathers_float8_inputs_under_tp() -> None:
     """torchtitan's Float8 TP styles all-gather the float8 cast of a region's input: the
     forward all-gathers move half the bytes of bf16 ones; backward's stay bf16."""

@@ -302,6 +302,26 @@ def tp_region_gemm_seconds(
     ]
 
 
+def tp_chunked_gemm_seconds(
+    plan: Plan, cluster: Cluster, tp_: TimeParams, peak: float, flat: float | None
+) -> float:
+    """What one block's forward GEMMs lose when a stack runs the overlapped ones as tp row
+    chunks (`Stack.tp_overlap_chunks`: torch's micro-pipelined TP): every linear a sequence-
+    parallel all-gather feeds or a reduce-scatter drains is tp GEMMs of M / tp tokens, each
+    lower on the GEMM size curve than the whole. The backward's input-gradient GEMMs (the same
+    shapes transposed, beside the mirrored collectives) lose as much; 0 where the stack does
+    not chunk, without sequence parallelism, or at tp 1."""
+    tp = plan.tp
+    if tp == 1 or not plan.sequence_parallel or not tp_.stack.tp_overlap_chunks:
+        return 0.0
+    if not tp_.tp_overlap_gemm:
+        return 0.0
+    whole = [lin.mnk for lin in block_linears(plan)]
+    chunks = [(max(1, m // tp), n, k) for m, n, k in whole]
+    chunked = tp * _linear_seconds(plan, chunks, cluster, peak, flat)
+    return chunked - _linear_seconds(plan, whole, cluster, peak, flat)
+
+
 def cp_tokens(plan: Plan) -> int:
     """Tokens of one micro-batch on one context-parallel rank: b x s / cp (each rank holds s / cp
     of every sequence; load-balanced for causal masking, two chunks of s / 2cp)."""
@@ -622,8 +642,10 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         eff = flat if flat is not None else cal.attention_efficiency.value
         attn_f = 0.5 * core_fwd_flops / (peak * eff)
         attn_b = 2.5 * attn_f
-    mat_f = n_blocks * (gemm_block + attn_f)
-    mat_b = n_blocks * (2 * gemm_block + attn_b) + n_full * (gemm_block + attn_f)
+    # Micro-pipelined TP: the forward's and the input gradients' GEMMs in tp row chunks.
+    split = tp_chunked_gemm_seconds(plan, cluster, tp_, peak, flat)
+    mat_f = n_blocks * (gemm_block + split + attn_f)
+    mat_b = n_blocks * (2 * gemm_block + split + attn_b) + n_full * (gemm_block + split + attn_f)
     # Op-level selective checkpointing (selective_op: torchtitan's op policy).
     op_sac = plan.recompute == "selective_op"
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)

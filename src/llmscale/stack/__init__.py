@@ -104,6 +104,17 @@ class Stack:
     # Tensor-parallel collectives run beside the GEMMs they feed (Megatron-Core's TP
     # communication overlap, TransformerEngine userbuffers): exposed only past the GEMMs.
     tp_overlap_gemm: bool = False
+    # The overlapped GEMMs run as tp row chunks, one per peer's shard of the tokens, so that
+    # each chunk's GEMM runs while the next shard arrives or the previous one is sent: torch's
+    # micro-pipelined ("async") TP, whose inductor pass (torch/_inductor/fx_passes/
+    # micro_pipeline_tp.py) rewrites all-gather -> matmul into `fused_all_gather_matmul` and
+    # matmul -> reduce-scatter into `fused_matmul_reduce_scatter`
+    # (torch/distributed/_symmetric_memory/__init__.py: `_pipelined_all_gather_and_consume`
+    # hands each of the group's shards to the matmul, `_fused_matmul_reduce_scatter_impl`
+    # multiplies `A.chunk(group.size())`). Only under sequence parallelism (the pass fuses
+    # all-gathers and reduce-scatters, not all-reduces); the weight gradients, which contract
+    # over the gathered tokens, stay whole.
+    tp_overlap_chunks: bool = False
     p2p_scatter_gather: bool = False  # pipeline sends split over the TP ranks (Megatron 2021)
     optimizer_bytes_per_param: float = 28.0  # AdamW foreach, fp32: read p g m v, write p m v
     # torch.distributed.pipelining keeps a receive buffer pair per micro-batch and 1F1B holds
