@@ -84,7 +84,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES
 from llmscale.errors import ConfigError
@@ -102,11 +101,17 @@ from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
-from llmscale.plan.memory import plan_kernels, plan_rank_params
+from llmscale.plan.memory import plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_ops
 from llmscale.plan.schedule import simulate as simulate_schedule
+from llmscale.plan.work import (
+    block_linears,
+    cp_tokens,
+    plan_kernels,
+    rank_work,
+)
 from llmscale.stack import LLMSCALE, Stack, param_residency
 from llmscale.stack.residency import few_stage_gathers, pipeline_gathers
 
@@ -251,33 +256,6 @@ def _rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Ra
     return _RANK_TIMES.get(key, compute, (plan.model, cluster, tp_))
 
 
-class BlockLinear(NamedTuple):
-    """One of a block's linears on one tensor-parallel rank: its TP region (`TP_STYLES`'
-    "attention" or "feed_forward"), whether it is column-parallel, and its GEMM (M, N, K)."""
-
-    region: str
-    colwise: bool
-    mnk: tuple[int, int, int]
-
-
-def block_linears(plan: Plan) -> list[BlockLinear]:
-    """A block's linears in the order its forward runs them (`ModelConfig.block_matmuls`), each
-    split as the runtime's TP plan splits it (`TP_STYLES`: column-parallel outputs, row-parallel
-    inputs over tp); under context parallelism a rank's linears see its s / cp tokens."""
-    tokens = cp_tokens(plan)
-    out = []
-    for name, fan_in, fan_out in plan.model.block_matmuls():
-        region = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
-        colwise = TP_STYLES[f"{region}.{name}"].style == "colwise"
-        mnk = (
-            (tokens, fan_out // plan.tp, fan_in)
-            if colwise
-            else (tokens, fan_out, fan_in // plan.tp)
-        )
-        out.append(BlockLinear(region, colwise, mnk))
-    return out
-
-
 def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
     """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (`block_linears`)."""
     return [lin.mnk for lin in block_linears(plan)]
@@ -320,12 +298,6 @@ def tp_chunked_gemm_seconds(
     chunks = [(max(1, m // tp), n, k) for m, n, k in whole]
     chunked = tp * _linear_seconds(plan, chunks, cluster, peak, flat)
     return chunked - _linear_seconds(plan, whole, cluster, peak, flat)
-
-
-def cp_tokens(plan: Plan) -> int:
-    """Tokens of one micro-batch on one context-parallel rank: b x s / cp (each rank holds s / cp
-    of every sequence; load-balanced for causal masking, two chunks of s / 2cp)."""
-    return plan.micro_batch_size * plan.seq_len // plan.cp
 
 
 def _linear_seconds(
@@ -621,12 +593,10 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     cal = cluster.gpu.calibration
     flat = tp_.matmul_efficiency
     peak = peak_flops(cluster, plan.precision, tp_)
-    layers = plan.rank_layers(rank)
-    modes = plan.block_modes(layers)
-    n_blocks = len(layers)
-    n_full = modes.get("full", 0)
+    work = rank_work(plan, rank, tp_.kernels)  # what the memory model folds too
+    n_blocks, n_full = work.n_blocks, work.n_full
     # GEMMs of one block (forward; backward is twice, the same shapes transposed).
-    gemm_block = _linear_seconds(plan, block_gemms(plan), cluster, peak, flat)
+    gemm_block = _linear_seconds(plan, work.gemms, cluster, peak, flat)
     # Attention core (QK^T, AV): a flash kernel skips the masked half under causal masking and
     # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
     # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
@@ -649,13 +619,12 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     # Op-level selective checkpointing (selective_op: torchtitan's op policy).
     op_sac = plan.recompute == "selective_op"
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
-        shapes = block_gemms(plan)
-        redo = [g for i, g in enumerate(shapes) if not op_sac_saves_matmul(i)]
+        redo = [g for i, g in enumerate(work.gemms) if not op_sac_saves_matmul(i)]
         mat_b += n_blocks * _linear_seconds(plan, redo, cluster, peak, flat)
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
     wgrad = n_blocks * gemm_block  # one of the two backward GEMMs per linear
-    if rank == plan.head_rank:
+    if work.head:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
         head_mnk = (cp_tokens(plan), m.vocab_size // vocab_div, m.dim)
         head = gemm_seconds([head_mnk], peak, cal, flat)
@@ -663,21 +632,17 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         mat_b += 2 * head
         wgrad += head
 
-    # Memory-bound kernels, through the bytes they leave behind for backward.
-    # (per cp rank: 1/cp of the sequence's tokens, as the memory model's `cp_share`)
-    def saved_bytes(mode: str) -> float:
-        full = act.block_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern, mode)
-        return full / plan.cp
-
-    saved = n_blocks * saved_bytes("none")
+    # Memory-bound kernels, through the bytes they leave behind for backward (this cp rank's
+    # share of the sequence, as the memory model counts them: `RankWork.block_saved`).
+    kept = work.block_saved
+    saved = n_blocks * kept["none"]
     if op_sac:  # every element-wise op of the block runs again
         redone = saved
     elif plan.recompute == "selective":
-        redone = n_blocks * (saved_bytes("none") - saved_bytes("selective"))
+        redone = n_blocks * (kept["none"] - kept["selective"])
     else:
-        redone = n_full * saved_bytes("none")
-    if rank == plan.head_rank:
-        saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern) / plan.cp
+        redone = n_full * kept["none"]
+    saved += work.head_saved
     hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     elem_f = tp_.fwd_passes * saved / hbm
     elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
@@ -691,10 +656,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         else:
             eager = eager_block_bytes(plan)
         block_f = eager / hbm
-        head = 0.0
-        if rank == plan.head_rank:
-            head_saved = act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
-            head = head_saved / plan.cp / hbm
+        head = work.head_saved / hbm
         redo_blocks = n_blocks if op_sac else n_full
         elem_f = n_blocks * block_f + tp_.fwd_passes * head
         elem_b = 2 * n_blocks * block_f + redo_blocks * block_f + tp_.bwd_passes * head
