@@ -95,7 +95,7 @@ def test_figures_are_measured_once_per_shape_then_read(tmp_path, monkeypatch) ->
         "[1, 2]",
     ],
 )
-def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, text: str) -> None:
+def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, capsys, text: str) -> None:
     folder = tmp_path / "c"
     key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
     path = calibrate.cache_path(key, folder)
@@ -104,7 +104,10 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, text: str
     calls = _counting_measure(monkeypatch)
     got, measured = calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)
     assert measured and len(calls) == 1 and got["bandwidth_bytes"] == FAKE["bandwidth_bytes"]
-    assert calibration.read_figures(path, key) == got  # replaced, readable
+    assert calibration.read_figures(path, key) == (got, "")  # replaced, readable
+    err = capsys.readouterr().err  # said in one line (tests/faults/test_cache_faults.py: which)
+    assert err.startswith(f"notice: calibration cache {path} ") and err.count("\n") == 1, err
+    assert err.endswith("; re-measured and rewritten\n"), err
 
 
 def test_a_non_finite_figure_is_measured_again(tmp_path, monkeypatch) -> None:
@@ -112,7 +115,7 @@ def test_a_non_finite_figure_is_measured_again(tmp_path, monkeypatch) -> None:
     key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
     path = calibrate.cache_path(key, folder)
     calibrate.write_json(path, {"key": key, "figures": {**FAKE, "fixed_s": float("nan")}})
-    assert calibration.read_figures(path, key) is None
+    assert calibration.read_figures(path, key) == (None, "holds an invalid figure (fixed_s = NaN)")
 
 
 def test_a_cache_of_another_machine_is_not_used(tmp_path, monkeypatch) -> None:
