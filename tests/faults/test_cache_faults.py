@@ -168,6 +168,7 @@ for _ in range(2):
 """
 
 
+@pytest.mark.slow  # a subprocess importing torch: ~3-8 s
 def test_en04_unwritable_cache_folder(tmp_path, fault_row) -> None:
     folder = tmp_path / "cache_ro"
     folder.mkdir()
@@ -193,4 +194,27 @@ def test_en04_unwritable_cache_folder(tmp_path, fault_row) -> None:
         command="LLMSCALE_CACHE_DIR=work/cache_ro llmscale train --dry-run",
         expected="the plan, exit 0; one notice naming the folder (was: silent)",
         observed="exit 0; stderr: " + notices(r.stderr)[0].replace(str(tmp_path), "work"),
+    )
+
+
+@pytest.mark.slow  # a 1-step run: ~3-8 s
+def test_en05_training_with_the_cache_under_proc(
+    tmp_path, capsys, monkeypatch, measured, fault_row
+) -> None:
+    """The run's prediction (RUN_DIR/prediction.json) measures; the run trains as ever."""
+    from run_helpers import run_cli, train_args
+
+    monkeypatch.setenv("LLMSCALE_CACHE_DIR", "/proc/llmscale_cache")
+    rc, _, err = run_cli(capsys, train_args(tmp_path / "run", steps=1))
+    assert rc == 0, err
+    assert notices(err) == [
+        "notice: calibration cache /proc/llmscale_cache is not writable (FileNotFoundError: No "
+        "such file or directory); re-measuring each run"
+    ]
+    assert measured == [1] and (tmp_path / "run" / "prediction.json").exists()
+    fault_row(
+        fault="EN05: train with LLMSCALE_CACHE_DIR under /proc",
+        command="LLMSCALE_CACHE_DIR=/proc/llmscale_cache llmscale train --train.steps 1",
+        expected="the run trains, exit 0; one notice naming the folder (was: silent)",
+        observed=f"exit {rc}, 1 step trained; stderr: {notices(err)[0]}",
     )
