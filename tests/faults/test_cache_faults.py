@@ -125,7 +125,8 @@ def test_en03_garbage_cache_file(tmp_path, capsys, monkeypatch, measured, fault_
         command="LLMSCALE_CACHE_DIR=work/cache_bad llmscale train --dry-run",
         expected="the plan, exit 0; one notice naming the file and why, which is rewritten "
         "(was: silent)",
-        observed="exit 0; stderr: "
+        observed="the run's calibration (train/calibration.cached_record) measured again and "
+        "rewrote the file; stderr: "
         + line.replace(str(path), f"work/{folder.name}/calibration-KEY.json"),
     )
 
@@ -147,7 +148,8 @@ def test_en06_negative_figures(tmp_path, capsys, monkeypatch, measured, fault_ro
         fault="EN06: a calibration cache whose figures are -1",
         command="LLMSCALE_CACHE_DIR=work/cache_trunc llmscale train --dry-run",
         expected="the plan, exit 0; one notice naming the figure (was: re-measured silently)",
-        observed="exit 0; stderr: "
+        observed="the run's calibration (train/calibration.cached_record) measured again and "
+        "rewrote the file; stderr: "
         + line.replace(str(path), f"work/{folder.name}/calibration-KEY.json"),
     )
 
