@@ -5,7 +5,9 @@
 threads); `measured_cluster` makes a catalog-shaped one-device Cluster from measured rates; and
 the cache (`cache_dir`: `$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
 `~/.cache/llmscale`) keeps figures in files named by a digest of their key, written atomically (a
-temporary file, then a rename) so that concurrent ranks or runs never read half a file. What is
+temporary file, then a rename) so that concurrent ranks or runs never read half a file. A cache
+that cannot be read or written never fails a command: the figures are measured again, and one
+notice line (`notice_cache_problems`) names the path and why, once per process. What is
 measured, for which model, is train/calibration.py's.
 """
 
