@@ -38,8 +38,8 @@ _NOTICED: set[str] = set()  # the cache notices this process has printed
 def cache_notice(text: str) -> None:
     """`notice: TEXT` on stderr, once per process for a text: a cache that cannot be used never
     fails a command (it only costs the work again), but a command that pays for the work on
-    every run says why."""
-    if text in _NOTICED:
+    every run says why. Rank 0's only, under torchrun (its ranks share the cache)."""
+    if text in _NOTICED or os.environ.get("RANK", "0") != "0":
         return
     _NOTICED.add(text)
     print(f"notice: {text}", file=sys.stderr, flush=True)

@@ -222,3 +222,36 @@ def test_en05_training_with_the_cache_under_proc(
         expected="the run trains, exit 0; one notice naming the folder (was: silent)",
         observed=f"exit {rc}, 1 step trained; stderr: {notices(err)[0]}",
     )
+
+
+# The prepared datasets' cache (data/prepared.py: shards' sha256 and largest ids) shares the
+# folder: without it each open reads every shard again. Exercised on one small shard.
+
+
+def test_dataset_cache_unwritable_or_garbage(tmp_path, monkeypatch, capsys, measured) -> None:
+    from llmscale.data.prepared import SHARD_CACHE, _ShardCache
+
+    shard = tmp_path / "train-00000.bin"
+    shard.write_bytes(bytes(range(8)))
+    monkeypatch.setenv("LLMSCALE_CACHE_DIR", "/proc/llmscale_cache")
+    for _ in range(2):  # twice read, once said
+        cache = _ShardCache()
+        cache.max_id(shard, cache.sha256(shard), 8, "uint16")
+        cache.save()
+    assert notices(capsys.readouterr().err) == [
+        "notice: dataset cache /proc/llmscale_cache is not writable (FileNotFoundError: No such "
+        "file or directory); each run reads every shard again to check it"
+    ]
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / SHARD_CACHE).write_text("{garbage")
+    monkeypatch.setenv("LLMSCALE_CACHE_DIR", str(folder))
+    cache = _ShardCache()
+    sha = cache.sha256(shard)
+    assert cache.max_id(shard, sha, 8, "uint16") == 0x0706  # little-endian ids 0x0100 ... 0x0706
+    cache.save()
+    assert notices(capsys.readouterr().err) == [
+        f"notice: dataset cache {folder / SHARD_CACHE} is unreadable (not the shards' cache); "
+        "rebuilt"
+    ]
+    assert json.loads((folder / SHARD_CACHE).read_text())["max_ids"] == {f"{sha}|uint16": 0x0706}
