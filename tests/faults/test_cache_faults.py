@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,6 +145,14 @@ def test_en06_negative_figures(tmp_path, capsys, monkeypatch, measured, fault_ro
         "re-measured and rewritten"
     )
     assert now and figures == FAKE and json.loads(path.read_text())["figures"] == FAKE
+    # The review's own EN06 file: every number after ': ' made -1 (bench/bad_inputs.py), the
+    # model's shape inside the key too, so the key no longer matches the file's name.
+    path.write_text(re.sub(r"(?<=: )\d+\.?\d*(e-?\d+)?", "-1", path.read_text()))
+    _, now, _ = calibration.cached_record(TINY, 2, 16, "fp32", CPU, folder)
+    assert now and notices(capsys.readouterr().err) == [
+        f"notice: calibration cache {path} is not the record its name stands for (another key: "
+        "damaged or edited); re-measured and rewritten"
+    ]
     fault_row(
         fault="EN06: a calibration cache whose figures are -1",
         command="LLMSCALE_CACHE_DIR=work/cache_trunc llmscale train --dry-run",

@@ -240,7 +240,7 @@ def read_record(
     if not isinstance(data, dict) or not isinstance(data.get(field), dict) or "key" not in data:
         return None, f"is unreadable (not a cache record: no {field!r} table)"
     if data["key"] != dict(key):
-        return None, "holds another machine's or shape's record"
+        return None, "is not the record its name stands for (another key: damaged or edited)"
     return data, ""
 
 
