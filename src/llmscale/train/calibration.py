@@ -442,18 +442,24 @@ def cache_key(
     }
 
 
-def read_figures(path: Path, key: dict[str, str]) -> dict[str, float] | None:
-    """The cached figures for `key`, or None (no file, another key, or one that cannot be used)."""
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            return None
-        figures = {str(k): float(v) for k, v in data["figures"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not figures or not all(math.isfinite(v) and v > 0 for v in figures.values()):
-        return None
-    return figures
+def read_figures(path: Path, key: dict[str, str]) -> tuple[dict[str, float] | None, str]:
+    """The cached figures for `key`, or None and why the file cannot be used ("" when there is
+    nothing to say: no file yet; see `calibrate.read_record`)."""
+    data, problem = calibrate.read_record(path, key, "figures")
+    if data is None:
+        return None, problem
+    figures: dict[str, float] = {}
+    for name, value in data["figures"].items():
+        try:
+            figure = float(value)
+        except (TypeError, ValueError):
+            figure = math.nan
+        if not (math.isfinite(figure) and figure > 0):
+            return None, f"holds an invalid figure ({name} = {json.dumps(value)})"
+        figures[str(name)] = figure
+    if not figures:
+        return None, "holds no figures"
+    return figures, ""
 
 
 def read_probe(path: Path) -> float:
@@ -521,7 +527,7 @@ def cached_record(
     busy the quieter one is kept, with a warning."""
     key = cache_key(device, model, micro_batch, seq_len, precision)
     path = calibrate.cache_path(key, folder)
-    found = read_figures(path, key)
+    found, problem = read_figures(path, key)
     refreshed = ""
     if found is not None:
         refreshed = probe_change(read_probe(path), probe_seconds(device), "figures")
@@ -554,7 +560,8 @@ def cached_record(
         "other_load_cores": when.other_load_cores,
         "probe_s": when.probe_s,
     }
-    calibrate.write_json(path, payload)
+    unwritten = calibrate.write_json(path, payload)
+    calibrate.notice_cache_problems(path, problem, unwritten)
     return figures, True, dataclasses.replace(when, refreshed=refreshed)
 
 

@@ -52,6 +52,7 @@ from llmscale.plan.shared_cores import (
     shared_cores_step,
 )
 from llmscale.plan.time import StepTime, estimate_step_time, time_params
+from llmscale.report.report import byte_unit
 from llmscale.stack import (
     Stack,
     get_stack,
@@ -290,9 +291,10 @@ def dry_run_lines(
 
 def fit_line(memory: MemoryEstimate, gpu: GPU) -> str:
     """The dry run's verdict on a catalog GPU: does the fullest rank fit, by how much."""
+    unit, size = byte_unit(memory.worst.total)
     return (
         f"fits: {'yes' if memory.fits(gpu) else 'NO'}: the fullest rank needs "
-        f"{memory.worst.total / GiB:.2f} GiB (+{memory.options.device_reserve_GiB} GiB "
+        f"{memory.worst.total / size:.2f} {unit} (+{memory.options.device_reserve_GiB} GiB "
         f"reserved) of {gpu.display}'s {gpu.memory_bytes / GiB:.0f} GiB"
     )
 
@@ -333,21 +335,21 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     ]
 
 
-def _gib(x: float) -> str:
-    return f"{x / GiB:.2f}"
-
-
 def memory_table(memory: MemoryEstimate, ranks_per_stage: int) -> list[str]:
-    """Each pipeline rank's bytes at the step's peak by kind (plan/memory.py), GiB."""
-    head = ["pp rank", "ranks"] + [short for _, short in BREAKDOWN] + ["total", "host"]
+    """Each pipeline rank's bytes at the step's peak by kind (plan/memory.py), in the unit
+    that suits the largest (`report.byte_unit`), with the global ranks that hold it."""
+    head = ["pp rank", "rank ids"] + [short for _, short in BREAKDOWN] + ["total", "host"]
+    unit, size = byte_unit(max(max(s.total, s.host) for s in memory.per_rank))
     rows = [head]
     for s in memory.per_rank:
         first = s.pp_rank * ranks_per_stage
         ranks = f"{first}" if ranks_per_stage == 1 else f"{first}-{first + ranks_per_stage - 1}"
-        parts = [_gib(s.breakdown()[k]) for k, _ in BREAKDOWN]
-        rows.append([str(s.pp_rank), ranks, *parts, _gib(s.total), _gib(s.host)])
+        parts = [s.breakdown()[k] for k, _ in BREAKDOWN]
+        rows.append(
+            [str(s.pp_rank), ranks, *(f"{x / size:.2f}" for x in [*parts, s.total, s.host])]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    out = ["memory per rank at the step's peak, GiB:"]
+    out = [f"memory per rank at the step's peak, {unit}:"]
     for r in rows:
         out.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     return out
