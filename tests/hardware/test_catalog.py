@@ -254,6 +254,12 @@ def test_gemm_efficiency_saturates_with_shape() -> None:
             'calibration.fudge = { value = 1.1, source = "stream" }',
             "calibration.fudge",
         ),
+        (  # a stack's cost on the device (stack.DeviceCosts), not a rate of the bare GPU
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }',
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }\n'
+            'calibration.optimizer_efficiency = { value = 0.5, source = "stream" }',
+            "calibration.optimizer_efficiency",
+        ),
     ],
 )
 def test_loader_checks_the_calibration(tmp_path: Path, old: str, new: str, field: str) -> None:

@@ -142,7 +142,7 @@ class TimeParams:
     # Gradients reduced once per step (FSDP2 / replicate with `set_requires_gradient_sync`
     # off on all but the last micro-batch, as the llmscale runtime does); False: every one.
     grad_sync_once: bool = True
-    step_overhead: bool = True  # add the GPU's fixed per-step cost
+    step_overhead: bool = True  # add the stack's fixed per-step cost on the device
     # How element-wise traffic is counted: "llmscale" (this runtime's eager ops,
     # `runtime_eager_block_bytes`), "torchtitan" (its eager Llama without torch.compile:
     # composite RMSNorm, complex RoPE in fp32, silu and mul apart; `eager_block_bytes`) or
