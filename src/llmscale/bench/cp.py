@@ -75,10 +75,9 @@ def job(opts: BenchOptions, layout: Layout, rep: int, min_steps: int = TIMED_STE
 DISPLAY = "this CPU, 2 ranks of 1 thread (measured)"
 
 
-def cluster_of(figures: dict[str, float], model_name: str) -> Cluster:
+def cluster_of(figures: dict[str, float]) -> Cluster:
     """The measured device of one repetition: one rank's rates, its ring blocks, the link."""
-    model = get_preset(model_name)
-    cluster = calibration.cluster_from(figures, model, "fp32", DISPLAY)
+    cluster = calibration.cluster_from(figures, "fp32", DISPLAY)
     cluster = calibration.with_ring_attention(cluster, figures["ring_attention_flops"])
     return calibrate.with_link(cluster, figures, "gloo between 2 local ranks (measured)")
 
@@ -125,7 +124,7 @@ def run(
     for rep, cfgs in enumerate(runs):
         path = opts.work_dir / "cp" / f"calibration-{rep}.json"
         figures = {k: float(v) for k, v in json.loads(path.read_text()).items()}
-        cluster, params = cluster_of(figures, opts.model), time_params(opts, figures)
+        cluster, params = cluster_of(figures), time_params(opts, figures)
         links.append(figures)
         for cfg in cfgs:
             name = Path(cfg.job.run_dir).name.rsplit("-", 1)[0]

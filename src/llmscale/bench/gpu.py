@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             model = get_preset(args.model)
             costs = device_costs(figures, model, name)
             measured = (
-                cluster_from(figures, model, "bf16", name),
+                cluster_from(figures, "bf16", name),
                 replace(params, stack=params.stack.on_device(costs)),
             )
     run_part("mfu", lambda: mfu_part(args, work, cluster, params, peak, budget, measured))

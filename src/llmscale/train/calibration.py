@@ -304,9 +304,7 @@ def measure(
     return figures
 
 
-def cluster_from(
-    figures: dict[str, float], model: ModelConfig, precision: str, display: str
-) -> Cluster:
+def cluster_from(figures: dict[str, float], precision: str, display: str) -> Cluster:
     """A one-device Cluster whose GPU is the measured device: dense rates per dtype measured,
     bandwidth measured, and the calibration the figures imply (the device's rates only: what
     the stack costs on it is `device_costs`)."""
@@ -379,7 +377,7 @@ def measured_cluster(
     figures = measure(model, micro_batch, seq_len, precision, device, dtypes, BENCH)
     display = display_name(device)
     return MeasuredDevice(
-        cluster_from(figures, model, precision, display),
+        cluster_from(figures, precision, display),
         device_costs(figures, model, display),
         figures,
     )
@@ -634,7 +632,7 @@ def cached_cluster(plan: Plan, device: torch.device) -> tuple[MeasuredDevice, Me
         plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, device
     )
     display = display_name(device)
-    cluster = cluster_from(figures, plan.model, plan.precision, display)
+    cluster = cluster_from(figures, plan.precision, display)
     return MeasuredDevice(cluster, device_costs(figures, plan.model, display, when), figures), when
 
 
