@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
 from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import Calibration
 from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset, op_sac_saves_matmul
 from llmscale.plan import activations as act
@@ -21,6 +22,7 @@ from llmscale.stack import (
     STACK_NAMES,
     STACKS,
     TORCHTITAN,
+    DeviceCosts,
     Stack,
     get_stack,
     param_residency,
@@ -313,3 +315,33 @@ def test_a_catalog_gpu_takes_the_stacks_step_overhead() -> None:
     more = estimate_step_time(plan, cluster, time_params(slow))
     assert base.breakdown["fixed"] == pytest.approx(LLMSCALE.step_overhead_ms.value / 1000)
     assert more.seconds - base.seconds == pytest.approx(0.24)
+
+
+def test_a_measured_devices_overheads_are_its_stacks() -> None:
+    """Issue 25's split: a device's calibration holds its rates only; the costs of the stack on
+    it (measured with the runtime on this CPU) reach the time model through the stack alone,
+    each by exactly its difference from a catalog GPU's (10 ms a step, no dispatch, the
+    optimizer at the streaming bandwidth)."""
+    assert not {f.name for f in fields(Calibration)} & {
+        "step_overhead_ms", "microbatch_overhead_ms", "optimizer_efficiency"
+    }  # fmt: skip
+    plan = Plan(model=get_preset("tiny"), seq_len=64, micro_batch_size=2, global_batch_size=6)
+    costs = DeviceCosts(
+        device="a test CPU",
+        step_overhead_ms=Sourced(3.0, "test"),
+        microbatch_overhead_ms=Sourced(12.0, "test"),
+        optimizer_efficiency=Sourced(0.25, "test"),
+    )
+    measured = LLMSCALE.on_device(costs)
+    assert measured.microbatch_overhead_ms is costs.microbatch_overhead_ms
+    base = estimate_step_time(plan, H100, time_params(LLMSCALE))
+    on = estimate_step_time(plan, H100, time_params(measured))
+    b, o = base.breakdown, on.breakdown
+    assert (b["fixed"], o["fixed"]) == (pytest.approx(0.010), pytest.approx(0.003))
+    assert (b["dispatch"], o["dispatch"]) == (0.0, pytest.approx(3 * 0.012))  # 3 micro-batches
+    hbm = H100.gpu.calibration.hbm_efficiency.value
+    assert o["optimizer"] == pytest.approx(b["optimizer"] * hbm / 0.25)
+    extra = (o["fixed"] - b["fixed"]) + o["dispatch"] + (o["optimizer"] - b["optimizer"])
+    assert on.seconds - base.seconds == pytest.approx(extra, rel=1e-9)
+    for key in ("matmul", "elementwise", "tp_comm", "dp_comm", "bubble"):
+        assert o[key] == b[key], key  # the device's rates: untouched

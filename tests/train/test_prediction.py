@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -137,9 +138,18 @@ def test_the_run_predicts_from_the_figures(cache) -> None:
     assert hw.measured and hw.info["figures"]["fixed_s"] == FAKE["fixed_s"]
     assert hw.cluster.gpu.peak_flops("fp32") == pytest.approx(2e9)
     assert cal.attention_efficiency.value == pytest.approx(0.5)
-    assert cal.microbatch_overhead_ms.value == pytest.approx(1.0)
+    # The runtime's costs on the device are its stack's, sourced to this calibration and when
+    # (and under what load) it ran; the step's other fixed cost is not measured: none.
+    stack = hw.stack
+    assert stack.microbatch_overhead_ms.value == pytest.approx(1.0)
     streamed = 28 * cfg.model.num_params()
-    assert cal.optimizer_efficiency.value == pytest.approx(min(1.0, streamed / 1e10 / 2e-3))
+    assert stack.optimizer_efficiency is not None
+    assert stack.optimizer_efficiency.value == pytest.approx(min(1.0, streamed / 1e10 / 2e-3))
+    assert stack.step_overhead_ms.value == 0.0
+    when = time.strftime("%Y-%m-%d", time.gmtime(hw.info["calibration"]["measured_at"]))
+    source = stack.microbatch_overhead_ms.source
+    assert source.startswith(f"{calibration.SOURCE}, {when} ")
+    assert hw.info["stack_costs"]["microbatch_overhead_ms"]["value"] == pytest.approx(1.0)
 
 
 # ---- llmscale train --dry-run ----------------------------------------------------------------
@@ -157,7 +167,8 @@ def test_dry_run_on_this_cpu_prints_memory_and_time_and_trains_nothing(
     assert "memory per rank" in out and "fits: yes" in out
     cfg = load_config(None, short_job(job__run_dir=run_dir))
     hw = local_hardware(CPU, Plan.from_job(cfg))
-    want = predict_step_time(cfg, hw.cluster, runtime_time_params(cfg, "cpu"))
+    params = dataclasses.replace(runtime_time_params(cfg, "cpu"), stack=hw.stack)
+    want = predict_step_time(cfg, hw.cluster, params)
     assert f"step time: {want.seconds:.3f} s predicted" in out
     assert "MFU" not in out  # against a measured rate it would mean nothing
     assert not run_dir.exists()

@@ -33,8 +33,8 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   blocks save for backward (in forward each is written and read, `fwd_passes` = 2; in backward
   read, and a gradient of its size written and read, `bwd_passes` = 3). The head's logits and
   loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
-  element-wise bytes. Plus the GPU's fixed cost per micro-batch (`microbatch_overhead_ms`,
-  per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks
+  element-wise bytes. Plus the stack's fixed cost per micro-batch on the device
+  (`Stack.microbatch_overhead_ms`, per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks
   (a third in forward, two in backward; a recomputed block's forward dispatched again).
 - context parallelism (cp > 1), ring attention as torch's `context_parallel` runs it: each rank
   holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
@@ -69,11 +69,11 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   inside a node, the NIC across) on the fill/drain path; or, with `simulate=True`, the
   discrete-event simulator of plan/schedule.py on per-stage costs, F, B and W apart.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
-  optimizer bandwidth (`Calibration.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
+  optimizer bandwidth (`Stack.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
   `offload_overlap` hidden; under offload "lsp" the bytes it moves (`plan/offload_traffic.py`)
   and the host AdamW over the ZeRO path's parameters and each block matrix's d x d subspace
-  (the device's projections are not priced). Plus the GPU's fixed cost per step
-  (`step_overhead_ms`).
+  (the device's projections are not priced). Plus the stack's fixed cost per step on the
+  device (`Stack.step_overhead_ms`).
 
 MFU counts model FLOPs (no recomputation, attention as Narayanan et al. count it) against the
 dense peak of the precision's dtype; HFU counts recomputation too.
@@ -147,7 +147,7 @@ class TimeParams:
     # Gradients reduced once per step (FSDP2 / replicate with `set_requires_gradient_sync`
     # off on all but the last micro-batch, as the llmscale runtime does); False: every one.
     grad_sync_once: bool = True
-    step_overhead: bool = True  # add the GPU's fixed per-step cost
+    step_overhead: bool = True  # add the stack's fixed per-step cost on the device
     # How element-wise traffic is counted: "llmscale" (this runtime's eager ops,
     # `runtime_eager_block_bytes`), "torchtitan" (its eager Llama without torch.compile:
     # composite RMSNorm, complex RoPE in fp32, silu and mul apart; `eager_block_bytes`) or
@@ -681,7 +681,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     # dispatches its forward's ops again (full, or op-level SAC's element-wise ops and matmuls),
     # not its backward's.
     disp_f, disp_b = _dispatch_seconds(
-        cal, m.n_layers, n_blocks, n_full if not op_sac else n_blocks
+        tp_.stack, m.n_layers, n_blocks, n_full if not op_sac else n_blocks
     )
     dispatch = disp_f + disp_b
     fwd = mat_f + elem_f + tp_f + cp_f + cast_f + loss_f + disp_f
@@ -749,13 +749,13 @@ def _tp_block_seconds(
 
 
 def _dispatch_seconds(
-    cal: Calibration, n_layers: int, n_blocks: int, n_redo: int
+    stack: Stack, n_layers: int, n_blocks: int, n_redo: int
 ) -> tuple[float, float]:
-    """The fixed per-op cost of one micro-batch on a rank (forward, backward): the calibrated
-    `microbatch_overhead` (a whole forward and backward) in proportion to the rank's `n_blocks`
+    """The fixed per-op cost of one micro-batch on a rank (forward, backward): the stack's
+    `microbatch_overhead_ms` on the device (a whole forward and backward) in proportion to the rank's `n_blocks`
     of the model's `n_layers`, a third in forward and two thirds in backward; each of the
     `n_redo` recomputed blocks adds a forward's third to backward."""
-    per_block = cal.microbatch_overhead / n_layers
+    per_block = stack.microbatch_overhead_ms.value * 1e-3 / n_layers
     return n_blocks * per_block / 3, (2 * n_blocks + n_redo) * per_block / 3
 
 
@@ -990,7 +990,7 @@ def estimate_step_time(
     cal = cluster.gpu.calibration
     lsp = offload_traffic(plan, 0, tparams.kernels) if plan.offload == "lsp" else None
     if plan.offload == "none":
-        opt_bw = cluster.gpu.hbm_bandwidth * cal.optimizer_share
+        opt_bw = cluster.gpu.hbm_bandwidth * tparams.stack.optimizer_share(cal.hbm_efficiency)
         opt = tparams.optimizer_bytes_per_param * worst_params / opt_bw
     elif lsp is not None:
         # LSP-Offload: what it moves (plan/offload_traffic.py: d x d per block matrix, the rest
@@ -1019,8 +1019,8 @@ def estimate_step_time(
             upload = n_mb * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
-    # A device measured with the runtime has its own fixed cost; a catalog GPU the stack's.
-    overhead = cal.step_overhead_ms or tparams.stack.step_overhead_ms
+    # The stack's (on a device measured with the runtime, as measured there: `Stack.on_device`).
+    overhead = tparams.stack.step_overhead_ms
     fixed = overhead.value * 1e-3 if tparams.step_overhead else 0.0
     breakdown["fixed"] = fixed
     seconds = pipe + p2p_total + dp_sync + opt + fixed

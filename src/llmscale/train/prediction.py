@@ -54,6 +54,7 @@ from llmscale.plan.shared_cores import (
 from llmscale.plan.time import StepTime, estimate_step_time, time_params
 from llmscale.report.report import byte_unit
 from llmscale.stack import (
+    LLMSCALE,
     Stack,
     get_stack,
     layout_problem,
@@ -73,6 +74,9 @@ class Hardware:
     measured: bool  # the GEMM rate and bandwidth were micro-benchmarked here
     info: dict[str, Any] = field(default_factory=dict)
     shared: SharedCoreCosts | None = None  # ranks sharing a CPU's cores (measured), if any
+    # The runtime's stack as priced on this device: on a measured one, with the costs measured
+    # there (`Stack.on_device`: its fixed costs per micro-batch and step, its optimizer's share).
+    stack: Stack = LLMSCALE
 
 
 def catalog_hardware(gpu: str) -> Hardware:
@@ -89,13 +93,14 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
         known = gpu_for_device_name(torch.cuda.get_device_name(device))
         if known is not None:
             return catalog_hardware(known.name)
-    cluster, figures, when = cached_cluster(plan, device)
+    (cluster, costs, figures), when = cached_cluster(plan, device)
     info = {
         "name": "measured",
         "display": cluster.gpu.display,
         "source": "micro-benchmarks of this machine (train/calibration.py; cached per machine "
         "and shape)",
         "figures": figures,
+        "stack_costs": dataclasses.asdict(costs),
         "links": "not measured: the h100 node's stand in",
         "calibration": {
             "measured_at": when.measured_at,
@@ -105,7 +110,8 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
             "probe_s": when.probe_s,
         },
     }
-    return Hardware(cluster, "cpu" if device.type == "cpu" else "cuda", measured=True, info=info)
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    return Hardware(cluster, kind, measured=True, info=info, stack=LLMSCALE.on_device(costs))
 
 
 def with_shared_cores(hardware: Hardware, costs: SharedCoreCosts, warnings: list[str]) -> Hardware:
@@ -186,6 +192,7 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
     except ConfigError as e:
         return RunPrediction(**base, memory_bytes={}, step_time_s=None, not_modelled=str(e))
     params = runtime_time_params(plan, hardware.device, compiled=cfg.train.compile)
+    params = replace(params, stack=hardware.stack)
     seconds: float | None = None
     breakdown: dict[str, float] = {}
     try:
