@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ def test_every_rendered_block_is_current() -> None:
 
 RECORDS = tuple(
     f"docs/results/{n}.json"
-    for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload")
+    for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload", "selective")
 )
 
 
@@ -162,3 +163,65 @@ def test_the_pipeline_memory_table_is_rendered_from_its_record(tmp_path: Path) -
     i, j = docs._span(text, "pipeline-memory-table")
     assert f"| {row['measured']:,} / 262,144 |" in text[i:j]
     assert "Predicted within 0.0% of measured in every cell" in text[i:j]  # no longer exact
+
+
+def test_the_selective_table_is_rendered_from_its_record(tmp_path: Path) -> None:
+    """docs/memory-model.md's saved bytes are bench.selective's record: a hand edit and a changed
+    row are stale; the saving and the hand count's verdict follow the record."""
+    root = _copy(tmp_path)
+    md = root / "docs/memory-model.md"
+    text = _edit_block(md, "selective-kernels", "| 1,920 B (0.5%) |", "| 1,900 B (0.5%) |")
+    assert docs.stale(root) == ["docs/memory-model.md: selective-kernels"]
+    docs.write(root)
+    assert md.read_text() == text
+
+    path = root / "docs/results/selective.json"
+    data = json.loads(path.read_text())
+    row = next(r for r in data["selective_kernels"]["rows"] if r["config"] == "math recompute=none")
+    row["measured"] += 4800  # one more s x s fp32 tensor per block kept
+    path.write_text(json.dumps(data))
+    assert docs.stale(root) == ["docs/memory-model.md: selective-kernels"]
+    docs.write(root)
+    i, j = docs._span(md.read_text(), "selective-kernels")
+    block = md.read_text()[i:j]
+    assert "| 458,548 B | 411,508 B | 47,040 B (10.3%) | 42,240 B: " in block
+    assert "(≠ measured)" in block and "+14,400 B" in block
+
+
+def test_the_lsp_figures_are_the_planners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/offload.md's LSP-Offload traffic and the 7B plan's optimizer share come from the
+    planner: a hand-counted tiny-model step is in the text, and a changed formula is stale."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan import offload_traffic
+
+    tiny = get_preset("tiny")
+    groups = tiny.parameter_shapes()
+    block = [s for _, s in groups["block"] if len(s) == 2]
+    assert sorted(block) == [
+        (32, 64),
+        (32, 64),
+        (64, 64),
+        (64, 64),
+        (64, 192),
+        (192, 64),
+        (192, 64),
+    ]
+    # d = min(512, rows or columns // 2): 16 for the 32 x 64 (wk, wv), 32 for the rest
+    dxd = tiny.n_layers * 4 * (2 * 16**2 + 5 * 32**2)
+    rest = sum(math.prod(s) for _, s in [*groups["embedding"], *groups["head"]])
+    rest += tiny.n_layers * sum(math.prod(s) for _, s in groups["block"] if len(s) == 1)
+    step = 2 * (dxd + 2 * rest)  # d x d fp32 and the rest in bf16, down and up
+    text = (ROOT / "docs/offload.md").read_text()
+    i, j = docs._span(text, "lsp-traffic")
+    assert f"the tiny model, d = 16–32: {step / 1e6:.2f} MB instead of" in text[i:j]
+
+    root = _copy(tmp_path)
+    real = offload_traffic.lsp_bytes_per_step
+    monkeypatch.setattr(
+        offload_traffic, "lsp_bytes_per_step", lambda *a, **k: real(*a, **k)._replace(up=0)
+    )
+    docs._run.cache_clear()
+    try:
+        assert docs.stale(root) == ["docs/offload.md: lsp-traffic", "docs/offload.md: lsp-plan-7b"]
+    finally:
+        docs._run.cache_clear()

@@ -605,6 +605,95 @@ def lsp_results(ctx: Context) -> str:
     return f"In `make results`' latest run ({ctx.results.when('finetune')}), lsp against optimizer: {lsp}"
 
 
+def _lsp_step(name: str) -> tuple[Any, list[tuple[tuple[int, int], int]], float, float]:
+    """The planner's one-process step of preset `name` in bf16 without accumulation, at the
+    config's lsp_dim and lsp_nonzeros: the plan, each block matrix shape with its d, and the bytes
+    moved per step under lsp and under ZeRO-Offload ("optimizer"; `plan/offload_traffic.py`)."""
+    import dataclasses
+
+    from llmscale.model.config import get_preset
+    from llmscale.plan import activations as act
+    from llmscale.plan.lsp import matrix_dims, one_process_split
+    from llmscale.plan.offload_traffic import offload_traffic
+    from llmscale.plan.plan import Plan
+
+    model = get_preset(name)
+    lsp = Plan(model=model, seq_len=128, micro_batch_size=1, global_batch_size=1,
+               precision="bf16", offload="lsp")  # fmt: skip
+    kern = act.Kernels.for_runtime(model, 1)
+    moved = {}
+    for mode in ("lsp", "optimizer"):
+        t = offload_traffic(dataclasses.replace(lsp, offload=mode), 0, kern)
+        assert t is not None
+        moved[mode] = t.total
+    mats = sorted({
+        (s, matrix_dims(s, lsp.lsp_dim, lsp.lsp_nonzeros)[0])
+        for s in one_process_split(model).matrices
+    })  # fmt: skip
+    return lsp, mats, moved["lsp"], moved["optimizer"]
+
+
+def _kib(n: float) -> str:
+    return f"{n / 2**10:,.0f} KiB"
+
+
+def lsp_traffic(ctx: Context) -> str:
+    """docs/offload.md: what LSP-Offload moves per step for the small and tiny models against
+    ZeRO-Offload, from the planner (`plan.lsp`, `plan.offload_traffic`)."""
+    from llmscale.config import DTYPE_BYTES
+
+    plan, mats, lsp, opt = _lsp_step("small")
+    by_d: dict[int, list[str]] = {}
+    for (m, n), d in mats:
+        by_d.setdefault(d, []).append(f"{m} x {n}")
+    dims = "; ".join(f"d = {d} for {', '.join(s)}" for d, s in sorted(by_d.items()))
+    moved = sorted({4 * d * d for _, d in mats})
+    whole = sorted({DTYPE_BYTES["bf16"] * m * n for (m, n), _ in mats})
+
+    def span(xs: list[int]) -> str:
+        return _kib(xs[0]) if len(xs) == 1 else f"{xs[0] / 2**10:,.0f}–{_kib(xs[-1])}"
+
+    _, tmats, tlsp, topt = _lsp_step("tiny")
+    tds = sorted({d for _, d in tmats})
+    tdim = f"{tds[0]}–{tds[-1]}" if len(tds) > 1 else str(tds[0])
+    return (
+        f"For the small model (lsp_dim {plan.lsp_dim}: {dims}) the blocks move {span(moved)} "
+        f"per matrix per direction instead of {span(whole)} in bf16: a step of the small model "
+        f"moves {lsp / 1e6:.1f} MB instead of ZeRO-Offload's {opt / 1e6:.1f} MB in bf16 without "
+        f"accumulation ({lsp / opt:.2f}x; the tiny model, d = {tdim}: "
+        f"{tlsp / 1e6:.2f} MB instead of {topt / 1e6:.2f} MB, {tlsp / topt:.2f}x; "
+        "`lsp_bytes_per_step` and `plan.offload_traffic`, rendered by `make docs`)"
+    )
+
+
+LSP_7B = ("plan", "--model", "llama2-7b", "--gpus", "1", "--gpu", "h200", "--seq", "2048",
+          "--global-batch", "8", "--mbs", "2")  # fmt: skip
+
+
+def lsp_plan_7b(ctx: Context) -> str:
+    """docs/offload.md: the optimizer's share of a Llama-2 7B step on one H200 under lsp and
+    under ZeRO-Offload, as `llmscale plan ... --offload MODE --json` prices it."""
+    import json
+
+    share, inputs = {}, {}
+    for mode in ("lsp", "optimizer"):
+        out = json.loads(_run((*LSP_7B, "--offload", mode, "--json")))
+        best = out["candidates"][0]
+        share[mode] = best["step_time"]["breakdown_seconds"]["optimizer"]
+        inputs = best["plan"]
+
+    def sec(x: float) -> str:
+        return f"{1e3 * x:.0f} ms" if x < 1 else f"{x:.1f} s"
+
+    mb = inputs["global_batch_size"] // inputs["micro_batch_size"]
+    return (
+        f"for Llama-2 7B on one H200 in {inputs['precision']} ({inputs['micro_batch_size']} x "
+        f"{inputs['seq_len']} tokens x {mb} micro-batches) the offloaded optimizer's share is "
+        f"{sec(share['lsp'])} against ZeRO-Offload's {sec(share['optimizer'])} "
+        f"(`llmscale {' '.join(LSP_7B)} --offload lsp`)"
+    )
+
+
 def offload_modes(ctx: Context) -> str:
     """docs/offload.md: step times and bytes of each offload mode and link, as
     `python -m llmscale.bench.offload --json-out docs/results/offload.json` recorded them."""
@@ -648,6 +737,65 @@ def offload_modes(ctx: Context) -> str:
             f"{pct(r['hidden_timeline'])} |"
         )
     return "\n".join(lines)
+
+
+def selective_kernels(ctx: Context) -> str:
+    """docs/memory-model.md: saved bytes under none and selective on the CPU flash and math
+    kernels, as `python -m llmscale.bench.selective --json-out docs/results/selective.json`
+    recorded them; the planner's bytes and the hand count of what selective gives back computed
+    here, for the recorded model and shape."""
+    from llmscale.bench import selective as sel
+    from llmscale.model.config import ModelConfig
+
+    rec = Results(ctx.results_path.parent / "selective.json").suite(sel.SUITE)
+    if not rec:
+        return "Not measured yet: `python -m llmscale.bench.selective --json-out ...`."
+    model, b, s = ModelConfig(**rec["model"]), rec["micro_batch_size"], rec["seq_len"]
+    got = {r["config"]: r for r in rec["rows"]}
+    lines = [
+        f"Measured by `{rec['command']}` ({rec['measured_at'][:10]}, torch {rec['torch']}; "
+        f"the runtime model, {model.n_layers} blocks, d {model.dim}, {model.n_heads} heads, "
+        f"{model.n_kv_heads} kv heads, b {b}, s {s}, fp32, CPU; `saved_tensors_hooks`):",
+        "",
+        "| SDPA path | none | selective | saved by selective | counted by hand | planner: none "
+        "/ selective |",
+        "|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for backend in sel.BACKENDS:
+        none, selective = got[f"{backend} recompute=none"], got[f"{backend} recompute=selective"]
+        kernel = sel.planner_kernel(model, backend)
+        saved = none["measured"] - selective["measured"]
+        hand = sel.saving_by_hand(model, kernel, b, s)
+        want = [sel.predicted_bytes(model, m, kernel, b, s) for m in sel.MODES]
+        off = [w - r["measured"] for w, r in zip(want, (none, selective), strict=True)]
+        path = (
+            f"SDPA's choice, what the runtime takes: {kernel} (`{none['note']}`)"
+            if backend == "auto"
+            else f"{kernel}, forced with `sdpa_kernel(SDPBackend.MATH)`"
+        )
+        what = "the log-sum-exp, `4H` per token" if kernel != "math" else (
+            "the `s × s` softmax output, the scaled q, k and v repeated to the heads, less the "
+            "q, k, v the checkpoint keeps"
+        )  # fmt: skip
+        planner = f"{want[0]:,.0f} / {want[1]:,.0f} B" + (
+            " (= measured)" if off == [0, 0]
+            else " (" + ", ".join(f"{m} {o:+,.0f} B" for m, o in zip(sel.MODES, off, strict=True) if o) + ")"
+        )  # fmt: skip
+        lines.append(
+            f"| {path} | {none['measured']:,} B | {selective['measured']:,} B | {saved:,} B "
+            f"({saved / none['measured']:.1%}) | {hand:,} B: {what}"
+            f"{'' if hand == saved else ' (≠ measured)'} | {planner} |"
+        )
+        square = 4 * model.n_heads * s * b * s * model.n_layers  # one fp32 s x s per block
+        if off[0] and off[0] % square == 0:
+            n = int(off[0] // square)
+            notes.append(
+                f"The planner's `{kernel}` path counts {abs(n)} fp32 `s × s` tensor"
+                f"{'s' if abs(n) != 1 else ''} per block {'more' if n > 0 else 'fewer'} than "
+                f"autograd keeps under `none` ({off[0]:+,.0f} B here)."
+            )
+    return "\n".join(lines + ["", *notes] if notes else lines)
 
 
 def inflight_table(ctx: Context) -> str:
@@ -1048,6 +1196,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
     Block("docs/schedule.md", "inflight-table", inflight_table),
+    Block("docs/memory-model.md", "selective-kernels", selective_kernels),
     Block("docs/schedule.md", "pipeline-memory-table", pipeline_memory_table),
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
@@ -1055,6 +1204,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/parallel.md", "compile-results", compile_results),
     Block("docs/offload.md", "lsp-results", lsp_results),
     Block("docs/offload.md", "offload-modes", offload_modes),
+    Block("docs/offload.md", "lsp-traffic", lsp_traffic),
+    Block("docs/offload.md", "lsp-plan-7b", lsp_plan_7b),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
     Block("docs/pipeline-bench.md", "pipeline-op-range", pipeline_op_range),
     Block("docs/pipeline-bench.md", "pipeline-p2p-range", pipeline_p2p_range),
