@@ -225,3 +225,45 @@ def test_the_lsp_figures_are_the_planners(tmp_path: Path, monkeypatch: pytest.Mo
         assert docs.stale(root) == ["docs/offload.md: lsp-traffic", "docs/offload.md: lsp-plan-7b"]
     finally:
         docs._run.cache_clear()
+
+
+def test_typed_planner_and_results_figures_are_rendered(tmp_path: Path) -> None:
+    """README's preset table and docs/memory-model.md's Llama 2 70B bytes per token are the
+    planner's; the selective_op figures are the memory suite's rows: each is stale after a hand
+    edit or a changed row."""
+    from llmscale.model.config import PRESETS, get_preset
+
+    text = (ROOT / "README.md").read_text()
+    i, j = docs._span(text, "preset-params")
+    for name in PRESETS:
+        assert f"{get_preset(name).num_params():,}" in text[i:j], name
+    assert (
+        "| llama2-7b / 13b / 70b | 6,738,415,616 / 13,015,864,320 / 68,976,648,192 | the same, exactly |"
+        in text[i:j]
+    )
+
+    root = _copy(tmp_path)
+    _edit_block(root / "README.md", "preset-params", "6,738,415,616", "6,738,415,617")
+    md = root / "docs/memory-model.md"
+    # 22d + 4kv + 8f + 4H + 8 per token (the bf16 sum above it), d 8192, kv 1024, f 28672, H 64
+    assert 22 * 8192 + 4 * 1024 + 8 * 28672 + 4 * 64 + 8 == 413_960
+    _edit_block(md, "llama70b-block", "413,960 bytes", "413,961 bytes")
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    row = next(
+        r for r in data["memory"]["rows"]
+        if r["config"] == "fp32 mbs=4 recompute=selective_op" and r["quantity"] == "activations"
+    )  # fmt: skip
+    row["measured"] += 4
+    res.write_text(json.dumps(data))
+    stale = docs.stale(root)
+    for block in (
+        "README.md: preset-params",
+        "docs/memory-model.md: llama70b-block",
+        "docs/memory-model.md: memory-selective-op",
+    ):
+        assert block in stale
+    docs.write(root)
+    i, j = docs._span(md.read_text(), "memory-selective-op")
+    got = f"fp32 {row['measured']:,.0f} B measured, {row['predicted']:,.0f} predicted"
+    assert got in md.read_text()[i:j]

@@ -798,6 +798,89 @@ def selective_kernels(ctx: Context) -> str:
     return "\n".join(lines + ["", *notes] if notes else lines)
 
 
+def llama70b_block(ctx: Context) -> str:
+    """docs/memory-model.md: one Llama 2 70B layer's saved bytes per token in bf16 on the
+    runtime's CUDA kernels (`plan.activations.block_bytes`), against Korthikanti et al.'s eq. 1
+    (`korthikanti_bytes`) at s = 4096."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan import activations as act
+
+    model, s = get_preset("llama2-70b"), 4096
+    kern = act.Kernels.for_runtime(model, 1)
+    ours = act.block_bytes(model, 1, s, "bf16", 1, False, kern, "none") / s
+    paper = act.korthikanti_bytes(model, 1, s) / s
+    return (
+        f"For Llama 2 70B that is {ours:,.0f} bytes per token per layer in bf16, i.e. "
+        f"`sbh · {ours / model.dim:.1f}`, against Korthikanti's `sbh(34 + 5as/h) = sbh · "
+        f"{paper / model.dim:.0f}` at s = {s}"
+    )
+
+
+def memory_selective_op(ctx: Context) -> str:
+    """docs/memory-model.md: selective_op's saved bytes in the memory suite of `make results`
+    (`llmscale bench --what memory`), measured against predicted."""
+    rows = ctx.rows("memory", "activations")
+    if not rows:
+        return "`llmscale bench --what memory` has not been run yet (make results)"
+    suite = ctx.results.suite("memory") or {}
+    mbs = sorted({int(k.split("mbs=")[1].split()[0]) for k in rows})
+
+    def row(precision: str, b: int) -> dict[str, Any] | None:
+        return rows.get(f"{precision} mbs={b} recompute=selective_op")
+
+    def bytes_(precision: str) -> str:
+        r = row(precision, mbs[-1])
+        if r is None:
+            return f"{precision} not measured"
+        said = (
+            "= predicted"
+            if r["measured"] == r["predicted"]
+            else f", {r['predicted']:,.0f} predicted"
+        )
+        return f"{precision} {r['measured']:,.0f} B measured{'' if said[0] == ',' else ' '}{said}"
+
+    ratios = [
+        f"{r['predicted'] / r['measured']:.4f} ({p})"
+        for p in ("fp32", "bf16")
+        if (r := row(p, mbs[0])) is not None
+    ]
+    return (
+        f"`llmscale bench --what memory` in `make results` ({suite.get('title', '')}, "
+        f"{_when(ctx, 'memory')}): mbs {mbs[-1]} {bytes_('fp32')}, {bytes_('bf16')}; mbs "
+        f"{mbs[0]} predicted/measured {' and '.join(ratios)}"
+    )
+
+
+PRESET_ROWS = (
+    ("tiny", "small"), ("gpt2-124m",), ("llama3.2-1b",), ("llama2-7b", "llama2-13b", "llama2-70b"),
+    ("llama3-8b", "llama3-70b"), ("llama3-405b",), ("gpt3-175b",),
+)  # fmt: skip
+
+
+def preset_params(ctx: Context) -> str:
+    """README: each preset's parameter count (`ModelConfig.num_params`) beside the published
+    one (`published_params`, tests/model/test_config.py)."""
+    from llmscale.model.config import PRESETS, get_preset
+
+    listed = {n for names in PRESET_ROWS for n in names}
+    lines = ["| preset | params | published |", "|---|---:|---:|"]
+    for names in (*PRESET_ROWS, *((n,) for n in PRESETS if n not in listed)):
+        models = [get_preset(n) for n in names]
+        label = " / ".join([names[0], *(n.rsplit("-", 1)[-1] for n in names[1:])])
+        ours = [m.num_params() for m in models]
+        pub = [m.published_params for m in models]
+        if not any(pub):
+            said = "(tests / benchmarks)"
+        elif pub == ours and len(pub) > 1:
+            said = "the same, exactly"
+        else:
+            said = " / ".join(
+                f"{p:,}" if p == o else f"{p / 1e9:,.0f}B" for p, o in zip(pub, ours, strict=True)
+            )
+        lines.append(f"| {label} | {' / '.join(f'{n:,}' for n in ours)} | {said} |")
+    return "\n".join(lines)
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1172,6 +1255,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "serving-ratio", serving_ratio),
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
+    Block("README.md", "preset-params", preset_params),
     Block("docs/planner.md", "plan-demo-wide", plan_demo_wide, timed=True),
     Block("docs/planner.md", "hw-compare", commands("llmscale hw --compare nvlink5 pcie5")),
     Block(
@@ -1197,6 +1281,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/inference.md", "serving-reading", serving_reading),
     Block("docs/schedule.md", "inflight-table", inflight_table),
     Block("docs/memory-model.md", "selective-kernels", selective_kernels),
+    Block("docs/memory-model.md", "llama70b-block", llama70b_block),
+    Block("docs/memory-model.md", "memory-selective-op", memory_selective_op),
     Block("docs/schedule.md", "pipeline-memory-table", pipeline_memory_table),
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
