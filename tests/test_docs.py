@@ -289,3 +289,24 @@ def test_the_lsp_goals_are_rendered_from_the_finetune_suite(tmp_path: Path) -> N
     i, j = docs._span(text, "lsp-finetune")
     assert f"| {opt['measured']:.4f} | {lsp['measured']:.4f} | +5.00% |" in text[i:j]
     assert "final loss +5.00% (goal: within 3%): missed" in text[i:j]
+
+
+def test_the_bubble_table_is_the_schedule_commands_output(tmp_path: Path) -> None:
+    """docs/schedule.md's bubbles are `llmscale schedule --json`'s: 1F1B's rows read
+    (p-1)/(m+p-1) and interleaved's (p-1)/(vm+p-1), simulated and closed form; a hand edit is
+    stale."""
+    text = (ROOT / "docs/schedule.md").read_text()
+    i, j = docs._span(text, "schedule-bubbles")
+    for p, m in ((4, 8), (4, 32), (8, 32)):
+        b = f"{(p - 1) / (m + p - 1):.4f}"
+        assert f"| 1f1b | {p} | {m} | 1 | - | {b} | {b} |" in text[i:j]
+        b = f"{(p - 1) / (2 * m + p - 1):.4f}"
+        assert f"| interleaved_1f1b | {p} | {m} | 2 | - | {b} | {b} |" in text[i:j]
+    root = _copy(tmp_path)
+    _edit_block(
+        root / "docs/schedule.md",
+        "schedule-bubbles",
+        "| 0.2727 | 0.2727 | 4 |",
+        "| 0.27 | 0.27 | 4 |",
+    )
+    assert docs.stale(root) == ["docs/schedule.md: schedule-bubbles"]

@@ -947,6 +947,42 @@ def preset_params(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+# docs/schedule.md's bubble table: (schedule, pp, microbatches, chunks, t_w or None).
+SCHEDULE_CASES = (
+    *(("1f1b", p, m, 1, None) for p, m in ((4, 8), (4, 32), (8, 32))),
+    *(("interleaved_1f1b", p, m, 2, None) for p, m in ((4, 8), (4, 32), (8, 32))),
+    *(
+        (s, p, m, 2, w)
+        for s in ("zero_bubble", "zbv", "dualpipev")
+        for p, m in ((4, 8), (4, 32), (8, 32))
+        for w in (1.0, 0.6)
+    ),
+)
+
+
+def schedule_bubbles(ctx: Context) -> str:
+    """docs/schedule.md: simulated and closed-form bubbles and rank 0's peak in-flight, as
+    `llmscale schedule ... --json` prints them (t_fwd = 1, t_bwd = 2)."""
+    import json
+
+    lines = [
+        "| schedule | pp | m | v | t_w | simulated bubble | closed form | peak in-flight (rank 0) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for sched, p, m, v, w in SCHEDULE_CASES:
+        argv = ["schedule", "--pp", str(p), "--microbatches", str(m), "--schedule", sched]
+        argv += ["--chunks", str(v)] if v > 1 else []
+        argv += ["--t-w", f"{w:g}"] if w is not None else []
+        out = json.loads(_run((*argv, "--json")))
+        closed = out.get("closed_form_bubble")
+        lines.append(
+            f"| {sched} | {p} | {m} | {v} | {'-' if w is None else f'{w:g}'} | "
+            f"{out['bubble_fraction']:.4f} | {'-' if closed is None else f'{closed:.4f}'} | "
+            f"{out['peak_inflight'][0]} |"
+        )
+    return "\n".join(lines)
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1346,6 +1382,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
     Block("docs/schedule.md", "inflight-table", inflight_table),
+    Block("docs/schedule.md", "schedule-bubbles", schedule_bubbles),
     Block("docs/memory-model.md", "selective-kernels", selective_kernels),
     Block("docs/memory-model.md", "llama70b-block", llama70b_block),
     Block("docs/memory-model.md", "memory-selective-op", memory_selective_op),
