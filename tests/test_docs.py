@@ -310,3 +310,20 @@ def test_the_bubble_table_is_the_schedule_commands_output(tmp_path: Path) -> Non
         "| 0.27 | 0.27 | 4 |",
     )
     assert docs.stale(root) == ["docs/schedule.md: schedule-bubbles"]
+
+
+def test_the_finetune_table_is_the_suites(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    table = data["finetune"]["tables"]["fine-tuning: every mode from the same pretrained weights"]
+    table["rows"][1][4] = "999"  # optimizer's step ms
+    res.write_text(json.dumps(data))
+    assert docs.stale(root) == [
+        "docs/offload.md: finetune-table",
+        "docs/results.md: the whole file",
+    ]
+    docs.write(root)
+    text = (root / "docs/offload.md").read_text()
+    i, j = docs._span(text, "finetune-table")
+    assert f"| `optimizer` | {' | '.join(table['rows'][1][1:4])} | 999 |" in text[i:j]

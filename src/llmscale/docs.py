@@ -686,6 +686,27 @@ def lsp_plan_7b(ctx: Context) -> str:
     )
 
 
+def finetune_table(ctx: Context) -> str:
+    """docs/offload.md: the finetune suite's table of every offload mode from the same
+    pretrained weights, and its loss plot, as `make results` recorded them."""
+    t = ctx.results.table("finetune", "fine-tuning: every mode")
+    suite = ctx.results.suite("finetune") or {}
+    if t is None:
+        return "The finetune suite has not been measured yet (`make results`)."
+    head, rows = t
+    lines = [
+        f"`make results`' finetune suite (measured {_when(ctx, 'finetune')}): "
+        f"{suite.get('title', '')}. {' '.join(suite.get('notes', [])[:1])}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join([f"`{r[0]}`", *r[1:]]) + " |" for r in rows),
+    ]
+    for fig in suite.get("figures", []):
+        lines += ["", f"![fine-tuning loss curves]({Path(fig).relative_to('docs')})"]
+    return "\n".join(lines)
+
+
 # LSP-Offload's goals against ZeRO-Offload (docs/offload.md): final loss within 3%, at most a
 # quarter of the bytes moved, a shorter step at the simulated links.
 LSP_LOSS_GOAL, LSP_BYTES_GOAL = 0.03, 0.25
@@ -1392,6 +1413,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/parallel.md", "cp-results", cp_results),
     Block("docs/parallel.md", "compile-results", compile_results),
     Block("docs/offload.md", "lsp-finetune", lsp_finetune),
+    Block("docs/offload.md", "finetune-table", finetune_table),
     Block("docs/offload.md", "offload-modes", offload_modes),
     Block("docs/offload.md", "lsp-traffic", lsp_traffic),
     Block("docs/offload.md", "lsp-plan-7b", lsp_plan_7b),
