@@ -327,3 +327,22 @@ def test_the_finetune_table_is_the_suites(tmp_path: Path) -> None:
     text = (root / "docs/offload.md").read_text()
     i, j = docs._span(text, "finetune-table")
     assert f"| `optimizer` | {' | '.join(table['rows'][1][1:4])} | 999 |" in text[i:j]
+
+
+def test_the_inflight_accuracy_follows_the_pipeline_suite(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    rows = [
+        r for r in data["pipeline"]["rows"] if r["quantity"] == "activations in flight, stage 0"
+    ]
+    gpipe = next(r for r in rows if r["config"] == "pp=2 gpipe m=4")
+    gpipe["measured"] = gpipe["predicted"] / 1.05  # 5% under-measured
+    res.write_text(json.dumps(data))
+    assert "docs/memory-model.md: inflight-accuracy" in docs.stale(root)
+    docs.write(root)
+    text = (root / "docs/memory-model.md").read_text()
+    i, j = docs._span(text, "inflight-accuracy")
+    assert text[i:j].endswith(
+        f"({len(rows)} configurations, pp 2 and 4, {data['pipeline']['measured_at'][:10]}) it is the prediction to within 5.00%"
+    )

@@ -1004,6 +1004,26 @@ def schedule_bubbles(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+def inflight_accuracy(ctx: Context) -> str:
+    """docs/memory-model.md: the pipeline suite's stage-0 activations in flight, predicted
+    against the trainer's `activation_peak_bytes`."""
+    rows = ctx.rows("pipeline", "activations in flight, stage 0")
+    if not rows:
+        return "`llmscale bench --what pipeline` has not been run yet (make results)"
+    worst = max(abs(r["predicted"] / r["measured"] - 1) for r in rows.values())
+    exact = sorted({k.split()[1] for k, r in rows.items() if r["predicted"] == r["measured"]})
+    every = [
+        s for s in exact
+        if all(r["predicted"] == r["measured"] for k, r in rows.items() if k.split()[1] == s)
+    ]  # fmt: skip
+    pps = sorted({int(k.split()[0].removeprefix("pp=")) for k in rows})
+    return (
+        f"of `llmscale bench --what pipeline` ({len(rows)} configurations, pp "
+        f"{' and '.join(map(str, pps))}, {_when(ctx, 'pipeline')}) it is the prediction to within "
+        f"{worst:.2%}" + (f" ({', '.join(every)}: exact)" if every else "")
+    )
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1407,6 +1427,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/memory-model.md", "selective-kernels", selective_kernels),
     Block("docs/memory-model.md", "llama70b-block", llama70b_block),
     Block("docs/memory-model.md", "memory-selective-op", memory_selective_op),
+    Block("docs/memory-model.md", "inflight-accuracy", inflight_accuracy),
     Block("docs/schedule.md", "pipeline-memory-table", pipeline_memory_table),
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
