@@ -346,3 +346,13 @@ def test_the_inflight_accuracy_follows_the_pipeline_suite(tmp_path: Path) -> Non
     assert text[i:j].endswith(
         f"({len(rows)} configurations, pp 2 and 4, {data['pipeline']['measured_at'][:10]}) it is the prediction to within 5.00%"
     )
+
+
+def test_the_gantt_charts_are_the_schedule_commands(tmp_path: Path) -> None:
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "gantt-1f1b")
+    assert text[i:j].startswith(f"\n1F1B, for comparison: bubble {3 / 11:.4f} (`llmscale")
+    assert text[i:j].count("\nrank ") == 4
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/parallel.md", "gantt-zbv", "|F0F1F2F3F4F5F6f0", "|F0F1F2F3F4F5F6F0")
+    assert docs.stale(root) == ["docs/parallel.md: gantt-zbv"]

@@ -1024,6 +1024,23 @@ def inflight_accuracy(ctx: Context) -> str:
     )
 
 
+def gantt(label: str, command: str) -> Callable[[Context], str]:
+    """A schedule's bubble and text Gantt chart as `llmscale schedule` prints them (the `--png`
+    of the shown command draws the image beside it; rendering does not)."""
+
+    def render(ctx: Context) -> str:
+        argv = command.split()[1:]
+        if "--png" in argv:
+            i = argv.index("--png")
+            argv = argv[:i] + argv[i + 2 :]
+        out = _run(tuple(argv)).splitlines()
+        bubble = next(line.split()[1] for line in out if line.startswith("bubble "))
+        chart = [line for line in out if line.startswith("rank ")]
+        return f"{label}: bubble {bubble} (`{command}`)\n\n```\n" + "\n".join(chart) + "\n```"
+
+    return render
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1432,6 +1449,40 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
     Block("docs/parallel.md", "cp-results", cp_results),
+    Block(
+        "docs/parallel.md",
+        "gantt-1f1b",
+        gantt(
+            "1F1B, for comparison",
+            "llmscale schedule --pp 4 --microbatches 8 --png docs/img/gantt-1f1b.png",
+        ),
+    ),
+    Block(
+        "docs/parallel.md",
+        "gantt-zero-bubble",
+        gantt(
+            "interleaved zero bubble, 2 chunks",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule zero_bubble --chunks 2 "
+            "--png docs/img/gantt-zero_bubble.png",
+        ),
+    ),
+    Block(
+        "docs/parallel.md",
+        "gantt-zbv",
+        gantt(
+            "ZB-V",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule zbv --png docs/img/gantt-zbv.png",
+        ),
+    ),
+    Block(
+        "docs/parallel.md",
+        "gantt-dualpipev",
+        gantt(
+            "DualPipeV",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule dualpipev "
+            "--png docs/img/gantt-dualpipev.png",
+        ),
+    ),
     Block("docs/parallel.md", "compile-results", compile_results),
     Block("docs/offload.md", "lsp-finetune", lsp_finetune),
     Block("docs/offload.md", "finetune-table", finetune_table),
