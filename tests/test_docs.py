@@ -356,3 +356,17 @@ def test_the_gantt_charts_are_the_schedule_commands(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _edit_block(root / "docs/parallel.md", "gantt-zbv", "|F0F1F2F3F4F5F6f0", "|F0F1F2F3F4F5F6F0")
     assert docs.stale(root) == ["docs/parallel.md: gantt-zbv"]
+
+
+def test_the_zero_stage_table_is_the_rule(tmp_path: Path) -> None:
+    """docs/parallel.md's collectives per zero stage: 5 units of the tiny model (4 blocks and
+    the root), 4 micro-batches: zero 2 reduce-scatters per micro-batch, zero 3 also gathers
+    twice per micro-batch (forward and backward)."""
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "zero-stage-collectives")
+    units, m = 5, 4
+    assert f"| 2 | {units} | {units * m} |" in text[i:j]
+    assert f"| 3 | {units * m * 2} | {units * m} |" in text[i:j]
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/parallel.md", "zero-stage-collectives", "| 3 | 40 |", "| 3 | 41 |")
+    assert docs.stale(root) == ["docs/parallel.md: zero-stage-collectives"]

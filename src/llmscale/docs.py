@@ -1041,6 +1041,23 @@ def gantt(label: str, command: str) -> Callable[[Context], str]:
     return render
 
 
+def zero_stage_collectives(ctx: Context) -> str:
+    """docs/parallel.md: per step, the FSDP2 collectives of the tiny model under each zero stage
+    (dp_shard 2, 4 micro-batches per rank) by the rule `stack.residency.predict_collectives`,
+    which tests/parallel/test_zero_stages.py checks equal to the runtime's counts."""
+    from llmscale.model.config import get_preset
+    from llmscale.stack.residency import predict_collectives
+
+    keys = ("param_allgathers", "grad_reduces", "param_allgather_bytes", "grad_reduce_bytes")
+    lines = ["| zero_stage | " + " | ".join(keys) + " |", "|---|---|---|---|---|"]
+    for z in (1, 2, 3):
+        got = predict_collectives(
+            get_preset("tiny"), dp_shard=2, zero_stage=z, microbatches=4
+        ).to_dict()
+        lines.append(f"| {z} | " + " | ".join(f"{got[k]:,}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1449,6 +1466,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
     Block("docs/parallel.md", "cp-results", cp_results),
+    Block("docs/parallel.md", "zero-stage-collectives", zero_stage_collectives),
     Block(
         "docs/parallel.md",
         "gantt-1f1b",
