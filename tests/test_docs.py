@@ -370,3 +370,21 @@ def test_the_zero_stage_table_is_the_rule(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _edit_block(root / "docs/parallel.md", "zero-stage-collectives", "| 3 | 40 |", "| 3 | 41 |")
     assert docs.stale(root) == ["docs/parallel.md: zero-stage-collectives"]
+
+
+def test_the_rail_only_figures_are_the_network_commands(tmp_path: Path) -> None:
+    """docs/planner.md's rail-only cost and all-to-all figures at 4096 H100s equal what its
+    rendered `llmscale network --gpus 4096` output shows; a hand edit is stale."""
+    text = (ROOT / "docs/planner.md").read_text()
+    i, j = docs._span(text, "network")
+    shown = text[i:j]
+    a, b = docs._span(text, "rail-only-a2a")
+    a2a = text[a:b].split(", ")[1].split(" at ")[0]
+    assert f"rail-only {a2a} for forwarding" in shown
+    c, d = docs._span(text, "rail-only-cost")
+    cost = text[c:d].split(": ")[1].split(";")[0]
+    rail = next(line for line in shown.splitlines() if "rail-only" in line and "│" in line)
+    assert f"{cost} │" in rail
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/planner.md", "rail-only-a2a", "at 1024", "at 1,024")
+    assert docs.stale(root) == ["docs/planner.md: rail-only-a2a"]

@@ -1058,6 +1058,46 @@ def zero_stage_collectives(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def _networks(gpus: int) -> Any:
+    """`llmscale network --gpus N --gpu h100`'s rows (Llama 2 70B's best plan), once per process."""
+    from llmscale.model.config import get_preset
+    from llmscale.report.network_report import network_report
+
+    return network_report(get_preset("llama2-70b"), gpus, "h100").rows
+
+
+def _rail_vs_fat(gpus: int) -> tuple[Any, Any]:
+    rows = _networks(gpus)
+    fat = next(r for r in rows if r.design.kind == "fat-tree")
+    rail = next(r for r in rows if r.design.kind == "rail-only")
+    return fat, rail
+
+
+def rail_only_cost(ctx: Context) -> str:
+    """docs/planner.md: what rail-only saves over the fat-tree at 4,096 and 1,024 H100s
+    (`llmscale network`)."""
+    fat, rail = _rail_vs_fat(4096)
+    small_fat, small_rail = _rail_vs_fat(1024)
+    saving = small_rail.design.cost_usd / small_fat.design.cost_usd - 1
+    same = small_fat.design.tiers == small_rail.design.tiers
+    return (
+        f"4096 H100: {rail.design.cost_usd / fat.design.cost_usd - 1:+.0%}; at 1024 "
+        + (f"both fit in {small_fat.design.tiers} tiers and it saves " if same else "it saves ")
+        + ("nothing" if abs(saving) < 0.005 else f"{-saving:.0%}")
+    )
+
+
+def rail_only_a2a(ctx: Context) -> str:
+    """docs/planner.md: rail-only's all-to-all overhead at 1,024 and 4,096 H100s, 256 MB per
+    GPU (`llmscale network`)."""
+    out = []
+    for gpus in (1024, 4096):
+        fat, rail = _rail_vs_fat(gpus)
+        out.append(f"{rail.all_to_all_seconds / fat.all_to_all_seconds - 1:+.1%} at {gpus}")
+    return f"{out[0]} GPUs with 256 MB per GPU, {out[1]}"
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1439,6 +1479,8 @@ BLOCKS: tuple[Block, ...] = (
         "docs/planner.md", "roofline", commands("llmscale roofline --gpu h200 --model llama2-70b")
     ),
     Block("docs/planner.md", "network", commands("llmscale network --gpus 4096 --gpu h100")),
+    Block("docs/planner.md", "rail-only-cost", rail_only_cost),
+    Block("docs/planner.md", "rail-only-a2a", rail_only_a2a),
     Block(
         "docs/schedule.md",
         "schedule-1f1b",
