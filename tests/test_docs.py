@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -388,3 +389,19 @@ def test_the_rail_only_figures_are_the_network_commands(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _edit_block(root / "docs/planner.md", "rail-only-a2a", "at 1024", "at 1,024")
     assert docs.stale(root) == ["docs/planner.md: rail-only-a2a"]
+
+
+def test_the_kv_and_tied_copy_figures_are_the_planners(tmp_path: Path) -> None:
+    text = (ROOT / "docs/inference.md").read_text()
+    i, j = docs._span(text, "kv-per-token")
+    # 2 (K and V) x 80 layers x 8 KV heads x 128 head_dim x 2 B
+    assert (
+        f"make it {2 * 80 * 8 * 128 * 2:,} bytes in bf16, 1/8 of what 64 heads would" in text[i:j]
+    )
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "tied-copy-memory")
+    got = [float(x) for x in re.findall(r"(\d+\.\d+) GiB", text[i:j])]
+    assert got[0] - got[1] == pytest.approx(4 * 50257 * 768 / 2**30, abs=0.01)  # the copy, fp32
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/inference.md", "kv-per-token", "327,680", "327,600")
+    assert docs.stale(root) == ["docs/inference.md: kv-per-token"]

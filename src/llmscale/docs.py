@@ -1098,6 +1098,36 @@ def rail_only_a2a(ctx: Context) -> str:
     return f"{out[0]} GPUs with 256 MB per GPU, {out[1]}"
 
 
+def tied_copy_memory(ctx: Context) -> str:
+    """docs/parallel.md: the last stage's fp32 parameters of a tied model under pp = 2, with
+    and without its `vocab x dim` copy of the embedding (`plan.params.rank_params`)."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan.params import rank_params
+
+    model = get_preset("gpt2-124m")
+    held = rank_params(model, 1, 2, 1).numel
+    copy = model.vocab_size * model.dim
+    return (
+        f"{model.name}, `pp = 2`: rank 1 holds {4 * held / 2**30:.2f} GiB of fp32 parameters "
+        f"instead of {4 * (held - copy) / 2**30:.2f} GiB"
+    )
+
+
+def kv_per_token(ctx: Context) -> str:
+    """docs/inference.md: Llama 2 70B's KV cache per token in bf16 (`plan.inference
+    .kv_bytes_per_token`) against the same model with a KV head per query head."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan.inference import kv_bytes_per_token
+
+    model = get_preset("llama2-70b")
+    gqa = kv_bytes_per_token(model, "bf16")
+    mha = kv_bytes_per_token(model.with_overrides(n_kv_heads=model.n_heads), "bf16")
+    return (
+        f"Llama 2 70B's {model.n_kv_heads} KV heads make it {gqa:,} bytes in bf16, "
+        f"1/{mha // gqa} of what {model.n_heads} heads would"
+    )
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1498,6 +1528,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "stack-errors", stack_errors),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
+    Block("docs/inference.md", "kv-per-token", kv_per_token),
     Block("docs/schedule.md", "inflight-table", inflight_table),
     Block("docs/schedule.md", "schedule-bubbles", schedule_bubbles),
     Block("docs/memory-model.md", "selective-kernels", selective_kernels),
@@ -1508,6 +1539,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
     Block("docs/parallel.md", "cp-results", cp_results),
+    Block("docs/parallel.md", "tied-copy-memory", tied_copy_memory),
     Block("docs/parallel.md", "zero-stage-collectives", zero_stage_collectives),
     Block(
         "docs/parallel.md",
