@@ -405,3 +405,22 @@ def test_the_kv_and_tied_copy_figures_are_the_planners(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _edit_block(root / "docs/inference.md", "kv-per-token", "327,680", "327,600")
     assert docs.stale(root) == ["docs/inference.md: kv-per-token"]
+
+
+def test_the_parameter_offload_times_are_the_offload_record(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    path = root / "docs/results/offload.json"
+    data = json.loads(path.read_text())
+    run = next(
+        r for r in data["offload_modes"]["runs"]
+        if r["offload"] == "optimizer+params" and r["link_gbps"] == 1.0
+    )  # fmt: skip
+    run["step_s"]["serial"] = 1.2345
+    path.write_text(json.dumps(data))
+    stale = docs.stale(root)
+    assert "docs/offload.md: params-offload-times" in stale
+    docs.write(root)
+    text = (root / "docs/offload.md").read_text()
+    i, j = docs._span(text, "params-offload-times")
+    assert "the offloaded step took 1234 ms serially and " in text[i:j]
+    assert f"{1e3 * run['offload_work_s']:.0f} ms per step" in text[i:j]

@@ -1128,6 +1128,37 @@ def kv_per_token(ctx: Context) -> str:
     )
 
 
+def params_offload_times(ctx: Context) -> str:
+    """docs/offload.md: what parameter offload costs at a simulated 1 GB/s link, from the offload
+    bench's record (docs/results/offload.json), against "optimizer" in the same record."""
+    from llmscale.bench import offload
+
+    rec = Results(ctx.results_path.parent / "offload.json").suite(offload.SUITE)
+    runs = {(r["offload"], r["link_gbps"]): r for r in (rec or {}).get("runs", [])}
+    p, o, native = (runs.get(k) for k in (("optimizer+params", 1.0), ("optimizer", 1.0),
+                                          ("optimizer+params", 0.0)))  # fmt: skip
+    if rec is None or p is None or o is None:
+        return "Not measured yet: `python -m llmscale.bench.offload --offload optimizer " \
+            "optimizer+params --link-gbps 0 1 --json-out docs/results/offload.json`"  # fmt: skip
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:.0f} ms"
+
+    step = p["step_s"]
+    out = (
+        f"In the offload bench's record ({rec['measured_at'][:10]}, the table below), at a "
+        f"simulated 1 GB/s link the offloaded step took {ms(step['serial'])} serially and "
+        f"{ms(step['overlap'])} overlapped against {ms(step['off'])} without offload: the "
+        "parameter fetches add 2 × (forward + backward) uploads per micro-step to the offload "
+        f"work ({ms(p['offload_work_s'])} per step against {ms(o['offload_work_s'])} for "
+        f'"optimizer"), and overlap hid {p["hidden_wall"]:.0%} of it by wall time, '
+        f"{p['hidden_timeline']:.0%} by the timeline"
+    )
+    if native is not None:
+        out += f". With real memcpy on this CPU host the work is {ms(native['offload_work_s'])}"
+    return out
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1579,6 +1610,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/offload.md", "lsp-finetune", lsp_finetune),
     Block("docs/offload.md", "finetune-table", finetune_table),
     Block("docs/offload.md", "offload-modes", offload_modes),
+    Block("docs/offload.md", "params-offload-times", params_offload_times),
     Block("docs/offload.md", "lsp-traffic", lsp_traffic),
     Block("docs/offload.md", "lsp-plan-7b", lsp_plan_7b),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
