@@ -424,3 +424,11 @@ def test_the_parameter_offload_times_are_the_offload_record(tmp_path: Path) -> N
     i, j = docs._span(text, "params-offload-times")
     assert "the offloaded step took 1234 ms serially and " in text[i:j]
     assert f"{1e3 * run['offload_work_s']:.0f} ms per step" in text[i:j]
+
+
+def test_the_costed_counts_are_the_searches(tmp_path: Path) -> None:
+    from llmscale.bench.plan_speed import CASES, time_search
+
+    text = (ROOT / "docs/planner.md").read_text()
+    i, j = docs._span(text, "plan-costed")
+    assert text[i:j] == " and ".join(f"{time_search(c).costed:,}" for c in CASES) + " today"

@@ -133,6 +133,30 @@ def plan_speed_cases(ctx: Context) -> str:
     return "CPU time of a cold search, measured by `make docs` on this machine: " + "; ".join(parts)
 
 
+def plan_costed(ctx: Context) -> str:
+    """docs/planner.md: how many plans each of bench/plan_speed.py's searches costs today (the
+    search's `evaluated`, what `llmscale plan --json` reports; not a timing)."""
+    from llmscale.bench.plan_speed import CASES
+    from llmscale.report.search_report import plan_report
+
+    counts = []
+    for c in CASES:
+        demo = (c.model, c.gpus, c.gpu, c.seq, c.global_batch) == (
+            "llama2-70b",
+            64,
+            "h200",
+            4096,
+            1024,
+        )
+        rep = (
+            _demo_search()
+            if demo
+            else plan_report(c.model, c.gpus, c.gpu, c.seq, c.global_batch, top=5)
+        )
+        counts.append(f"{rep.result.evaluated:,}")
+    return f"{' and '.join(counts)} today"
+
+
 def megatron_ratios(ctx: Context) -> str:
     """README: the time model against Narayanan et al. 2021, Table 1."""
     from llmscale.validation.published import narayanan_rows
@@ -1556,6 +1580,7 @@ BLOCKS: tuple[Block, ...] = (
         commands("llmscale schedule --pp 4 --microbatches 8 --schedule zbv"),
     ),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
+    Block("docs/planner.md", "plan-costed", plan_costed),
     Block("docs/planner.md", "stack-errors", stack_errors),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
