@@ -432,3 +432,11 @@ def test_the_costed_counts_are_the_searches(tmp_path: Path) -> None:
     text = (ROOT / "docs/planner.md").read_text()
     i, j = docs._span(text, "plan-costed")
     assert text[i:j] == " and ".join(f"{time_search(c).costed:,}" for c in CASES) + " today"
+
+
+def test_the_idle_per_rank_is_the_simulators() -> None:
+    """(p-1) chunk forwards of 1/2 for the split schedules, (p-1)(t_fwd + t_bwd) for 1F1B."""
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "schedule-idle")
+    assert f"leave {3 * 0.5:g} of idle per rank here" in text[i:j]
+    assert f"against 1F1B's {3 * (1 + 2)}, " in text[i:j] and text[i:j].endswith(": a sixth")

@@ -1183,6 +1183,28 @@ def params_offload_times(ctx: Context) -> str:
     return out
 
 
+def schedule_idle(ctx: Context) -> str:
+    """docs/parallel.md: idle time per rank of the Gantt charts above (makespan less the rank's
+    busy time, `llmscale schedule --json`), the split schedules against 1F1B."""
+    import json
+    from fractions import Fraction
+
+    def idle(*argv: str) -> float:
+        out = json.loads(_run(("schedule", "--pp", "4", "--microbatches", "8", *argv, "--json")))
+        return max(out["makespan"] - b for b in out["busy"])
+
+    zb = idle("--schedule", "zero_bubble", "--chunks", "2")
+    zbv, base = idle("--schedule", "zbv"), idle()
+    split = f"{zb:g}" if abs(zb - zbv) < 1e-9 else f"{zb:g} and {zbv:g}"
+    share = Fraction(zbv / base).limit_denominator(100)
+    words = {2: "a half", 3: "a third", 4: "a quarter", 6: "a sixth"}
+    frac = words.get(share.denominator, str(share)) if share.numerator == 1 else str(share)
+    return (
+        f"Interleaved zero bubble and ZB-V leave {split} of idle per rank here, (p-1) chunk "
+        f"forwards, against 1F1B's {base:g}, (p-1)(F + B + W) of a whole rank slice: {frac}"
+    )
+
+
 def inflight_table(ctx: Context) -> str:
     """docs/schedule.md: activations in flight on stage 0 per schedule, from the pipeline suite."""
     rows = ctx.rows("pipeline", "activations in flight, stage 0")
@@ -1597,6 +1619,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/parallel.md", "cp-results", cp_results),
     Block("docs/parallel.md", "tied-copy-memory", tied_copy_memory),
     Block("docs/parallel.md", "zero-stage-collectives", zero_stage_collectives),
+    Block("docs/parallel.md", "schedule-idle", schedule_idle),
     Block(
         "docs/parallel.md",
         "gantt-1f1b",
