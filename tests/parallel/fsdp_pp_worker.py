@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node 4 tests/parallel/fsdp_pp_worker.py OUT.json LAYOUT ...
 
-LAYOUT is PRECISION:ZERO[:SCHEDULE[:tied][:replicate]] (schedule 1f1b unless given; `tied`:
+LAYOUT is PRECISION:ZERO[:SCHEDULE[:tied][:replicate][:v2][:m4]] (schedule 1f1b unless given;
+`v2`: two chunks per rank; `m4`: four micro-batches per step, else two; `tied`:
 tied embeddings, which in a V put the one tied tensor in the last stage's root unit, gathered by
 the first stage's embedding; `replicate`: pp=2 x dp_replicate=2, else pp=2 x dp_shard=2). Trains
 two steps per layout. Right before each stage's end-of-step reduction (`perform_reduce_grad`,
@@ -86,12 +87,16 @@ def main() -> None:
         precision, zero, *rest = layout.split(":")
         schedule = rest[0] if rest else "1f1b"
         tied, replicate = "tied" in rest[1:], "replicate" in rest[1:]
+        more = ["--parallel.pp_chunks", "2"] if "v2" in rest[1:] else []
+        if "m4" in rest[1:]:  # four micro-batches per step (dualpipev needs 2 x pp)
+            more += ["--train.global_batch_size", "16"]
         dp = ["--parallel.dp_replicate", "2"] if replicate else ["--parallel.dp_shard", "2"]
         args = [
             *BASE, "--job.run_dir", str(out.parent / f"run_{layout.replace(':', '_')}"),
             "--train.steps", "2", "--parallel.pp", "2", *dp,
             "--precision.mode", precision, "--parallel.zero_stage", zero,
             "--parallel.pp_schedule", schedule, "--model.tie_embeddings", str(tied).lower(),
+            *more,
         ]  # fmt: skip
         cfg = load_config(None, args)
         RECORDS.clear()

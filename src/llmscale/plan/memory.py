@@ -91,7 +91,12 @@ from llmscale.plan.cache import Memo
 from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import held_after_b_peak, inflight_units, split_b_count
+from llmscale.plan.schedule import (
+    held_after_b_peak,
+    held_grad_points,
+    inflight_units,
+    split_b_count,
+)
 from llmscale.plan.work import cp_share, plan_kernels, rank_work
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
@@ -286,7 +291,7 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         )
         blocks_live = rp.blocks if res.stage_unsharded else min(opt.prefetch_blocks, rp.blocks)
         if res.grads_unsharded:
-            grads_held = float(opt.stack.main_grad_bytes * rp.numel)
+            grads_held = held_grads(plan, rank, rp, opt.stack)
         unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
     elif plan.fsdp_cpu_offload or (
@@ -300,6 +305,8 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         shard = float(rp.numel)
         unsharded = pb * float(rp.numel)
         rs_transient = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
+        if plan.pp > 1 and plan.offload == "none":  # its hooks are FSDP2's
+            grads_held = held_grads(plan, rank, rp, opt.stack)
     else:
         shard = float(rp.numel)
         unsharded = 2.0 * rp.autocast_numel if low else 0.0  # autocast's cast weights
@@ -347,6 +354,62 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         transient=max(rs_transient, grads_in_flight),
         host=host + (pb * shard if low else 0),
     )
+
+
+def held_grads(plan: Plan, rank: int, rp: RankParams, stack: Stack) -> float:
+    """The most unsharded gradient bytes pipeline `rank` holds while they wait for the step's
+    reduction. Megatron's main gradients are one buffer for the rank's whole step (the main
+    gradient bytes of every parameter); FSDP2 (and the runtime's replicate) under torch's
+    schedules hold a chunk's reduce-dtype accumulator from its first post-backward to its
+    reduction, and a split backward's param-dtype weight gradients beside it from its W to the
+    next post-backward, so a rank's chunks need not hold both at once (`held_grad_points`,
+    walked on the schedule's op order; measured in tests/parallel/test_fsdp_pipeline_memory.py).
+    Without a pipeline, the accumulator of the one stage."""
+    main = float(stack.main_grad_bytes)
+    if plan.pp == 1 or stack.sharding == "megatron":
+        return main * rp.numel
+    pb = DTYPE_BYTES[plan.precision]
+    tied_v = plan.model.tie_embeddings and plan.v_shape
+    numel = _chunk_numels(plan, rank, rp)
+    emb = rp.embedding.numel if rp.embedding is not None else 0
+    c = plan.chunks
+    same = pb >= main  # fp32: the gradients accumulate in place, one tensor
+    best = 0.0
+    for p in held_grad_points(plan.pp_schedule, plan.pp, plan.n_microbatches, c, rank, tied_v):
+        if same:
+            total = sum(main * n * (p[i] or p[c + i]) for i, n in enumerate(numel))
+        else:
+            total = sum((main * p[i] + pb * p[c + i]) * n for i, n in enumerate(numel))
+            total += pb * emb * p[-1]
+        best = max(best, total)
+    return best
+
+
+_CHUNK_NUMELS: Memo[tuple[float, ...]] = Memo("memory.chunk_numels")
+
+
+def _chunk_numels(plan: Plan, rank: int, rp: RankParams) -> tuple[float, ...]:
+    """Parameters of each model chunk of pipeline `rank` (`rp`'s blocks, and the embedding on
+    the first stage, the head on the last: in a tied V the one tied tensor is the last stage's)."""
+
+    def compute() -> tuple[float, ...]:
+        tied_v = plan.model.tie_embeddings and plan.v_shape
+        n_stages = plan.pp * plan.chunks
+        ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
+        emb = rp.embedding.numel if rp.embedding is not None else 0
+        head = rp.head.numel if rp.head is not None else 0
+        numel = []
+        for g, layers in zip(ids, plan.rank_stages(rank), strict=True):
+            n = len(layers) * rp.block.numel
+            if g == 0 and not tied_v:
+                n += emb
+            if g == n_stages - 1:
+                n += head + (emb if tied_v else 0)
+            numel.append(float(n))
+        return tuple(numel)
+
+    key = (id(rp), plan.pp, plan.chunks, plan.v_shape, plan.model.tie_embeddings, rank)
+    return _CHUNK_NUMELS.get(key, compute, (rp,))
 
 
 def lsp_pieces(plan: Plan, transient: float, working: float = 0.0) -> RankPieces:

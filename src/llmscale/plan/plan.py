@@ -42,6 +42,7 @@ from llmscale.model.config import (
     stage_ids,
 )
 from llmscale.plan.cache import memoize
+from llmscale.plan.schedule import held_grads_order
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
 
@@ -109,6 +110,14 @@ class Plan(MeshDegrees):
         """Ranks each FSDP2 parameter is sharded over as `stack` runs this layout (`fsdp_for`;
         1: not sharded)."""
         return self.dp_shard * self.cp if self.fsdp_for(stack) else 1
+
+    @property
+    def held_grads_order(self) -> tuple[str, int] | None:
+        """The pipeline order whose walk says when this plan's gradients wait
+        (`schedule.held_grads_order`); None without a pipeline."""
+        if self.pp == 1:
+            return None
+        return held_grads_order(self.pp_schedule, self.pp, self.n_microbatches, self.chunks)
 
     @property
     def fsdp_holds_grads_across_microbatches(self) -> bool:
@@ -184,6 +193,8 @@ class Plan(MeshDegrees):
             self.v_shape, self.lsp_dim, self.lsp_nonzeros,
             self.dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
             self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
+            # under a pipeline, when each chunk's gradients wait (schedule.held_grad_points)
+            self.held_grads_order,
             # lsp's host transfer buffers: gradient hooks per step (plan.lsp.hooks_per_step)
             (self.n_microbatches, self.dp_replicate) if self.offload == "lsp" else None,
         )  # fmt: skip

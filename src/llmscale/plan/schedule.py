@@ -405,6 +405,16 @@ _ORDERS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
 }
 
 
+@memoize
+def rank_ops(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> tuple[Op, ...]:
+    """`schedule_ops(...)[rank]` without the other ranks, unvalidated, cached: the memory
+    model walks one rank's order for several quantities."""
+    build = _ORDERS.get(schedule)
+    if build is not None:
+        return tuple(build(pp, microbatches, chunks, rank))
+    return tuple(_rank_order(schedule, pp, microbatches, chunks, rank))
+
+
 def schedule_ops(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
     """The ordered F/B(/W) ops of each pipeline rank: `result[rank]` is what that rank runs."""
     _validate(schedule, pp, microbatches, chunks)
@@ -504,7 +514,7 @@ def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
 def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
     itself: the orders have no one-line warm-up count to read it from."""
-    return _peak_inflight(_ORDERS[schedule](pp, microbatches, chunks, rank))
+    return _peak_inflight(rank_ops(schedule, pp, microbatches, chunks, rank))
 
 
 def peak_inflight_closed_form(
@@ -556,7 +566,7 @@ def _split_events(
             for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank)
             if kind != "F"
         )
-    ops = _ORDERS[schedule](pp, microbatches, chunks, rank)
+    ops = rank_ops(schedule, pp, microbatches, chunks, rank)
     events: list[tuple[int, int]] = []
     for k, op in enumerate(ops):
         nxt = ops[k + 1] if k + 1 < len(ops) else None
@@ -567,6 +577,129 @@ def _split_events(
         elif op.kind == "W" and not op.joined:
             events.append((op.chunk, -1))
     return tuple(events)
+
+
+def _first_steady(schedule: str, pp: int, microbatches: int) -> int:
+    """The smallest count from which the held-gradient flags of `schedule` stay the same:
+    2pp + 2 for the Vs (`_steady_period`'s), 3pp for zero_bubble's multiples of pp (walked
+    against every multiple to pp x max(pp, 4) for pp up to 16, and to 8pp at 24 and 32:
+    tests/plan/test_schedule_grads.py); other counts are walked up to
+    `EXACT_HELD_MICROBATCHES`, past it taken as 3pp's."""
+    if schedule in ("zbv", "dualpipev"):
+        return 2 * pp + 2
+    if microbatches % pp == 0 or microbatches > EXACT_HELD_MICROBATCHES:
+        return 3 * pp
+    return microbatches
+
+
+def held_grad_points(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int, tied_v: bool
+) -> tuple[tuple[int, ...], ...]:
+    """When FSDP2's unsharded gradients can peak on pipeline `rank` under torch's schedules
+    (gradient sync off for every micro-batch, one reduction per stage at the step's end:
+    `perform_reduce_grad`), walking the rank's op order. Each point is 0/1 flags: per chunk
+    whether its reduce-dtype accumulator exists, then per chunk whether param-dtype gradients
+    wait beside it, then whether a tied V's embedding gradient waits (the memory model weighs
+    them by the chunks' parameters; tests/parallel/test_fsdp_pipeline_memory.py measures them):
+
+    - FSDP2's post-backward (`FSDPParamGroup.post_backward`, run when a stage's input gradient
+      is computed) adds the gradients autograd left on the parameters into the accumulator,
+      creating it from the first ones it finds;
+    - a full backward computes the weight gradients before its post-backward: nothing waits;
+    - a split backward's B runs the post-backward before its W computes the weight gradients,
+      which wait in param dtype until the chunk's next B or its reduction. The first stage's B
+      computes nothing (no input needs a gradient), so its W is its whole backward;
+    - each chunk is reduced after its last op; in a tied V the last stage after the first
+      (`reduce_shared_tied_weight_last`), whose embedding lookup adds its gradient to the last
+      stage's tied weight after that stage's post-backward: it waits until the last stage's
+      next post-backward or reduction (inside the last stage's own waiting gradients if any).
+
+    Without split backwards nothing waits: one stage per rank holds its accumulator alone;
+    interleaved chunks each hold theirs at once from two rounds of pp micro-batches on (chunk 0's
+    first backward comes before the last chunk's last), one at a time with a single round. Past
+    the first count with steady periods (`_steady_period`) that count's order is walked: another
+    period repeats the same flags (tests/plan/test_schedule_grads.py walks both)."""
+    walked = held_grads_order(schedule, pp, microbatches, chunks)
+    if walked is None:
+        return ((1,) * chunks + (0,) * chunks + (0,),)
+    return _held_grad_points(walked[0], pp, walked[1], chunks, rank, tied_v)
+
+
+def held_grads_order(
+    schedule: str, pp: int, microbatches: int, chunks: int
+) -> tuple[str, int] | None:
+    """The (schedule, micro-batch count) whose order `held_grad_points` walks; None where every
+    chunk of a rank holds its accumulator at once and nothing waits (no split backwards, and one
+    chunk or two rounds of pp micro-batches or more). Plans with equal answers hold their
+    gradients alike (`Plan.states_key`)."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None if chunks == 1 or microbatches >= 2 * pp else (schedule, microbatches)
+    # from the first steady count on, the flags are those of that count
+    return schedule, min(microbatches, _first_steady(schedule, pp, microbatches))
+
+
+@memoize
+def _held_grad_points(
+    schedule: str, pp: int, m: int, chunks: int, rank: int, tied_v: bool
+) -> tuple[tuple[int, ...], ...]:
+    ops = rank_ops(schedule, pp, m, chunks, rank)
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
+    n_stages = pp * chunks
+    ids = stage_ids(rank, pp, chunks, schedule in V_SCHEDULES)
+    first = ids.index(0) if 0 in ids else None
+    last_chunk = ids.index(n_stages - 1) if n_stages - 1 in ids else None
+    tied_v = tied_v and first is not None and last_chunk is not None
+    final = {op.chunk: k for k, op in enumerate(ops) if op.kind in ("B", "W")}
+    accum, pending = [0] * chunks, [0] * chunks
+    tied = 0
+    points: set[tuple[int, ...]] = set()
+
+    def point() -> None:
+        waiting = tied if last_chunk is not None and not pending[last_chunk] else 0
+        points.add((*accum, *pending, waiting))
+
+    def post_backward(c: int, found: bool) -> None:
+        nonlocal tied
+        if found:
+            accum[c] = 1
+        pending[c] = 0
+        if c == last_chunk:
+            tied = 0
+
+    def reduce(c: int) -> None:
+        nonlocal tied
+        point()
+        accum[c] = pending[c] = 0
+        if c == last_chunk:
+            tied = 0
+
+    deferred: int | None = None
+    for k, op in enumerate(ops):
+        c = op.chunk
+        nxt = ops[k + 1] if k + 1 < len(ops) else None
+        if op.kind == "B":
+            whole = not split or (nxt is not None and nxt.kind == "W" and nxt.joined)
+            if whole or c != first:
+                post_backward(c, whole or pending[c] == 1)
+        elif op.kind == "W" and not op.joined:
+            if c == first:  # the first stage's whole backward
+                post_backward(c, True)
+            else:
+                pending[c] = 1
+        if tied_v and c == first and op.kind == "W":  # the lookup's gradient, after its B
+            tied = 1
+        point()
+        if op.kind in ("B", "W") and final[c] == k:
+            if tied_v and c == last_chunk:
+                deferred = c
+                continue
+            reduce(c)
+            if deferred is not None and c == first:
+                reduce(deferred)
+                deferred = None
+    if deferred is not None:
+        reduce(deferred)
+    return _undominated(points)
 
 
 def split_b_count(schedule: str, microbatches: int) -> int | None:
