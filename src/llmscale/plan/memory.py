@@ -236,9 +236,14 @@ class RankPieces(NamedTuple):
     @property
     def allocated(self) -> float:
         """Device bytes at the peak (everything but `host`)."""
+        return self.allocated_with(self.pending_weight_grads)
+
+    def allocated_with(self, pending_weight_grads: float) -> float:
+        """`allocated` with `pending_weight_grads` in place of this record's (the search's
+        bounds, without building a record for each)."""
         return (
             self.params + self.grads + self.optimizer + self.working_params + self.activations
-            + self.transient + self.pending_weight_grads + self.pipeline_buffers
+            + self.transient + pending_weight_grads + self.pipeline_buffers
         )  # fmt: skip
 
 
@@ -537,9 +542,11 @@ def _rank_floor(plan: Plan, rank: int, opt: MemoryOptions) -> RankPieces:
     acts, transient, buffers = _ACTIVITY.get(
         key, lambda: _activity(plan, rank, opt), (plan.model, opt)
     )
-    return st._replace(
-        activations=acts, transient=max(st.transient, transient), pipeline_buffers=buffers
-    )
+    # (`st._replace(...)`, built directly: the search builds one per plan and rank)
+    return RankPieces(
+        st.params, st.grads, st.optimizer, st.working_params, acts,
+        max(st.transient, transient), st.host, st.pending_weight_grads, buffers,
+    )  # fmt: skip
 
 
 class _Activity(NamedTuple):
@@ -695,14 +702,13 @@ def worst_total(
         return max(total for total, _, _ in floors)
     if limit < math.inf:
         for _, p, r in floors:
-            bound = over * p._replace(pending_weight_grads=_held_floor(plan, r, opt)).allocated
+            bound = over * p.allocated_with(_held_floor(plan, r, opt))
             if bound > limit * (1 + _BOUND_MARGIN):
                 return bound
     return max(
-        over * p._replace(pending_weight_grads=pipeline_held(plan, r, opt).pending_weight_grads)
-        .allocated
+        over * p.allocated_with(pipeline_held(plan, r, opt).pending_weight_grads)
         for _, p, r in floors
-    )  # fmt: skip
+    )
 
 
 # ---- the textbook view ----------------------------------------------------------------------
