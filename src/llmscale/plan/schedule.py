@@ -270,18 +270,28 @@ def _zero_bubble_actions(
     return order
 
 
+# An op of a V schedule's order without its rank: (kind, stage, chunk, microbatch, joined).
+# The held-memory frontier reads thousands of orders (`_split_events`); these are cheaper to
+# build than `Op`s.
+_Action = tuple[OpKind, int, int, int, bool]
+
+
 def _zbv_order(pp: int, microbatches: int, rank: int) -> list[Op]:
     """ScheduleZBVZeroBubble (Qi et al. 2023, section 6): V placement, chunk 0 forwards to fill
     the V, then F/B/W of chunk 1 and chunk 0 in turn; planned for max(2pp - 1, m) microbatches
-    and the extra ones dropped, as torch does."""
+    and the extra ones dropped, as torch does (`_zbv_actions`)."""
+    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in _zbv_actions(pp, microbatches, rank)]
+
+
+def _zbv_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     n = max(2 * pp - 1, microbatches)
     s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
-    order: list[Op] = []
+    order: list[_Action] = []
     f0 = f1 = b0 = b1 = 0
 
     def add(kind: OpKind, stage: int, mb: int) -> None:
         if mb < microbatches:
-            order.append(Op(kind, stage, rank, 0 if stage == s0 else 1, mb))
+            order.append((kind, stage, 0 if stage == s0 else 1, mb, False))
 
     for _ in range(2 * (pp - rank) - 1):
         add("F", s0, f0)
@@ -331,14 +341,20 @@ def _dualpipev_order(pp: int, microbatches: int, rank: int) -> list[Op]:
     """ScheduleDualPipeV (DeepSeek-V3's DualPipe cut to a V, as torch 2.13 builds it): eight
     phases of forwards, zero-bubble B/W pairs, overlapped F+B actions of different
     microbatches (F, then the full backward's B and W, joined) and full backwards (B, W
-    joined); the Ws of split backwards wait in a queue and run in its order."""
+    joined); the Ws of split backwards wait in a queue and run in its order
+    (`_dualpipev_actions`)."""
+    actions = _dualpipev_actions(pp, microbatches, rank)
+    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in actions]
+
+
+def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
     count: dict[tuple[str, int], int] = {}
     queue: list[tuple[int, int]] = []  # pending (stage, microbatch) weight gradients
-    order: list[Op] = []
+    order: list[_Action] = []
 
-    def op(kind: OpKind, stage: int, mb: int, joined: bool = False) -> Op:
-        return Op(kind, stage, rank, 0 if stage == s0 else 1, mb, joined)
+    def op(kind: OpKind, stage: int, mb: int, joined: bool = False) -> _Action:
+        return (kind, stage, 0 if stage == s0 else 1, mb, joined)
 
     def forward(stage: int, joined: bool = False) -> None:
         mb = count.get(("F", stage), 0)
@@ -556,16 +572,16 @@ def _split_events(
             for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank)
             if kind != "F"
         )
-    ops = _ORDERS[schedule](pp, microbatches, chunks, rank)
+    v_actions = _zbv_actions if schedule == "zbv" else _dualpipev_actions
+    ops = v_actions(pp, microbatches, rank)
     events: list[tuple[int, int]] = []
-    for k, op in enumerate(ops):
-        nxt = ops[k + 1] if k + 1 < len(ops) else None
-        if op.kind == "B":
-            whole = nxt is not None and nxt.kind == "W" and nxt.joined
+    for k, (kind, _, chunk, _, joined) in enumerate(ops):
+        if kind == "B":
+            whole = k + 1 < len(ops) and ops[k + 1][0] == "W" and ops[k + 1][4]
             if not whole:
-                events.append((op.chunk, 1))
-        elif op.kind == "W" and not op.joined:
-            events.append((op.chunk, -1))
+                events.append((chunk, 1))
+        elif kind == "W" and not joined:
+            events.append((chunk, -1))
     return tuple(events)
 
 
