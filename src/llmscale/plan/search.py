@@ -404,6 +404,15 @@ def search(
                                 replace(base, pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
                                 ends, memory_options, budget / over, host_per_gpu,
                             )  # fmt: skip
+                        # The knobs below vary this plan's recompute, ZeRO stage and offload.
+                        knobs = Plan(
+                            model=model, seq_len=seq_len, micro_batch_size=mbs,
+                            global_batch_size=global_batch_size,
+                            recompute_every_k=space.recompute_every_k, precision=precision,
+                            dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
+                            pp_schedule=sched, pp_chunks=v, sequence_parallel=sp, cp=space.cp,
+                            pp_layers=space.pp_layers,
+                        )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
@@ -417,15 +426,9 @@ def search(
                                     for f in fits
                                 ):  # fmt: skip
                                     continue
-                                plan = Plan(
-                                    model=model, seq_len=seq_len, micro_batch_size=mbs,
-                                    global_batch_size=global_batch_size, recompute=rec,
-                                    recompute_every_k=space.recompute_every_k,
-                                    precision=precision, offload=pp_offloads[oi],
-                                    dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
-                                    pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
-                                    zero_stage=zeros[zi], cp=space.cp, pp_layers=space.pp_layers,
-                                )  # fmt: skip
+                                plan = knobs.varied(
+                                    recompute=rec, zero_stage=zeros[zi], offload=pp_offloads[oi]
+                                )
                                 total = mem.worst_total(plan, memory_options, ends, budget)
                                 evaluated += 1
                                 if total <= budget:
@@ -607,7 +610,7 @@ def _fitting_states(
         (zi, oi)
         for zi, zero in enumerate(zeros)
         for oi, off in enumerate(offloads)
-        if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends, opt, budget, host)
+        if not _states_exceed(base.varied(zero_stage=zero, offload=off), ends, opt, budget, host)
     ]
 
 
