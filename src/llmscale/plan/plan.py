@@ -119,10 +119,7 @@ class Plan(MeshDegrees):
         `param_residency`)."""
         if not self.fsdp:
             return False
-        res = param_residency(
-            LLMSCALE, zero_stage=self.zero_stage, pp=self.pp, n_microbatches=self.n_microbatches
-        )
-        return res.grads_unsharded
+        return _grads_unsharded(self.zero_stage, self.pp, self.n_microbatches)
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -191,11 +188,12 @@ class Plan(MeshDegrees):
     # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
     def states_key(self) -> tuple[Hashable, ...]:
         """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
+        dp = self.dp
         return (
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
-            self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
-            self.v_shape, self.lsp_dim, self.lsp_nonzeros,
-            self.dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
+            self.offload, self.precision, uses_fsdp_cpu_offload(self.offload, dp),
+            self.pp_layers, self.cp, self.v_shape, self.lsp_dim, self.lsp_nonzeros,
+            dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
             self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
             # lsp's host transfer buffers: gradient hooks per step (plan.lsp.hooks_per_step)
             (self.n_microbatches, self.dp_replicate) if self.offload == "lsp" else None,
@@ -287,6 +285,14 @@ class Plan(MeshDegrees):
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Plan))
+
+
+@memoize
+def _grads_unsharded(zero_stage: int, pp: int, n_microbatches: int) -> bool:
+    """`Plan.fsdp_holds_grads_across_microbatches` under FSDP (a memo: every plan's
+    `states_key` reads it)."""
+    res = param_residency(LLMSCALE, zero_stage=zero_stage, pp=pp, n_microbatches=n_microbatches)
+    return res.grads_unsharded
 
 
 @memoize
