@@ -33,6 +33,7 @@ A sequence gives the cost of one op on each global stage (length pp * v), for un
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -671,10 +672,10 @@ def held_frontier_exact(
     kept: set[tuple[int, ...]] = set()
     later: list[tuple[int, ...]] = []
     for now, (_, did) in sorted(last.items(), key=lambda kv: -kv[1][0]):
-        if any(all(a >= b for a, b in zip(q, now, strict=True)) for q in later):
+        if any(_covers(q, now) for q in later):
             continue
         kept.add((*now, *did))
-        later = [q for q in later if not all(a >= b for a, b in zip(now, q, strict=True))]
+        later = [q for q in later if not _covers(now, q)]
         later.append(now)
     return _undominated(kept)
 
@@ -710,10 +711,15 @@ def held_frontier_extended(
     return _undominated(fixed | shifted)
 
 
+def _covers(q: tuple[int, ...], p: tuple[int, ...]) -> bool:
+    """Every count of `q` at least `p`'s (equal lengths)."""
+    return all(map(operator.ge, q, p))
+
+
 def _undominated(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     kept: list[tuple[int, ...]] = []
     for p in sorted(points, key=sum, reverse=True):  # a dominating point sorts first
-        if not any(all(a >= b for a, b in zip(q, p, strict=True)) for q in kept):
+        if not any(_covers(q, p) for q in kept):
             kept.append(p)
     return tuple(kept)
 
