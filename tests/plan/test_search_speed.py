@@ -59,3 +59,42 @@ def test_memo_put_clears_when_full() -> None:
     assert len(memo) == 2
     assert memo.get((3,), lambda: 30) == 30 and len(memo) == 1  # emptied, then the new one
     assert memo.get((1,), lambda: 11) == 11  # gone: computed again
+
+
+@pytest.mark.parametrize(
+    ("schedule", "dp_shard"), [("1f1b", 2), ("zbv", 2), ("interleaved_1f1b", 2), ("1f1b", 1)]
+)
+def test_floors_answer_as_worst_total(schedule: str, dp_shard: int) -> None:
+    # Every (recompute, zero, offload) of a layout, at limits between its plans' floors: the
+    # search's `_Floors` says "over" exactly when some costed rank's floor is over, which is
+    # when `worst_total` answers from its floors (a total over the limit) before the rest.
+    # (dp 1: the offload decides whether the forward's weights are low precision.)
+    from llmscale.plan import memory as mem
+    from llmscale.plan.search import RECOMPUTE_ORDER, _Floors
+
+    knobs = dataclasses.replace(
+        BASE, pp=4, dp_replicate=1, dp_shard=dp_shard, tp=2, global_batch_size=64, micro_batch_size=1,
+        pp_schedule=schedule, pp_chunks=2, offload="none", sequence_parallel=False,
+    )  # fmt: skip
+    recs, zeros, offloads = list(RECOMPUTE_ORDER), [1, 2, 3], ["none", "optimizer"]
+    ends, opt = (0, 3), mem.DEFAULT_OPTIONS
+    over = 1 + opt.allocator_overhead
+    settings = [(r, z, o) for r in range(5) for z in range(3) for o in range(2)]
+
+    def floor(r: int, z: int, o: int, rank: int) -> float:
+        plan = knobs.varied(recompute=recs[r], zero_stage=zeros[z], offload=offloads[o])
+        return over * mem.rank_pieces(plan, rank, opt)._replace(pending_weight_grads=0).allocated
+
+    firsts = sorted({floor(*s, 0) for s in settings})
+    assert len(firsts) >= 8  # the settings differ in memory
+    for limit in (firsts[2], firsts[len(firsts) // 2], firsts[-3]):
+        floors = _Floors(knobs, recs, zeros, offloads, ends, opt, limit)  # type: ignore[arg-type]
+        answers = [floors.exceed(*s) for s in settings]
+        assert answers == [any(floor(*s, r) > limit for r in ends) for s in settings]
+        assert 0 < sum(answers) < len(settings)
+        for s, over_limit in zip(settings, answers, strict=True):
+            plan = floors.plan(*s)
+            assert plan == knobs.varied(recompute=recs[s[0]], zero_stage=zeros[s[1]],
+                                        offload=offloads[s[2]])  # fmt: skip
+            if over_limit:
+                assert mem.worst_total(plan, opt, ends, limit) > limit

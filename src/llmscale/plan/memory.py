@@ -97,6 +97,7 @@ from llmscale.stack import LLMSCALE, Stack, param_residency
 __all__ = [
     "DEFAULT_OPTIONS",
     "MemoryEstimate",
+    "Activity",
     "MemoryOptions",
     "RankMemory",
     "RankPieces",
@@ -104,6 +105,7 @@ __all__ = [
     "cp_share",
     "embedding_inflight",
     "estimate_memory",
+    "floor_pieces",
     "head_inflight",
     "inflight_units",
     "memory_options",
@@ -112,6 +114,7 @@ __all__ = [
     "param_window",
     "plan_kernels",
     "plan_rank_params",
+    "rank_activity",
     "rank_pieces",
     "rank_states",
     "slice_args",
@@ -537,19 +540,28 @@ def _splits_backward(plan: Plan, opt: MemoryOptions) -> bool:
 def _rank_floor(plan: Plan, rank: int, opt: MemoryOptions) -> RankPieces:
     """`rank_pieces` but the split backwards' pending gradients (0): no more than it, and it
     needs no walk of the schedule's op order."""
-    st = rank_states(plan, rank, opt)
-    key = (*plan.activations_key(), id(opt), rank)
-    acts, transient, buffers = _ACTIVITY.get(
-        key, lambda: _activity(plan, rank, opt), (plan.model, opt)
-    )
-    # (`st._replace(...)`, built directly: the search builds one per plan and rank)
+    return floor_pieces(rank_states(plan, rank, opt), rank_activity(plan, rank, opt))
+
+
+def floor_pieces(states: RankPieces, activity: Activity) -> RankPieces:
+    """A rank's pieces but the split backwards' pending gradients, from its states
+    (`rank_states`) and what its micro-batches add (`rank_activity`)."""
+    acts, transient, buffers = activity
+    # (`states._replace(...)`, built directly: the search builds one per plan and rank)
     return RankPieces(
-        st.params, st.grads, st.optimizer, st.working_params, acts,
-        max(st.transient, transient), st.host, st.pending_weight_grads, buffers,
+        states.params, states.grads, states.optimizer, states.working_params, acts,
+        max(states.transient, transient), states.host, states.pending_weight_grads, buffers,
     )  # fmt: skip
 
 
-class _Activity(NamedTuple):
+def rank_activity(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> Activity:
+    """What pipeline `rank`'s micro-batches add to its states, cached on the fields they read
+    (`Plan.activations_key`)."""
+    key = (*plan.activations_key(), id(opt), rank)
+    return _ACTIVITY.get(key, lambda: _activity(plan, rank, opt), (plan.model, opt))
+
+
+class Activity(NamedTuple):
     """What a rank's micro-batches add to its states: saved activations, the largest
     transient besides FSDP's (the loss's logit gradients, a recomputed block; 0 when none),
     the pipeline stages' receive buffers."""
@@ -559,10 +571,10 @@ class _Activity(NamedTuple):
     pipeline_buffers: float
 
 
-_ACTIVITY: Memo[_Activity] = Memo("memory.rank_activity")
+_ACTIVITY: Memo[Activity] = Memo("memory.rank_activity")
 
 
-def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> _Activity:
+def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
     transient = 0.0
     if rank == plan.head_rank:
         transient = cp_share(plan) * act.loss_transient_bytes(
@@ -571,7 +583,7 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> _Activity:
     if plan.recompute in ("full", "every_k"):
         transient = max(transient, block_bytes(plan, "none", opt.kernels))
     acts = rank_activation_bytes(plan, rank, opt)
-    return _Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
+    return Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 
 
 class PipelineHeld(NamedTuple):

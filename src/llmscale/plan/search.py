@@ -413,6 +413,9 @@ def search(
                             pp_schedule=sched, pp_chunks=v, sequence_parallel=sp, cp=space.cp,
                             pp_layers=space.pp_layers,
                         )  # fmt: skip
+                        floors = _Floors(
+                            knobs, recs, zeros, pp_offloads, ends, memory_options, budget
+                        )
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
@@ -426,11 +429,11 @@ def search(
                                     for f in fits
                                 ):  # fmt: skip
                                     continue
-                                plan = knobs.varied(
-                                    recompute=rec, zero_stage=zeros[zi], offload=pp_offloads[oi]
-                                )
-                                total = mem.worst_total(plan, memory_options, ends, budget)
                                 evaluated += 1
+                                if floors.exceed(ri, zi, oi):
+                                    continue  # as worst_total would find, without the plan
+                                plan = floors.plan(ri, zi, oi)
+                                total = mem.worst_total(plan, memory_options, ends, budget)
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
                                     t = tm.estimate_step_time(
@@ -594,6 +597,55 @@ def _closest(
         why = fit_reason(est, cluster, opt)
         out.append(Candidate(plan, est, t, fits=why is None, why=why))
     return tuple(out)
+
+
+class _Floors:
+    """Whether some costed rank's memory without the split backwards' pending gradients
+    (`mem.floor_pieces`, a lower bound: `mem.worst_total`'s first test) puts a plan of one
+    layout over `limit`, the plan varied in recompute, ZeRO stage and offload (indices into
+    `recs`, `zeros`, `offloads`). Its states are looked up once per (ZeRO stage, offload) and
+    rank, its activity once per (recompute, low-precision weights) and rank, from the memos
+    `worst_total` reads (`Plan.states_key` names no recompute, `Plan.activations_key` no ZeRO
+    stage or offload but through `lowp_weights`); a plan is built only to look up a piece not
+    seen yet. The search's inner loop: most plans it costs are over on the first rank."""
+
+    def __init__(
+        self,
+        knobs: Plan,
+        recs: list[Recompute],
+        zeros: list[int],
+        offloads: list[Offload],
+        ranks: tuple[int, ...],
+        opt: mem.MemoryOptions,
+        limit: float,
+    ) -> None:
+        self.knobs, self.recs, self.zeros, self.offloads = knobs, recs, zeros, offloads
+        self.ranks, self.opt, self.limit = ranks, opt, limit
+        self.over = 1 + opt.allocator_overhead
+        self.lowp = [knobs.varied(offload=o).lowp_weights for o in offloads]
+        self.states: dict[tuple[int, int, int], mem.RankPieces] = {}
+        self.activity: dict[tuple[int, bool, int], mem.Activity] = {}
+
+    def plan(self, ri: int, zi: int, oi: int) -> Plan:
+        return self.knobs.varied(
+            recompute=self.recs[ri], zero_stage=self.zeros[zi], offload=self.offloads[oi]
+        )
+
+    def exceed(self, ri: int, zi: int, oi: int) -> bool:
+        plan: Plan | None = None
+        for r in self.ranks:
+            st = self.states.get((zi, oi, r))
+            if st is None:
+                plan = plan or self.plan(ri, zi, oi)
+                st = self.states[zi, oi, r] = mem.rank_states(plan, r, self.opt)
+            key = (ri, self.lowp[oi], r)
+            activity = self.activity.get(key)
+            if activity is None:
+                plan = plan or self.plan(ri, zi, oi)
+                activity = self.activity[key] = mem.rank_activity(plan, r, self.opt)
+            if self.over * mem.floor_pieces(st, activity).allocated > self.limit:
+                return True
+        return False
 
 
 def _fitting_states(
