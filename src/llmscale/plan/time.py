@@ -93,12 +93,13 @@ from llmscale.model.config import (
     OP_SAC_SAVED_COLLECTIVES,
     SP_GATHERED_INPUTS,
     TP_STYLES,
+    ModelConfig,
     op_sac_saves_matmul,
     split_layers,
     stage_ids,
 )
 from llmscale.plan import activations as act
-from llmscale.plan.cache import Memo
+from llmscale.plan.cache import Memo, memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
@@ -264,18 +265,19 @@ def block_linears(plan: Plan) -> list[BlockLinear]:
     """A block's linears in the order its forward runs them (`ModelConfig.block_matmuls`), each
     split as the runtime's TP plan splits it (`TP_STYLES`: column-parallel outputs, row-parallel
     inputs over tp); under context parallelism a rank's linears see its s / cp tokens."""
-    tokens = cp_tokens(plan)
+    return list(_block_linears(plan.model, cp_tokens(plan), plan.tp))
+
+
+@memoize
+def _block_linears(m: ModelConfig, tokens: int, tp: int) -> tuple[BlockLinear, ...]:
+    # (memoized: every stage time the search computes reads it two or three times)
     out = []
-    for name, fan_in, fan_out in plan.model.block_matmuls():
+    for name, fan_in, fan_out in m.block_matmuls():
         region = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
         colwise = TP_STYLES[f"{region}.{name}"].style == "colwise"
-        mnk = (
-            (tokens, fan_out // plan.tp, fan_in)
-            if colwise
-            else (tokens, fan_out, fan_in // plan.tp)
-        )
+        mnk = (tokens, fan_out // tp, fan_in) if colwise else (tokens, fan_out, fan_in // tp)
         out.append(BlockLinear(region, colwise, mnk))
-    return out
+    return tuple(out)
 
 
 def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
