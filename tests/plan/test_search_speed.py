@@ -89,12 +89,19 @@ def test_floors_answer_as_worst_total(schedule: str, dp_shard: int) -> None:
     assert len(firsts) >= 8  # the settings differ in memory
     for limit in (firsts[2], firsts[len(firsts) // 2], firsts[-3]):
         floors = _Floors(knobs, recs, zeros, offloads, ends, opt, limit)  # type: ignore[arg-type]
-        answers = [floors.exceed(*s) for s in settings]
-        assert answers == [any(floor(*s, r) > limit for r in ends) for s in settings]
-        assert 0 < sum(answers) < len(settings)
-        for s, over_limit in zip(settings, answers, strict=True):
+        answers = [floors.pieces(*s) for s in settings]
+        assert [a is None for a in answers] == [
+            any(floor(*s, r) > limit for r in ends) for s in settings
+        ]
+        assert 0 < sum(a is None for a in answers) < len(settings)
+        for s, known in zip(settings, answers, strict=True):
             plan = floors.plan(*s)
             assert plan == knobs.varied(recompute=recs[s[0]], zero_stage=zeros[s[1]],
                                         offload=offloads[s[2]])  # fmt: skip
-            if over_limit:
-                assert mem.worst_total(plan, opt, ends, limit) > limit
+            total = mem.worst_total(plan, opt, ends, limit)
+            if known is None:
+                assert total > limit
+            else:  # the floors it was given are its own
+                assert known == [mem.rank_pieces(plan, r, opt)._replace(pending_weight_grads=0)
+                                 for r in ends]  # fmt: skip
+                assert mem.worst_total(plan, opt, ends, limit, known) == total

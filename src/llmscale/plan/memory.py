@@ -79,6 +79,7 @@ plan/activations.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -582,7 +583,7 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
         )
     if plan.recompute in ("full", "every_k"):
         transient = max(transient, block_bytes(plan, "none", opt.kernels))
-    acts = rank_activation_bytes(plan, rank, opt)
+    acts = _rank_activation_bytes(plan, rank, opt)  # (cached with this, on the same key)
     return Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 
 
@@ -696,16 +697,21 @@ _BOUND_MARGIN = 1e-12
 
 
 def worst_total(
-    plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...], limit: float = math.inf
+    plan: Plan,
+    opt: MemoryOptions,
+    ranks: tuple[int, ...],
+    limit: float = math.inf,
+    known: Sequence[RankPieces] | None = None,
 ) -> float:
     """The largest `RankMemory.total` over `ranks`, without building the records. Past
     `limit`, some total above it: the first rank whose memory without the split backwards'
     pending gradients (a lower bound) already exceeds it answers, before the other ranks and
-    without walking the schedule's op order."""
+    without walking the schedule's op order. `known`: those lower bounds of `ranks` (each
+    rank's `floor_pieces`) where the caller has them (the search)."""
     over = 1 + opt.allocator_overhead
     floors = []
-    for r in ranks:
-        p = _rank_floor(plan, r, opt)
+    for i, r in enumerate(ranks):
+        p = _rank_floor(plan, r, opt) if known is None else known[i]
         total = over * p.allocated
         if total > limit:
             return total

@@ -430,10 +430,13 @@ def search(
                                 ):  # fmt: skip
                                     continue
                                 evaluated += 1
-                                if floors.exceed(ri, zi, oi):
+                                floor = floors.pieces(ri, zi, oi)
+                                if floor is None:
                                     continue  # as worst_total would find, without the plan
                                 plan = floors.plan(ri, zi, oi)
-                                total = mem.worst_total(plan, memory_options, ends, budget)
+                                total = mem.worst_total(
+                                    plan, memory_options, ends, budget, known=floor
+                                )
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
                                     t = tm.estimate_step_time(
@@ -631,8 +634,10 @@ class _Floors:
             recompute=self.recs[ri], zero_stage=self.zeros[zi], offload=self.offloads[oi]
         )
 
-    def exceed(self, ri: int, zi: int, oi: int) -> bool:
+    def pieces(self, ri: int, zi: int, oi: int) -> list[mem.RankPieces] | None:
+        """Each rank's floor (`mem.floor_pieces`), or None when one is over the limit."""
         plan: Plan | None = None
+        out = []
         for r in self.ranks:
             st = self.states.get((zi, oi, r))
             if st is None:
@@ -643,9 +648,11 @@ class _Floors:
             if activity is None:
                 plan = plan or self.plan(ri, zi, oi)
                 activity = self.activity[key] = mem.rank_activity(plan, r, self.opt)
-            if self.over * mem.floor_pieces(st, activity).allocated > self.limit:
-                return True
-        return False
+            floor = mem.floor_pieces(st, activity)
+            if self.over * floor.allocated > self.limit:
+                return None
+            out.append(floor)
+        return out
 
 
 def _fitting_states(
