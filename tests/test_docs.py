@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,7 +25,7 @@ def test_every_rendered_block_is_current() -> None:
 
 RECORDS = tuple(
     f"docs/results/{n}.json"
-    for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload")
+    for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload", "selective")
 )
 
 
@@ -162,3 +164,279 @@ def test_the_pipeline_memory_table_is_rendered_from_its_record(tmp_path: Path) -
     i, j = docs._span(text, "pipeline-memory-table")
     assert f"| {row['measured']:,} / 262,144 |" in text[i:j]
     assert "Predicted within 0.0% of measured in every cell" in text[i:j]  # no longer exact
+
+
+def test_the_selective_table_is_rendered_from_its_record(tmp_path: Path) -> None:
+    """docs/memory-model.md's saved bytes are bench.selective's record: a hand edit and a changed
+    row are stale; the saving and the hand count's verdict follow the record."""
+    root = _copy(tmp_path)
+    md = root / "docs/memory-model.md"
+    text = _edit_block(md, "selective-kernels", "| 1,920 B (0.5%) |", "| 1,900 B (0.5%) |")
+    assert docs.stale(root) == ["docs/memory-model.md: selective-kernels"]
+    docs.write(root)
+    assert md.read_text() == text
+
+    path = root / "docs/results/selective.json"
+    data = json.loads(path.read_text())
+    row = next(r for r in data["selective_kernels"]["rows"] if r["config"] == "math recompute=none")
+    row["measured"] += 4800  # one more s x s fp32 tensor per block kept
+    path.write_text(json.dumps(data))
+    assert docs.stale(root) == ["docs/memory-model.md: selective-kernels"]
+    docs.write(root)
+    i, j = docs._span(md.read_text(), "selective-kernels")
+    block = md.read_text()[i:j]
+    assert "| 458,548 B | 411,508 B | 47,040 B (10.3%) | 42,240 B: " in block
+    assert "(≠ measured)" in block and "+14,400 B" in block
+
+
+def test_the_lsp_figures_are_the_planners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/offload.md's LSP-Offload traffic and the 7B plan's optimizer share come from the
+    planner: a hand-counted tiny-model step is in the text, and a changed formula is stale."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan import offload_traffic
+
+    tiny = get_preset("tiny")
+    groups = tiny.parameter_shapes()
+    block = [s for _, s in groups["block"] if len(s) == 2]
+    assert sorted(block) == [
+        (32, 64),
+        (32, 64),
+        (64, 64),
+        (64, 64),
+        (64, 192),
+        (192, 64),
+        (192, 64),
+    ]
+    # d = min(512, rows or columns // 2): 16 for the 32 x 64 (wk, wv), 32 for the rest
+    dxd = tiny.n_layers * 4 * (2 * 16**2 + 5 * 32**2)
+    rest = sum(math.prod(s) for _, s in [*groups["embedding"], *groups["head"]])
+    rest += tiny.n_layers * sum(math.prod(s) for _, s in groups["block"] if len(s) == 1)
+    step = 2 * (dxd + 2 * rest)  # d x d fp32 and the rest in bf16, down and up
+    text = (ROOT / "docs/offload.md").read_text()
+    i, j = docs._span(text, "lsp-traffic")
+    assert f"the tiny model, d = 16–32: {step / 1e6:.2f} MB instead of" in text[i:j]
+
+    root = _copy(tmp_path)
+    real = offload_traffic.lsp_bytes_per_step
+    monkeypatch.setattr(
+        offload_traffic, "lsp_bytes_per_step", lambda *a, **k: real(*a, **k)._replace(up=0)
+    )
+    docs._run.cache_clear()
+    try:
+        assert docs.stale(root) == ["docs/offload.md: lsp-traffic", "docs/offload.md: lsp-plan-7b"]
+    finally:
+        docs._run.cache_clear()
+
+
+def test_typed_planner_and_results_figures_are_rendered(tmp_path: Path) -> None:
+    """README's preset table and docs/memory-model.md's Llama 2 70B bytes per token are the
+    planner's; the selective_op figures are the memory suite's rows: each is stale after a hand
+    edit or a changed row."""
+    from llmscale.model.config import PRESETS, get_preset
+
+    text = (ROOT / "README.md").read_text()
+    i, j = docs._span(text, "preset-params")
+    for name in PRESETS:
+        assert f"{get_preset(name).num_params():,}" in text[i:j], name
+    assert (
+        "| llama2-7b / 13b / 70b | 6,738,415,616 / 13,015,864,320 / 68,976,648,192 | the same, exactly |"
+        in text[i:j]
+    )
+
+    root = _copy(tmp_path)
+    _edit_block(root / "README.md", "preset-params", "6,738,415,616", "6,738,415,617")
+    md = root / "docs/memory-model.md"
+    # 22d + 4kv + 8f + 4H + 8 per token (the bf16 sum above it), d 8192, kv 1024, f 28672, H 64
+    assert 22 * 8192 + 4 * 1024 + 8 * 28672 + 4 * 64 + 8 == 413_960
+    _edit_block(md, "llama70b-block", "413,960 bytes", "413,961 bytes")
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    row = next(
+        r for r in data["memory"]["rows"]
+        if r["config"] == "fp32 mbs=4 recompute=selective_op" and r["quantity"] == "activations"
+    )  # fmt: skip
+    row["measured"] += 4
+    res.write_text(json.dumps(data))
+    stale = docs.stale(root)
+    for block in (
+        "README.md: preset-params",
+        "docs/memory-model.md: llama70b-block",
+        "docs/memory-model.md: memory-selective-op",
+    ):
+        assert block in stale
+    docs.write(root)
+    i, j = docs._span(md.read_text(), "memory-selective-op")
+    got = f"fp32 {row['measured']:,.0f} B measured, {row['predicted']:,.0f} predicted"
+    assert got in md.read_text()[i:j]
+
+
+def test_the_lsp_goals_are_rendered_from_the_finetune_suite(tmp_path: Path) -> None:
+    """docs/offload.md's LSP-Offload table and its verdicts follow results.json's finetune rows:
+    a final loss 5% above ZeRO-Offload's misses the 3% goal."""
+    root = _copy(tmp_path)
+    text = (root / "docs/offload.md").read_text()
+    i, j = docs._span(text, "lsp-finetune")
+    assert "(goal: within 3%): met" in text[i:j]
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    rows = data["finetune"]["rows"]
+    opt = next(r for r in rows if r["config"] == "optimizer" and r["quantity"].startswith("final"))
+    lsp = next(r for r in rows if r["config"] == "lsp" and r["quantity"].startswith("final"))
+    lsp["measured"] = opt["measured"] * 1.05
+    res.write_text(json.dumps(data))
+    assert "docs/offload.md: lsp-finetune" in docs.stale(root)
+    docs.write(root)
+    text = (root / "docs/offload.md").read_text()
+    i, j = docs._span(text, "lsp-finetune")
+    assert f"| {opt['measured']:.4f} | {lsp['measured']:.4f} | +5.00% |" in text[i:j]
+    assert "final loss +5.00% (goal: within 3%): missed" in text[i:j]
+
+
+def test_the_bubble_table_is_the_schedule_commands_output(tmp_path: Path) -> None:
+    """docs/schedule.md's bubbles are `llmscale schedule --json`'s: 1F1B's rows read
+    (p-1)/(m+p-1) and interleaved's (p-1)/(vm+p-1), simulated and closed form; a hand edit is
+    stale."""
+    text = (ROOT / "docs/schedule.md").read_text()
+    i, j = docs._span(text, "schedule-bubbles")
+    for p, m in ((4, 8), (4, 32), (8, 32)):
+        b = f"{(p - 1) / (m + p - 1):.4f}"
+        assert f"| 1f1b | {p} | {m} | 1 | - | {b} | {b} |" in text[i:j]
+        b = f"{(p - 1) / (2 * m + p - 1):.4f}"
+        assert f"| interleaved_1f1b | {p} | {m} | 2 | - | {b} | {b} |" in text[i:j]
+    root = _copy(tmp_path)
+    _edit_block(
+        root / "docs/schedule.md",
+        "schedule-bubbles",
+        "| 0.2727 | 0.2727 | 4 |",
+        "| 0.27 | 0.27 | 4 |",
+    )
+    assert docs.stale(root) == ["docs/schedule.md: schedule-bubbles"]
+
+
+def test_the_finetune_table_is_the_suites(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    table = data["finetune"]["tables"]["fine-tuning: every mode from the same pretrained weights"]
+    table["rows"][1][4] = "999"  # optimizer's step ms
+    res.write_text(json.dumps(data))
+    assert docs.stale(root) == [
+        "docs/offload.md: finetune-table",
+        "docs/results.md: the whole file",
+    ]
+    docs.write(root)
+    text = (root / "docs/offload.md").read_text()
+    i, j = docs._span(text, "finetune-table")
+    assert f"| `optimizer` | {' | '.join(table['rows'][1][1:4])} | 999 |" in text[i:j]
+
+
+def test_the_inflight_accuracy_follows_the_pipeline_suite(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    res = root / "docs/results/results.json"
+    data = json.loads(res.read_text())
+    rows = [
+        r for r in data["pipeline"]["rows"] if r["quantity"] == "activations in flight, stage 0"
+    ]
+    gpipe = next(r for r in rows if r["config"] == "pp=2 gpipe m=4")
+    gpipe["measured"] = gpipe["predicted"] / 1.05  # 5% under-measured
+    res.write_text(json.dumps(data))
+    assert "docs/memory-model.md: inflight-accuracy" in docs.stale(root)
+    docs.write(root)
+    text = (root / "docs/memory-model.md").read_text()
+    i, j = docs._span(text, "inflight-accuracy")
+    assert text[i:j].endswith(
+        f"({len(rows)} configurations, pp 2 and 4, {data['pipeline']['measured_at'][:10]}) it is the prediction to within 5.00%"
+    )
+
+
+def test_the_gantt_charts_are_the_schedule_commands(tmp_path: Path) -> None:
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "gantt-1f1b")
+    assert text[i:j].startswith(f"\n1F1B, for comparison: bubble {3 / 11:.4f} (`llmscale")
+    assert text[i:j].count("\nrank ") == 4
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/parallel.md", "gantt-zbv", "|F0F1F2F3F4F5F6f0", "|F0F1F2F3F4F5F6F0")
+    assert docs.stale(root) == ["docs/parallel.md: gantt-zbv"]
+
+
+def test_the_zero_stage_table_is_the_rule(tmp_path: Path) -> None:
+    """docs/parallel.md's collectives per zero stage: 5 units of the tiny model (4 blocks and
+    the root), 4 micro-batches: zero 2 reduce-scatters per micro-batch, zero 3 also gathers
+    twice per micro-batch (forward and backward)."""
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "zero-stage-collectives")
+    units, m = 5, 4
+    assert f"| 2 | {units} | {units * m} |" in text[i:j]
+    assert f"| 3 | {units * m * 2} | {units * m} |" in text[i:j]
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/parallel.md", "zero-stage-collectives", "| 3 | 40 |", "| 3 | 41 |")
+    assert docs.stale(root) == ["docs/parallel.md: zero-stage-collectives"]
+
+
+def test_the_rail_only_figures_are_the_network_commands(tmp_path: Path) -> None:
+    """docs/planner.md's rail-only cost and all-to-all figures at 4096 H100s equal what its
+    rendered `llmscale network --gpus 4096` output shows; a hand edit is stale."""
+    text = (ROOT / "docs/planner.md").read_text()
+    i, j = docs._span(text, "network")
+    shown = text[i:j]
+    a, b = docs._span(text, "rail-only-a2a")
+    a2a = text[a:b].split(", ")[1].split(" at ")[0]
+    assert f"rail-only {a2a} for forwarding" in shown
+    c, d = docs._span(text, "rail-only-cost")
+    cost = text[c:d].split(": ")[1].split(";")[0]
+    rail = next(line for line in shown.splitlines() if "rail-only" in line and "│" in line)
+    assert f"{cost} │" in rail
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/planner.md", "rail-only-a2a", "at 1024", "at 1,024")
+    assert docs.stale(root) == ["docs/planner.md: rail-only-a2a"]
+
+
+def test_the_kv_and_tied_copy_figures_are_the_planners(tmp_path: Path) -> None:
+    text = (ROOT / "docs/inference.md").read_text()
+    i, j = docs._span(text, "kv-per-token")
+    # 2 (K and V) x 80 layers x 8 KV heads x 128 head_dim x 2 B
+    assert (
+        f"make it {2 * 80 * 8 * 128 * 2:,} bytes in bf16, 1/8 of what 64 heads would" in text[i:j]
+    )
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "tied-copy-memory")
+    got = [float(x) for x in re.findall(r"(\d+\.\d+) GiB", text[i:j])]
+    assert got[0] - got[1] == pytest.approx(4 * 50257 * 768 / 2**30, abs=0.01)  # the copy, fp32
+    root = _copy(tmp_path)
+    _edit_block(root / "docs/inference.md", "kv-per-token", "327,680", "327,600")
+    assert docs.stale(root) == ["docs/inference.md: kv-per-token"]
+
+
+def test_the_parameter_offload_times_are_the_offload_record(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    path = root / "docs/results/offload.json"
+    data = json.loads(path.read_text())
+    run = next(
+        r for r in data["offload_modes"]["runs"]
+        if r["offload"] == "optimizer+params" and r["link_gbps"] == 1.0
+    )  # fmt: skip
+    run["step_s"]["serial"] = 1.2345
+    path.write_text(json.dumps(data))
+    stale = docs.stale(root)
+    assert "docs/offload.md: params-offload-times" in stale
+    docs.write(root)
+    text = (root / "docs/offload.md").read_text()
+    i, j = docs._span(text, "params-offload-times")
+    assert "the offloaded step took 1234 ms serially and " in text[i:j]
+    assert f"{1e3 * run['offload_work_s']:.0f} ms per step" in text[i:j]
+
+
+def test_the_costed_counts_are_the_searches(tmp_path: Path) -> None:
+    from llmscale.bench.plan_speed import CASES, time_search
+
+    text = (ROOT / "docs/planner.md").read_text()
+    i, j = docs._span(text, "plan-costed")
+    assert text[i:j] == " and ".join(f"{time_search(c).costed:,}" for c in CASES) + " today"
+
+
+def test_the_idle_per_rank_is_the_simulators() -> None:
+    """(p-1) chunk forwards of 1/2 for the split schedules, (p-1)(t_fwd + t_bwd) for 1F1B."""
+    text = (ROOT / "docs/parallel.md").read_text()
+    i, j = docs._span(text, "schedule-idle")
+    assert f"leave {3 * 0.5:g} of idle per rank here" in text[i:j]
+    assert f"against 1F1B's {3 * (1 + 2)}, " in text[i:j] and text[i:j].endswith(": a sixth")

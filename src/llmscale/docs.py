@@ -133,6 +133,30 @@ def plan_speed_cases(ctx: Context) -> str:
     return "CPU time of a cold search, measured by `make docs` on this machine: " + "; ".join(parts)
 
 
+def plan_costed(ctx: Context) -> str:
+    """docs/planner.md: how many plans each of bench/plan_speed.py's searches costs today (the
+    search's `evaluated`, what `llmscale plan --json` reports; not a timing)."""
+    from llmscale.bench.plan_speed import CASES
+    from llmscale.report.search_report import plan_report
+
+    counts = []
+    for c in CASES:
+        demo = (c.model, c.gpus, c.gpu, c.seq, c.global_batch) == (
+            "llama2-70b",
+            64,
+            "h200",
+            4096,
+            1024,
+        )
+        rep = (
+            _demo_search()
+            if demo
+            else plan_report(c.model, c.gpus, c.gpu, c.seq, c.global_batch, top=5)
+        )
+        counts.append(f"{rep.result.evaluated:,}")
+    return f"{' and '.join(counts)} today"
+
+
 def megatron_ratios(ctx: Context) -> str:
     """README: the time model against Narayanan et al. 2021, Table 1."""
     from llmscale.validation.published import narayanan_rows
@@ -597,12 +621,188 @@ def _lsp_figures(ctx: Context) -> str | None:
     )
 
 
-def lsp_results(ctx: Context) -> str:
-    """docs/offload.md: the finetune suite of `make results`."""
-    lsp = _lsp_figures(ctx)
-    if lsp is None:
+def _lsp_step(name: str) -> tuple[Any, list[tuple[tuple[int, int], int]], float, float]:
+    """The planner's one-process step of preset `name` in bf16 without accumulation, at the
+    config's lsp_dim and lsp_nonzeros: the plan, each block matrix shape with its d, and the bytes
+    moved per step under lsp and under ZeRO-Offload ("optimizer"; `plan/offload_traffic.py`)."""
+    import dataclasses
+
+    from llmscale.model.config import get_preset
+    from llmscale.plan import activations as act
+    from llmscale.plan.lsp import matrix_dims, one_process_split
+    from llmscale.plan.offload_traffic import offload_traffic
+    from llmscale.plan.plan import Plan
+
+    model = get_preset(name)
+    lsp = Plan(model=model, seq_len=128, micro_batch_size=1, global_batch_size=1,
+               precision="bf16", offload="lsp")  # fmt: skip
+    kern = act.Kernels.for_runtime(model, 1)
+    moved = {}
+    for mode in ("lsp", "optimizer"):
+        t = offload_traffic(dataclasses.replace(lsp, offload=mode), 0, kern)
+        assert t is not None
+        moved[mode] = t.total
+    mats = sorted({
+        (s, matrix_dims(s, lsp.lsp_dim, lsp.lsp_nonzeros)[0])
+        for s in one_process_split(model).matrices
+    })  # fmt: skip
+    return lsp, mats, moved["lsp"], moved["optimizer"]
+
+
+def _kib(n: float) -> str:
+    return f"{n / 2**10:,.0f} KiB"
+
+
+def lsp_traffic(ctx: Context) -> str:
+    """docs/offload.md: what LSP-Offload moves per step for the small and tiny models against
+    ZeRO-Offload, from the planner (`plan.lsp`, `plan.offload_traffic`)."""
+    from llmscale.config import DTYPE_BYTES
+
+    plan, mats, lsp, opt = _lsp_step("small")
+    by_d: dict[int, list[str]] = {}
+    for (m, n), d in mats:
+        by_d.setdefault(d, []).append(f"{m} x {n}")
+    dims = "; ".join(f"d = {d} for {', '.join(s)}" for d, s in sorted(by_d.items()))
+    moved = sorted({4 * d * d for _, d in mats})
+    whole = sorted({DTYPE_BYTES["bf16"] * m * n for (m, n), _ in mats})
+
+    def span(xs: list[int]) -> str:
+        return _kib(xs[0]) if len(xs) == 1 else f"{xs[0] / 2**10:,.0f}–{_kib(xs[-1])}"
+
+    _, tmats, tlsp, topt = _lsp_step("tiny")
+    tds = sorted({d for _, d in tmats})
+    tdim = f"{tds[0]}–{tds[-1]}" if len(tds) > 1 else str(tds[0])
+    return (
+        f"For the small model (lsp_dim {plan.lsp_dim}: {dims}) the blocks move {span(moved)} "
+        f"per matrix per direction instead of {span(whole)} in bf16: a step of the small model "
+        f"moves {lsp / 1e6:.1f} MB instead of ZeRO-Offload's {opt / 1e6:.1f} MB in bf16 without "
+        f"accumulation ({lsp / opt:.2f}x; the tiny model, d = {tdim}: "
+        f"{tlsp / 1e6:.2f} MB instead of {topt / 1e6:.2f} MB, {tlsp / topt:.2f}x; "
+        "`lsp_bytes_per_step` and `plan.offload_traffic`, rendered by `make docs`)"
+    )
+
+
+LSP_7B = ("plan", "--model", "llama2-7b", "--gpus", "1", "--gpu", "h200", "--seq", "2048",
+          "--global-batch", "8", "--mbs", "2")  # fmt: skip
+
+
+def lsp_plan_7b(ctx: Context) -> str:
+    """docs/offload.md: the optimizer's share of a Llama-2 7B step on one H200 under lsp and
+    under ZeRO-Offload, as `llmscale plan ... --offload MODE --json` prices it."""
+    import json
+
+    share, inputs = {}, {}
+    for mode in ("lsp", "optimizer"):
+        out = json.loads(_run((*LSP_7B, "--offload", mode, "--json")))
+        best = out["candidates"][0]
+        share[mode] = best["step_time"]["breakdown_seconds"]["optimizer"]
+        inputs = best["plan"]
+
+    def sec(x: float) -> str:
+        return f"{1e3 * x:.0f} ms" if x < 1 else f"{x:.1f} s"
+
+    mb = inputs["global_batch_size"] // inputs["micro_batch_size"]
+    return (
+        f"for Llama-2 7B on one H200 in {inputs['precision']} ({inputs['micro_batch_size']} x "
+        f"{inputs['seq_len']} tokens x {mb} micro-batches) the offloaded optimizer's share is "
+        f"{sec(share['lsp'])} against ZeRO-Offload's {sec(share['optimizer'])} "
+        f"(`llmscale {' '.join(LSP_7B)} --offload lsp`)"
+    )
+
+
+def finetune_table(ctx: Context) -> str:
+    """docs/offload.md: the finetune suite's table of every offload mode from the same
+    pretrained weights, and its loss plot, as `make results` recorded them."""
+    t = ctx.results.table("finetune", "fine-tuning: every mode")
+    suite = ctx.results.suite("finetune") or {}
+    if t is None:
         return "The finetune suite has not been measured yet (`make results`)."
-    return f"In `make results`' latest run ({ctx.results.when('finetune')}), lsp against optimizer: {lsp}"
+    head, rows = t
+    lines = [
+        f"`make results`' finetune suite (measured {_when(ctx, 'finetune')}): "
+        f"{suite.get('title', '')}. {' '.join(suite.get('notes', [])[:1])}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join([f"`{r[0]}`", *r[1:]]) + " |" for r in rows),
+    ]
+    for fig in suite.get("figures", []):
+        lines += ["", f"![fine-tuning loss curves]({Path(fig).relative_to('docs')})"]
+    return "\n".join(lines)
+
+
+# LSP-Offload's goals against ZeRO-Offload (docs/offload.md): final loss within 3%, at most a
+# quarter of the bytes moved, a shorter step at the simulated links.
+LSP_LOSS_GOAL, LSP_BYTES_GOAL = 0.03, 0.25
+
+
+def lsp_finetune(ctx: Context) -> str:
+    """docs/offload.md: LSP-Offload against ZeRO-Offload in the finetune suite of `make results`
+    (`llmscale bench --what finetune`): the table and each goal met or missed."""
+    loss = ctx.rows("finetune", "final loss (last 5)")
+    moved = ctx.rows("finetune", "bytes moved per step")
+    wall = ctx.results.suite_rows("finetune-time", "step time (median)")
+    cpu = ctx.results.suite_rows("finetune-time", "CPU time per step")
+    if not all(m in d for d in (loss, moved) for m in ("lsp", "optimizer")):
+        return "The finetune suite has not been measured yet (`make results`)."
+    suite = ctx.results.suite("finetune") or {}
+    links = [
+        k.split(" @ ")[1]
+        for k in wall
+        if k.startswith("optimizer @ ") and f"lsp @ {k.split(' @ ')[1]}" in wall
+    ]
+
+    def exact(mode: str) -> bool:
+        return bool(moved[mode]["measured"] == moved[mode]["predicted"])
+
+    dl = loss["lsp"]["measured"] / loss["optimizer"]["measured"] - 1
+    bytes_ratio = moved["lsp"]["measured"] / moved["optimizer"]["measured"]
+    same = exact("lsp") and exact("optimizer")
+    lines = [
+        f"`make results`' finetune suite (`llmscale bench --what finetune`, measured "
+        f"{_when(ctx, 'finetune')}): {suite.get('title', '')}. " + " ".join(suite.get("notes", [])),
+        "",
+        "| measurement | `optimizer` (ZeRO-Offload) | `lsp` | lsp / optimizer |",
+        "|---|---|---|---|",
+        f"| fine-tuning final loss (mean of the last 5 steps) | {loss['optimizer']['measured']:.4f} "
+        f"| {loss['lsp']['measured']:.4f} | {dl:+.2%} |",
+        f"| bytes moved per step (measured {'=' if same else '≠'} predicted) | "
+        f"{moved['optimizer']['measured']:,.0f} | {moved['lsp']['measured']:,.0f} | {bytes_ratio:.2f} |",
+    ]  # fmt: skip
+    ratios = {}
+    for link in links:
+        o, lsp = wall[f"optimizer @ {link}"], wall[f"lsp @ {link}"]
+        ratios[link] = lsp["measured"] / o["measured"]
+
+        def cell(mode: str, link: str = link) -> str:
+            c = cpu.get(f"{mode} @ {link}")
+            got = f"{1e3 * wall[f'{mode} @ {link}']['measured']:.0f}"
+            return got + (f" ({1e3 * c['measured']:.0f})" if c else "")
+
+        lines.append(
+            f"| step, overlapped, {'native copies' if link == 'native' else link}: ms wall "
+            f"(ms CPU) | {cell('optimizer')} | {cell('lsp')} | {ratios[link]:.2f} |"
+        )
+    off = wall.get("none @ native")
+    if off:
+        lines += ["", f"No offload (on-device AdamW) took {1e3 * off['measured']:.0f} ms a step "
+                  "with native copies in the same run."]  # fmt: skip
+    simulated = {k: r for k, r in ratios.items() if k != "native"}
+    met = {
+        "loss": abs(dl) <= LSP_LOSS_GOAL,
+        "bytes": bytes_ratio <= LSP_BYTES_GOAL,
+        "step": bool(simulated) and all(r < 1 for r in simulated.values()),
+    }
+    steps = " and ".join(f"{r:.2f} at {k}" for k, r in simulated.items())
+    lines += [
+        "",
+        f"Against the goals, in this run: final loss {dl:+.2%} (goal: within "
+        f"{LSP_LOSS_GOAL:.0%}): {'met' if met['loss'] else 'missed'}; bytes moved "
+        f"{bytes_ratio:.2f} of ZeRO-Offload's (goal: at most {LSP_BYTES_GOAL}): "
+        f"{'met' if met['bytes'] else 'missed'}; overlapped step {steps} of ZeRO-Offload's "
+        f"(goal: shorter at the simulated links): {'met' if met['step'] else 'missed'}.",
+    ]
+    return "\n".join(lines)
 
 
 def offload_modes(ctx: Context) -> str:
@@ -648,6 +848,361 @@ def offload_modes(ctx: Context) -> str:
             f"{pct(r['hidden_timeline'])} |"
         )
     return "\n".join(lines)
+
+
+def selective_kernels(ctx: Context) -> str:
+    """docs/memory-model.md: saved bytes under none and selective on the CPU flash and math
+    kernels, as `python -m llmscale.bench.selective --json-out docs/results/selective.json`
+    recorded them; the planner's bytes and the hand count of what selective gives back computed
+    here, for the recorded model and shape."""
+    from llmscale.bench import selective as sel
+    from llmscale.model.config import ModelConfig
+
+    rec = Results(ctx.results_path.parent / "selective.json").suite(sel.SUITE)
+    if not rec:
+        return "Not measured yet: `python -m llmscale.bench.selective --json-out ...`."
+    model, b, s = ModelConfig(**rec["model"]), rec["micro_batch_size"], rec["seq_len"]
+    got = {r["config"]: r for r in rec["rows"]}
+    lines = [
+        f"Measured by `{rec['command']}` ({rec['measured_at'][:10]}, torch {rec['torch']}; "
+        f"the runtime model, {model.n_layers} blocks, d {model.dim}, {model.n_heads} heads, "
+        f"{model.n_kv_heads} kv heads, b {b}, s {s}, fp32, CPU; `saved_tensors_hooks`):",
+        "",
+        "| SDPA path | none | selective | saved by selective | counted by hand | planner: none "
+        "/ selective |",
+        "|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for backend in sel.BACKENDS:
+        none, selective = got[f"{backend} recompute=none"], got[f"{backend} recompute=selective"]
+        kernel = sel.planner_kernel(model, backend)
+        saved = none["measured"] - selective["measured"]
+        hand = sel.saving_by_hand(model, kernel, b, s)
+        want = [sel.predicted_bytes(model, m, kernel, b, s) for m in sel.MODES]
+        off = [w - r["measured"] for w, r in zip(want, (none, selective), strict=True)]
+        path = (
+            f"SDPA's choice, what the runtime takes: {kernel} (`{none['note']}`)"
+            if backend == "auto"
+            else f"{kernel}, forced with `sdpa_kernel(SDPBackend.MATH)`"
+        )
+        what = "the log-sum-exp, `4H` per token" if kernel != "math" else (
+            "the `s × s` softmax output, the scaled q, k and v repeated to the heads, less the "
+            "q, k, v the checkpoint keeps"
+        )  # fmt: skip
+        planner = f"{want[0]:,.0f} / {want[1]:,.0f} B" + (
+            " (= measured)" if off == [0, 0]
+            else " (" + ", ".join(f"{m} {o:+,.0f} B" for m, o in zip(sel.MODES, off, strict=True) if o) + ")"
+        )  # fmt: skip
+        lines.append(
+            f"| {path} | {none['measured']:,} B | {selective['measured']:,} B | {saved:,} B "
+            f"({saved / none['measured']:.1%}) | {hand:,} B: {what}"
+            f"{'' if hand == saved else ' (≠ measured)'} | {planner} |"
+        )
+        square = 4 * model.n_heads * s * b * s * model.n_layers  # one fp32 s x s per block
+        if off[0] and off[0] % square == 0:
+            n = int(off[0] // square)
+            notes.append(
+                f"The planner's `{kernel}` path counts {abs(n)} fp32 `s × s` tensor"
+                f"{'s' if abs(n) != 1 else ''} per block {'more' if n > 0 else 'fewer'} than "
+                f"autograd keeps under `none` ({off[0]:+,.0f} B here)."
+            )
+    return "\n".join(lines + ["", *notes] if notes else lines)
+
+
+def llama70b_block(ctx: Context) -> str:
+    """docs/memory-model.md: one Llama 2 70B layer's saved bytes per token in bf16 on the
+    runtime's CUDA kernels (`plan.activations.block_bytes`), against Korthikanti et al.'s eq. 1
+    (`korthikanti_bytes`) at s = 4096."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan import activations as act
+
+    model, s = get_preset("llama2-70b"), 4096
+    kern = act.Kernels.for_runtime(model, 1)
+    ours = act.block_bytes(model, 1, s, "bf16", 1, False, kern, "none") / s
+    paper = act.korthikanti_bytes(model, 1, s) / s
+    return (
+        f"For Llama 2 70B that is {ours:,.0f} bytes per token per layer in bf16, i.e. "
+        f"`sbh · {ours / model.dim:.1f}`, against Korthikanti's `sbh(34 + 5as/h) = sbh · "
+        f"{paper / model.dim:.0f}` at s = {s}"
+    )
+
+
+def memory_selective_op(ctx: Context) -> str:
+    """docs/memory-model.md: selective_op's saved bytes in the memory suite of `make results`
+    (`llmscale bench --what memory`), measured against predicted."""
+    rows = ctx.rows("memory", "activations")
+    if not rows:
+        return "`llmscale bench --what memory` has not been run yet (make results)"
+    suite = ctx.results.suite("memory") or {}
+    mbs = sorted({int(k.split("mbs=")[1].split()[0]) for k in rows})
+
+    def row(precision: str, b: int) -> dict[str, Any] | None:
+        return rows.get(f"{precision} mbs={b} recompute=selective_op")
+
+    def bytes_(precision: str) -> str:
+        r = row(precision, mbs[-1])
+        if r is None:
+            return f"{precision} not measured"
+        said = (
+            "= predicted"
+            if r["measured"] == r["predicted"]
+            else f", {r['predicted']:,.0f} predicted"
+        )
+        return f"{precision} {r['measured']:,.0f} B measured{'' if said[0] == ',' else ' '}{said}"
+
+    ratios = [
+        f"{r['predicted'] / r['measured']:.4f} ({p})"
+        for p in ("fp32", "bf16")
+        if (r := row(p, mbs[0])) is not None
+    ]
+    return (
+        f"`llmscale bench --what memory` in `make results` ({suite.get('title', '')}, "
+        f"{_when(ctx, 'memory')}): mbs {mbs[-1]} {bytes_('fp32')}, {bytes_('bf16')}; mbs "
+        f"{mbs[0]} predicted/measured {' and '.join(ratios)}"
+    )
+
+
+PRESET_ROWS = (
+    ("tiny", "small"), ("gpt2-124m",), ("llama3.2-1b",), ("llama2-7b", "llama2-13b", "llama2-70b"),
+    ("llama3-8b", "llama3-70b"), ("llama3-405b",), ("gpt3-175b",),
+)  # fmt: skip
+
+
+def preset_params(ctx: Context) -> str:
+    """README: each preset's parameter count (`ModelConfig.num_params`) beside the published
+    one (`published_params`, tests/model/test_config.py)."""
+    from llmscale.model.config import PRESETS, get_preset
+
+    listed = {n for names in PRESET_ROWS for n in names}
+    lines = ["| preset | params | published |", "|---|---:|---:|"]
+    for names in (*PRESET_ROWS, *((n,) for n in PRESETS if n not in listed)):
+        models = [get_preset(n) for n in names]
+        label = " / ".join([names[0], *(n.rsplit("-", 1)[-1] for n in names[1:])])
+        ours = [m.num_params() for m in models]
+        pub = [m.published_params for m in models]
+        if not any(pub):
+            said = "(tests / benchmarks)"
+        elif pub == ours and len(pub) > 1:
+            said = "the same, exactly"
+        else:
+            said = " / ".join(
+                f"{p:,}" if p == o else f"{p / 1e9:,.0f}B" for p, o in zip(pub, ours, strict=True)
+            )
+        lines.append(f"| {label} | {' / '.join(f'{n:,}' for n in ours)} | {said} |")
+    return "\n".join(lines)
+
+
+# docs/schedule.md's bubble table: (schedule, pp, microbatches, chunks, t_w or None).
+SCHEDULE_CASES = (
+    *(("1f1b", p, m, 1, None) for p, m in ((4, 8), (4, 32), (8, 32))),
+    *(("interleaved_1f1b", p, m, 2, None) for p, m in ((4, 8), (4, 32), (8, 32))),
+    *(
+        (s, p, m, 2, w)
+        for s in ("zero_bubble", "zbv", "dualpipev")
+        for p, m in ((4, 8), (4, 32), (8, 32))
+        for w in (1.0, 0.6)
+    ),
+)
+
+
+def schedule_bubbles(ctx: Context) -> str:
+    """docs/schedule.md: simulated and closed-form bubbles and rank 0's peak in-flight, as
+    `llmscale schedule ... --json` prints them (t_fwd = 1, t_bwd = 2)."""
+    import json
+
+    lines = [
+        "| schedule | pp | m | v | t_w | simulated bubble | closed form | peak in-flight (rank 0) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for sched, p, m, v, w in SCHEDULE_CASES:
+        argv = ["schedule", "--pp", str(p), "--microbatches", str(m), "--schedule", sched]
+        argv += ["--chunks", str(v)] if v > 1 else []
+        argv += ["--t-w", f"{w:g}"] if w is not None else []
+        out = json.loads(_run((*argv, "--json")))
+        closed = out.get("closed_form_bubble")
+        lines.append(
+            f"| {sched} | {p} | {m} | {v} | {'-' if w is None else f'{w:g}'} | "
+            f"{out['bubble_fraction']:.4f} | {'-' if closed is None else f'{closed:.4f}'} | "
+            f"{out['peak_inflight'][0]} |"
+        )
+    return "\n".join(lines)
+
+
+def inflight_accuracy(ctx: Context) -> str:
+    """docs/memory-model.md: the pipeline suite's stage-0 activations in flight, predicted
+    against the trainer's `activation_peak_bytes`."""
+    rows = ctx.rows("pipeline", "activations in flight, stage 0")
+    if not rows:
+        return "`llmscale bench --what pipeline` has not been run yet (make results)"
+    worst = max(abs(r["predicted"] / r["measured"] - 1) for r in rows.values())
+    exact = sorted({k.split()[1] for k, r in rows.items() if r["predicted"] == r["measured"]})
+    every = [
+        s for s in exact
+        if all(r["predicted"] == r["measured"] for k, r in rows.items() if k.split()[1] == s)
+    ]  # fmt: skip
+    pps = sorted({int(k.split()[0].removeprefix("pp=")) for k in rows})
+    return (
+        f"of `llmscale bench --what pipeline` ({len(rows)} configurations, pp "
+        f"{' and '.join(map(str, pps))}, {_when(ctx, 'pipeline')}) it is the prediction to within "
+        f"{worst:.2%}" + (f" ({', '.join(every)}: exact)" if every else "")
+    )
+
+
+def gantt(label: str, command: str) -> Callable[[Context], str]:
+    """A schedule's bubble and text Gantt chart as `llmscale schedule` prints them (the `--png`
+    of the shown command draws the image beside it; rendering does not)."""
+
+    def render(ctx: Context) -> str:
+        argv = command.split()[1:]
+        if "--png" in argv:
+            i = argv.index("--png")
+            argv = argv[:i] + argv[i + 2 :]
+        out = _run(tuple(argv)).splitlines()
+        bubble = next(line.split()[1] for line in out if line.startswith("bubble "))
+        chart = [line for line in out if line.startswith("rank ")]
+        return f"{label}: bubble {bubble} (`{command}`)\n\n```\n" + "\n".join(chart) + "\n```"
+
+    return render
+
+
+def zero_stage_collectives(ctx: Context) -> str:
+    """docs/parallel.md: per step, the FSDP2 collectives of the tiny model under each zero stage
+    (dp_shard 2, 4 micro-batches per rank) by the rule `stack.residency.predict_collectives`,
+    which tests/parallel/test_zero_stages.py checks equal to the runtime's counts."""
+    from llmscale.model.config import get_preset
+    from llmscale.stack.residency import predict_collectives
+
+    keys = ("param_allgathers", "grad_reduces", "param_allgather_bytes", "grad_reduce_bytes")
+    lines = ["| zero_stage | " + " | ".join(keys) + " |", "|---|---|---|---|---|"]
+    for z in (1, 2, 3):
+        got = predict_collectives(
+            get_preset("tiny"), dp_shard=2, zero_stage=z, microbatches=4
+        ).to_dict()
+        lines.append(f"| {z} | " + " | ".join(f"{got[k]:,}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+@functools.cache
+def _networks(gpus: int) -> Any:
+    """`llmscale network --gpus N --gpu h100`'s rows (Llama 2 70B's best plan), once per process."""
+    from llmscale.model.config import get_preset
+    from llmscale.report.network_report import network_report
+
+    return network_report(get_preset("llama2-70b"), gpus, "h100").rows
+
+
+def _rail_vs_fat(gpus: int) -> tuple[Any, Any]:
+    rows = _networks(gpus)
+    fat = next(r for r in rows if r.design.kind == "fat-tree")
+    rail = next(r for r in rows if r.design.kind == "rail-only")
+    return fat, rail
+
+
+def rail_only_cost(ctx: Context) -> str:
+    """docs/planner.md: what rail-only saves over the fat-tree at 4,096 and 1,024 H100s
+    (`llmscale network`)."""
+    fat, rail = _rail_vs_fat(4096)
+    small_fat, small_rail = _rail_vs_fat(1024)
+    saving = small_rail.design.cost_usd / small_fat.design.cost_usd - 1
+    same = small_fat.design.tiers == small_rail.design.tiers
+    return (
+        f"4096 H100: {rail.design.cost_usd / fat.design.cost_usd - 1:+.0%}; at 1024 "
+        + (f"both fit in {small_fat.design.tiers} tiers and it saves " if same else "it saves ")
+        + ("nothing" if abs(saving) < 0.005 else f"{-saving:.0%}")
+    )
+
+
+def rail_only_a2a(ctx: Context) -> str:
+    """docs/planner.md: rail-only's all-to-all overhead at 1,024 and 4,096 H100s, 256 MB per
+    GPU (`llmscale network`)."""
+    out = []
+    for gpus in (1024, 4096):
+        fat, rail = _rail_vs_fat(gpus)
+        out.append(f"{rail.all_to_all_seconds / fat.all_to_all_seconds - 1:+.1%} at {gpus}")
+    return f"{out[0]} GPUs with 256 MB per GPU, {out[1]}"
+
+
+def tied_copy_memory(ctx: Context) -> str:
+    """docs/parallel.md: the last stage's fp32 parameters of a tied model under pp = 2, with
+    and without its `vocab x dim` copy of the embedding (`plan.params.rank_params`)."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan.params import rank_params
+
+    model = get_preset("gpt2-124m")
+    held = rank_params(model, 1, 2, 1).numel
+    copy = model.vocab_size * model.dim
+    return (
+        f"{model.name}, `pp = 2`: rank 1 holds {4 * held / 2**30:.2f} GiB of fp32 parameters "
+        f"instead of {4 * (held - copy) / 2**30:.2f} GiB"
+    )
+
+
+def kv_per_token(ctx: Context) -> str:
+    """docs/inference.md: Llama 2 70B's KV cache per token in bf16 (`plan.inference
+    .kv_bytes_per_token`) against the same model with a KV head per query head."""
+    from llmscale.model.config import get_preset
+    from llmscale.plan.inference import kv_bytes_per_token
+
+    model = get_preset("llama2-70b")
+    gqa = kv_bytes_per_token(model, "bf16")
+    mha = kv_bytes_per_token(model.with_overrides(n_kv_heads=model.n_heads), "bf16")
+    return (
+        f"Llama 2 70B's {model.n_kv_heads} KV heads make it {gqa:,} bytes in bf16, "
+        f"1/{mha // gqa} of what {model.n_heads} heads would"
+    )
+
+
+def params_offload_times(ctx: Context) -> str:
+    """docs/offload.md: what parameter offload costs at a simulated 1 GB/s link, from the offload
+    bench's record (docs/results/offload.json), against "optimizer" in the same record."""
+    from llmscale.bench import offload
+
+    rec = Results(ctx.results_path.parent / "offload.json").suite(offload.SUITE)
+    runs = {(r["offload"], r["link_gbps"]): r for r in (rec or {}).get("runs", [])}
+    p, o, native = (runs.get(k) for k in (("optimizer+params", 1.0), ("optimizer", 1.0),
+                                          ("optimizer+params", 0.0)))  # fmt: skip
+    if rec is None or p is None or o is None:
+        return "Not measured yet: `python -m llmscale.bench.offload --offload optimizer " \
+            "optimizer+params --link-gbps 0 1 --json-out docs/results/offload.json`"  # fmt: skip
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:.0f} ms"
+
+    step = p["step_s"]
+    out = (
+        f"In the offload bench's record ({rec['measured_at'][:10]}, the table below), at a "
+        f"simulated 1 GB/s link the offloaded step took {ms(step['serial'])} serially and "
+        f"{ms(step['overlap'])} overlapped against {ms(step['off'])} without offload: the "
+        "parameter fetches add 2 × (forward + backward) uploads per micro-step to the offload "
+        f"work ({ms(p['offload_work_s'])} per step against {ms(o['offload_work_s'])} for "
+        f'"optimizer"), and overlap hid {p["hidden_wall"]:.0%} of it by wall time, '
+        f"{p['hidden_timeline']:.0%} by the timeline"
+    )
+    if native is not None:
+        out += f". With real memcpy on this CPU host the work is {ms(native['offload_work_s'])}"
+    return out
+
+
+def schedule_idle(ctx: Context) -> str:
+    """docs/parallel.md: idle time per rank of the Gantt charts above (makespan less the rank's
+    busy time, `llmscale schedule --json`), the split schedules against 1F1B."""
+    import json
+    from fractions import Fraction
+
+    def idle(*argv: str) -> float:
+        out = json.loads(_run(("schedule", "--pp", "4", "--microbatches", "8", *argv, "--json")))
+        return max(out["makespan"] - b for b in out["busy"])
+
+    zb = idle("--schedule", "zero_bubble", "--chunks", "2")
+    zbv, base = idle("--schedule", "zbv"), idle()
+    split = f"{zb:g}" if abs(zb - zbv) < 1e-9 else f"{zb:g} and {zbv:g}"
+    share = Fraction(zbv / base).limit_denominator(100)
+    words = {2: "a half", 3: "a third", 4: "a quarter", 6: "a sixth"}
+    frac = words.get(share.denominator, str(share)) if share.numerator == 1 else str(share)
+    return (
+        f"Interleaved zero bubble and ZB-V leave {split} of idle per rank here, (p-1) chunk "
+        f"forwards, against 1F1B's {base:g}, (p-1)(F + B + W) of a whole rank slice: {frac}"
+    )
 
 
 def inflight_table(ctx: Context) -> str:
@@ -1024,12 +1579,15 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "serving-ratio", serving_ratio),
     Block("README.md", "claims-summary", claims_summary),
     Block("README.md", "measured-vs-predicted", measured_vs_predicted),
+    Block("README.md", "preset-params", preset_params),
     Block("docs/planner.md", "plan-demo-wide", plan_demo_wide, timed=True),
     Block("docs/planner.md", "hw-compare", commands("llmscale hw --compare nvlink5 pcie5")),
     Block(
         "docs/planner.md", "roofline", commands("llmscale roofline --gpu h200 --model llama2-70b")
     ),
     Block("docs/planner.md", "network", commands("llmscale network --gpus 4096 --gpu h100")),
+    Block("docs/planner.md", "rail-only-cost", rail_only_cost),
+    Block("docs/planner.md", "rail-only-a2a", rail_only_a2a),
     Block(
         "docs/schedule.md",
         "schedule-1f1b",
@@ -1044,17 +1602,65 @@ BLOCKS: tuple[Block, ...] = (
         commands("llmscale schedule --pp 4 --microbatches 8 --schedule zbv"),
     ),
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
+    Block("docs/planner.md", "plan-costed", plan_costed),
     Block("docs/planner.md", "stack-errors", stack_errors),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
+    Block("docs/inference.md", "kv-per-token", kv_per_token),
     Block("docs/schedule.md", "inflight-table", inflight_table),
+    Block("docs/schedule.md", "schedule-bubbles", schedule_bubbles),
+    Block("docs/memory-model.md", "selective-kernels", selective_kernels),
+    Block("docs/memory-model.md", "llama70b-block", llama70b_block),
+    Block("docs/memory-model.md", "memory-selective-op", memory_selective_op),
+    Block("docs/memory-model.md", "inflight-accuracy", inflight_accuracy),
     Block("docs/schedule.md", "pipeline-memory-table", pipeline_memory_table),
     Block("docs/schedule.md", "pipeline-memory-reading", pipeline_memory_reading),
     Block("docs/schedule.md", "pipeline-memory-times", pipeline_memory_times),
     Block("docs/parallel.md", "cp-results", cp_results),
+    Block("docs/parallel.md", "tied-copy-memory", tied_copy_memory),
+    Block("docs/parallel.md", "zero-stage-collectives", zero_stage_collectives),
+    Block("docs/parallel.md", "schedule-idle", schedule_idle),
+    Block(
+        "docs/parallel.md",
+        "gantt-1f1b",
+        gantt(
+            "1F1B, for comparison",
+            "llmscale schedule --pp 4 --microbatches 8 --png docs/img/gantt-1f1b.png",
+        ),
+    ),
+    Block(
+        "docs/parallel.md",
+        "gantt-zero-bubble",
+        gantt(
+            "interleaved zero bubble, 2 chunks",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule zero_bubble --chunks 2 "
+            "--png docs/img/gantt-zero_bubble.png",
+        ),
+    ),
+    Block(
+        "docs/parallel.md",
+        "gantt-zbv",
+        gantt(
+            "ZB-V",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule zbv --png docs/img/gantt-zbv.png",
+        ),
+    ),
+    Block(
+        "docs/parallel.md",
+        "gantt-dualpipev",
+        gantt(
+            "DualPipeV",
+            "llmscale schedule --pp 4 --microbatches 8 --schedule dualpipev "
+            "--png docs/img/gantt-dualpipev.png",
+        ),
+    ),
     Block("docs/parallel.md", "compile-results", compile_results),
-    Block("docs/offload.md", "lsp-results", lsp_results),
+    Block("docs/offload.md", "lsp-finetune", lsp_finetune),
+    Block("docs/offload.md", "finetune-table", finetune_table),
     Block("docs/offload.md", "offload-modes", offload_modes),
+    Block("docs/offload.md", "params-offload-times", params_offload_times),
+    Block("docs/offload.md", "lsp-traffic", lsp_traffic),
+    Block("docs/offload.md", "lsp-plan-7b", lsp_plan_7b),
     Block("docs/pipeline-bench.md", "pipeline-configs", pipeline_configs),
     Block("docs/pipeline-bench.md", "pipeline-op-range", pipeline_op_range),
     Block("docs/pipeline-bench.md", "pipeline-p2p-range", pipeline_p2p_range),

@@ -8,6 +8,7 @@ since only a real write tells a read-only mount, /proc or a missing permission a
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,33 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "llmscale"
+
+
+_NOTICED: set[str] = set()  # the cache notices this process has printed
+
+
+def cache_notice(text: str) -> None:
+    """`notice: TEXT` on stderr, once per process for a text: a cache that cannot be used never
+    fails a command (it only costs the work again), but a command that pays for the work on
+    every run says why. Rank 0's only, under torchrun (its ranks share the cache)."""
+    if text in _NOTICED or os.environ.get("RANK", "0") != "0":
+        return
+    _NOTICED.add(text)
+    print(f"notice: {text}", file=sys.stderr, flush=True)
+
+
+def os_reason(e: OSError) -> str:
+    """An OSError in a few words: `PermissionError: Permission denied`."""
+    return f"{type(e).__name__}: {e.strerror or e}"
+
+
+def cache_write_problem(folder: Path, e: OSError) -> str:
+    """Why a file could not be written in the cache `folder`, after `e`: the folder (or a folder
+    above it) is a file, else it is not writable."""
+    nearest = _nearest_existing(folder)
+    if not nearest.is_dir():
+        return f"{nearest} is a file, not a folder"
+    return f"{folder} is not writable ({os_reason(e)})"
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -210,11 +210,8 @@ def test_every_gpu_has_a_sourced_calibration(name: str) -> None:
         if f.name == "fp8_gemm_efficiency" and "fp8" not in gpu.dense_TFLOPS:
             assert num is None, name  # only GPUs with an FP8 peak have one
             continue
-        if num is None:  # an optional share left to its stated default (hbm_efficiency), or
-            # measured on a device only (the runtime's ring; its fixed cost per step: a catalog
-            # GPU takes the stack's)
-            allowed = ("optimizer_efficiency", "ring_attention_efficiency", "step_overhead_ms")
-            assert f.name in allowed, (name, f.name)
+        if num is None:  # measured on a device only (the runtime's ring attention)
+            assert f.name == "ring_attention_efficiency", (name, f.name)
             continue
         assert isinstance(num, Sourced) and len(num.source) > 10, (name, f.name)
     assert 0.3 < cal.gemm_efficiency.value <= 0.9
@@ -256,6 +253,12 @@ def test_gemm_efficiency_saturates_with_shape() -> None:
             'calibration.hbm_efficiency = { value = 0.85, source = "stream" }\n'
             'calibration.fudge = { value = 1.1, source = "stream" }',
             "calibration.fudge",
+        ),
+        (  # a stack's cost on the device (stack.DeviceCosts), not a rate of the bare GPU
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }',
+            'calibration.hbm_efficiency = { value = 0.85, source = "stream" }\n'
+            'calibration.optimizer_efficiency = { value = 0.5, source = "stream" }',
+            "calibration.optimizer_efficiency",
         ),
     ],
 )

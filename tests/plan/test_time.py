@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from llmscale.errors import ConfigError
+from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
@@ -286,16 +287,13 @@ def test_recomputed_blocks_dispatch_their_forward_again() -> None:
     again (full; op-level SAC's recomputed ops) pays a forward's third again, not a whole
     forward and backward; selective (the attention core) nothing more."""
     tiny = get_preset("tiny")
-    gpu_cal = H200.gpu.calibration
-    cal = replace(
-        gpu_cal, microbatch_overhead_ms=replace(gpu_cal.microbatch_overhead_ms, value=12.0)
-    )
-    cluster = replace(H200, gpu=replace(H200.gpu, calibration=cal))
+    stack = LLMSCALE.on(microbatch_overhead_ms=Sourced(12.0, "test"))
+    params = replace(DEFAULT_TIME, stack=stack)
     base = Plan(model=tiny, seq_len=64, micro_batch_size=2, global_batch_size=4)
 
     def dispatch(**kw: object) -> float:
         plan = replace(base, **kw)  # type: ignore[arg-type]
-        return estimate_step_time(plan, cluster).breakdown["dispatch"]
+        return estimate_step_time(plan, H200, params).breakdown["dispatch"]
 
     per_mb = 12e-3  # 2 micro-batches a step
     assert dispatch() == pytest.approx(2 * per_mb)

@@ -33,3 +33,32 @@ def test_the_wide_table_has_the_pipeline_columns() -> None:
     t = search_table(_result(), wide=True)
     names = [col.header for col in t.columns]
     assert "B to W" in names and "recv" in names
+
+
+def test_a_table_s_bytes_take_the_unit_its_largest_figure_reads_at_least_1_in() -> None:
+    from llmscale.report.report import byte_unit
+
+    assert byte_unit(80 * 2**30) == ("GiB", 2**30)
+    assert byte_unit(2**30) == ("GiB", 2**30)
+    assert byte_unit(2**30 - 1) == ("MiB", 2**20)  # 0.999 GiB would read 1.00 GiB; 1024.00 MiB
+    assert byte_unit(45 * 2**20) == ("MiB", 2**20)
+    assert byte_unit(3000) == ("KiB", 2**10)
+    assert byte_unit(1023) == ("B", 1)
+    assert byte_unit(0) == ("B", 1)
+
+
+def test_a_tiny_model_s_plan_table_is_in_mib_not_zeros() -> None:
+    """`plan --model tiny` printed 0.0 GiB for every plan; its table and legend now say MiB."""
+    from llmscale.report.search_report import memory_legend
+
+    res = search(get_preset("tiny"), 2, Cluster.of("h200"), 128, 8, top=2)
+    totals = [c.memory.worst.total for c in res.shown]
+    assert all(2**20 < t < 2**30 for t in totals)
+    for wide, column in ((False, "MiB"), (True, "total MiB")):
+        t = search_table(res, wide=wide)
+        (col,) = [c for c in t.columns if c.header == column]
+        assert list(col.cells) == [f"{t / 2**20:.1f}" for t in totals]
+        assert memory_legend(res, wide).count("MiB") == 1 and "GiB" not in memory_legend(res, wide)
+    big = _result()  # a 70B model's stays in GiB
+    (col,) = [c for c in search_table(big).columns if c.header == "GiB"]
+    assert list(col.cells) == [f"{c.memory.worst.total / 2**30:.1f}" for c in big.shown]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
 from llmscale.errors import ConfigError
+from llmscale.hardware.catalog import Calibration
 from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset, op_sac_saves_matmul
 from llmscale.plan import activations as act
@@ -21,6 +22,7 @@ from llmscale.stack import (
     STACK_NAMES,
     STACKS,
     TORCHTITAN,
+    DeviceCosts,
     Stack,
     get_stack,
     param_residency,
@@ -155,6 +157,37 @@ def test_each_tp_collective_hides_behind_the_gemms_beside_it() -> None:
     assert step.breakdown["tp_comm"] == pytest.approx(2 * L8.n_layers * per_block, rel=1e-9)
 
 
+def test_micro_pipelined_tp_runs_its_gemms_in_tp_row_chunks() -> None:
+    """torch's async TP multiplies each peer's shard of the tokens as it arrives: every linear
+    of a block is tp GEMMs of M / tp rows, in forward, in the backward's input gradients and in
+    a full recompute (weight gradients stay whole). A hand sum over the block's linears on the
+    GPU's GEMM size curve; nothing without the chunks, without SP, or with Megatron's overlap."""
+    from llmscale.plan.time import block_gemms, tp_chunked_gemm_seconds
+
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=1, global_batch_size=8, tp=8,
+                dp_shard=8, sequence_parallel=True, recompute="full")  # fmt: skip
+    async_tp = TORCHTITAN.on(tp_overlap_gemm=True, tp_overlap_chunks=True)
+    cal, peak = H100.gpu.calibration, H100.gpu.peak_flops("bf16")
+
+    def seconds(m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / (peak * cal.gemm_efficiency_at(m, n, k))
+
+    by_hand = sum(8 * seconds(m // 8, n, k) - seconds(m, n, k) for m, n, k in block_gemms(plan))
+    split = tp_chunked_gemm_seconds(plan, H100, time_params(async_tp), peak, None)
+    assert split == pytest.approx(by_hand, rel=1e-12) and split > 0
+    whole = estimate_step_time(plan, H100, time_params(TORCHTITAN.on(tp_overlap_gemm=True)),
+                               validate=False)  # fmt: skip
+    chunked = estimate_step_time(plan, H100, time_params(async_tp), validate=False)
+    n_micro = plan.n_microbatches
+    # forward + input gradients + the full recompute's forward, per block and micro-batch
+    assert chunked.breakdown["matmul"] - whole.breakdown["matmul"] == pytest.approx(
+        3 * L8.n_layers * n_micro * split, rel=1e-9
+    )
+    no_sp = replace(plan, sequence_parallel=False)
+    assert tp_chunked_gemm_seconds(no_sp, H100, time_params(async_tp), peak, None) == 0.0
+    assert tp_chunked_gemm_seconds(plan, H100, time_params(MEGATRON_CORE), peak, None) == 0.0
+
+
 def test_torchtitan_gathers_float8_inputs_under_tp() -> None:
     """torchtitan's Float8 TP styles all-gather the float8 cast of a region's input: the
     forward all-gathers move half the bytes of bf16 ones; backward's stay bf16."""
@@ -282,3 +315,33 @@ def test_a_catalog_gpu_takes_the_stacks_step_overhead() -> None:
     more = estimate_step_time(plan, cluster, time_params(slow))
     assert base.breakdown["fixed"] == pytest.approx(LLMSCALE.step_overhead_ms.value / 1000)
     assert more.seconds - base.seconds == pytest.approx(0.24)
+
+
+def test_a_measured_devices_overheads_are_its_stacks() -> None:
+    """Issue 25's split: a device's calibration holds its rates only; the costs of the stack on
+    it (measured with the runtime on this CPU) reach the time model through the stack alone,
+    each by exactly its difference from a catalog GPU's (10 ms a step, no dispatch, the
+    optimizer at the streaming bandwidth)."""
+    assert not {f.name for f in fields(Calibration)} & {
+        "step_overhead_ms", "microbatch_overhead_ms", "optimizer_efficiency"
+    }  # fmt: skip
+    plan = Plan(model=get_preset("tiny"), seq_len=64, micro_batch_size=2, global_batch_size=6)
+    costs = DeviceCosts(
+        device="a test CPU",
+        step_overhead_ms=Sourced(3.0, "test"),
+        microbatch_overhead_ms=Sourced(12.0, "test"),
+        optimizer_efficiency=Sourced(0.25, "test"),
+    )
+    measured = LLMSCALE.on_device(costs)
+    assert measured.microbatch_overhead_ms is costs.microbatch_overhead_ms
+    base = estimate_step_time(plan, H100, time_params(LLMSCALE))
+    on = estimate_step_time(plan, H100, time_params(measured))
+    b, o = base.breakdown, on.breakdown
+    assert (b["fixed"], o["fixed"]) == (pytest.approx(0.010), pytest.approx(0.003))
+    assert (b["dispatch"], o["dispatch"]) == (0.0, pytest.approx(3 * 0.012))  # 3 micro-batches
+    hbm = H100.gpu.calibration.hbm_efficiency.value
+    assert o["optimizer"] == pytest.approx(b["optimizer"] * hbm / 0.25)
+    extra = (o["fixed"] - b["fixed"]) + o["dispatch"] + (o["optimizer"] - b["optimizer"])
+    assert on.seconds - base.seconds == pytest.approx(extra, rel=1e-9)
+    for key in ("matmul", "elementwise", "tp_comm", "dp_comm", "bubble"):
+        assert o[key] == b[key], key  # the device's rates: untouched

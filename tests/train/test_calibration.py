@@ -2,35 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from llmscale.model.config import get_preset
 from llmscale.plan.plan import Plan
-from llmscale.plan.time import estimate_step_time
+from llmscale.plan.time import DEFAULT_TIME, estimate_step_time
 from llmscale.train import calibration
 from llmscale.train.calibration import SOURCE, measured_cluster
 
 
 def test_measured_cluster_has_a_calibration_and_the_model_uses_it() -> None:
     model = get_preset("tiny")
-    cluster, figures = measured_cluster(model, 2, 64, torch.device("cpu"), dtypes=("fp32",))
+    cluster, costs, figures = measured_cluster(model, 2, 64, torch.device("cpu"), dtypes=("fp32",))
     cal = cluster.gpu.calibration
     assert figures["attention_flops"] > 0 and figures["fixed_s"] > 0
     assert cal.attention_efficiency.source == SOURCE and cal.attention_efficiency.value > 0
-    assert cal.microbatch_overhead_ms.value == 1000 * figures["fixed_s"]
-    assert figures["optimizer_s"] > 0 and cal.optimizer_efficiency is not None
-    assert 0 < cal.optimizer_efficiency.value <= 1
+    # What the runtime's stack costs on the device is measured alongside, the stack's.
+    assert costs.microbatch_overhead_ms.value == 1000 * figures["fixed_s"]
+    assert costs.microbatch_overhead_ms.source == SOURCE
+    assert figures["optimizer_s"] > 0 and 0 < costs.optimizer_efficiency.value <= 1
     # The measured GEMM rate is the peak: every shape runs at it.
     assert cal.gemm_efficiency_at(7, 11, 13) == 1.0 and cal.hbm_efficiency.value == 1.0
     plan = Plan(model=model, seq_len=64, micro_batch_size=2, global_batch_size=2,
                 precision="fp32")  # fmt: skip
-    t = estimate_step_time(plan, cluster)
+    params = dataclasses.replace(DEFAULT_TIME, stack=DEFAULT_TIME.stack.on_device(costs))
+    t = estimate_step_time(plan, cluster, params)
     # Stored in ms and read back in s: equal up to the round trip's last bit.
     assert t.breakdown["dispatch"] == pytest.approx(figures["fixed_s"], rel=1e-12)
     # The optimizer at its measured share of the measured element-wise bandwidth.
-    opt_bw = figures["bandwidth_bytes"] * cal.optimizer_efficiency.value
+    opt_bw = figures["bandwidth_bytes"] * costs.optimizer_efficiency.value
     assert t.breakdown["optimizer"] == pytest.approx(28 * model.num_params() / opt_bw)
+    assert t.breakdown["fixed"] == 0.0  # not measured: none, as the stack's costs there say
 
 
 def test_elementwise_bandwidth_is_net_of_the_ops_fixed_cost(monkeypatch) -> None:
@@ -70,3 +75,18 @@ def test_the_bench_device_is_measured_at_the_runs_shape(monkeypatch) -> None:
     assert model.max_seq_len == 256
     measured_cluster(model, 16, 128, torch.device("cpu"), dtypes=("fp32",))
     assert seen == [(16, 128)]
+
+
+def test_the_stacks_costs_are_sourced_to_when_and_under_what_load_they_were_measured() -> None:
+    figures = {"bandwidth_bytes": 1e10, "fixed_s": 2e-3, "optimizer_s": 4e-3}
+    model = get_preset("tiny")
+    when = calibration.Measured(measured_at=86400.0 + 61, other_load_cores=0.126)
+    costs = calibration.device_costs(figures, model, "a CPU", when)
+    stamp = "1970-01-02 00:01 UTC, other processes' load 0.13 cores"
+    assert costs.microbatch_overhead_ms == calibration.Sourced(2.0, f"{SOURCE}, {stamp}")
+    share = 28 * model.num_params() / 1e10 / 4e-3
+    assert costs.optimizer_efficiency.value == pytest.approx(min(1.0, share))
+    assert costs.step_overhead_ms.value == 0.0 and costs.device == "a CPU"
+    unknown = calibration.Measured(float("nan"), float("nan"))
+    assert unknown.describe() == "when and under what load unknown"
+    assert calibration.device_costs(figures, model, "a CPU").optimizer_efficiency.source == SOURCE

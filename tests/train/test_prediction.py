@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -22,7 +23,9 @@ from llmscale.train.metrics import read_jsonl
 from llmscale.train.prediction import (
     FILE_NAME,
     RunPrediction,
+    catalog_hardware,
     local_hardware,
+    predict_run,
 )
 from llmscale.train.progress import calibration_line, comparison_lines, measured_step_time
 from llmscale.train.trainer import run_training
@@ -95,7 +98,7 @@ def test_figures_are_measured_once_per_shape_then_read(tmp_path, monkeypatch) ->
         "[1, 2]",
     ],
 )
-def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, text: str) -> None:
+def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, capsys, text: str) -> None:
     folder = tmp_path / "c"
     key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
     path = calibrate.cache_path(key, folder)
@@ -104,7 +107,10 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch, text: str
     calls = _counting_measure(monkeypatch)
     got, measured = calibration.cached_figures(TINY, 2, 16, "fp32", CPU, folder)
     assert measured and len(calls) == 1 and got["bandwidth_bytes"] == FAKE["bandwidth_bytes"]
-    assert calibration.read_figures(path, key) == got  # replaced, readable
+    assert calibration.read_figures(path, key) == (got, "")  # replaced, readable
+    err = capsys.readouterr().err  # said in one line (tests/faults/test_cache_faults.py: which)
+    assert err.startswith(f"notice: calibration cache {path} ") and err.count("\n") == 1, err
+    assert err.endswith("; re-measured and rewritten\n"), err
 
 
 def test_a_non_finite_figure_is_measured_again(tmp_path, monkeypatch) -> None:
@@ -112,7 +118,7 @@ def test_a_non_finite_figure_is_measured_again(tmp_path, monkeypatch) -> None:
     key = calibration.cache_key(CPU, TINY, 2, 16, "fp32")
     path = calibrate.cache_path(key, folder)
     calibrate.write_json(path, {"key": key, "figures": {**FAKE, "fixed_s": float("nan")}})
-    assert calibration.read_figures(path, key) is None
+    assert calibration.read_figures(path, key) == (None, "holds an invalid figure (fixed_s = NaN)")
 
 
 def test_a_cache_of_another_machine_is_not_used(tmp_path, monkeypatch) -> None:
@@ -132,9 +138,18 @@ def test_the_run_predicts_from_the_figures(cache) -> None:
     assert hw.measured and hw.info["figures"]["fixed_s"] == FAKE["fixed_s"]
     assert hw.cluster.gpu.peak_flops("fp32") == pytest.approx(2e9)
     assert cal.attention_efficiency.value == pytest.approx(0.5)
-    assert cal.microbatch_overhead_ms.value == pytest.approx(1.0)
+    # The runtime's costs on the device are its stack's, sourced to this calibration and when
+    # (and under what load) it ran; the step's other fixed cost is not measured: none.
+    stack = hw.stack
+    assert stack.microbatch_overhead_ms.value == pytest.approx(1.0)
     streamed = 28 * cfg.model.num_params()
-    assert cal.optimizer_efficiency.value == pytest.approx(min(1.0, streamed / 1e10 / 2e-3))
+    assert stack.optimizer_efficiency is not None
+    assert stack.optimizer_efficiency.value == pytest.approx(min(1.0, streamed / 1e10 / 2e-3))
+    assert stack.step_overhead_ms.value == 0.0
+    when = time.strftime("%Y-%m-%d", time.gmtime(hw.info["calibration"]["measured_at"]))
+    source = stack.microbatch_overhead_ms.source
+    assert source.startswith(f"{calibration.SOURCE}, {when} ")
+    assert hw.info["stack_costs"]["microbatch_overhead_ms"]["value"] == pytest.approx(1.0)
 
 
 # ---- llmscale train --dry-run ----------------------------------------------------------------
@@ -152,7 +167,8 @@ def test_dry_run_on_this_cpu_prints_memory_and_time_and_trains_nothing(
     assert "memory per rank" in out and "fits: yes" in out
     cfg = load_config(None, short_job(job__run_dir=run_dir))
     hw = local_hardware(CPU, Plan.from_job(cfg))
-    want = predict_step_time(cfg, hw.cluster, runtime_time_params(cfg, "cpu"))
+    params = dataclasses.replace(runtime_time_params(cfg, "cpu"), stack=hw.stack)
+    want = predict_step_time(cfg, hw.cluster, params)
     assert f"step time: {want.seconds:.3f} s predicted" in out
     assert "MFU" not in out  # against a measured rate it would mean nothing
     assert not run_dir.exists()
@@ -170,6 +186,24 @@ def test_dry_run_predicts_a_multi_rank_layout_without_torchrun(cache, capsys) ->
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[:2] for r in rows] == [["0", "0-3"], ["1", "4-7"]]
     assert "fits: yes" in out and "MFU" in out and "step time:" in out
+
+
+def test_dry_run_memory_table_of_the_tiny_model_reads_in_mib(capsys) -> None:
+    """The review's dry run printed 0.00 GiB in every column for the tiny model, and a column
+    `ranks` reading 0 for its 1 rank: the table now takes the unit its largest figure reads at
+    least 1 in, and the columns say what they hold (the pipeline rank, its global rank ids)."""
+    job = short_job()
+    assert main(["train", "--dry-run", "--gpu", "h100", *job]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("memory per rank at the step's peak, MiB:")
+    head, row = lines[at + 1].split(), lines[at + 2].split()
+    assert head[:4] == ["pp", "rank", "rank", "ids"] and head[-2:] == ["total", "host"]
+    stage = predict_run(load_config(None, job), catalog_hardware("h100")).memory.per_rank[0]
+    assert 2**20 < stage.total < 2**30
+    assert row[:2] == ["0", "0"] and row[-2] == f"{stage.total / 2**20:.2f}"
+    assert float(row[2]) == round(stage.params / 2**20, 2) > 0  # was 0.00 (GiB)
+    fit = next(line for line in lines if line.startswith("fits: "))
+    assert f"the fullest rank needs {stage.total / 2**20:.2f} MiB (+" in fit
 
 
 def test_dry_run_with_an_unknown_gpu_names_the_allowed_ones(capsys) -> None:

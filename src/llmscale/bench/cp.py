@@ -72,21 +72,25 @@ def job(opts: BenchOptions, layout: Layout, rep: int, min_steps: int = TIMED_STE
     )  # fmt: skip
 
 
-def cluster_of(figures: dict[str, float], model_name: str) -> Cluster:
+DISPLAY = "this CPU, 2 ranks of 1 thread (measured)"
+
+
+def cluster_of(figures: dict[str, float]) -> Cluster:
     """The measured device of one repetition: one rank's rates, its ring blocks, the link."""
-    model = get_preset(model_name)
-    display = "this CPU, 2 ranks of 1 thread (measured)"
-    cluster = calibration.cluster_from(figures, model, "fp32", display)
+    cluster = calibration.cluster_from(figures, "fp32", DISPLAY)
     cluster = calibration.with_ring_attention(cluster, figures["ring_attention_flops"])
     return calibrate.with_link(cluster, figures, "gloo between 2 local ranks (measured)")
 
 
-def time_params(opts: BenchOptions) -> TimeParams:
-    """The runtime's CPU kernels; nothing of the ranks' traffic hidden (`dp_overlap` 0): a rank
-    of one thread on its own core copies its gloo sends and receives on that core, so a ring
-    pass or the gradient all-reduce takes the time of the compute it runs beside."""
-    kernels = act.Kernels.for_runtime(get_preset(opts.model), 1, "cpu")
-    return dataclasses.replace(DEFAULT_TIME, kernels=kernels, dp_overlap=0.0)
+def time_params(opts: BenchOptions, figures: dict[str, float]) -> TimeParams:
+    """The runtime's CPU kernels, its stack at the costs one repetition's `figures` measured;
+    nothing of the ranks' traffic hidden (`dp_overlap` 0): a rank of one thread on its own core
+    copies its gloo sends and receives on that core, so a ring pass or the gradient all-reduce
+    takes the time of the compute it runs beside."""
+    model = get_preset(opts.model)
+    kernels = act.Kernels.for_runtime(model, 1, "cpu")
+    stack = DEFAULT_TIME.stack.on_device(calibration.device_costs(figures, model, DISPLAY))
+    return dataclasses.replace(DEFAULT_TIME, kernels=kernels, dp_overlap=0.0, stack=stack)
 
 
 def fastest_step(cfg: JobConfig, warmup: int) -> float:
@@ -114,14 +118,13 @@ def run(
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
 
-    params = time_params(opts)
     measured: dict[str, list[float]] = {x.name: [] for x in LAYOUTS}
     predicted: dict[str, list[StepTime]] = {x.name: [] for x in LAYOUTS}
     links = []
     for rep, cfgs in enumerate(runs):
         path = opts.work_dir / "cp" / f"calibration-{rep}.json"
         figures = {k: float(v) for k, v in json.loads(path.read_text()).items()}
-        cluster = cluster_of(figures, opts.model)
+        cluster, params = cluster_of(figures), time_params(opts, figures)
         links.append(figures)
         for cfg in cfgs:
             name = Path(cfg.job.run_dir).name.rsplit("-", 1)[0]

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ from llmscale.model.config import get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_memory, predict_step_time
 from llmscale.plan.time import DEFAULT_TIME, TimeParams, gemm_seconds
-from llmscale.train.calibration import BENCH, cluster_from, linear_shapes, measure
+from llmscale.stack import LLMSCALE
+from llmscale.train.calibration import BENCH, cluster_from, device_costs, linear_shapes, measure
 from llmscale.train.trainer import Trainer
 
 SKIP = (
@@ -135,8 +137,9 @@ def _hardware(args: argparse.Namespace) -> tuple[Cluster, TimeParams, str, float
 
 
 def calibration_part(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
-    """The catalog's calibration of `cluster.gpu` vs the runtime's micro-benchmarks on the device
-    at the run's shape (bf16). Also the raw figures (`figures`), for `cluster_from`."""
+    """The catalog's calibration of `cluster.gpu` (and the runtime stack's fixed cost of a
+    micro-batch on a catalog GPU) vs the runtime's micro-benchmarks on the device at the run's
+    shape (bf16). Also the raw figures (`figures`), for `cluster_from` and `device_costs`."""
     model = get_preset(args.model)
     device = torch.device(args.device)
     figures = measure(model, args.micro_batch, args.seq, "bf16", device, (), BENCH)
@@ -154,7 +157,7 @@ def calibration_part(args: argparse.Namespace, cluster: Cluster) -> dict[str, An
          cal.attention_efficiency.value, figures["attention_flops"] / peak),
         ("element-wise bandwidth", "TB/s", gpu.hbm_bandwidth * cal.hbm_efficiency.value / 1e12,
          figures["bandwidth_bytes"] / 1e12),
-        ("fixed cost of a micro-batch", "ms", cal.microbatch_overhead_ms.value,
+        ("fixed cost of a micro-batch", "ms", LLMSCALE.microbatch_overhead_ms.value,
          1000 * figures["fixed_s"]),
         ("optimizer step (AdamW, all parameters)", "ms", None, 1000 * figures["optimizer_s"]),
     ]  # fmt: skip
@@ -171,9 +174,10 @@ def mfu_part(
     params: TimeParams,
     peak: float | None,
     budget: Budget,
-    measured: Cluster | None = None,
+    measured: tuple[Cluster, TimeParams] | None = None,
 ) -> list[dict[str, Any]]:
-    """`measured`: the device as its micro-benchmarks describe it (a second prediction)."""
+    """`measured`: the device as its micro-benchmarks describe it, with the time parameters of
+    the runtime's stack at the costs measured there (a second prediction)."""
     rows: list[dict[str, Any]] = []
     for mode in ("none", "selective", "full"):
         if budget.left < 30:
@@ -195,7 +199,7 @@ def mfu_part(
                 "measured_step_time_s": got["step_time_s"],
                 "predicted_step_time_s": pred.seconds,
                 "predicted_step_time_measured_cal_s": (
-                    predict_step_time(cfg, measured, params).seconds if measured else None
+                    predict_step_time(cfg, *measured).seconds if measured else None
                 ),
                 "tokens_per_s": got["tokens_per_s"],
                 "cuda_peak_bytes": got.get("cuda_peak_bytes"),
@@ -438,7 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         figures = results["calibration"].get("figures")
         if figures is not None:
             name = f"{label} (measured)"
-            measured = cluster_from(figures, get_preset(args.model), "bf16", name)
+            model = get_preset(args.model)
+            costs = device_costs(figures, model, name)
+            measured = (
+                cluster_from(figures, "bf16", name),
+                replace(params, stack=params.stack.on_device(costs)),
+            )
     run_part("mfu", lambda: mfu_part(args, work, cluster, params, peak, budget, measured))
     if args.device == "cuda":
         run_part("max_micro_batch", lambda: max_micro_batch_part(args, work, cluster, budget))

@@ -4,7 +4,7 @@ The device is measured first (`train.calibration.measured_cluster`: the model's 
 operands, the attention core in the run's dtype, the block's element-wise ops, a one-token step
 for the per-micro-batch dispatch, and the optimizer step); the planner then predicts each
 configuration's step from FLOPs and bytes at those achieved rates (the measured device's
-calibration).
+calibration), with the runtime's stack at the costs measured on it (`Stack.on_device`).
 """
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ TIMED_STEPS = 6
 def calibrated(
     opts: BenchOptions, micro_batch: int, precision: str = "fp32"
 ) -> tuple[Cluster, TimeParams, dict[str, float]]:
-    """The measured device and the time parameters that go with it (attention measured in
-    `precision`)."""
+    """The measured device and the time parameters that go with it: the runtime's kernels on it,
+    its stack at the costs measured there (attention measured in `precision`)."""
     device = resolve_device(opts.device)
     model = get_preset(opts.model)
     # The run's dtype, and fp32 and bf16 (the GPU check's CPU mode reads the bf16 rate); fp16
     # GEMMs run at a few GFLOP/s on a CPU and are measured only for fp16 runs.
     dtypes = tuple(dict.fromkeys(("fp32", "bf16", precision)))
-    cluster, figures = measured_cluster(
+    cluster, costs, figures = measured_cluster(
         model, micro_batch, opts.seq_len, device, dtypes=dtypes, precision=precision
     )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
-    params = dataclasses.replace(DEFAULT_TIME, kernels=kernels)
+    stack = DEFAULT_TIME.stack.on_device(costs)
+    params = dataclasses.replace(DEFAULT_TIME, kernels=kernels, stack=stack)
     return cluster, params, figures
 
 

@@ -109,7 +109,7 @@ def plan_output(rep: PlanReport, wide: bool = False) -> list[RenderableType]:
     best plan's command, the legend, the unfit plans. `make docs` renders README's example
     with it."""
     from llmscale.report import report
-    from llmscale.report.search_report import MEMORY_LEGEND, NARROW_LEGEND
+    from llmscale.report.search_report import memory_legend
 
     out: list[RenderableType] = [rep.headline()]
     if rep.result.shown:
@@ -117,7 +117,7 @@ def plan_output(rep: PlanReport, wide: bool = False) -> list[RenderableType]:
     if rep.result.candidates:
         out.append(rep.best_command())
     if rep.result.shown:
-        out.append(MEMORY_LEGEND if wide else NARROW_LEGEND)
+        out.append(memory_legend(rep.result, wide))
     out += rep.unfit_lines()
     return out
 

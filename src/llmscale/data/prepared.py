@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmscale.errors import ConfigError
-from llmscale.paths import cache_dir
+from llmscale.paths import cache_dir, cache_notice, cache_write_problem, os_reason
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -279,17 +279,27 @@ def _inside(root: Path, data: str, split: str, name: str, field_name: str) -> Pa
 class _ShardCache:
     """What reading a shard found, in cache_dir()/SHARD_CACHE: `fingerprints` (path, size,
     inode, mtime, ctime -> sha256) and `max_ids` (sha256 and dtype -> the largest id). An
-    unreadable or unwritable cache only costs the reads again."""
+    unreadable or unwritable cache only costs the reads again, and a notice line says so (once per process)."""
 
     def __init__(self) -> None:
         self.path = cache_dir() / SHARD_CACHE
+        self.fingerprints: dict[str, str] = {}
+        self.max_ids: dict[str, int] = {}
+        self.dirty = False
         try:
             raw = json.loads(self.path.read_text())
             self.fingerprints = {str(k): str(v) for k, v in dict(raw["fingerprints"]).items()}
             self.max_ids = {str(k): int(v) for k, v in dict(raw["max_ids"]).items()}
-        except (OSError, ValueError, TypeError, AttributeError, KeyError):
-            self.fingerprints, self.max_ids = {}, {}
-        self.dirty = False
+        except (FileNotFoundError, NotADirectoryError):  # none yet; a file for a folder: save says
+            pass
+        except OSError as e:
+            self._unusable(f"is unreadable ({os_reason(e)})")
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+            self._unusable("is unreadable (not the shards' cache)")
+
+    def _unusable(self, why: str) -> None:
+        self.fingerprints, self.max_ids = {}, {}
+        cache_notice(f"dataset cache {self.path} {why}; rebuilt")
 
     @staticmethod
     def fingerprint(path: Path) -> str:
@@ -325,8 +335,9 @@ class _ShardCache:
             body = {"fingerprints": self.fingerprints, "max_ids": self.max_ids}
             tmp.write_text(json.dumps(body, indent=0) + "\n")
             tmp.replace(self.path)  # atomic: ranks opening the same folder write it together
-        except OSError:
-            pass
+        except OSError as e:
+            problem = cache_write_problem(self.path.parent, e)
+            cache_notice(f"dataset cache {problem}; each run reads every shard again to check it")
 
 
 def file_sha256(path: str | Path) -> str:

@@ -32,17 +32,13 @@ CALIBRATION_FIELDS = (
     "attention_efficiency",
     "hbm_efficiency",
 )
-# Fields a GPU's table may leave out: their defaults are stated (and sourced) on `Calibration`.
-# Software costs (per-step overheads, values fitted on a published run) are not a GPU's: they
-# belong to the stack that ran (`llmscale.stack.Stack.step_overhead_ms`, `Stack.fitted`).
-OPTIONAL_CALIBRATION_FIELDS = ("microbatch_overhead_ms", "optimizer_efficiency")
+# Software costs (per-step and per-micro-batch overheads, the optimizer's efficiency, values
+# fitted on a published run) are not a GPU's: they belong to the stack that ran
+# (`llmscale.stack.Stack.step_overhead_ms`, `Stack.microbatch_overhead_ms`,
+# `Stack.optimizer_efficiency`, `Stack.fitted`; a device measured with the runtime:
+# `llmscale.stack.DeviceCosts`).
 # Required of a GPU with a dense FP8 peak (and only allowed then).
 FP8_CALIBRATION_FIELD = "fp8_gemm_efficiency"
-
-_ASYNC = (
-    "assumption: a GPU's kernel launches are asynchronous, issued ahead of the kernels of a "
-    "training-sized micro-batch, so the host's per-op dispatch is hidden"
-)
 
 
 @dataclass(frozen=True)
@@ -59,30 +55,23 @@ class Calibration:
       executes (causal masking skips half the tiles; backward recomputes QK^T);
     - hbm_efficiency: achieved / datasheet HBM bandwidth of streaming kernels (norms,
       activations, casts, softmax/cross-entropy, the optimizer);
-    - step_overhead_ms: a device measured with the llmscale runtime (train/calibration.py):
-      its fixed cost per optimizer step; None on a catalog GPU, where the stack's
-      (`Stack.step_overhead_ms`) applies;
     - fp8_gemm_efficiency: achieved / dense FP8 peak of a large FP8 GEMM (scaled e4m3 inputs,
       bf16 output), on the same size curve; None for a GPU without FP8 tensor cores;
-    - microbatch_overhead_ms: fixed cost of one micro-batch's forward and backward on one
-      pipeline rank, whatever its size (per-op dispatch and autograd bookkeeping where the host
-      waits for each op, as on a CPU; hidden on a GPU by asynchronous launches);
-    - optimizer_efficiency: achieved / datasheet bandwidth of the optimizer step (None: the
-      streaming `hbm_efficiency`; a CPU's per-tensor foreach fallback gets much less);
     - ring_attention_efficiency: achieved / fp32 dense peak of the llmscale runtime's ring
       attention blocks (parallel/context_parallel.py: fp32 matmuls, materialised scores, one
       eager op at a time) over the FLOPs they execute; None: not measured, and context
       parallelism is priced as flash-attention blocks (torch's `context_parallel`).
+
+    What a training stack costs on the GPU (fixed costs per step and per micro-batch, its
+    optimizer's share of the bandwidth) is the stack's (`llmscale.stack.Stack`), also on a device
+    measured with the llmscale runtime (`llmscale.stack.DeviceCosts`).
     """
 
     gemm_efficiency: Sourced
     gemm_half_dim: Sourced
     attention_efficiency: Sourced
     hbm_efficiency: Sourced
-    step_overhead_ms: Sourced | None = None
     fp8_gemm_efficiency: Sourced | None = None
-    microbatch_overhead_ms: Sourced = Sourced(0.0, _ASYNC)
-    optimizer_efficiency: Sourced | None = None
     ring_attention_efficiency: Sourced | None = None
 
     def gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
@@ -99,17 +88,6 @@ class Calibration:
         scale = self.fp8_gemm_efficiency.value / self.gemm_efficiency.value
         return scale * self.gemm_efficiency_at(m, n, k)
 
-    @property
-    def microbatch_overhead(self) -> float:
-        """Seconds per micro-batch (forward and backward) per pipeline rank."""
-        return self.microbatch_overhead_ms.value * 1e-3
-
-    @property
-    def optimizer_share(self) -> float:
-        """Achieved / datasheet bandwidth of the optimizer step."""
-        eff = self.optimizer_efficiency or self.hbm_efficiency
-        return eff.value
-
 
 _PEAK = "a measured rate: the peaks themselves are what this device achieved"
 MEASURED = Calibration(
@@ -117,8 +95,6 @@ MEASURED = Calibration(
     gemm_half_dim=Sourced(0.0, _PEAK),
     attention_efficiency=Sourced(1.0, _PEAK),
     hbm_efficiency=Sourced(1.0, _PEAK),
-    step_overhead_ms=Sourced(0.0, "not measured"),
-    microbatch_overhead_ms=Sourced(0.0, "not measured"),
 )
 
 
@@ -348,10 +324,9 @@ def _calibration(e: Entry, table_key: str) -> Calibration:
     table = e.numbers(table_key)
     has_fp8 = "fp8" in (e.table.get("dense_TFLOPS") or {})
     required = CALIBRATION_FIELDS + ((FP8_CALIBRATION_FIELD,) if has_fp8 else ())
-    allowed = required + OPTIONAL_CALIBRATION_FIELDS
     for key in table:
-        if key not in allowed:
-            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(allowed))
+        if key not in required:
+            raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(required))
     for key in required:
         if key not in table:
             why = "a value (a GPU with an FP8 peak has one)" if key == FP8_CALIBRATION_FIELD else ""
@@ -359,11 +334,11 @@ def _calibration(e: Entry, table_key: str) -> Calibration:
                 f"{e.where}.calibration.{key}", None, why or "a value (every GPU has one)"
             )
     shares: tuple[str, ...] = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
-    shares += (FP8_CALIBRATION_FIELD, "optimizer_efficiency")
+    shares += (FP8_CALIBRATION_FIELD,)
     for key in shares:
         if key in table and not 0 < table[key].value <= 1:
             raise ConfigError(f"{e.where}.calibration.{key}", table[key].value, "in (0, 1]")
-    return Calibration(**{k: table[k] for k in allowed if k in table})
+    return Calibration(**{k: table[k] for k in required})
 
 
 # How each field type of the catalog's dataclasses is read from its TOML entry (the

@@ -5,7 +5,9 @@
 threads); `measured_cluster` makes a catalog-shaped one-device Cluster from measured rates; and
 the cache (`cache_dir`: `$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
 `~/.cache/llmscale`) keeps figures in files named by a digest of their key, written atomically (a
-temporary file, then a rename) so that concurrent ranks or runs never read half a file. What is
+temporary file, then a rename) so that concurrent ranks or runs never read half a file. A cache
+that cannot be read or written never fails a command: the figures are measured again, and one
+notice line (`notice_cache_problems`) names the path and why, once per process. What is
 measured, for which model, is train/calibration.py's.
 """
 
@@ -28,7 +30,7 @@ import torch
 
 from llmscale.hardware.catalog import GPU, Link
 from llmscale.hardware.spec import Sourced
-from llmscale.paths import cache_dir
+from llmscale.paths import cache_dir, cache_notice, cache_write_problem, os_reason
 from llmscale.plan.cluster import Cluster
 
 SOURCE = "measured by llmscale micro-benchmarks on this machine"
@@ -195,8 +197,9 @@ def cache_path(key: Mapping[str, str], folder: Path | None = None) -> Path:
     return (folder or cache_dir()) / f"calibration-{digest}.json"
 
 
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Atomically (temporary file, then rename); a cache that cannot be written is skipped."""
+def write_json(path: Path, data: Mapping[str, Any]) -> str | None:
+    """Atomically (temporary file, then rename); a cache that cannot be written is skipped.
+    None when written, else why not (`paths.cache_write_problem`: names the folder)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,9 +207,52 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(dict(data), f, indent=1)
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+        return cache_write_problem(path.parent, e)
+    return None
+
+
+def read_record(
+    path: Path, key: Mapping[str, str], field: str
+) -> tuple[dict[str, Any] | None, str]:
+    """The cache record at `path` written for `key`, whose `field` is a table; else None and
+    why it cannot be used, in words that follow the path ("is unreadable (...)"), or "" when
+    there is nothing to say (no file yet; a folder that is a file, which writing says)."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None, ""
+    except OSError as e:
+        return None, f"is unreadable ({os_reason(e)})"
+    except UnicodeDecodeError as e:
+        return (
+            None,
+            f"is unreadable (not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start})",
+        )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"is unreadable (invalid JSON at line {e.lineno}, column {e.colno})"
+    except RecursionError:
+        return None, "is unreadable (JSON nested too deeply)"
+    if not isinstance(data, dict) or not isinstance(data.get(field), dict) or "key" not in data:
+        return None, f"is unreadable (not a cache record: no {field!r} table)"
+    if data["key"] != dict(key):
+        return None, "is not the record its name stands for (another key: damaged or edited)"
+    return data, ""
+
+
+def notice_cache_problems(path: Path, unusable: str, unwritten: str | None) -> None:
+    """The notices of a measurement taken because the record at `path` could not be used
+    (`unusable`, from `read_record`; "" when there was simply none) or kept (`unwritten`, from
+    `write_json`): each once per process."""
+    if unusable:
+        done = "re-measured" + ("" if unwritten else " and rewritten")
+        cache_notice(f"calibration cache {path} {unusable}; {done}")
+    if unwritten:
+        cache_notice(f"calibration cache {unwritten}; re-measuring each run")
 
 
 # ---- the link between two ranks (context parallelism's ring passes) ---------------------------

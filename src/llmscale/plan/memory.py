@@ -93,6 +93,7 @@ from llmscale.plan.lsp import lsp_memory
 from llmscale.plan.params import RankParams, rank_params
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import held_after_b_peak, inflight_units, split_b_count
+from llmscale.plan.work import cp_share, plan_kernels, rank_work
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
 __all__ = [
@@ -404,11 +405,6 @@ def param_window(plan: Plan, rank: int, rp: RankParams, prefetch_blocks: int) ->
 # ---- activations --------------------------------------------------------------------------
 
 
-def plan_kernels(plan: Plan, kernels: act.Kernels) -> act.Kernels:
-    """The kernel facts as they apply to this plan (are its forward weights low precision?)."""
-    return act.with_weights(kernels, plan.lowp_weights)
-
-
 def slice_args(plan: Plan, kernels: act.Kernels) -> act.SliceArgs:
     """The arguments `act.block_tensors` and `act.head_tensors` take for one micro-batch of
     `plan` on one tensor-parallel rank (before a block's recompute mode)."""
@@ -421,11 +417,6 @@ def slice_args(plan: Plan, kernels: act.Kernels) -> act.SliceArgs:
         plan.sequence_parallel,
         plan_kernels(plan, kernels),
     )
-
-
-def cp_share(plan: Plan) -> float:
-    """The share of each sequence's tokens (and of every per-token tensor) on one cp rank."""
-    return 1.0 / plan.cp
 
 
 def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:
@@ -444,28 +435,18 @@ def rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OP
     return _ACTIVATIONS.get(key, compute, (plan.model, opt))
 
 
-_BLOCKS: Memo[float] = Memo("memory.rank_block_bytes")
-
-
 def rank_block_bytes(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> float:
-    """Bytes the blocks of pipeline `rank` save for one micro-batch (all its chunks), cached on
-    what they read (`Plan.blocks_key`: no schedule's in-flight count)."""
-
-    def compute() -> float:
-        modes = plan.block_modes(plan.rank_layers(rank))
-        return sum(n * block_bytes(plan, m, opt.kernels) for m, n in modes.items())
-
-    return _BLOCKS.get((*plan.blocks_key(), id(opt), rank), compute, (plan.model, opt))
+    """Bytes the blocks of pipeline `rank` save for one micro-batch (all its chunks)."""
+    return rank_work(plan, rank, opt.kernels).blocks_saved
 
 
 def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
-    per_micro = rank_block_bytes(plan, rank, opt)
+    work = rank_work(plan, rank, opt.kernels)
     # With uneven chunks (interleaved), a chunk unit is taken as the rank's mean chunk.
     units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
-    total = units * per_micro / plan.chunks
-    if rank == 0:
-        emb = sum(t.nbytes for t in act.embedding_tensors(plan.micro_batch_size, plan.seq_len))
-        total += embedding_inflight(plan) * emb * cp_share(plan)
+    total = units * work.blocks_saved / plan.chunks
+    if work.embedding:
+        total += embedding_inflight(plan) * work.embedding_saved
     torch_1f1b = opt.stack.pipeline == "torch" and plan.pp_schedule == "1f1b"
     if rank == plan.head_rank and plan.pp > 1 and torch_1f1b:
         # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one
@@ -473,14 +454,12 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
         # alive (its other saved tensors were freed by its backward): one micro-batch more of
         # those (measured: tests/plan/test_predicted_vs_measured.py).
         args = slice_args(plan, opt.kernels)
-        modes = plan.block_modes(plan.rank_layers(rank))
         total += cp_share(plan) * sum(
             n * sum(t.nbytes for t in act.checkpoint_inputs(act.block_tensors(*args, m), m))
-            for m, n in modes.items()
+            for m, n in work.modes.items()
         )
-    if rank == plan.head_rank:
-        head = act.head_bytes(*slice_args(plan, opt.kernels))
-        total += head_inflight(plan) * head * cp_share(plan)
+    if work.head:
+        total += head_inflight(plan) * work.head_saved
     return total
 
 
@@ -581,8 +560,8 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
         transient = cp_share(plan) * act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )
-    if plan.recompute in ("full", "every_k"):
-        transient = max(transient, block_bytes(plan, "none", opt.kernels))
+    if plan.recompute in ("full", "every_k"):  # a recomputed block's forward, for a moment
+        transient = max(transient, rank_work(plan, rank, opt.kernels).block_saved["none"])
     acts = _rank_activation_bytes(plan, rank, opt)  # (cached with this, on the same key)
     return Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 

@@ -30,19 +30,17 @@ from llmscale.plan.memory import (
     DEFAULT_OPTIONS,
     MemoryEstimate,
     MemoryOptions,
-    block_bytes,
-    cp_share,
     estimate_memory,
     param_window,
     plan_rank_params,
     rank_activation_bytes,
     rank_pieces,
-    slice_args,
 )
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import schedule_ops
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams, estimate_step_time
+from llmscale.plan.work import rank_work
 from llmscale.stack.residency import predict_collectives
 
 
@@ -77,14 +75,11 @@ def expected_runtime_metrics(
     pieces = rank_pieces(plan, rank, options)
     optim = pieces.optimizer
     k = options.kernels
-    modes = plan.block_modes(plan.rank_layers(rank))
-    saved = sum(n * block_bytes(plan, mode, k) for mode, n in modes.items())
-    # Context parallelism: a cp rank holds 1/cp of each sequence (as `block_bytes` counts it).
-    if rank == 0:
-        emb = act.embedding_tensors(plan.micro_batch_size, plan.seq_len)
-        saved += cp_share(plan) * sum(t.nbytes for t in emb)
-    if rank == plan.head_rank:  # the last stage's rank (rank 0 in a V)
-        saved += cp_share(plan) * act.head_bytes(*slice_args(plan, k))
+    # One micro-batch's saved bytes as the memory model counts them: blocks, embedding, head
+    # (a cp rank's 1/cp of each sequence).
+    work = rank_work(plan, rank, k)
+    modes = work.modes
+    saved = work.saved
     rp = plan_rank_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
     if plan.precision != "fp32" and not plan.lowp_weights:  # autocast runs

@@ -33,8 +33,8 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   blocks save for backward (in forward each is written and read, `fwd_passes` = 2; in backward
   read, and a gradient of its size written and read, `bwd_passes` = 3). The head's logits and
   loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
-  element-wise bytes. Plus the GPU's fixed cost per micro-batch (`microbatch_overhead_ms`,
-  per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks
+  element-wise bytes. Plus the stack's fixed cost per micro-batch on the device
+  (`Stack.microbatch_overhead_ms`, per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks
   (a third in forward, two in backward; a recomputed block's forward dispatched again).
 - context parallelism (cp > 1), ring attention as torch's `context_parallel` runs it: each rank
   holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
@@ -69,11 +69,11 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   inside a node, the NIC across) on the fill/drain path; or, with `simulate=True`, the
   discrete-event simulator of plan/schedule.py on per-stage costs, F, B and W apart.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
-  optimizer bandwidth (`Calibration.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
+  optimizer bandwidth (`Stack.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
   `offload_overlap` hidden; under offload "lsp" the bytes it moves (`plan/offload_traffic.py`)
   and the host AdamW over the ZeRO path's parameters and each block matrix's d x d subspace
-  (the device's projections are not priced). Plus the GPU's fixed cost per step
-  (`step_overhead_ms`).
+  (the device's projections are not priced). Plus the stack's fixed cost per step on the
+  device (`Stack.step_overhead_ms`).
 
 MFU counts model FLOPs (no recomputation, attention as Narayanan et al. count it) against the
 dense peak of the precision's dtype; HFU counts recomputation too.
@@ -84,7 +84,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES
 from llmscale.errors import ConfigError
@@ -93,21 +92,26 @@ from llmscale.model.config import (
     OP_SAC_SAVED_COLLECTIVES,
     SP_GATHERED_INPUTS,
     TP_STYLES,
-    ModelConfig,
     op_sac_saves_matmul,
     split_layers,
     stage_ids,
 )
 from llmscale.plan import activations as act
-from llmscale.plan.cache import Memo, memoize
+from llmscale.plan.cache import Memo
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
-from llmscale.plan.memory import plan_kernels, plan_rank_params
+from llmscale.plan.memory import plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_ops
 from llmscale.plan.schedule import simulate as simulate_schedule
+from llmscale.plan.work import (
+    block_linears,
+    cp_tokens,
+    plan_kernels,
+    rank_work,
+)
 from llmscale.stack import LLMSCALE, Stack, param_residency
 from llmscale.stack.residency import few_stage_gathers, pipeline_gathers
 
@@ -143,7 +147,7 @@ class TimeParams:
     # Gradients reduced once per step (FSDP2 / replicate with `set_requires_gradient_sync`
     # off on all but the last micro-batch, as the llmscale runtime does); False: every one.
     grad_sync_once: bool = True
-    step_overhead: bool = True  # add the GPU's fixed per-step cost
+    step_overhead: bool = True  # add the stack's fixed per-step cost on the device
     # How element-wise traffic is counted: "llmscale" (this runtime's eager ops,
     # `runtime_eager_block_bytes`), "torchtitan" (its eager Llama without torch.compile:
     # composite RMSNorm, complex RoPE in fp32, silu and mul apart; `eager_block_bytes`) or
@@ -252,34 +256,6 @@ def _rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams) -> _Ra
     return _RANK_TIMES.get(key, compute, (plan.model, cluster, tp_))
 
 
-class BlockLinear(NamedTuple):
-    """One of a block's linears on one tensor-parallel rank: its TP region (`TP_STYLES`'
-    "attention" or "feed_forward"), whether it is column-parallel, and its GEMM (M, N, K)."""
-
-    region: str
-    colwise: bool
-    mnk: tuple[int, int, int]
-
-
-def block_linears(plan: Plan) -> list[BlockLinear]:
-    """A block's linears in the order its forward runs them (`ModelConfig.block_matmuls`), each
-    split as the runtime's TP plan splits it (`TP_STYLES`: column-parallel outputs, row-parallel
-    inputs over tp); under context parallelism a rank's linears see its s / cp tokens."""
-    return list(_block_linears(plan.model, cp_tokens(plan), plan.tp))
-
-
-@memoize
-def _block_linears(m: ModelConfig, tokens: int, tp: int) -> tuple[BlockLinear, ...]:
-    # (memoized: every stage time the search computes reads it two or three times)
-    out = []
-    for name, fan_in, fan_out in m.block_matmuls():
-        region = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
-        colwise = TP_STYLES[f"{region}.{name}"].style == "colwise"
-        mnk = (tokens, fan_out // tp, fan_in) if colwise else (tokens, fan_out, fan_in // tp)
-        out.append(BlockLinear(region, colwise, mnk))
-    return tuple(out)
-
-
 def block_gemms(plan: Plan) -> list[tuple[int, int, int]]:
     """(M, N, K) of one block's forward GEMMs on one tensor-parallel rank (`block_linears`)."""
     return [lin.mnk for lin in block_linears(plan)]
@@ -304,10 +280,24 @@ def tp_region_gemm_seconds(
     ]
 
 
-def cp_tokens(plan: Plan) -> int:
-    """Tokens of one micro-batch on one context-parallel rank: b x s / cp (each rank holds s / cp
-    of every sequence; load-balanced for causal masking, two chunks of s / 2cp)."""
-    return plan.micro_batch_size * plan.seq_len // plan.cp
+def tp_chunked_gemm_seconds(
+    plan: Plan, cluster: Cluster, tp_: TimeParams, peak: float, flat: float | None
+) -> float:
+    """What one block's forward GEMMs lose when a stack runs the overlapped ones as tp row
+    chunks (`Stack.tp_overlap_chunks`: torch's micro-pipelined TP): every linear a sequence-
+    parallel all-gather feeds or a reduce-scatter drains is tp GEMMs of M / tp tokens, each
+    lower on the GEMM size curve than the whole. The backward's input-gradient GEMMs (the same
+    shapes transposed, beside the mirrored collectives) lose as much; 0 where the stack does
+    not chunk, without sequence parallelism, or at tp 1."""
+    tp = plan.tp
+    if tp == 1 or not plan.sequence_parallel or not tp_.stack.tp_overlap_chunks:
+        return 0.0
+    if not tp_.tp_overlap_gemm:
+        return 0.0
+    whole = [lin.mnk for lin in block_linears(plan)]
+    chunks = [(max(1, m // tp), n, k) for m, n, k in whole]
+    chunked = tp * _linear_seconds(plan, chunks, cluster, peak, flat)
+    return chunked - _linear_seconds(plan, whole, cluster, peak, flat)
 
 
 def _linear_seconds(
@@ -603,12 +593,10 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     cal = cluster.gpu.calibration
     flat = tp_.matmul_efficiency
     peak = peak_flops(cluster, plan.precision, tp_)
-    layers = plan.rank_layers(rank)
-    modes = plan.block_modes(layers)
-    n_blocks = len(layers)
-    n_full = modes.get("full", 0)
+    work = rank_work(plan, rank, tp_.kernels)  # what the memory model folds too
+    n_blocks, n_full = work.n_blocks, work.n_full
     # GEMMs of one block (forward; backward is twice, the same shapes transposed).
-    gemm_block = _linear_seconds(plan, block_gemms(plan), cluster, peak, flat)
+    gemm_block = _linear_seconds(plan, work.gemms, cluster, peak, flat)
     # Attention core (QK^T, AV): a flash kernel skips the masked half under causal masking and
     # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
     # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
@@ -624,18 +612,19 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         eff = flat if flat is not None else cal.attention_efficiency.value
         attn_f = 0.5 * core_fwd_flops / (peak * eff)
         attn_b = 2.5 * attn_f
-    mat_f = n_blocks * (gemm_block + attn_f)
-    mat_b = n_blocks * (2 * gemm_block + attn_b) + n_full * (gemm_block + attn_f)
+    # Micro-pipelined TP: the forward's and the input gradients' GEMMs in tp row chunks.
+    split = tp_chunked_gemm_seconds(plan, cluster, tp_, peak, flat)
+    mat_f = n_blocks * (gemm_block + split + attn_f)
+    mat_b = n_blocks * (2 * gemm_block + split + attn_b) + n_full * (gemm_block + split + attn_f)
     # Op-level selective checkpointing (selective_op: torchtitan's op policy).
     op_sac = plan.recompute == "selective_op"
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
-        shapes = block_gemms(plan)
-        redo = [g for i, g in enumerate(shapes) if not op_sac_saves_matmul(i)]
+        redo = [g for i, g in enumerate(work.gemms) if not op_sac_saves_matmul(i)]
         mat_b += n_blocks * _linear_seconds(plan, redo, cluster, peak, flat)
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
     wgrad = n_blocks * gemm_block  # one of the two backward GEMMs per linear
-    if rank == plan.head_rank:
+    if work.head:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
         head_mnk = (cp_tokens(plan), m.vocab_size // vocab_div, m.dim)
         head = gemm_seconds([head_mnk], peak, cal, flat)
@@ -643,21 +632,17 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         mat_b += 2 * head
         wgrad += head
 
-    # Memory-bound kernels, through the bytes they leave behind for backward.
-    # (per cp rank: 1/cp of the sequence's tokens, as the memory model's `cp_share`)
-    def saved_bytes(mode: str) -> float:
-        full = act.block_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern, mode)
-        return full / plan.cp
-
-    saved = n_blocks * saved_bytes("none")
+    # Memory-bound kernels, through the bytes they leave behind for backward (this cp rank's
+    # share of the sequence, as the memory model counts them: `RankWork.block_saved`).
+    kept = work.block_saved
+    saved = n_blocks * kept["none"]
     if op_sac:  # every element-wise op of the block runs again
         redone = saved
     elif plan.recompute == "selective":
-        redone = n_blocks * (saved_bytes("none") - saved_bytes("selective"))
+        redone = n_blocks * (kept["none"] - kept["selective"])
     else:
-        redone = n_full * saved_bytes("none")
-    if rank == plan.head_rank:
-        saved += act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern) / plan.cp
+        redone = n_full * kept["none"]
+    saved += work.head_saved
     hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
     elem_f = tp_.fwd_passes * saved / hbm
     elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
@@ -671,10 +656,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         else:
             eager = eager_block_bytes(plan)
         block_f = eager / hbm
-        head = 0.0
-        if rank == plan.head_rank:
-            head_saved = act.head_bytes(m, b, s, plan.precision, tp, plan.sequence_parallel, kern)
-            head = head_saved / plan.cp / hbm
+        head = work.head_saved / hbm
         redo_blocks = n_blocks if op_sac else n_full
         elem_f = n_blocks * block_f + tp_.fwd_passes * head
         elem_b = 2 * n_blocks * block_f + redo_blocks * block_f + tp_.bwd_passes * head
@@ -699,7 +681,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     # dispatches its forward's ops again (full, or op-level SAC's element-wise ops and matmuls),
     # not its backward's.
     disp_f, disp_b = _dispatch_seconds(
-        cal, m.n_layers, n_blocks, n_full if not op_sac else n_blocks
+        tp_.stack, m.n_layers, n_blocks, n_full if not op_sac else n_blocks
     )
     dispatch = disp_f + disp_b
     fwd = mat_f + elem_f + tp_f + cp_f + cast_f + loss_f + disp_f
@@ -767,13 +749,13 @@ def _tp_block_seconds(
 
 
 def _dispatch_seconds(
-    cal: Calibration, n_layers: int, n_blocks: int, n_redo: int
+    stack: Stack, n_layers: int, n_blocks: int, n_redo: int
 ) -> tuple[float, float]:
-    """The fixed per-op cost of one micro-batch on a rank (forward, backward): the calibrated
-    `microbatch_overhead` (a whole forward and backward) in proportion to the rank's `n_blocks`
+    """The fixed per-op cost of one micro-batch on a rank (forward, backward): the stack's
+    `microbatch_overhead_ms` on the device (a whole forward and backward) in proportion to the rank's `n_blocks`
     of the model's `n_layers`, a third in forward and two thirds in backward; each of the
     `n_redo` recomputed blocks adds a forward's third to backward."""
-    per_block = cal.microbatch_overhead / n_layers
+    per_block = stack.microbatch_overhead_ms.value * 1e-3 / n_layers
     return n_blocks * per_block / 3, (2 * n_blocks + n_redo) * per_block / 3
 
 
@@ -1010,7 +992,7 @@ def estimate_step_time(
     cal = cluster.gpu.calibration
     lsp = offload_traffic(plan, 0, tparams.kernels) if plan.offload == "lsp" else None
     if plan.offload == "none":
-        opt_bw = cluster.gpu.hbm_bandwidth * cal.optimizer_share
+        opt_bw = cluster.gpu.hbm_bandwidth * tparams.stack.optimizer_share(cal.hbm_efficiency)
         opt = tparams.optimizer_bytes_per_param * worst_params / opt_bw
     elif lsp is not None:
         # LSP-Offload: what it moves (plan/offload_traffic.py: d x d per block matrix, the rest
@@ -1039,8 +1021,8 @@ def estimate_step_time(
             upload = n_mb * gathers * up_bytes * worst_params / link
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
-    # A device measured with the runtime has its own fixed cost; a catalog GPU the stack's.
-    overhead = cal.step_overhead_ms or tparams.stack.step_overhead_ms
+    # The stack's (on a device measured with the runtime, as measured there: `Stack.on_device`).
+    overhead = tparams.stack.step_overhead_ms
     fixed = overhead.value * 1e-3 if tparams.step_overhead else 0.0
     breakdown["fixed"] = fixed
     seconds = pipe + p2p_total + dp_sync + opt + fixed

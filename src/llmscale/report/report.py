@@ -28,6 +28,19 @@ def gib(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
+# A table's byte figures share one unit, the largest in which its largest figure reads >= 1.
+BYTE_UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """(name, bytes) of the unit for a table whose largest figure is `largest` bytes: GiB from
+    1 GiB up, else MiB, KiB or B, so that a tiny model's table does not read 0.00 throughout."""
+    for name, size in BYTE_UNITS:
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
 # ---- hardware -----------------------------------------------------------------------------
 
 
@@ -176,6 +189,11 @@ def _short_label(lab: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def memory_unit(result: SearchResult) -> tuple[str, int]:
+    """`byte_unit` of the plans `search_table` shows (their fullest GPUs' totals)."""
+    return byte_unit(max((c.memory.worst.total for c in result.shown), default=GiB))
+
+
 def search_table(result: SearchResult, wide: bool = False) -> Table:
     """The shown plans (those that fit, else the closest, flagged): at most 100 columns, or
     every column with `wide`."""
@@ -186,16 +204,21 @@ def search_table(result: SearchResult, wide: bool = False) -> Table:
         title=f"{head} on {result.gpus} x {gpu.name} ({gpu.memory_GiB.value:g} GiB each)",
         box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1),
     )  # fmt: skip
+    unit, size = memory_unit(result)
+
+    def b(x: float) -> str:
+        return f"{x / size:.1f}"
+
     for c in cols:
+        c = c.replace("GiB", unit)
         t.add_column(c, justify="left" if c in _LEFT else "right")
     for i, cand in enumerate(result.shown, 1):
         w = cand.memory.worst
         lab = plan_label(cand.plan) if wide else _short_label(plan_label(cand.plan))
         mem_cols = (
-            [gib(w.states), gib(w.working_params), gib(w.activations),
-             gib(w.pending_weight_grads), gib(w.pipeline_buffers),
-             gib(w.transient + w.allocator), gib(w.total)]
-            if wide else [gib(w.total)]
+            [b(w.states), b(w.working_params), b(w.activations), b(w.pending_weight_grads),
+             b(w.pipeline_buffers), b(w.transient + w.allocator), b(w.total)]
+            if wide else [b(w.total)]
         )  # fmt: skip
         t.add_row(
             f"{i}" if cand.fits else f"{i}!", *[lab[k] for k in cols[1:10]],

@@ -26,13 +26,20 @@ from llmscale.plan.time import time_params
 from llmscale.report import report
 from llmscale.stack import get_stack, layout_problem
 
+# How to read the table's memory columns; {unit}: the table's (report.memory_unit).
 MEMORY_LEGEND = (
-    "memory columns are the fullest GPU, GiB: states = params + grads + optimizer;\n"
+    "memory columns are the fullest GPU, {unit}: states = params + grads + optimizer;\n"
     "working = bf16 weight copies or FSDP-unsharded params; transient includes the allocator's 5%"
 )
 NARROW_LEGEND = (
-    "GiB: the fullest GPU, with the allocator's 5%; ! = does not fit; --wide shows its parts"
+    "{unit}: the fullest GPU, with the allocator's 5%; ! = does not fit; --wide shows its parts"
 )
+
+
+def memory_legend(result: SearchResult, wide: bool) -> str:
+    """The legend under `report.search_table(result, wide)`, in its unit."""
+    unit, _ = report.memory_unit(result)
+    return (MEMORY_LEGEND if wide else NARROW_LEGEND).format(unit=unit)
 
 
 class PlanReport(NamedTuple):

@@ -1,11 +1,13 @@
 """What a training stack does, torch-free: the software half of a plan's cost.
 
 A *stack* is one training software's behaviour (kernels, what each recompute policy saves, when
-parameters are gathered and gradients reduced, which traffic overlaps compute, its per-step
-overheads), kept apart from the model (shape), the system (GPUs and links, rates measured on
-bare hardware) and the layout (tp, pp, dp, micro-batch, schedule). The planner's memory and time
-models both read one `Stack`; the llmscale runtime is one stack among them (`LLMSCALE`), and its
-predicted = measured tests are that stack's conformance tests.
+parameters are gathered and gradients reduced, which traffic overlaps compute, its fixed costs
+per step and per micro-batch and its optimizer's efficiency), kept apart from the model (shape),
+the system (GPUs and links, rates measured on bare hardware) and the layout (tp, pp, dp,
+micro-batch, schedule). The planner's memory and time models both read one `Stack`; the llmscale
+runtime is one stack among them (`LLMSCALE`), and its predicted = measured tests are that
+stack's conformance tests. Its costs on a device measured with it (this machine's CPU:
+train/calibration.py) are the stack's too (`DeviceCosts`, `Stack.on_device`), not the device's.
 
 Each rule on which stacks differ is a small function here (`param_residency`, `recompute_problem`,
 `tied_pipeline_problem`), called by the memory and the time model alike, so the two cannot
@@ -30,6 +32,7 @@ __all__ = [
     "STACKS",
     "STACK_NAMES",
     "TORCHTITAN",
+    "DeviceCosts",
     "Fit",
     "Kernels",
     "Residency",
@@ -57,6 +60,14 @@ STEP_OVERHEAD = Sourced(
 )
 
 
+# The fixed cost of a micro-batch on a GPU, whatever the stack.
+ASYNC_DISPATCH = Sourced(
+    0.0,
+    "assumption: a GPU's kernel launches are asynchronous, issued ahead of the kernels of a "
+    "training-sized micro-batch, so the host's per-op dispatch is hidden",
+)
+
+
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the allocator maps pages into one segment
 # per stream that grows and shrinks, so blocks of different sizes no longer strand the rest of
 # fixed-size segments (PyTorch "CUDA semantics", optimizing memory usage); what it reserves
@@ -74,6 +85,29 @@ class Fit:
     gpu: str
     fields: tuple[str, ...]
     scale: Sourced
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceCosts:
+    """A stack's own costs measured on one device (train/calibration.py: the llmscale runtime
+    micro-benchmarked on this machine), as opposed to the device's rates (hardware/catalog.py
+    `Calibration`: its GEMM, attention and element-wise bandwidth, which the same calibration
+    measures). `Stack.on_device` prices the stack with them; each is `Sourced` to the
+    calibration that measured it.
+
+    - step_overhead_ms: fixed cost per optimizer step beyond the micro-batches' and the
+      optimizer's own (the calibration does not measure one: none);
+    - microbatch_overhead_ms: fixed cost of one micro-batch's forward and backward on one
+      pipeline rank, whatever its size (per-op dispatch and autograd bookkeeping where the host
+      waits for each op, as on a CPU): the model's forward and backward on one token;
+    - optimizer_efficiency: achieved / the device's bandwidth of the stack's optimizer step (a
+      CPU's per-tensor foreach fallback gets much less than its element-wise ops).
+    """
+
+    device: str  # the measured device's display name
+    step_overhead_ms: Sourced
+    microbatch_overhead_ms: Sourced
+    optimizer_efficiency: Sourced
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +138,17 @@ class Stack:
     # Tensor-parallel collectives run beside the GEMMs they feed (Megatron-Core's TP
     # communication overlap, TransformerEngine userbuffers): exposed only past the GEMMs.
     tp_overlap_gemm: bool = False
+    # The overlapped GEMMs run as tp row chunks, one per peer's shard of the tokens, so that
+    # each chunk's GEMM runs while the next shard arrives or the previous one is sent: torch's
+    # micro-pipelined ("async") TP, whose inductor pass (torch/_inductor/fx_passes/
+    # micro_pipeline_tp.py) rewrites all-gather -> matmul into `fused_all_gather_matmul` and
+    # matmul -> reduce-scatter into `fused_matmul_reduce_scatter`
+    # (torch/distributed/_symmetric_memory/__init__.py: `_pipelined_all_gather_and_consume`
+    # hands each of the group's shards to the matmul, `_fused_matmul_reduce_scatter_impl`
+    # multiplies `A.chunk(group.size())`). Only under sequence parallelism (the pass fuses
+    # all-gathers and reduce-scatters, not all-reduces); the weight gradients, which contract
+    # over the gathered tokens, stay whole.
+    tp_overlap_chunks: bool = False
     p2p_scatter_gather: bool = False  # pipeline sends split over the TP ranks (Megatron 2021)
     optimizer_bytes_per_param: float = 28.0  # AdamW foreach, fp32: read p g m v, write p m v
     # torch.distributed.pipelining keeps a receive buffer pair per micro-batch and 1F1B holds
@@ -125,9 +170,13 @@ class Stack:
     # mesh even with dp_shard 1 (torchtitan's ParallelDims.fsdp_enabled); else only with
     # dp_shard > 1, the cp ranks all-reducing a replica (the llmscale runtime).
     fsdp_over_cp: bool = False
-    # Fixed cost per optimizer step on a catalog GPU (a device measured with the runtime carries
-    # its own: Calibration.step_overhead_ms).
+    # Its software's fixed costs on the device it is priced on: by default a catalog GPU's (an
+    # assumed cost per optimizer step; no per-micro-batch cost, launches being asynchronous;
+    # the optimizer at the GPU's streaming `hbm_efficiency`, None); on a device measured with
+    # the runtime, the costs measured there (`on_device`).
     step_overhead_ms: Sourced = STEP_OVERHEAD
+    microbatch_overhead_ms: Sourced = ASYNC_DISPATCH
+    optimizer_efficiency: Sourced | None = None
     # Values fitted on this stack's published runs, per GPU (`Fit`).
     fitted: tuple[Fit, ...] = ()
     # How context parallelism moves K and V: a p2p ring step by step (TransformerEngine), or
@@ -147,6 +196,20 @@ class Stack:
     def on(self, **changes: object) -> Stack:
         """This stack with some facts replaced (a measured device's kernels, say)."""
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def on_device(self, costs: DeviceCosts) -> Stack:
+        """This stack priced on a device measured with it: its fixed costs are `costs`."""
+        return replace(
+            self,
+            step_overhead_ms=costs.step_overhead_ms,
+            microbatch_overhead_ms=costs.microbatch_overhead_ms,
+            optimizer_efficiency=costs.optimizer_efficiency,
+        )
+
+    def optimizer_share(self, hbm_efficiency: Sourced) -> float:
+        """Achieved / datasheet bandwidth of the optimizer step on a device whose streaming
+        kernels reach `hbm_efficiency` (`optimizer_efficiency` when measured)."""
+        return (self.optimizer_efficiency or hbm_efficiency).value
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ that are not the training step, each for the model and micro-batch at hand:
   clip) over the model's parameters: its achieved share of that bandwidth,
   `optimizer_efficiency`.
 
+The first three are the device's rates (`cluster_from`: its `Calibration` and peaks); the last
+two are what the llmscale stack costs on it (`device_costs`: `llmscale.stack.DeviceCosts`, which
+the planner prices through `Stack.on_device`), not the bare device's.
+
 `llmscale bench` measures with more trials (`BENCH`); a run's prediction (`cached_cluster`)
 measures once per machine and shape and keeps the figures in the calibration cache
 (instrument/calibrate.py: `$LLMSCALE_CACHE_DIR`, else `$XDG_CACHE_HOME/llmscale`, else
@@ -44,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +70,13 @@ from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import (
-    DEFAULT_TIME,
     RING_BWD_MATMULS,
     RING_FWD_MATMULS,
     ring_block_flops,
     ring_blocks,
     runtime_eager_block_parts,
 )
+from llmscale.stack import LLMSCALE, DeviceCosts
 from llmscale.tensors import DTYPES
 from llmscale.train.optim import build_optimizer
 
@@ -300,25 +304,56 @@ def measure(
     return figures
 
 
-def cluster_from(
-    figures: dict[str, float], model: ModelConfig, precision: str, display: str
-) -> Cluster:
+def cluster_from(figures: dict[str, float], precision: str, display: str) -> Cluster:
     """A one-device Cluster whose GPU is the measured device: dense rates per dtype measured,
-    bandwidth measured, and the calibration the figures imply."""
+    bandwidth measured, and the calibration the figures imply (the device's rates only: what
+    the stack costs on it is `device_costs`)."""
     rates = {k[5:-6]: v for k, v in figures.items() if k.startswith("gemm_")}
     cluster = calibrate.measured_cluster(display, rates, figures["bandwidth_bytes"])
     gpu = cluster.gpu
-    streamed = DEFAULT_TIME.optimizer_bytes_per_param * model.num_params()
-    optimizer_share = streamed / figures["bandwidth_bytes"] / figures["optimizer_s"]
     achieved = dataclasses.replace(
         gpu.calibration,
         attention_efficiency=Sourced(
             figures["attention_flops"] / figures[f"gemm_{precision}_flops"], SOURCE
         ),
-        microbatch_overhead_ms=Sourced(1000 * figures["fixed_s"], SOURCE),
-        optimizer_efficiency=Sourced(min(1.0, optimizer_share), SOURCE),
     )
     return dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, calibration=achieved))
+
+
+# The calibration times a micro-batch's fixed cost and the optimizer step, not the rest of a
+# step (zeroing, the loss's item, logging): priced as none, as the measured device always was.
+STEP_OVERHEAD_NOT_MEASURED = (
+    "not measured: on a device measured with the runtime, a micro-batch's fixed cost and the "
+    "optimizer step are measured (microbatch_overhead_ms, optimizer_efficiency); the rest of a "
+    "step's fixed cost is taken as none"
+)
+
+
+def device_costs(
+    figures: dict[str, float], model: ModelConfig, display: str, when: Measured | None = None
+) -> DeviceCosts:
+    """What the llmscale stack costs on the measured device `display`, from its figures: the
+    one-token forward and backward (a micro-batch's fixed cost) and the optimizer step's share
+    of the measured element-wise bandwidth; each sourced to this calibration (and, `when` given,
+    to when and under what load it was measured)."""
+    source = SOURCE if when is None else f"{SOURCE}, {when.describe()}"
+    streamed = LLMSCALE.optimizer_bytes_per_param * model.num_params()
+    optimizer_share = streamed / figures["bandwidth_bytes"] / figures["optimizer_s"]
+    return DeviceCosts(
+        device=display,
+        step_overhead_ms=Sourced(0.0, STEP_OVERHEAD_NOT_MEASURED),
+        microbatch_overhead_ms=Sourced(1000 * figures["fixed_s"], source),
+        optimizer_efficiency=Sourced(min(1.0, optimizer_share), source),
+    )
+
+
+class MeasuredDevice(NamedTuple):
+    """This machine measured for one shape: its rates (`cluster`), what the llmscale stack
+    costs on it (`costs`), and the raw figures both come from."""
+
+    cluster: Cluster
+    costs: DeviceCosts
+    figures: dict[str, float]
 
 
 def display_name(device: torch.device) -> str:
@@ -334,13 +369,18 @@ def measured_cluster(
     device: torch.device,
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
     precision: str = "fp32",
-) -> tuple[Cluster, dict[str, float]]:
+) -> MeasuredDevice:
     """`llmscale bench`'s device: measured now (BENCH effort) at the run's shape, `micro_batch`
     sequences of `seq_len` tokens (attention's cost per token grows with the sequence, so the
-    shape, not only the token count); the attention efficiency is `precision`'s. Also the raw
-    figures."""
+    shape, not only the token count); the attention efficiency is `precision`'s. Also the
+    stack's costs on it and the raw figures."""
     figures = measure(model, micro_batch, seq_len, precision, device, dtypes, BENCH)
-    return cluster_from(figures, model, precision, display_name(device)), figures
+    display = display_name(device)
+    return MeasuredDevice(
+        cluster_from(figures, precision, display),
+        device_costs(figures, model, display),
+        figures,
+    )
 
 
 # ---- is a cached measurement still this machine's? -------------------------------------------
@@ -442,18 +482,24 @@ def cache_key(
     }
 
 
-def read_figures(path: Path, key: dict[str, str]) -> dict[str, float] | None:
-    """The cached figures for `key`, or None (no file, another key, or one that cannot be used)."""
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            return None
-        figures = {str(k): float(v) for k, v in data["figures"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not figures or not all(math.isfinite(v) and v > 0 for v in figures.values()):
-        return None
-    return figures
+def read_figures(path: Path, key: dict[str, str]) -> tuple[dict[str, float] | None, str]:
+    """The cached figures for `key`, or None and why the file cannot be used ("" when there is
+    nothing to say: no file yet; see `calibrate.read_record`)."""
+    data, problem = calibrate.read_record(path, key, "figures")
+    if data is None:
+        return None, problem
+    figures: dict[str, float] = {}
+    for name, value in data["figures"].items():
+        try:
+            figure = float(value)
+        except (TypeError, ValueError):
+            figure = math.nan
+        if not (math.isfinite(figure) and figure > 0):
+            return None, f"holds an invalid figure ({name} = {json.dumps(value)})"
+        figures[str(name)] = figure
+    if not figures:
+        return None, "holds no figures"
+    return figures, ""
 
 
 def read_probe(path: Path) -> float:
@@ -491,6 +537,17 @@ class Measured:
     refreshed: str = ""  # why cached figures were measured again (`probe_change`)
     probe_s: float = math.nan  # the probe's time alongside the measurement
 
+    def describe(self) -> str:
+        """When and under what load, for a source: '2026-12-05 06:20 UTC, other processes'
+        load 0.12 cores' (a part unknown: left out)."""
+        parts = []
+        if math.isfinite(self.measured_at):
+            stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
+            parts.append(stamp)
+        if math.isfinite(self.other_load_cores):
+            parts.append(f"other processes' load {self.other_load_cores:.2f} cores")
+        return ", ".join(parts) or "when and under what load unknown"
+
 
 def cached_figures(
     model: ModelConfig,
@@ -521,7 +578,7 @@ def cached_record(
     busy the quieter one is kept, with a warning."""
     key = cache_key(device, model, micro_batch, seq_len, precision)
     path = calibrate.cache_path(key, folder)
-    found = read_figures(path, key)
+    found, problem = read_figures(path, key)
     refreshed = ""
     if found is not None:
         refreshed = probe_change(read_probe(path), probe_seconds(device), "figures")
@@ -554,7 +611,8 @@ def cached_record(
         "other_load_cores": when.other_load_cores,
         "probe_s": when.probe_s,
     }
-    calibrate.write_json(path, payload)
+    unwritten = calibrate.write_json(path, payload)
+    calibrate.notice_cache_problems(path, problem, unwritten)
     return figures, True, dataclasses.replace(when, refreshed=refreshed)
 
 
@@ -574,14 +632,15 @@ def _read_measured(path: Path) -> Measured:
             return Measured(math.nan, math.nan)
 
 
-def cached_cluster(plan: Plan, device: torch.device) -> tuple[Cluster, dict[str, float], Measured]:
-    """The measured device for a run of `plan` (one tensor-parallel rank's micro-batch), its
-    figures and when they were measured."""
+def cached_cluster(plan: Plan, device: torch.device) -> tuple[MeasuredDevice, Measured]:
+    """The measured device for a run of `plan` (one tensor-parallel rank's micro-batch), the
+    stack's costs on it, its figures, and when they were measured."""
     figures, _, when = cached_record(
         plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, device
     )
-    cluster = cluster_from(figures, plan.model, plan.precision, display_name(device))
-    return cluster, figures, when
+    display = display_name(device)
+    cluster = cluster_from(figures, plan.precision, display)
+    return MeasuredDevice(cluster, device_costs(figures, plan.model, display, when), figures), when
 
 
 # ---- context parallelism: the runtime's ring blocks -------------------------------------------

@@ -52,7 +52,9 @@ from llmscale.plan.shared_cores import (
     shared_cores_step,
 )
 from llmscale.plan.time import StepTime, estimate_step_time, time_params
+from llmscale.report.report import byte_unit
 from llmscale.stack import (
+    LLMSCALE,
     Stack,
     get_stack,
     layout_problem,
@@ -72,6 +74,9 @@ class Hardware:
     measured: bool  # the GEMM rate and bandwidth were micro-benchmarked here
     info: dict[str, Any] = field(default_factory=dict)
     shared: SharedCoreCosts | None = None  # ranks sharing a CPU's cores (measured), if any
+    # The runtime's stack as priced on this device: on a measured one, with the costs measured
+    # there (`Stack.on_device`: its fixed costs per micro-batch and step, its optimizer's share).
+    stack: Stack = LLMSCALE
 
 
 def catalog_hardware(gpu: str) -> Hardware:
@@ -88,13 +93,14 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
         known = gpu_for_device_name(torch.cuda.get_device_name(device))
         if known is not None:
             return catalog_hardware(known.name)
-    cluster, figures, when = cached_cluster(plan, device)
+    (cluster, costs, figures), when = cached_cluster(plan, device)
     info = {
         "name": "measured",
         "display": cluster.gpu.display,
         "source": "micro-benchmarks of this machine (train/calibration.py; cached per machine "
         "and shape)",
         "figures": figures,
+        "stack_costs": dataclasses.asdict(costs),
         "links": "not measured: the h100 node's stand in",
         "calibration": {
             "measured_at": when.measured_at,
@@ -104,7 +110,8 @@ def local_hardware(device: torch.device, plan: Plan) -> Hardware:
             "probe_s": when.probe_s,
         },
     }
-    return Hardware(cluster, "cpu" if device.type == "cpu" else "cuda", measured=True, info=info)
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    return Hardware(cluster, kind, measured=True, info=info, stack=LLMSCALE.on_device(costs))
 
 
 def with_shared_cores(hardware: Hardware, costs: SharedCoreCosts, warnings: list[str]) -> Hardware:
@@ -185,6 +192,7 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
     except ConfigError as e:
         return RunPrediction(**base, memory_bytes={}, step_time_s=None, not_modelled=str(e))
     params = runtime_time_params(plan, hardware.device, compiled=cfg.train.compile)
+    params = replace(params, stack=hardware.stack)
     seconds: float | None = None
     breakdown: dict[str, float] = {}
     try:
@@ -290,9 +298,10 @@ def dry_run_lines(
 
 def fit_line(memory: MemoryEstimate, gpu: GPU) -> str:
     """The dry run's verdict on a catalog GPU: does the fullest rank fit, by how much."""
+    unit, size = byte_unit(memory.worst.total)
     return (
         f"fits: {'yes' if memory.fits(gpu) else 'NO'}: the fullest rank needs "
-        f"{memory.worst.total / GiB:.2f} GiB (+{memory.options.device_reserve_GiB} GiB "
+        f"{memory.worst.total / size:.2f} {unit} (+{memory.options.device_reserve_GiB} GiB "
         f"reserved) of {gpu.display}'s {gpu.memory_bytes / GiB:.0f} GiB"
     )
 
@@ -333,21 +342,21 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     ]
 
 
-def _gib(x: float) -> str:
-    return f"{x / GiB:.2f}"
-
-
 def memory_table(memory: MemoryEstimate, ranks_per_stage: int) -> list[str]:
-    """Each pipeline rank's bytes at the step's peak by kind (plan/memory.py), GiB."""
-    head = ["pp rank", "ranks"] + [short for _, short in BREAKDOWN] + ["total", "host"]
+    """Each pipeline rank's bytes at the step's peak by kind (plan/memory.py), in the unit
+    that suits the largest (`report.byte_unit`), with the global ranks that hold it."""
+    head = ["pp rank", "rank ids"] + [short for _, short in BREAKDOWN] + ["total", "host"]
+    unit, size = byte_unit(max(max(s.total, s.host) for s in memory.per_rank))
     rows = [head]
     for s in memory.per_rank:
         first = s.pp_rank * ranks_per_stage
         ranks = f"{first}" if ranks_per_stage == 1 else f"{first}-{first + ranks_per_stage - 1}"
-        parts = [_gib(s.breakdown()[k]) for k, _ in BREAKDOWN]
-        rows.append([str(s.pp_rank), ranks, *parts, _gib(s.total), _gib(s.host)])
+        parts = [s.breakdown()[k] for k, _ in BREAKDOWN]
+        rows.append(
+            [str(s.pp_rank), ranks, *(f"{x / size:.2f}" for x in [*parts, s.total, s.host])]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    out = ["memory per rank at the step's peak, GiB:"]
+    out = [f"memory per rank at the step's peak, {unit}:"]
     for r in rows:
         out.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     return out

@@ -267,20 +267,20 @@ def cache_key(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> dict[
     }
 
 
-def _read(path: Any, key: dict[str, str]) -> tuple[SharedCoreCosts | None, float]:
-    """The cached costs for `key` (None: no file, another key, unusable) and their probe's
-    seconds (NaN: none kept)."""
+def _read(path: Any, key: dict[str, str]) -> tuple[SharedCoreCosts | None, float, str]:
+    """The cached costs for `key` (None: no file, another key, unusable), their probe's
+    seconds (NaN: none kept) and why the file cannot be used ("": nothing to say)."""
+    data, problem = calibrate.read_record(path, key, "costs")
+    if data is None:
+        return None, math.nan, problem
     try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            return None, math.nan
         costs = SharedCoreCosts(**{k: float(v) for k, v in data["costs"].items()})
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, math.nan
+    except (ValueError, TypeError) as e:
+        return None, math.nan, f"is unreadable (its costs: {type(e).__name__})"
     try:
-        return costs, float(data["probe_s"])
+        return costs, float(data["probe_s"]), ""
     except (KeyError, TypeError, ValueError):
-        return costs, math.nan
+        return costs, math.nan, ""
 
 
 def cached_costs(
@@ -295,7 +295,7 @@ def cached_costs(
     used, with a warning (the second item)."""
     key = cache_key(cfg, dims, device)
     path = calibrate.cache_path(key)
-    found, then = _read(path, key) if dims.rank == 0 else (None, math.nan)
+    found, then, problem = _read(path, key) if dims.rank == 0 else (None, math.nan, "")
     warnings: list[str] = []
     if _agree(dims, 1.0 if found is not None else 0.0):  # rank 0 has them: probe the machine
         now = probe_together(dims, device)
@@ -323,5 +323,6 @@ def cached_costs(
         "costs": dataclasses.asdict(costs),
         "probe_s": probe,
     }
-    calibrate.write_json(path, payload)
+    unwritten = calibrate.write_json(path, payload)
+    calibrate.notice_cache_problems(path, problem, unwritten)
     return costs, warnings

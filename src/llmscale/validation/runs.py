@@ -137,7 +137,7 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         sequence_parallel=bool(row.get("sp", tp > 1)),
     )
     if row.get("async_tp"):  # torchtitan's micro-pipelined TP collectives
-        stack = stack.on(tp_overlap_gemm=True)
+        stack = stack.on(tp_overlap_gemm=True, tp_overlap_chunks=True)
     if row.get("grad_reduce_in_fp32") is False:  # Megatron's bf16 main gradients
         stack = stack.on(main_grad_bytes=2)
     if row.get("compiled_loss") is False:  # a torchtitan of 2024: the loss ran eager
