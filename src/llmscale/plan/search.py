@@ -25,7 +25,11 @@ and rank 0 the most micro-batches in flight), plus, split unevenly, the first ra
 layers (every rank for an explicit `pp_layers`); a recompute mode that keeps no less than a
 faster one is not costed (`_useful_recomputes`); shown plans with more than `SIMULATE_MAX_OPS`
 pipeline ops keep the closed form; per-tensor counts, collectives and per-block activations are
-cached.
+cached. In the inner loop a layout's plans differ only in recompute, ZeRO stage and offload:
+`_Floors` finds each costed rank's floor (`worst_total`'s first test) from its states, looked up
+once per (ZeRO stage, offload), and its activity, once per (recompute, low-precision weights),
+and builds a plan (`Plan.varied`) only for those it does not rule out; the simulator re-times
+the shown plans without a timeline, from the orders it keeps (plan/schedule.py `simulate`).
 """
 
 from __future__ import annotations
