@@ -85,6 +85,12 @@ def test_floors_answer_as_worst_total(schedule: str, dp_shard: int) -> None:
         plan = knobs.varied(recompute=recs[r], zero_stage=zeros[z], offload=offloads[o])
         return over * mem.rank_pieces(plan, rank, opt)._replace(pending_weight_grads=0).allocated
 
+    for s in settings:  # the floor's sum without its record is the record's, to the bit
+        plan = knobs.varied(recompute=recs[s[0]], zero_stage=zeros[s[1]], offload=offloads[s[2]])
+        for r in ends:
+            st, a = mem.rank_states(plan, r, opt), mem.rank_activity(plan, r, opt)
+            assert mem.floor_allocated(st, a) == mem.floor_pieces(st, a).allocated > 0
+            assert mem.floor_pieces(st, a).allocated * over == floor(*s, r)
     firsts = sorted({floor(*s, 0) for s in settings})
     assert len(firsts) >= 8  # the settings differ in memory
     for limit in (firsts[2], firsts[len(firsts) // 2], firsts[-3]):

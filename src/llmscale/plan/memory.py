@@ -107,6 +107,7 @@ __all__ = [
     "cp_share",
     "embedding_inflight",
     "estimate_memory",
+    "floor_allocated",
     "floor_pieces",
     "head_inflight",
     "inflight_units",
@@ -246,10 +247,27 @@ class RankPieces(NamedTuple):
     def allocated_with(self, pending_weight_grads: float) -> float:
         """`allocated` with `pending_weight_grads` in place of this record's (the search's
         bounds, without building a record for each)."""
-        return (
-            self.params + self.grads + self.optimizer + self.working_params + self.activations
-            + self.transient + pending_weight_grads + self.pipeline_buffers
+        return _device_bytes(
+            self.params, self.grads, self.optimizer, self.working_params, self.activations,
+            self.transient, pending_weight_grads, self.pipeline_buffers,
         )  # fmt: skip
+
+
+def _device_bytes(
+    params: float,
+    grads: float,
+    optimizer: float,
+    working_params: float,
+    activations: float,
+    transient: float,
+    pending_weight_grads: float,
+    pipeline_buffers: float,
+) -> float:
+    """`RankPieces.allocated`'s sum, in its one order (`floor_allocated` adds the same)."""
+    return (
+        params + grads + optimizer + working_params + activations + transient
+        + pending_weight_grads + pipeline_buffers
+    )  # fmt: skip
 
 
 # ---- pipeline in-flight micro-batches (counts from plan/schedule.py) ---------------------------
@@ -531,6 +549,16 @@ def floor_pieces(states: RankPieces, activity: Activity) -> RankPieces:
     return RankPieces(
         states.params, states.grads, states.optimizer, states.working_params, acts,
         max(states.transient, transient), states.host, states.pending_weight_grads, buffers,
+    )  # fmt: skip
+
+
+def floor_allocated(states: RankPieces, activity: Activity) -> float:
+    """`floor_pieces(states, activity).allocated`, without building the record (the search
+    tests tens of thousands of floors against its budget)."""
+    acts, transient, buffers = activity
+    return _device_bytes(
+        states.params, states.grads, states.optimizer, states.working_params, acts,
+        max(states.transient, transient), states.pending_weight_grads, buffers,
     )  # fmt: skip
 
 

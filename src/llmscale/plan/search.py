@@ -641,7 +641,7 @@ class _Floors:
     def pieces(self, ri: int, zi: int, oi: int) -> list[mem.RankPieces] | None:
         """Each rank's floor (`mem.floor_pieces`), or None when one is over the limit."""
         plan: Plan | None = None
-        out = []
+        parts = []
         for r in self.ranks:
             st = self.states.get((zi, oi, r))
             if st is None:
@@ -652,11 +652,10 @@ class _Floors:
             if activity is None:
                 plan = plan or self.plan(ri, zi, oi)
                 activity = self.activity[key] = mem.rank_activity(plan, r, self.opt)
-            floor = mem.floor_pieces(st, activity)
-            if self.over * floor.allocated > self.limit:
+            if self.over * mem.floor_allocated(st, activity) > self.limit:
                 return None
-            out.append(floor)
-        return out
+            parts.append((st, activity))
+        return [mem.floor_pieces(st, activity) for st, activity in parts]
 
 
 def _fitting_states(
