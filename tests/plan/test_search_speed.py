@@ -111,3 +111,31 @@ def test_floors_answer_as_worst_total(schedule: str, dp_shard: int) -> None:
                 assert known == [mem.rank_pieces(plan, r, opt)._replace(pending_weight_grads=0)
                                  for r in ends]  # fmt: skip
                 assert mem.worst_total(plan, opt, ends, limit, known) == total
+
+
+def test_the_keys_floors_shares_pieces_on() -> None:
+    # `_Floors` reuses a rank's states across recompute modes and the two sequence-parallel
+    # settings, and its activity across ZeRO stages, offloads of the same low-precision
+    # weights and the dp splits of one dp: the memo keys must not name those (a key that
+    # starts to must also change `_Floors`).
+    base = dataclasses.replace(
+        BASE, dp_replicate=2, dp_shard=4, global_batch_size=64, offload="none", zero_stage=3
+    )
+    same_states = [
+        dict(recompute="full"), dict(recompute="selective"), dict(sequence_parallel=False),
+    ]  # fmt: skip
+    for change in same_states:
+        assert dataclasses.replace(base, **change).states_key() == base.states_key()
+    same_activity = [
+        dict(zero_stage=1), dict(zero_stage=2), dict(offload="optimizer"),
+        dict(dp_replicate=1, dp_shard=8), dict(dp_replicate=8, dp_shard=1),
+    ]  # fmt: skip
+    for change in same_activity:
+        assert dataclasses.replace(base, **change).activations_key() == base.activations_key()
+    # ... and they do name what the search varies within those (a control that can fail)
+    assert dataclasses.replace(base, zero_stage=1).states_key() != base.states_key()
+    assert dataclasses.replace(base, recompute="full").activations_key() != base.activations_key()
+    assert (
+        dataclasses.replace(base, dp_replicate=1, dp_shard=4).activations_key()
+        != base.activations_key()
+    )  # another dp: another micro-batch count

@@ -348,6 +348,9 @@ def search(
         rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None
         layouts = iter(())
     for tp, pp, dp in layouts:
+        # Each rank's activity by (sp, mbs, schedule, chunks), then (recompute, lowp weights,
+        # rank), for every dp split of this layout (`_Floors`).
+        layout_activity: dict[tuple[bool, int, str, int], dict[tuple[int, bool, int], mem.Activity]] = {}  # fmt: skip
         ends = _costed_ranks(model, pp, space)
         # The runtime's offload rule per layout (a tied model's last-stage copy under pp).
         pp_offloads = []
@@ -361,6 +364,9 @@ def search(
             fixed = ", ".join(f"{k} {v}" for k, v in space.fixed_degrees().items() if "dp" in k)
             rejected[f"dp {dp} (tp {tp}, pp {pp}) is not {fixed or 'split'}"] = None
         for dp_rep, dp_shard in splits:
+            # Each rank's states by (mbs, schedule, chunks), then (ZeRO stage, offload, rank),
+            # for both sequence-parallel settings (`_Floors`).
+            split_states: dict[tuple[int, str, int], dict[tuple[int, int, int], mem.RankPieces]] = {}  # fmt: skip
             zeros = _zero_stages(dp_shard, space, pp, time_params.stack)
             if not zeros:
                 rejected[f"zero_stage 0 with dp_shard {dp_shard} > 1"] = None
@@ -418,8 +424,10 @@ def search(
                             pp_layers=space.pp_layers,
                         )  # fmt: skip
                         floors = _Floors(
-                            knobs, recs, zeros, pp_offloads, ends, memory_options, budget
-                        )
+                            knobs, recs, zeros, pp_offloads, ends, memory_options, budget,
+                            split_states.setdefault((mbs, sched, v), {}),
+                            layout_activity.setdefault((sp, mbs, sched, v), {}),
+                        )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
@@ -614,7 +622,13 @@ class _Floors:
     rank, its activity once per (recompute, low-precision weights) and rank, from the memos
     `worst_total` reads (`Plan.states_key` names no recompute, `Plan.activations_key` no ZeRO
     stage or offload but through `lowp_weights`); a plan is built only to look up a piece not
-    seen yet. The search's inner loop: most plans it costs are over on the first rank."""
+    seen yet. The search's inner loop: most plans it costs are over on the first rank.
+
+    `states` and `activity` may be shared with the layout's other plans whose pieces are the
+    same: the search shares states between the two sequence-parallel settings of a dp split
+    (`Plan.states_key` names no `sequence_parallel`) and activity between the dp splits of a
+    layout (`Plan.activations_key` names dp only as the micro-batch count and `lowp_weights`);
+    tests/plan/test_search_speed.py checks both keys for that."""
 
     def __init__(
         self,
@@ -625,13 +639,15 @@ class _Floors:
         ranks: tuple[int, ...],
         opt: mem.MemoryOptions,
         limit: float,
+        states: dict[tuple[int, int, int], mem.RankPieces] | None = None,
+        activity: dict[tuple[int, bool, int], mem.Activity] | None = None,
     ) -> None:
         self.knobs, self.recs, self.zeros, self.offloads = knobs, recs, zeros, offloads
         self.ranks, self.opt, self.limit = ranks, opt, limit
         self.over = 1 + opt.allocator_overhead
         self.lowp = [knobs.varied(offload=o).lowp_weights for o in offloads]
-        self.states: dict[tuple[int, int, int], mem.RankPieces] = {}
-        self.activity: dict[tuple[int, bool, int], mem.Activity] = {}
+        self.states = {} if states is None else states
+        self.activity = {} if activity is None else activity
 
     def plan(self, ri: int, zi: int, oi: int) -> Plan:
         return self.knobs.varied(
