@@ -17,7 +17,8 @@ what each op's backward keeps (checked against `saved_tensors_hooks` in tests/pl
 - SDPA (flash/cuDNN/CPU-flash kernels) keeps q, k, v (GQA: k and v at n_kv_heads width), its
   output and the fp32 log-sum-exp per head and token; no s x s matrix. wo's input is a view of
   that output (same storage). fp32 on CUDA with n_kv_heads < n_heads falls back to the math
-  kernel, which keeps repeated k, v and two s x s matrices.
+  kernel, which keeps the scaled q, repeated k and v, and one s x s matrix (the softmax's
+  output).
 - SwiGLU keeps w1's output (silu input), silu's output, w3's output and their product (w2's
   input); GELU keeps its input and its output.
 - No dropout, so no masks.
@@ -188,7 +189,9 @@ def block_tensors(
                 ("k repeated to n_heads", 4 * d, "tp"),
                 ("v repeated to n_heads", 4 * d, "tp"),
             ]
-            seq_terms += [("attention weights", 4 * heads), ("softmax output", 4 * heads)]
+            # the softmax keeps its output for backward (and the matmul with v reads that
+            # same tensor); the scores before it are not kept (measured: bench/selective.py)
+            seq_terms.append(("softmax output", 4 * heads))
         else:  # the checkpointed core keeps its inputs only
             per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
         per_token.append(("wo input (attention output, copied)", a * d, "tp"))
