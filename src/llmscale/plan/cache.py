@@ -42,7 +42,10 @@ class Memo(Generic[R]):
         hit = self._data.get(key)
         if hit is not None:
             return hit[1]
-        value = compute()
+        return self.put(key, compute(), keep)
+
+    def put(self, key: tuple[Hashable, ...], value: R, keep: tuple[object, ...] = ()) -> R:
+        """Keep `value` for `key` (emptying the memo first when it is full); `value`."""
         if len(self._data) >= self.maxsize:
             self._data.clear()
         self._data[key] = (keep, value)
@@ -59,12 +62,17 @@ def memoize(fn: Callable[P, R]) -> Callable[P, R]:
     """`fn` with its positional arguments as a `Memo` key (keyword calls are not cached)."""
     memo: Memo[R] = Memo(f"{fn.__module__}.{fn.__qualname__}")
 
+    data = memo._data
+
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         if kwargs:
             return fn(*args, **kwargs)
         key = tuple([a if a.__class__ in _PRIMITIVE else id(a) for a in args])
-        return memo.get(key, lambda: fn(*args, **kwargs), args)
+        hit = data.get(key)  # `memo.get` without a closure per call: the planner's hot path
+        if hit is not None:
+            return hit[1]
+        return memo.put(key, fn(*args, **kwargs), args)
 
     return wrapper
 

@@ -79,6 +79,7 @@ plan/activations.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,6 +104,7 @@ from llmscale.stack import LLMSCALE, Stack, param_residency
 __all__ = [
     "DEFAULT_OPTIONS",
     "MemoryEstimate",
+    "Activity",
     "MemoryOptions",
     "RankMemory",
     "RankPieces",
@@ -110,6 +112,8 @@ __all__ = [
     "cp_share",
     "embedding_inflight",
     "estimate_memory",
+    "floor_allocated",
+    "floor_pieces",
     "head_inflight",
     "inflight_units",
     "memory_options",
@@ -118,6 +122,7 @@ __all__ = [
     "param_window",
     "plan_kernels",
     "plan_rank_params",
+    "rank_activity",
     "rank_pieces",
     "rank_states",
     "slice_args",
@@ -242,10 +247,32 @@ class RankPieces(NamedTuple):
     @property
     def allocated(self) -> float:
         """Device bytes at the peak (everything but `host`)."""
-        return (
-            self.params + self.grads + self.optimizer + self.working_params + self.activations
-            + self.transient + self.pending_weight_grads + self.pipeline_buffers
+        return self.allocated_with(self.pending_weight_grads)
+
+    def allocated_with(self, pending_weight_grads: float) -> float:
+        """`allocated` with `pending_weight_grads` in place of this record's (the search's
+        bounds, without building a record for each)."""
+        return _device_bytes(
+            self.params, self.grads, self.optimizer, self.working_params, self.activations,
+            self.transient, pending_weight_grads, self.pipeline_buffers,
         )  # fmt: skip
+
+
+def _device_bytes(
+    params: float,
+    grads: float,
+    optimizer: float,
+    working_params: float,
+    activations: float,
+    transient: float,
+    pending_weight_grads: float,
+    pipeline_buffers: float,
+) -> float:
+    """`RankPieces.allocated`'s sum, in its one order (`floor_allocated` adds the same)."""
+    return (
+        params + grads + optimizer + working_params + activations + transient
+        + pending_weight_grads + pipeline_buffers
+    )  # fmt: skip
 
 
 # ---- pipeline in-flight micro-batches (counts from plan/schedule.py) ---------------------------
@@ -574,17 +601,38 @@ def _splits_backward(plan: Plan, opt: MemoryOptions) -> bool:
 def _rank_floor(plan: Plan, rank: int, opt: MemoryOptions) -> RankPieces:
     """`rank_pieces` but the split backwards' pending gradients (0): no more than it, and it
     needs no walk of the schedule's op order."""
-    st = rank_states(plan, rank, opt)
+    return floor_pieces(rank_states(plan, rank, opt), rank_activity(plan, rank, opt))
+
+
+def floor_pieces(states: RankPieces, activity: Activity) -> RankPieces:
+    """A rank's pieces but the split backwards' pending gradients, from its states
+    (`rank_states`) and what its micro-batches add (`rank_activity`)."""
+    acts, transient, buffers = activity
+    # (`states._replace(...)`, built directly: the search builds one per plan and rank)
+    return RankPieces(
+        states.params, states.grads, states.optimizer, states.working_params, acts,
+        max(states.transient, transient), states.host, states.pending_weight_grads, buffers,
+    )  # fmt: skip
+
+
+def floor_allocated(states: RankPieces, activity: Activity) -> float:
+    """`floor_pieces(states, activity).allocated`, without building the record (the search
+    tests tens of thousands of floors against its budget)."""
+    acts, transient, buffers = activity
+    return _device_bytes(
+        states.params, states.grads, states.optimizer, states.working_params, acts,
+        max(states.transient, transient), states.pending_weight_grads, buffers,
+    )  # fmt: skip
+
+
+def rank_activity(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> Activity:
+    """What pipeline `rank`'s micro-batches add to its states, cached on the fields they read
+    (`Plan.activations_key`)."""
     key = (*plan.activations_key(), id(opt), rank)
-    acts, transient, buffers = _ACTIVITY.get(
-        key, lambda: _activity(plan, rank, opt), (plan.model, opt)
-    )
-    return st._replace(
-        activations=acts, transient=max(st.transient, transient), pipeline_buffers=buffers
-    )
+    return _ACTIVITY.get(key, lambda: _activity(plan, rank, opt), (plan.model, opt))
 
 
-class _Activity(NamedTuple):
+class Activity(NamedTuple):
     """What a rank's micro-batches add to its states: saved activations, the largest
     transient besides FSDP's (the loss's logit gradients, a recomputed block; 0 when none),
     the pipeline stages' receive buffers."""
@@ -594,10 +642,10 @@ class _Activity(NamedTuple):
     pipeline_buffers: float
 
 
-_ACTIVITY: Memo[_Activity] = Memo("memory.rank_activity")
+_ACTIVITY: Memo[Activity] = Memo("memory.rank_activity")
 
 
-def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> _Activity:
+def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
     transient = 0.0
     if rank == plan.head_rank:
         transient = cp_share(plan) * act.loss_transient_bytes(
@@ -605,8 +653,8 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> _Activity:
         )
     if plan.recompute in ("full", "every_k"):  # a recomputed block's forward, for a moment
         transient = max(transient, rank_work(plan, rank, opt.kernels).block_saved["none"])
-    acts = rank_activation_bytes(plan, rank, opt)
-    return _Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
+    acts = _rank_activation_bytes(plan, rank, opt)  # (cached with this, on the same key)
+    return Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 
 
 class PipelineHeld(NamedTuple):
@@ -719,16 +767,21 @@ _BOUND_MARGIN = 1e-12
 
 
 def worst_total(
-    plan: Plan, opt: MemoryOptions, ranks: tuple[int, ...], limit: float = math.inf
+    plan: Plan,
+    opt: MemoryOptions,
+    ranks: tuple[int, ...],
+    limit: float = math.inf,
+    known: Sequence[RankPieces] | None = None,
 ) -> float:
     """The largest `RankMemory.total` over `ranks`, without building the records. Past
     `limit`, some total above it: the first rank whose memory without the split backwards'
     pending gradients (a lower bound) already exceeds it answers, before the other ranks and
-    without walking the schedule's op order."""
+    without walking the schedule's op order. `known`: those lower bounds of `ranks` (each
+    rank's `floor_pieces`) where the caller has them (the search)."""
     over = 1 + opt.allocator_overhead
     floors = []
-    for r in ranks:
-        p = _rank_floor(plan, r, opt)
+    for i, r in enumerate(ranks):
+        p = _rank_floor(plan, r, opt) if known is None else known[i]
         total = over * p.allocated
         if total > limit:
             return total
@@ -737,14 +790,13 @@ def worst_total(
         return max(total for total, _, _ in floors)
     if limit < math.inf:
         for _, p, r in floors:
-            bound = over * p._replace(pending_weight_grads=_held_floor(plan, r, opt)).allocated
+            bound = over * p.allocated_with(_held_floor(plan, r, opt))
             if bound > limit * (1 + _BOUND_MARGIN):
                 return bound
     return max(
-        over * p._replace(pending_weight_grads=pipeline_held(plan, r, opt).pending_weight_grads)
-        .allocated
+        over * p.allocated_with(pipeline_held(plan, r, opt).pending_weight_grads)
         for _, p, r in floors
-    )  # fmt: skip
+    )
 
 
 # ---- the textbook view ----------------------------------------------------------------------

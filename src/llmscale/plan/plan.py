@@ -128,10 +128,7 @@ class Plan(MeshDegrees):
         `param_residency`)."""
         if not self.fsdp:
             return False
-        res = param_residency(
-            LLMSCALE, zero_stage=self.zero_stage, pp=self.pp, n_microbatches=self.n_microbatches
-        )
-        return res.grads_unsharded
+        return _grads_unsharded(self.zero_stage, self.pp, self.n_microbatches)
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -184,14 +181,28 @@ class Plan(MeshDegrees):
             return Counter({block_recompute(self.recompute, 0, k): len(layer_ids)})
         return Counter(block_recompute(self.recompute, i, k) for i in layer_ids)
 
+    def varied(self, **changes: Any) -> Plan:
+        """`dataclasses.replace(self, **changes)` at a third of its cost, for the search's inner
+        loop (tens of thousands of plans): the fields are copied, not passed through the
+        generated __init__, which checks nothing (Plan has no __post_init__;
+        tests/plan/test_search_speed.py checks that the two agree)."""
+        if not changes.keys() <= _FIELD_NAMES:
+            unknown = sorted(changes.keys() - _FIELD_NAMES)
+            raise TypeError(f"Plan has no field {', '.join(unknown)}")
+        new = object.__new__(Plan)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
     # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
     def states_key(self) -> tuple[Hashable, ...]:
         """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
+        dp = self.dp
         return (
             id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
-            self.offload, self.precision, self.fsdp_cpu_offload, self.pp_layers, self.cp,
-            self.v_shape, self.lsp_dim, self.lsp_nonzeros,
-            self.dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
+            self.offload, self.precision, uses_fsdp_cpu_offload(self.offload, dp),
+            self.pp_layers, self.cp, self.v_shape, self.lsp_dim, self.lsp_nonzeros,
+            dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
             self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
             # under a pipeline, when each chunk's gradients wait (schedule.held_grad_points)
             self.held_grads_order,
@@ -282,6 +293,17 @@ class Plan(MeshDegrees):
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError("data.seq_len", self.seq_len, "a positive integer")
         self.to_job().validate(world_size=self.world_size)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(Plan))
+
+
+@memoize
+def _grads_unsharded(zero_stage: int, pp: int, n_microbatches: int) -> bool:
+    """`Plan.fsdp_holds_grads_across_microbatches` under FSDP (a memo: every plan's
+    `states_key` reads it)."""
+    res = param_residency(LLMSCALE, zero_stage=zero_stage, pp=pp, n_microbatches=n_microbatches)
+    return res.grads_unsharded
 
 
 @memoize

@@ -33,6 +33,7 @@ A sequence gives the cost of one op on each global stage (length pp * v), for un
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -45,7 +46,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.model.config import stage_ids
-from llmscale.plan.cache import memoize
+from llmscale.plan.cache import Memo, memoize
 
 OpKind = Literal["F", "B", "W"]
 Costs = float | Sequence[float]
@@ -270,18 +271,28 @@ def _zero_bubble_actions(
     return order
 
 
+# An op of a V schedule's order without its rank: (kind, stage, chunk, microbatch, joined).
+# The held-memory frontier reads thousands of orders (`_split_events`); these are cheaper to
+# build than `Op`s.
+_Action = tuple[OpKind, int, int, int, bool]
+
+
 def _zbv_order(pp: int, microbatches: int, rank: int) -> list[Op]:
     """ScheduleZBVZeroBubble (Qi et al. 2023, section 6): V placement, chunk 0 forwards to fill
     the V, then F/B/W of chunk 1 and chunk 0 in turn; planned for max(2pp - 1, m) microbatches
-    and the extra ones dropped, as torch does."""
+    and the extra ones dropped, as torch does (`_zbv_actions`)."""
+    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in _zbv_actions(pp, microbatches, rank)]
+
+
+def _zbv_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     n = max(2 * pp - 1, microbatches)
     s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
-    order: list[Op] = []
+    order: list[_Action] = []
     f0 = f1 = b0 = b1 = 0
 
     def add(kind: OpKind, stage: int, mb: int) -> None:
         if mb < microbatches:
-            order.append(Op(kind, stage, rank, 0 if stage == s0 else 1, mb))
+            order.append((kind, stage, 0 if stage == s0 else 1, mb, False))
 
     for _ in range(2 * (pp - rank) - 1):
         add("F", s0, f0)
@@ -331,14 +342,20 @@ def _dualpipev_order(pp: int, microbatches: int, rank: int) -> list[Op]:
     """ScheduleDualPipeV (DeepSeek-V3's DualPipe cut to a V, as torch 2.13 builds it): eight
     phases of forwards, zero-bubble B/W pairs, overlapped F+B actions of different
     microbatches (F, then the full backward's B and W, joined) and full backwards (B, W
-    joined); the Ws of split backwards wait in a queue and run in its order."""
+    joined); the Ws of split backwards wait in a queue and run in its order
+    (`_dualpipev_actions`)."""
+    actions = _dualpipev_actions(pp, microbatches, rank)
+    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in actions]
+
+
+def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
     count: dict[tuple[str, int], int] = {}
     queue: list[tuple[int, int]] = []  # pending (stage, microbatch) weight gradients
-    order: list[Op] = []
+    order: list[_Action] = []
 
-    def op(kind: OpKind, stage: int, mb: int, joined: bool = False) -> Op:
-        return Op(kind, stage, rank, 0 if stage == s0 else 1, mb, joined)
+    def op(kind: OpKind, stage: int, mb: int, joined: bool = False) -> _Action:
+        return (kind, stage, 0 if stage == s0 else 1, mb, joined)
 
     def forward(stage: int, joined: bool = False) -> None:
         mb = count.get(("F", stage), 0)
@@ -566,16 +583,16 @@ def _split_events(
             for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank)
             if kind != "F"
         )
-    ops = rank_ops(schedule, pp, microbatches, chunks, rank)
+    v_actions = _zbv_actions if schedule == "zbv" else _dualpipev_actions
+    ops = v_actions(pp, microbatches, rank)
     events: list[tuple[int, int]] = []
-    for k, op in enumerate(ops):
-        nxt = ops[k + 1] if k + 1 < len(ops) else None
-        if op.kind == "B":
-            whole = nxt is not None and nxt.kind == "W" and nxt.joined
+    for k, (kind, _, chunk, _, joined) in enumerate(ops):
+        if kind == "B":
+            whole = k + 1 < len(ops) and ops[k + 1][0] == "W" and ops[k + 1][4]
             if not whole:
-                events.append((op.chunk, 1))
-        elif op.kind == "W" and not op.joined:
-            events.append((op.chunk, -1))
+                events.append((chunk, 1))
+        elif kind == "W" and not joined:
+            events.append((chunk, -1))
     return tuple(events)
 
 
@@ -788,10 +805,10 @@ def held_frontier_exact(
     kept: set[tuple[int, ...]] = set()
     later: list[tuple[int, ...]] = []
     for now, (_, did) in sorted(last.items(), key=lambda kv: -kv[1][0]):
-        if any(all(a >= b for a, b in zip(q, now, strict=True)) for q in later):
+        if any(_covers(q, now) for q in later):
             continue
         kept.add((*now, *did))
-        later = [q for q in later if not all(a >= b for a, b in zip(now, q, strict=True))]
+        later = [q for q in later if not _covers(now, q)]
         later.append(now)
     return _undominated(kept)
 
@@ -827,10 +844,15 @@ def held_frontier_extended(
     return _undominated(fixed | shifted)
 
 
+def _covers(q: tuple[int, ...], p: tuple[int, ...]) -> bool:
+    """Every count of `q` at least `p`'s (equal lengths)."""
+    return all(map(operator.ge, q, p))
+
+
 def _undominated(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     kept: list[tuple[int, ...]] = []
     for p in sorted(points, key=sum, reverse=True):  # a dominating point sorts first
-        if not any(all(a >= b for a, b in zip(q, p, strict=True)) for q in kept):
+        if not any(_covers(q, p) for q in kept):
             kept.append(p)
     return tuple(kept)
 
@@ -941,7 +963,70 @@ def simulate_orders(
     to replay a measured step). Raises DeadlockError when some rank waits on an op that can
     never run.
     """
-    pp, chunks, microbatches, v_shape, split = _check_orders(orders)
+    shape = _check_orders(orders)
+    return _replay(orders, shape, t_fwd, t_bwd, t_p2p, schedule, op_costs, t_w, True)
+
+
+_Key = tuple[str, int, int]  # (kind, stage, microbatch)
+_KINDS: tuple[OpKind, ...] = ("F", "B", "W")
+
+
+class _OpGraph(NamedTuple):
+    """Orders as the replay reads them. Ops by number, (kind, stage, microbatch) -> (kind
+    index x n_stages + stage) x microbatches + microbatch, so that each op's end is a list
+    entry, not a dict of tuples. Per rank, per op: (number, kind index, stage, then up to two
+    inputs as (number, from another rank), -1 for none, in `_deps`'s order); per rank, the
+    index of the op that ends each op's torch action (itself unless joined ops follow it);
+    whether any op is joined."""
+
+    rows: tuple[tuple[tuple[int, int, int, int, bool, int, bool], ...], ...]
+    action_end: tuple[tuple[int, ...], ...]
+    joins: bool
+
+
+def _op_graph(orders: Sequence[Sequence[Op]], shape: tuple[int, int, int, bool, bool]) -> _OpGraph:
+    pp, chunks, microbatches, v_shape, _ = shape
+    n_stages = pp * chunks
+    rank_of = _stage_ranks(pp, chunks, v_shape)
+    kind_index: dict[str, int] = {k: i for i, k in enumerate(_KINDS)}
+
+    def number(key: _Key) -> int:
+        return (kind_index[key[0]] * n_stages + key[1]) * microbatches + key[2]
+
+    rows = []
+    action_end = []
+    for rank_ops in orders:
+        row = []
+        for op in rank_ops:
+            deps = [(number(key), cross) for key, cross in _deps(op, n_stages, rank_of)]
+            (d1, x1), (d2, x2) = deps + [(-1, False)] * (2 - len(deps))
+            key = (op.kind, op.stage, op.microbatch)
+            row.append((number(key), kind_index[op.kind], op.stage, d1, x1, d2, x2))
+        rows.append(tuple(row))
+        last = list(range(len(rank_ops)))
+        for k in range(len(rank_ops) - 2, -1, -1):
+            if rank_ops[k + 1].joined:
+                last[k] = last[k + 1]
+        action_end.append(tuple(last))
+    joins = any(i != last[i] for last in action_end for i in range(len(last)))
+    return _OpGraph(tuple(rows), tuple(action_end), joins)
+
+
+def _replay(
+    orders: Sequence[Sequence[Op]],
+    shape: tuple[int, int, int, bool, bool],
+    t_fwd: Costs,
+    t_bwd: Costs,
+    t_p2p: float,
+    schedule: str,
+    op_costs: Mapping[tuple[str, int, int], float] | None,
+    t_w: Costs | None,
+    timeline: bool,
+    prepared: _OpGraph | None = None,
+) -> SimResult:
+    """`simulate_orders` on orders of `shape` (`_check_orders`'s answer; `prepared`: their
+    `_op_graph`); `timeline` False leaves the result's timeline empty."""
+    pp, chunks, microbatches, v_shape, split = shape
     n_stages = pp * chunks
     full_b = _stage_costs("t_bwd", t_bwd, n_stages, chunks)
     cost = {"F": _stage_costs("t_fwd", t_fwd, n_stages, chunks), "B": full_b}
@@ -952,73 +1037,69 @@ def simulate_orders(
     for key, c in (op_costs or {}).items():
         if isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
             raise ConfigError("op_costs", f"{key}: {c}", "finite numbers >= 0")
-    rank_of = _stage_ranks(pp, chunks, v_shape)
-    # The op that ends each op's torch action (itself unless joined ops follow it).
-    action_end: list[list[int]] = []
-    for rank_ops in orders:
-        last = list(range(len(rank_ops)))
-        for k in range(len(rank_ops) - 2, -1, -1):
-            if rank_ops[k + 1].joined:
-                last[k] = last[k + 1]
-        action_end.append(last)
-
-    end: dict[_Key, float] = {}
+    graph = _op_graph(orders, shape) if prepared is None else prepared
+    by_kind = tuple(cost.get(k, ()) for k in _KINDS)
+    end: list[float | None] = [None] * (len(_KINDS) * n_stages * microbatches)
     # When each op's output leaves the rank (its action's end); without joined ops, its end.
-    joins = any(i != last[i] for last in action_end for i in range(len(last)))
-    sent: dict[_Key, float] = {} if joins else end
-    pending: dict[tuple[int, int], list[_Key]] = {}  # (rank, index of action end) -> keys
+    joins, action_end = graph.joins, graph.action_end
+    sent: list[float | None] = [None] * len(end) if joins else end
+    pending: dict[tuple[int, int], list[int]] = {}  # (rank, index of action end) -> numbers
     free_at = [0.0] * pp
+    busy = [0.0] * pp
     nxt = [0] * pp
-    timeline: list[TimedOp] = []
+    placed: list[TimedOp] = []
     remaining = sum(len(o) for o in orders)
     # Start times are a longest path through a DAG (rank order + data edges), so visiting the
     # ranks round-robin gives the same times as a time-ordered event queue.
     while remaining:
         progressed = False
         for r in range(pp):
-            rank_ops, k, free = orders[r], nxt[r], free_at[r]
-            while k < len(rank_ops):
-                op = rank_ops[k]
+            rows, k, free, done = graph.rows[r], nxt[r], free_at[r], busy[r]
+            while k < len(rows):
+                n, kind, stage, d1, x1, d2, x2 = rows[k]
+                c = by_kind[kind][stage]
+                if op_costs is not None:
+                    c = op_costs.get((_KINDS[kind], stage, n % microbatches), c)
                 ready = 0.0
-                for key, cross in _deps(op, n_stages, rank_of):
-                    if cross:
-                        if key not in sent:
-                            break
-                        at = sent[key] + t_p2p
-                    else:
-                        if key not in end:
-                            break
-                        at = end[key]
+                if d1 >= 0:
+                    at = sent[d1] if x1 else end[d1]
+                    if at is None:
+                        break
+                    if x1:
+                        at += t_p2p
                     if at > ready:
                         ready = at
-                else:
-                    start = free if free > ready else ready
-                    c = cost[op.kind][op.stage]
-                    if op_costs is not None:
-                        c = op_costs.get((op.kind, op.stage, op.microbatch), c)
-                    finish = start + c
-                    key = (op.kind, op.stage, op.microbatch)
-                    end[key] = finish
-                    if joins:
-                        pending.setdefault((r, action_end[r][k]), []).append(key)
-                        if action_end[r][k] == k:
-                            for done in pending.pop((r, k)):
-                                sent[done] = finish
-                    free = finish
-                    timeline.append(TimedOp(r, op, start, finish))
-                    k += 1
-                    remaining -= 1
-                    progressed = True
-                    continue
-                break
-            nxt[r], free_at[r] = k, free
+                if d2 >= 0:
+                    at = sent[d2] if x2 else end[d2]
+                    if at is None:
+                        break
+                    if x2:
+                        at += t_p2p
+                    if at > ready:
+                        ready = at
+                start = free if free > ready else ready
+                finish = start + c
+                end[n] = finish
+                if joins:
+                    pending.setdefault((r, action_end[r][k]), []).append(n)
+                    if action_end[r][k] == k:
+                        for gone in pending.pop((r, k)):
+                            sent[gone] = finish
+                free = finish
+                done += finish - start
+                if timeline:
+                    placed.append(TimedOp(r, orders[r][k], start, finish))
+                k += 1
+                remaining -= 1
+                progressed = True
+            nxt[r], free_at[r], busy[r] = k, free, done
         if not progressed:
-            raise DeadlockError(_deadlock_message(orders, nxt, end, sent))
+            ends = _by_key(end, n_stages, microbatches)
+            raise DeadlockError(
+                _deadlock_message(orders, nxt, ends, _by_key(sent, n_stages, microbatches))
+            )
 
     makespan = max(free_at)
-    busy = [0.0] * pp
-    for t in timeline:
-        busy[t.rank] += t.end - t.start
     return SimResult(
         schedule=schedule,
         pp=pp,
@@ -1029,12 +1110,18 @@ def simulate_orders(
         busy=tuple(busy),
         idle=tuple(makespan - b for b in busy),
         peak_inflight=tuple(_peak_inflight(o) for o in orders),
-        timeline=tuple(sorted(timeline, key=lambda t: (t.start, t.rank))),
+        timeline=tuple(sorted(placed, key=lambda t: (t.start, t.rank))),
         split_backward=split,
     )
 
 
-_Key = tuple[str, int, int]  # (kind, stage, microbatch)
+def _by_key(times: list[float | None], n_stages: int, microbatches: int) -> dict[_Key, float]:
+    """`_replay`'s times by op number as (kind, stage, microbatch) -> time, for those run."""
+    return {
+        (_KINDS[n // (n_stages * microbatches)], n // microbatches % n_stages, n % microbatches): t
+        for n, t in enumerate(times)
+        if t is not None
+    }
 
 
 def _stage_ranks(pp: int, chunks: int, v_shape: bool) -> tuple[int, ...]:
@@ -1106,9 +1193,37 @@ def simulate(
     t_bwd: Costs = 2.0,
     t_p2p: float = 0.0,
     t_w: Costs | None = None,
+    timeline: bool = True,
 ) -> SimResult:
     """Simulate one step of `schedule`; scalar costs are per whole rank slice (chunk op = t/v).
     `t_w` (the weight-gradient part of `t_bwd`, default half) matters only for the schedules
-    that split the backward."""
-    orders = schedule_ops(schedule, pp, microbatches, chunks)
-    return simulate_orders(orders, t_fwd, t_bwd, t_p2p, schedule=schedule, t_w=t_w)
+    that split the backward. `timeline` False leaves the result's timeline empty (the
+    planner reads the makespan and the bubble)."""
+    _validate(schedule, pp, microbatches, chunks)
+    key = (schedule, pp, microbatches, chunks)
+    shape = built_shape(*key)
+
+    def build() -> tuple[tuple[tuple[Op, ...], ...], _OpGraph]:
+        orders = tuple(map(tuple, schedule_ops(*key)))
+        return orders, _op_graph(orders, shape)
+
+    orders, graph = _BUILT.get(key, build)
+    return _replay(orders, shape, t_fwd, t_bwd, t_p2p, schedule, None, t_w, timeline, graph)
+
+
+# The orders `simulate` replays, kept for the next plan of the same schedule and counts (a
+# search re-times its best plans, often several of one pipeline shape). A few only: one order
+# of a large pipeline holds tens of thousands of ops.
+_BUILT: Memo[tuple[tuple[tuple[Op, ...], ...], _OpGraph]] = Memo(
+    "schedule.built_orders", maxsize=16
+)
+
+
+def built_shape(
+    schedule: str, pp: int, microbatches: int, chunks: int = 1
+) -> tuple[int, int, int, bool, bool]:
+    """What `_check_orders` answers for `schedule_ops(schedule, pp, microbatches, chunks)`:
+    (pp, chunks, microbatches, v_shape, split), without walking the orders (the built orders
+    place every op as it requires: tests/plan/test_schedule_speed.py)."""
+    v_shape = schedule in V_SCHEDULES
+    return pp, chunks, microbatches, v_shape, schedule in SPLIT_BACKWARD_SCHEDULES

@@ -25,7 +25,11 @@ and rank 0 the most micro-batches in flight), plus, split unevenly, the first ra
 layers (every rank for an explicit `pp_layers`); a recompute mode that keeps no less than a
 faster one is not costed (`_useful_recomputes`); shown plans with more than `SIMULATE_MAX_OPS`
 pipeline ops keep the closed form; per-tensor counts, collectives and per-block activations are
-cached.
+cached. In the inner loop a layout's plans differ only in recompute, ZeRO stage and offload:
+`_Floors` finds each costed rank's floor (`worst_total`'s first test) from its states, looked up
+once per (ZeRO stage, offload), and its activity, once per (recompute, low-precision weights),
+and builds a plan (`Plan.varied`) only for those it does not rule out; the simulator re-times
+the shown plans without a timeline, from the orders it keeps (plan/schedule.py `simulate`).
 """
 
 from __future__ import annotations
@@ -344,6 +348,9 @@ def search(
         rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None
         layouts = iter(())
     for tp, pp, dp in layouts:
+        # Each rank's activity by (sp, mbs, schedule, chunks), then (recompute, lowp weights,
+        # rank), for every dp split of this layout (`_Floors`).
+        layout_activity: dict[tuple[bool, int, str, int], dict[tuple[int, bool, int], mem.Activity]] = {}  # fmt: skip
         ends = _costed_ranks(model, pp, space)
         # The runtime's offload rule per layout (a tied model's last-stage copy under pp).
         pp_offloads = []
@@ -357,6 +364,9 @@ def search(
             fixed = ", ".join(f"{k} {v}" for k, v in space.fixed_degrees().items() if "dp" in k)
             rejected[f"dp {dp} (tp {tp}, pp {pp}) is not {fixed or 'split'}"] = None
         for dp_rep, dp_shard in splits:
+            # Each rank's states by (mbs, schedule, chunks), then (ZeRO stage, offload, rank),
+            # for both sequence-parallel settings (`_Floors`).
+            split_states: dict[tuple[int, str, int], dict[tuple[int, int, int], mem.RankPieces]] = {}  # fmt: skip
             zeros = _zero_stages(dp_shard, space, pp, time_params.stack)
             if not zeros:
                 rejected[f"zero_stage 0 with dp_shard {dp_shard} > 1"] = None
@@ -404,6 +414,20 @@ def search(
                                 replace(base, pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
                                 ends, memory_options, budget / over, host_per_gpu,
                             )  # fmt: skip
+                        # The knobs below vary this plan's recompute, ZeRO stage and offload.
+                        knobs = Plan(
+                            model=model, seq_len=seq_len, micro_batch_size=mbs,
+                            global_batch_size=global_batch_size,
+                            recompute_every_k=space.recompute_every_k, precision=precision,
+                            dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
+                            pp_schedule=sched, pp_chunks=v, sequence_parallel=sp, cp=space.cp,
+                            pp_layers=space.pp_layers,
+                        )  # fmt: skip
+                        floors = _Floors(
+                            knobs, recs, zeros, pp_offloads, ends, memory_options, budget,
+                            split_states.setdefault((mbs, sched, v), {}),
+                            layout_activity.setdefault((sp, mbs, sched, v), {}),
+                        )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
                         fits: list[tuple[int, int, int]] = []
@@ -417,17 +441,14 @@ def search(
                                     for f in fits
                                 ):  # fmt: skip
                                     continue
-                                plan = Plan(
-                                    model=model, seq_len=seq_len, micro_batch_size=mbs,
-                                    global_batch_size=global_batch_size, recompute=rec,
-                                    recompute_every_k=space.recompute_every_k,
-                                    precision=precision, offload=pp_offloads[oi],
-                                    dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
-                                    pp_schedule=sched, pp_chunks=v, sequence_parallel=sp,
-                                    zero_stage=zeros[zi], cp=space.cp, pp_layers=space.pp_layers,
-                                )  # fmt: skip
-                                total = mem.worst_total(plan, memory_options, ends, budget)
                                 evaluated += 1
+                                floor = floors.pieces(ri, zi, oi)
+                                if floor is None:
+                                    continue  # as worst_total would find, without the plan
+                                plan = floors.plan(ri, zi, oi)
+                                total = mem.worst_total(
+                                    plan, memory_options, ends, budget, known=floor
+                                )
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
                                     t = tm.estimate_step_time(
@@ -593,6 +614,66 @@ def _closest(
     return tuple(out)
 
 
+class _Floors:
+    """Whether some costed rank's memory without the split backwards' pending gradients
+    (`mem.floor_pieces`, a lower bound: `mem.worst_total`'s first test) puts a plan of one
+    layout over `limit`, the plan varied in recompute, ZeRO stage and offload (indices into
+    `recs`, `zeros`, `offloads`). Its states are looked up once per (ZeRO stage, offload) and
+    rank, its activity once per (recompute, low-precision weights) and rank, from the memos
+    `worst_total` reads (`Plan.states_key` names no recompute, `Plan.activations_key` no ZeRO
+    stage or offload but through `lowp_weights`); a plan is built only to look up a piece not
+    seen yet. The search's inner loop: most plans it costs are over on the first rank.
+
+    `states` and `activity` may be shared with the layout's other plans whose pieces are the
+    same: the search shares states between the two sequence-parallel settings of a dp split
+    (`Plan.states_key` names no `sequence_parallel`) and activity between the dp splits of a
+    layout (`Plan.activations_key` names dp only as the micro-batch count and `lowp_weights`);
+    tests/plan/test_search_speed.py checks both keys for that."""
+
+    def __init__(
+        self,
+        knobs: Plan,
+        recs: list[Recompute],
+        zeros: list[int],
+        offloads: list[Offload],
+        ranks: tuple[int, ...],
+        opt: mem.MemoryOptions,
+        limit: float,
+        states: dict[tuple[int, int, int], mem.RankPieces] | None = None,
+        activity: dict[tuple[int, bool, int], mem.Activity] | None = None,
+    ) -> None:
+        self.knobs, self.recs, self.zeros, self.offloads = knobs, recs, zeros, offloads
+        self.ranks, self.opt, self.limit = ranks, opt, limit
+        self.over = 1 + opt.allocator_overhead
+        self.lowp = [knobs.varied(offload=o).lowp_weights for o in offloads]
+        self.states = {} if states is None else states
+        self.activity = {} if activity is None else activity
+
+    def plan(self, ri: int, zi: int, oi: int) -> Plan:
+        return self.knobs.varied(
+            recompute=self.recs[ri], zero_stage=self.zeros[zi], offload=self.offloads[oi]
+        )
+
+    def pieces(self, ri: int, zi: int, oi: int) -> list[mem.RankPieces] | None:
+        """Each rank's floor (`mem.floor_pieces`), or None when one is over the limit."""
+        plan: Plan | None = None
+        parts = []
+        for r in self.ranks:
+            st = self.states.get((zi, oi, r))
+            if st is None:
+                plan = plan or self.plan(ri, zi, oi)
+                st = self.states[zi, oi, r] = mem.rank_states(plan, r, self.opt)
+            key = (ri, self.lowp[oi], r)
+            activity = self.activity.get(key)
+            if activity is None:
+                plan = plan or self.plan(ri, zi, oi)
+                activity = self.activity[key] = mem.rank_activity(plan, r, self.opt)
+            if self.over * mem.floor_allocated(st, activity) > self.limit:
+                return None
+            parts.append((st, activity))
+        return [mem.floor_pieces(st, activity) for st, activity in parts]
+
+
 def _fitting_states(
     base: Plan,
     zeros: list[int],
@@ -607,7 +688,7 @@ def _fitting_states(
         (zi, oi)
         for zi, zero in enumerate(zeros)
         for oi, off in enumerate(offloads)
-        if not _states_exceed(replace(base, zero_stage=zero, offload=off), ends, opt, budget, host)
+        if not _states_exceed(base.varied(zero_stage=zero, offload=off), ends, opt, budget, host)
     ]
 
 

@@ -941,7 +941,9 @@ def estimate_step_time(
         costs_f = [stages[on[g]].fwd * share[g] for g in range(p * v)]
         costs_b = [stages[on[g]].bwd * share[g] for g in range(p * v)]
         costs_w = [stages[on[g]].wgrad * share[g] for g in range(p * v)]
-        res = simulate_schedule(plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p, costs_w)
+        res = simulate_schedule(
+            plan.pp_schedule, p, n_mb, v, costs_f, costs_b, t_p2p, costs_w, timeline=False
+        )
         busy = n_mb * t
         pipe, bubble, p2p_total = res.makespan, res.bubble_fraction, 0.0
         pipe = max(pipe, busy)

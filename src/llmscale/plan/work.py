@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llmscale.model.config import TP_STYLES, BlockMode
+from llmscale.model.config import TP_STYLES, BlockMode, ModelConfig
 from llmscale.plan import activations as act
-from llmscale.plan.cache import Memo
+from llmscale.plan.cache import Memo, memoize
 from llmscale.plan.plan import Plan
 
 __all__ = [
@@ -55,18 +55,19 @@ def block_linears(plan: Plan) -> list[BlockLinear]:
     """A block's linears in the order its forward runs them (`ModelConfig.block_matmuls`), each
     split as the runtime's TP plan splits it (`TP_STYLES`: column-parallel outputs, row-parallel
     inputs over tp); under context parallelism a rank's linears see its s / cp tokens."""
-    tokens = cp_tokens(plan)
+    return list(_block_linears(plan.model, cp_tokens(plan), plan.tp))
+
+
+@memoize
+def _block_linears(model: ModelConfig, tokens: int, tp: int) -> tuple[BlockLinear, ...]:
+    # (memoized: a search builds thousands of RankWork records of a few shapes)
     out = []
-    for name, fan_in, fan_out in plan.model.block_matmuls():
+    for name, fan_in, fan_out in model.block_matmuls():
         region = "attention" if name in ("wq", "wk", "wv", "wo") else "feed_forward"
         colwise = TP_STYLES[f"{region}.{name}"].style == "colwise"
-        mnk = (
-            (tokens, fan_out // plan.tp, fan_in)
-            if colwise
-            else (tokens, fan_out, fan_in // plan.tp)
-        )
+        mnk = (tokens, fan_out // tp, fan_in) if colwise else (tokens, fan_out, fan_in // tp)
         out.append(BlockLinear(region, colwise, mnk))
-    return out
+    return tuple(out)
 
 
 def cp_share(plan: Plan) -> float:

@@ -1,0 +1,54 @@
+"""The simulator's shortcuts for built orders (plan/schedule.py: `simulate` skips the order
+check, keeps the orders and drops the timeline) answer what the checked path answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmscale.config import PP_SCHEDULES, microbatch_rule
+from llmscale.plan import schedule as sc
+
+SHAPES = [
+    (s, pp, m, v)
+    for s in PP_SCHEDULES
+    for pp in (1, 2, 3, 4)
+    for m in (1, 2, 4, 6, 8, 9)
+    for v in (
+        (1, 2, 3) if s in sc.LOOP_MULTI_CHUNK_SCHEDULES else (2,) if s in sc.V_SCHEDULES else (1,)
+    )
+    if microbatch_rule(s, pp, m) is None
+    and not (s in sc.V_SCHEDULES and pp < 2)
+    and not (s == "zero_bubble" and m % sc.zero_bubble_rounds(pp, m))
+]
+
+
+def test_shapes_cover_every_schedule() -> None:
+    assert {s for s, *_ in SHAPES} == set(PP_SCHEDULES)
+    assert len(SHAPES) > 60
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "v"), SHAPES)
+def test_built_shape_is_what_the_check_reads(schedule: str, pp: int, m: int, v: int) -> None:
+    orders = sc.schedule_ops(schedule, pp, m, v)
+    assert sc.built_shape(schedule, pp, m, v) == sc._check_orders(orders)
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "v"), [x for x in SHAPES if x[1] > 1][::3])
+def test_simulate_equals_replaying_the_orders(schedule: str, pp: int, m: int, v: int) -> None:
+    # Unequal stages, a p2p cost and a W share: every float of the two paths must agree.
+    n = pp * v
+    fwd = [1.0 + 0.37 * g for g in range(n)]
+    bwd = [2.1 + 0.53 * g for g in range(n)]
+    w = [0.8 + 0.11 * g for g in range(n)]
+    checked = sc.simulate_orders(
+        sc.schedule_ops(schedule, pp, m, v), fwd, bwd, 0.29, schedule=schedule, t_w=w
+    )
+    sc._BUILT.clear()
+    for _ in range(2):  # cold, then from the kept orders
+        fast = sc.simulate(schedule, pp, m, v, fwd, bwd, 0.29, w)
+        assert fast == checked
+        lean = sc.simulate(schedule, pp, m, v, fwd, bwd, 0.29, w, timeline=False)
+        assert lean.timeline == ()
+        assert (lean.makespan, lean.bubble_fraction, lean.busy) == (
+            checked.makespan, checked.bubble_fraction, checked.busy,
+        )  # fmt: skip

@@ -1,0 +1,141 @@
+"""The search's shortcuts (plan/search.py, plan/plan.py, plan/cache.py) answer what the
+general paths answer: `Plan.varied` is `dataclasses.replace`; the memo's direct path returns
+what it computed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llmscale.model.config import get_preset
+from llmscale.plan.cache import Memo, memoize
+from llmscale.plan.plan import Plan
+
+L7 = get_preset("llama2-7b")
+BASE = Plan(
+    model=L7, seq_len=1024, micro_batch_size=2, global_batch_size=32, precision="bf16",
+    dp_replicate=2, tp=4, pp=2, pp_schedule="interleaved_1f1b", pp_chunks=2,
+    sequence_parallel=True, offload="optimizer",
+)  # fmt: skip
+
+
+def test_plan_has_no_post_init() -> None:
+    # `varied` skips the generated __init__; a __post_init__ would be skipped with it.
+    assert not hasattr(Plan, "__post_init__")
+
+
+def test_varied_is_replace() -> None:
+    changes = {"recompute": "full", "zero_stage": 1, "offload": "none", "micro_batch_size": 4}
+    a, b = BASE.varied(**changes), dataclasses.replace(BASE, **changes)
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+    assert a.n_microbatches == b.n_microbatches == 4
+    assert a.states_key() == b.states_key() and a.activations_key() == b.activations_key()
+    assert BASE.recompute == "none" and BASE.micro_batch_size == 2  # the original is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.tp = 8  # type: ignore[misc]
+
+
+def test_varied_refuses_a_name_that_is_not_a_field() -> None:
+    with pytest.raises(TypeError, match="no field zero"):
+        BASE.varied(zero=1)
+
+
+def test_memoize_computes_once_per_key() -> None:
+    calls: list[tuple[int, str]] = []
+
+    @memoize
+    def f(a: int, b: str) -> str:
+        calls.append((a, b))
+        return b * a
+
+    assert [f(2, "x"), f(2, "x"), f(3, "x"), f(2, "x")] == ["xx", "xx", "xxx", "xx"]
+    assert calls == [(2, "x"), (3, "x")]
+
+
+def test_memo_put_clears_when_full() -> None:
+    memo: Memo[int] = Memo("test.small", maxsize=2)
+    assert memo.get((1,), lambda: 10) == 10 and memo.put((2,), 20) == 20
+    assert len(memo) == 2
+    assert memo.get((3,), lambda: 30) == 30 and len(memo) == 1  # emptied, then the new one
+    assert memo.get((1,), lambda: 11) == 11  # gone: computed again
+
+
+@pytest.mark.parametrize(
+    ("schedule", "dp_shard"), [("1f1b", 2), ("zbv", 2), ("interleaved_1f1b", 2), ("1f1b", 1)]
+)
+def test_floors_answer_as_worst_total(schedule: str, dp_shard: int) -> None:
+    # Every (recompute, zero, offload) of a layout, at limits between its plans' floors: the
+    # search's `_Floors` says "over" exactly when some costed rank's floor is over, which is
+    # when `worst_total` answers from its floors (a total over the limit) before the rest.
+    # (dp 1: the offload decides whether the forward's weights are low precision.)
+    from llmscale.plan import memory as mem
+    from llmscale.plan.search import RECOMPUTE_ORDER, _Floors
+
+    knobs = dataclasses.replace(
+        BASE, pp=4, dp_replicate=1, dp_shard=dp_shard, tp=2, global_batch_size=64, micro_batch_size=1,
+        pp_schedule=schedule, pp_chunks=2, offload="none", sequence_parallel=False,
+    )  # fmt: skip
+    recs, zeros, offloads = list(RECOMPUTE_ORDER), [1, 2, 3], ["none", "optimizer"]
+    ends, opt = (0, 3), mem.DEFAULT_OPTIONS
+    over = 1 + opt.allocator_overhead
+    settings = [(r, z, o) for r in range(5) for z in range(3) for o in range(2)]
+
+    def floor(r: int, z: int, o: int, rank: int) -> float:
+        plan = knobs.varied(recompute=recs[r], zero_stage=zeros[z], offload=offloads[o])
+        return over * mem.rank_pieces(plan, rank, opt)._replace(pending_weight_grads=0).allocated
+
+    for s in settings:  # the floor's sum without its record is the record's, to the bit
+        plan = knobs.varied(recompute=recs[s[0]], zero_stage=zeros[s[1]], offload=offloads[s[2]])
+        for r in ends:
+            st, a = mem.rank_states(plan, r, opt), mem.rank_activity(plan, r, opt)
+            assert mem.floor_allocated(st, a) == mem.floor_pieces(st, a).allocated > 0
+            assert mem.floor_pieces(st, a).allocated * over == floor(*s, r)
+    firsts = sorted({floor(*s, 0) for s in settings})
+    assert len(firsts) >= 8  # the settings differ in memory
+    for limit in (firsts[2], firsts[len(firsts) // 2], firsts[-3]):
+        floors = _Floors(knobs, recs, zeros, offloads, ends, opt, limit)  # type: ignore[arg-type]
+        answers = [floors.pieces(*s) for s in settings]
+        assert [a is None for a in answers] == [
+            any(floor(*s, r) > limit for r in ends) for s in settings
+        ]
+        assert 0 < sum(a is None for a in answers) < len(settings)
+        for s, known in zip(settings, answers, strict=True):
+            plan = floors.plan(*s)
+            assert plan == knobs.varied(recompute=recs[s[0]], zero_stage=zeros[s[1]],
+                                        offload=offloads[s[2]])  # fmt: skip
+            total = mem.worst_total(plan, opt, ends, limit)
+            if known is None:
+                assert total > limit
+            else:  # the floors it was given are its own
+                assert known == [mem.rank_pieces(plan, r, opt)._replace(pending_weight_grads=0)
+                                 for r in ends]  # fmt: skip
+                assert mem.worst_total(plan, opt, ends, limit, known) == total
+
+
+def test_the_keys_floors_shares_pieces_on() -> None:
+    # `_Floors` reuses a rank's states across recompute modes and the two sequence-parallel
+    # settings, and its activity across ZeRO stages, offloads of the same low-precision
+    # weights and the dp splits of one dp: the memo keys must not name those (a key that
+    # starts to must also change `_Floors`).
+    base = dataclasses.replace(
+        BASE, dp_replicate=2, dp_shard=4, global_batch_size=64, offload="none", zero_stage=3
+    )
+    same_states = [
+        dict(recompute="full"), dict(recompute="selective"), dict(sequence_parallel=False),
+    ]  # fmt: skip
+    for change in same_states:
+        assert dataclasses.replace(base, **change).states_key() == base.states_key()
+    same_activity = [
+        dict(zero_stage=1), dict(zero_stage=2), dict(offload="optimizer"),
+        dict(dp_replicate=1, dp_shard=8), dict(dp_replicate=8, dp_shard=1),
+    ]  # fmt: skip
+    for change in same_activity:
+        assert dataclasses.replace(base, **change).activations_key() == base.activations_key()
+    # ... and they do name what the search varies within those (a control that can fail)
+    assert dataclasses.replace(base, zero_stage=1).states_key() != base.states_key()
+    assert dataclasses.replace(base, recompute="full").activations_key() != base.activations_key()
+    assert (
+        dataclasses.replace(base, dp_replicate=1, dp_shard=4).activations_key()
+        != base.activations_key()
+    )  # another dp: another micro-batch count
