@@ -659,14 +659,14 @@ def held_grads_order(
 def _held_grad_points(
     schedule: str, pp: int, m: int, chunks: int, rank: int, tied_v: bool
 ) -> tuple[tuple[int, ...], ...]:
-    ops = rank_ops(schedule, pp, m, chunks, rank)
+    ops = _backward_actions(schedule, pp, m, chunks, rank)
     split = schedule in SPLIT_BACKWARD_SCHEDULES
     n_stages = pp * chunks
     ids = stage_ids(rank, pp, chunks, schedule in V_SCHEDULES)
     first = ids.index(0) if 0 in ids else None
     last_chunk = ids.index(n_stages - 1) if n_stages - 1 in ids else None
     tied_v = tied_v and first is not None and last_chunk is not None
-    final = {op.chunk: k for k, op in enumerate(ops) if op.kind in ("B", "W")}
+    final = {c: k for k, (_, c, _) in enumerate(ops)}
     accum, pending = [0] * chunks, [0] * chunks
     tied = 0
     points: set[tuple[int, ...]] = set()
@@ -691,22 +691,20 @@ def _held_grad_points(
             tied = 0
 
     deferred: int | None = None
-    for k, op in enumerate(ops):
-        c = op.chunk
-        nxt = ops[k + 1] if k + 1 < len(ops) else None
-        if op.kind == "B":
-            whole = not split or (nxt is not None and nxt.kind == "W" and nxt.joined)
+    for k, (kind, c, joined) in enumerate(ops):
+        if kind == "B":
+            whole = not split or (k + 1 < len(ops) and ops[k + 1][0] == "W" and ops[k + 1][2])
             if whole or c != first:
                 post_backward(c, whole or pending[c] == 1)
-        elif op.kind == "W" and not op.joined:
+        elif not joined:  # a W run apart
             if c == first:  # the first stage's whole backward
                 post_backward(c, True)
             else:
                 pending[c] = 1
-        if tied_v and c == first and op.kind == "W":  # the lookup's gradient, after its B
+        if tied_v and c == first and kind == "W":  # the lookup's gradient, after its B
             tied = 1
         point()
-        if op.kind in ("B", "W") and final[c] == k:
+        if final[c] == k:
             if tied_v and c == last_chunk:
                 deferred = c
                 continue
@@ -717,6 +715,21 @@ def _held_grad_points(
     if deferred is not None:
         reduce(deferred)
     return _undominated(points)
+
+
+def _backward_actions(
+    schedule: str, pp: int, m: int, chunks: int, rank: int
+) -> list[tuple[OpKind, int, bool]]:
+    """`rank`'s B and W ops in its order as (kind, chunk, joined to the op before), from the
+    orders' plain-tuple forms where there are (forwards change no gradient)."""
+    if schedule == "zero_bubble":
+        return [(kind, stage // pp, False) for kind, stage in
+                _zero_bubble_actions(pp, m, chunks, rank) if kind != "F"]  # fmt: skip
+    if schedule in V_SCHEDULES:
+        v_actions = _zbv_actions if schedule == "zbv" else _dualpipev_actions
+        return [(a[0], a[2], a[4]) for a in v_actions(pp, m, rank) if a[0] != "F"]
+    return [(op.kind, op.chunk, op.joined) for op in rank_ops(schedule, pp, m, chunks, rank)
+            if op.kind != "F"]  # fmt: skip
 
 
 def split_b_count(schedule: str, microbatches: int) -> int | None:
