@@ -737,11 +737,12 @@ def _tp_block_seconds(
     else:
         fwd = bwd = [("all_reduce", seconds("all_reduce", nbytes), 1)]
 
+    regions = tp_region_gemm_seconds(plan, cluster, peak, flat) if tp_.tp_overlap_gemm else []
+
     def exposed(parts: list[tuple[str, float, int]], kept: frozenset[str] = frozenset()) -> float:
         parts = [p for p in parts if p[0] not in kept]
         if not tp_.tp_overlap_gemm:
             return TP_REGIONS_PER_BLOCK * sum(sec for _, sec, _ in parts)
-        regions = tp_region_gemm_seconds(plan, cluster, peak, flat)
         return sum(_overlapped(sec, gemms[side], tp_.dp_overlap)
                    for gemms in regions for _, sec, side in parts)  # fmt: skip
 
