@@ -440,3 +440,32 @@ def test_the_idle_per_rank_is_the_simulators() -> None:
     i, j = docs._span(text, "schedule-idle")
     assert f"leave {3 * 0.5:g} of idle per rank here" in text[i:j]
     assert f"against 1F1B's {3 * (1 + 2)}, " in text[i:j] and text[i:j].endswith(": a sixth")
+
+
+def test_validation_misses_lists_the_rows_outside_the_bars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/planner.md's "What is not modelled" table: throughput beyond 25% and memory beyond
+    15% (issue 25's bars) are listed, rows within them and calibration rows are not; an async-TP
+    row's speedup is over its vanilla twin."""
+    from types import SimpleNamespace
+
+    import llmscale.validation.runs as runs
+
+    def row(rid: str, ratio: float, mem: float | None = None, role: str = "validation") -> object:
+        return SimpleNamespace(
+            id=rid, role=role, ratio=ratio, memory_ratio=mem, predicted=ratio * 100.0,
+            published=100.0, memory_predicted=None if mem is None else 50.0 * mem,
+            memory_published=None if mem is None else 50.0,
+        )  # fmt: skip
+
+    fake = [
+        row("fast", 1.26), row("ok", 1.24, 0.86), row("heavy", 1.0, 0.84),
+        row("cal", 1.5, role="calibration"), row("x-tp", 1.0), row("x-asynctp", 1.1),
+    ]  # fmt: skip
+    monkeypatch.setattr(runs, "all_results", lambda: fake)
+    out = docs.validation_misses(docs.Context(measure=False))
+    assert (
+        "| fast | throughput | 1.260 |" in out
+        and "| heavy | memory | 0.84 (42.0 / 50.0 GiB) |" in out
+    )
+    assert "| ok |" not in out and "| cal |" not in out
+    assert "x-asynctp: 1.10 predicted, 1.00 published" in out

@@ -177,6 +177,45 @@ def stack_errors(ctx: Context) -> str:
     return "; ".join(s.line for s in summarise(all_results()))
 
 
+# Issue 25's bars over validation rows: throughput within 25%, memory within 15% where published.
+THROUGHPUT_BAR = 0.25
+MEMORY_BAR = 0.15
+
+
+def validation_misses(ctx: Context) -> str:
+    """docs/planner.md, "What is not modelled": the validation rows outside issue 25's bars
+    (throughput beyond 25%, memory beyond 15%) and each async-TP row's predicted speedup over
+    its vanilla-TP twin against the published one, from today's planner."""
+    from llmscale.validation.runs import all_results
+
+    results = {r.id: r for r in all_results() if r.role == "validation"}
+    slow = [r for r in results.values() if abs(r.ratio - 1) > THROUGHPUT_BAR]
+    heavy = [
+        r for r in results.values()
+        if r.memory_ratio is not None and abs(r.memory_ratio - 1) > MEMORY_BAR
+    ]  # fmt: skip
+    lines = ["| row | quantity | predicted / published |", "|---|---|---|"]
+    lines += [f"| {r.id} | throughput | {r.ratio:.3f} |" for r in slow]
+    lines += [
+        f"| {r.id} | memory | {r.memory_ratio:.2f} ({r.memory_predicted:.1f} / "
+        f"{r.memory_published:.1f} GiB) |"
+        for r in heavy
+    ]
+    pairs = []
+    for rid, r in results.items():
+        if "asynctp" not in rid:
+            continue
+        twin = results.get(rid.replace("-asynctp", "-tp")) or results.get(
+            rid.replace("-asynctp", "")
+        )
+        if twin is not None:
+            pairs.append(
+                f"{rid}: {r.predicted / twin.predicted:.2f} predicted, "
+                f"{r.published / twin.published:.2f} published"
+            )
+    return "\n".join(lines) + "\n\nAsync TP over vanilla TP: " + "; ".join(pairs) + "."
+
+
 def serving_ratio(ctx: Context) -> str:
     """README: the serving model's H200/H100 ratio at NVIDIA's batches (claims' row)."""
     ratio = ctx.claim("H200 runs Llama 2 70B").rule.claim[0].figure
@@ -1604,6 +1643,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "plan-speed-cases", plan_speed_cases, timed=True),
     Block("docs/planner.md", "plan-costed", plan_costed),
     Block("docs/planner.md", "stack-errors", stack_errors),
+    Block("docs/planner.md", "validation-misses", validation_misses),
     Block("docs/inference.md", "serving-table", serving_table),
     Block("docs/inference.md", "serving-reading", serving_reading),
     Block("docs/inference.md", "kv-per-token", kv_per_token),
