@@ -469,3 +469,15 @@ def test_validation_misses_lists_the_rows_outside_the_bars(monkeypatch: pytest.M
     )
     assert "| ok |" not in out and "| cal |" not in out
     assert "x-asynctp: 1.10 predicted, 1.00 published" in out
+
+
+def test_bubble_estimate_reads_its_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/schedule.md's estimate of the V schedules' closed-form bubble: range and median of
+    the seeded draws' closed / simulated - 1; the draws themselves are the simulator's."""
+    real = docs.bubble_estimate_errors("zbv", draws=3)
+    assert len(real) == 3 and all(-1 < e < 3 for e in real)
+    errs = {"zbv": [-0.2, 0.1, 0.5], "dualpipev": [-0.3, -0.01, 0.2]}
+    monkeypatch.setattr(docs, "bubble_estimate_errors", lambda schedule: errs[schedule])
+    out = docs.bubble_estimate(docs.Context(measure=False))
+    assert "from 20% below to 50% above the simulated bubble for zbv (median 10% above)" in out
+    assert "from 30% below to 20% above the simulated bubble for dualpipev (median 1% below)" in out
