@@ -98,7 +98,7 @@ from llmscale.plan.schedule import (
     inflight_units,
     split_b_count,
 )
-from llmscale.plan.work import cp_share, plan_kernels, rank_work
+from llmscale.plan.work import cp_share, plan_kernels, rank_work, slice_args
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
 __all__ = [
@@ -484,20 +484,6 @@ def param_window(plan: Plan, rank: int, rp: RankParams, prefetch_blocks: int) ->
 
 
 # ---- activations --------------------------------------------------------------------------
-
-
-def slice_args(plan: Plan, kernels: act.Kernels) -> act.SliceArgs:
-    """The arguments `act.block_tensors` and `act.head_tensors` take for one micro-batch of
-    `plan` on one tensor-parallel rank (before a block's recompute mode)."""
-    return (
-        plan.model,
-        plan.micro_batch_size,
-        plan.seq_len,
-        plan.precision,
-        plan.tp,
-        plan.sequence_parallel,
-        plan_kernels(plan, kernels),
-    )
 
 
 def block_bytes(plan: Plan, mode: BlockMode, kernels: act.Kernels) -> float:

@@ -422,23 +422,25 @@ _ORDERS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
 }
 
 
+def _order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[Op]:
+    """`rank`'s order, unvalidated: its schedule's own builder, or the warm-up form."""
+    build = _ORDERS.get(schedule)
+    if build is not None:
+        return build(pp, microbatches, chunks, rank)
+    return _rank_order(schedule, pp, microbatches, chunks, rank)
+
+
 @memoize
 def rank_ops(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> tuple[Op, ...]:
     """`schedule_ops(...)[rank]` without the other ranks, unvalidated, cached: the memory
     model walks one rank's order for several quantities."""
-    build = _ORDERS.get(schedule)
-    if build is not None:
-        return tuple(build(pp, microbatches, chunks, rank))
-    return tuple(_rank_order(schedule, pp, microbatches, chunks, rank))
+    return tuple(_order(schedule, pp, microbatches, chunks, rank))
 
 
 def schedule_ops(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
     """The ordered F/B(/W) ops of each pipeline rank: `result[rank]` is what that rank runs."""
     _validate(schedule, pp, microbatches, chunks)
-    build = _ORDERS.get(schedule)
-    if build is not None:
-        return [build(pp, microbatches, chunks, r) for r in range(pp)]
-    return [_rank_order(schedule, pp, microbatches, chunks, r) for r in range(pp)]
+    return [_order(schedule, pp, microbatches, chunks, r) for r in range(pp)]
 
 
 # ---- closed forms -------------------------------------------------------------------------
@@ -576,22 +578,13 @@ def split_backward_events(
 def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
-    if schedule == "zero_bubble":  # no joined ops: every B waits for its W
-        step = {"B": 1, "W": -1}
-        return tuple(
-            (stage // pp, step[kind])
-            for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank)
-            if kind != "F"
-        )
-    v_actions = _zbv_actions if schedule == "zbv" else _dualpipev_actions
-    ops = v_actions(pp, microbatches, rank)
+    ops = _backward_actions(schedule, pp, microbatches, chunks, rank)
     events: list[tuple[int, int]] = []
-    for k, (kind, _, chunk, _, joined) in enumerate(ops):
+    for k, (kind, chunk, joined) in enumerate(ops):
         if kind == "B":
-            whole = k + 1 < len(ops) and ops[k + 1][0] == "W" and ops[k + 1][4]
-            if not whole:
+            if not _whole_backward(ops, k):
                 events.append((chunk, 1))
-        elif kind == "W" and not joined:
+        elif not joined:
             events.append((chunk, -1))
     return tuple(events)
 
@@ -693,7 +686,7 @@ def _held_grad_points(
     deferred: int | None = None
     for k, (kind, c, joined) in enumerate(ops):
         if kind == "B":
-            whole = not split or (k + 1 < len(ops) and ops[k + 1][0] == "W" and ops[k + 1][2])
+            whole = not split or _whole_backward(ops, k)
             if whole or c != first:
                 post_backward(c, whole or pending[c] == 1)
         elif not joined:  # a W run apart
@@ -715,6 +708,11 @@ def _held_grad_points(
     if deferred is not None:
         reduce(deferred)
     return _undominated(points)
+
+
+def _whole_backward(ops: Sequence[tuple[OpKind, int, bool]], k: int) -> bool:
+    """Is the B at `ops[k]` a full backward (its W joined to it, run in one torch action)?"""
+    return k + 1 < len(ops) and ops[k + 1][0] == "W" and ops[k + 1][2]
 
 
 def _backward_actions(

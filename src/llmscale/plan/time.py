@@ -34,8 +34,9 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   read, and a gradient of its size written and read, `bwd_passes` = 3). The head's logits and
   loss are priced by the saved-bytes passes in every mode. Backward moves twice a forward's
   element-wise bytes. Plus the stack's fixed cost per micro-batch on the device
-  (`Stack.microbatch_overhead_ms`, per-op dispatch where the host waits for each op: a CPU), in proportion to the rank's blocks
-  (a third in forward, two in backward; a recomputed block's forward dispatched again).
+  (`Stack.microbatch_overhead_ms`, per-op dispatch where the host waits for each op: a CPU),
+  in proportion to the rank's blocks (a third in forward, two in backward; a recomputed
+  block's forward dispatched again).
 - context parallelism (cp > 1), ring attention as torch's `context_parallel` runs it: each rank
   holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
   collectives and pipeline sends see b s / cp tokens and its attention 1/cp of the causal
@@ -69,7 +70,8 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   inside a node, the NIC across) on the fill/drain path; or, with `simulate=True`, the
   discrete-event simulator of plan/schedule.py on per-stage costs, F, B and W apart.
 - optimizer: AdamW reads and writes `optimizer_bytes_per_param` per parameter at the achieved
-  optimizer bandwidth (`Stack.optimizer_share` of the datasheet's; device) or `host_adam_GBps` (offloaded), plus the PCIe transfers,
+  optimizer bandwidth (`Stack.optimizer_share` of the datasheet's; device) or
+  `host_adam_GBps` (offloaded), plus the PCIe transfers,
   `offload_overlap` hidden; under offload "lsp" the bytes it moves (`plan/offload_traffic.py`)
   and the host AdamW over the ZeRO path's parameters and each block matrix's d x d subspace
   (the device's projections are not priced). Plus the stack's fixed cost per step on the
@@ -290,9 +292,8 @@ def tp_chunked_gemm_seconds(
     shapes transposed, beside the mirrored collectives) lose as much; 0 where the stack does
     not chunk, without sequence parallelism, or at tp 1."""
     tp = plan.tp
-    if tp == 1 or not plan.sequence_parallel or not tp_.stack.tp_overlap_chunks:
-        return 0.0
-    if not tp_.tp_overlap_gemm:
+    splits = tp_.tp_overlap_gemm and tp_.stack.tp_overlap_chunks
+    if tp == 1 or not plan.sequence_parallel or not splits:
         return 0.0
     whole = [lin.mnk for lin in block_linears(plan)]
     chunks = [(max(1, m // tp), n, k) for m, n, k in whole]
@@ -753,9 +754,9 @@ def _dispatch_seconds(
     stack: Stack, n_layers: int, n_blocks: int, n_redo: int
 ) -> tuple[float, float]:
     """The fixed per-op cost of one micro-batch on a rank (forward, backward): the stack's
-    `microbatch_overhead_ms` on the device (a whole forward and backward) in proportion to the rank's `n_blocks`
-    of the model's `n_layers`, a third in forward and two thirds in backward; each of the
-    `n_redo` recomputed blocks adds a forward's third to backward."""
+    `microbatch_overhead_ms` on the device (a whole forward and backward) in proportion to the
+    rank's `n_blocks` of the model's `n_layers`, a third in forward and two thirds in backward;
+    each of the `n_redo` recomputed blocks adds a forward's third to backward."""
     per_block = stack.microbatch_overhead_ms.value * 1e-3 / n_layers
     return n_blocks * per_block / 3, (2 * n_blocks + n_redo) * per_block / 3
 

@@ -33,6 +33,7 @@ __all__ = [
     "cp_tokens",
     "plan_kernels",
     "rank_work",
+    "slice_args",
 ]
 
 
@@ -78,6 +79,20 @@ def cp_share(plan: Plan) -> float:
 def plan_kernels(plan: Plan, kernels: act.Kernels) -> act.Kernels:
     """The kernel facts as they apply to this plan (are its forward weights low precision?)."""
     return act.with_weights(kernels, plan.lowp_weights)
+
+
+def slice_args(plan: Plan, kernels: act.Kernels) -> act.SliceArgs:
+    """The arguments `act.block_tensors` and `act.head_tensors` take for one micro-batch of
+    `plan` on one tensor-parallel rank (before a block's recompute mode)."""
+    return (
+        plan.model,
+        plan.micro_batch_size,
+        plan.seq_len,
+        plan.precision,
+        plan.tp,
+        plan.sequence_parallel,
+        plan_kernels(plan, kernels),
+    )
 
 
 @dataclass(frozen=True)
@@ -145,9 +160,7 @@ def rank_work(plan: Plan, rank: int, kernels: act.Kernels) -> RankWork:
 def _rank_work(plan: Plan, rank: int, kernels: act.Kernels) -> RankWork:
     layers = plan.rank_layers(rank)
     modes = plan.block_modes(layers)
-    kern = plan_kernels(plan, kernels)
-    args = (plan.model, plan.micro_batch_size, plan.seq_len, plan.precision, plan.tp,
-            plan.sequence_parallel, kern)  # fmt: skip
+    args = slice_args(plan, kernels)
     share = cp_share(plan)  # every per-token tensor: this cp rank's s / cp of each sequence
     kinds: set[BlockMode] = {*modes, "none"}
     saved = {m: share * act.block_bytes(*args, m) for m in kinds}
