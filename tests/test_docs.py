@@ -74,6 +74,19 @@ def _edit_block(path: Path, name: str, old: str, new: str) -> str:
     return text
 
 
+def _bump(path: Path, suite: str, config: str, by: float, quantity: str | None = None) -> dict:
+    """Add `by` to the measured figure of `suite`'s row `config` (and `quantity`, if given) in
+    the record at `path`; the row as written."""
+    data = json.loads(path.read_text())
+    row = next(
+        r for r in data[suite]["rows"]
+        if r["config"] == config and quantity in (None, r["quantity"])
+    )  # fmt: skip
+    row["measured"] += by
+    path.write_text(json.dumps(data))
+    return dict(row)
+
+
 def test_the_demo_transcript_is_rendered_from_its_record(tmp_path: Path) -> None:
     """README's demo block is what make demo recorded (docs/results/demo.json), rendered with
     the train command's own renderers: a hand-edited figure in it, or a changed record, is
@@ -150,14 +163,8 @@ def test_the_pipeline_memory_table_is_rendered_from_its_record(tmp_path: Path) -
     """docs/schedule.md's bytes per rank are bench.pipeline_memory's rows: a changed row makes
     the table stale, and the table shows the new figure."""
     root = _copy(tmp_path)
-    path = root / "docs/results/pipeline_memory.json"
-    data = json.loads(path.read_text())
-    row = next(
-        r for r in data["pipeline_memory"]["rows"]
-        if r["config"] == "pp=4 m=8 zbv rank 3" and r["quantity"] == "pending_weight_grad_bytes"
-    )  # fmt: skip
-    row["measured"] += 1
-    path.write_text(json.dumps(data))
+    row = _bump(root / "docs/results/pipeline_memory.json", "pipeline_memory",
+                "pp=4 m=8 zbv rank 3", 1, "pending_weight_grad_bytes")  # fmt: skip
     assert docs.stale(root) == ["docs/schedule.md: pipeline-memory-table"]  # 0.72 MB: the same
     docs.write(root)
     text = (root / "docs/schedule.md").read_text()
@@ -176,11 +183,8 @@ def test_the_selective_table_is_rendered_from_its_record(tmp_path: Path) -> None
     docs.write(root)
     assert md.read_text() == text
 
-    path = root / "docs/results/selective.json"
-    data = json.loads(path.read_text())
-    row = next(r for r in data["selective_kernels"]["rows"] if r["config"] == "math recompute=none")
-    row["measured"] += 4800  # one more s x s fp32 tensor per block kept
-    path.write_text(json.dumps(data))
+    # one more s x s fp32 tensor per block kept
+    _bump(root / "docs/results/selective.json", "selective_kernels", "math recompute=none", 4800)
     assert docs.stale(root) == ["docs/memory-model.md: selective-kernels"]
     docs.write(root)
     i, j = docs._span(md.read_text(), "selective-kernels")
@@ -249,14 +253,8 @@ def test_typed_planner_and_results_figures_are_rendered(tmp_path: Path) -> None:
     # 22d + 4kv + 8f + 4H + 8 per token (the bf16 sum above it), d 8192, kv 1024, f 28672, H 64
     assert 22 * 8192 + 4 * 1024 + 8 * 28672 + 4 * 64 + 8 == 413_960
     _edit_block(md, "llama70b-block", "413,960 bytes", "413,961 bytes")
-    res = root / "docs/results/results.json"
-    data = json.loads(res.read_text())
-    row = next(
-        r for r in data["memory"]["rows"]
-        if r["config"] == "fp32 mbs=4 recompute=selective_op" and r["quantity"] == "activations"
-    )  # fmt: skip
-    row["measured"] += 4
-    res.write_text(json.dumps(data))
+    row = _bump(root / "docs/results/results.json", "memory",
+                "fp32 mbs=4 recompute=selective_op", 4, "activations")  # fmt: skip
     stale = docs.stale(root)
     for block in (
         "README.md: preset-params",

@@ -104,10 +104,17 @@ def _demo_search() -> PlanReport:
     return plan_report("llama2-70b", 64, "h200", 4096, 1024, "bf16", 5)
 
 
-def _search_seconds(ctx: Context, case: Any) -> float:
+@functools.cache
+def _case_search(case: Any) -> Any:
+    """One cold search of a bench/plan_speed.py case per process (`time_search`: its seconds
+    and the plans it costed), read by every block that reports on it."""
     from llmscale.bench.plan_speed import time_search
 
-    return time_search(case).cpu_s if ctx.measure else 0.0
+    return time_search(case)
+
+
+def _search_seconds(ctx: Context, case: Any) -> float:
+    return float(_case_search(case).cpu_s) if ctx.measure else 0.0
 
 
 def plan_speed(ctx: Context) -> str:
@@ -137,24 +144,8 @@ def plan_costed(ctx: Context) -> str:
     """docs/planner.md: how many plans each of bench/plan_speed.py's searches costs today (the
     search's `evaluated`, what `llmscale plan --json` reports; not a timing)."""
     from llmscale.bench.plan_speed import CASES
-    from llmscale.report.search_report import plan_report
 
-    counts = []
-    for c in CASES:
-        demo = (c.model, c.gpus, c.gpu, c.seq, c.global_batch) == (
-            "llama2-70b",
-            64,
-            "h200",
-            4096,
-            1024,
-        )
-        rep = (
-            _demo_search()
-            if demo
-            else plan_report(c.model, c.gpus, c.gpu, c.seq, c.global_batch, top=5)
-        )
-        counts.append(f"{rep.result.evaluated:,}")
-    return f"{' and '.join(counts)} today"
+    return " and ".join(f"{_case_search(c).costed:,}" for c in CASES) + " today"
 
 
 def megatron_ratios(ctx: Context) -> str:
