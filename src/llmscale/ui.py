@@ -12,3 +12,12 @@ def console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 200
     return Console(file=stream, width=width, highlight=False, soft_wrap=True)
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes in the largest binary unit (B to TiB) in which it reads below 1024."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

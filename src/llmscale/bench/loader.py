@@ -166,7 +166,7 @@ def gpu_demand(
 
 
 def figure_lines(figs: list[LoaderFigure], demand: float | None, model: str) -> list[str]:
-    from llmscale.train.progress import human_bytes
+    from llmscale.ui import human_bytes
 
     lines = [
         f"{'corpus':>10} {'shards':>6} {'tokens/s':>14} {'RSS':>10} {'anon':>10} "

@@ -11,8 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from llmscale.train.progress import human_bytes
-from llmscale.ui import console
+from llmscale.ui import console, human_bytes
 
 
 @dataclass

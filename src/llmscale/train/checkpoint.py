@@ -475,11 +475,3 @@ def _describe_failure(exc: BaseException) -> str | None:
     if any(s in text for s in ("PytorchStreamWriter", "inline_container", "unexpected pos")):
         return "write failed (" + text.splitlines()[0][:120] + "); is the disk full?"
     return None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

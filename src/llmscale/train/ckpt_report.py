@@ -13,11 +13,11 @@ from pathlib import Path
 from llmscale.errors import UsageError
 from llmscale.train.checkpoint import (
     Checkpointer,
-    human_bytes,
     is_trash,
     read_manifest,
     verify_checkpoint,
 )
+from llmscale.ui import human_bytes
 
 _AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

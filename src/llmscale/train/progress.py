@@ -16,19 +16,11 @@ from rich.text import Text
 
 from llmscale.config import JobConfig
 from llmscale.instrument.calibrate import BUSY_CORES
-from llmscale.ui import console
+from llmscale.ui import console, human_bytes
 
 if TYPE_CHECKING:
     from llmscale.train.prediction import RunPrediction
     from llmscale.train.trainer import Trainer, TrainResult
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -41,7 +41,6 @@ from llmscale.plan.checkpoint_size import checkpoint_bytes
 from llmscale.train.checkpoint import (
     Checkpointer,
     Found,
-    human_bytes,
     newest_intact,
     share_from_rank0,
 )
@@ -49,6 +48,7 @@ from llmscale.train.launch import restart_attempt
 from llmscale.train.prediction import FILE_NAME as PREDICTION
 from llmscale.train.progress import SUMMARY
 from llmscale.train.weights import check_resume_model
+from llmscale.ui import human_bytes
 
 LOCK_NAME = ".lock"
 OWNER_NAME = ".llmscale-owner"  # in a checkpoint folder outside its run folder
