@@ -35,8 +35,9 @@ def _not_measured() -> str:
 def _when(rec: dict[str, Any]) -> str:
     load = rec["load_average"]
     return (
-        f"`python -m llmscale.bench.startup`, {rec['measured_at'][:10]}, {rec['cores']} CPU "
-        f"cores, load average {load[0]:.2f} at the start, {load[1]:.2f} at the end"
+        f"in `python -m llmscale.bench.startup`'s record of {rec['measured_at'][:10]}: "
+        f"{rec['cores']} CPU cores, load average {load[0]:.2f} at the start, {load[1]:.2f} at "
+        "the end"
     )
 
 
@@ -48,7 +49,7 @@ def startup_calibration(ctx: Context) -> str:
     c = rec["calibration"]
     return (
         f"{c['seconds']:.1f} s at the demo's shape, the {c['model']} model, "
-        f"{c['micro_batch_size']} × {c['seq_len']} tokens in {c['precision']} ({_when(rec)})"
+        f"{c['micro_batch_size']} × {c['seq_len']} tokens in {c['precision']}, {_when(rec)}"
     )
 
 
@@ -70,8 +71,8 @@ def startup_verify(ctx: Context) -> str:
     return (
         f"{v['first_seconds']:.2f} s for a {v['shard_bytes'] / MIB:,.0f} MiB shard from the page "
         f"cache, its sha256 and largest id, the disk's rate cold; then cached in "
-        "`$LLMSCALE_CACHE_DIR` by the shard's path, size, modification time and inode, so a "
-        f"second open reads nothing: {1e3 * v['again_seconds']:.1f} ms ({_when(rec)})"
+        "`$LLMSCALE_CACHE_DIR` by the shard's path, size, inode, modification and change time, so a "
+        f"second open reads nothing: {1e3 * v['again_seconds']:.1f} ms, {_when(rec)}"
     )
 
 
