@@ -25,7 +25,16 @@ def test_every_rendered_block_is_current() -> None:
 
 RECORDS = tuple(
     f"docs/results/{n}.json"
-    for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload", "selective")
+    for n in (
+        "results",
+        "demo",
+        "timings",
+        "pipeline_memory",
+        "overhead",
+        "offload",
+        "selective",
+        "pages-startup",
+    )
 )
 
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 
+from llmscale import docs_pages as pages
 from llmscale.bench import demo
 from llmscale.cli.plan import plan_output
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
@@ -1744,6 +1745,13 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/claims.md", None, _claims_md),
     Block("docs/results.md", None, _results_md),
     Block("docs/planner-validation.md", None, _planner_validation),
+    # README's prose (docs_pages.py)
+    Block("README.md", "startup-calibration", pages.startup_calibration),
+    Block("README.md", "startup-probe", pages.startup_probe),
+    Block("README.md", "startup-verify", pages.startup_verify),
+    Block("README.md", "params-window", pages.params_window),
+    Block("README.md", "memcheck-need", pages.memcheck_need),
+    Block("README.md", "korthikanti-fit", pages.korthikanti_fit),
 )
 
 
