@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for an H100/H200 host (under 8 minutes): MFU of the trainer on a ~1B model in bf16
+# The GPU check, for an H100/H200 host: MFU of the trainer on a ~1B model in bf16
 # for recompute none/selective/full, the largest micro-batch that fits vs the planner's
 # prediction, and step time with the optimizer offloaded to the CPU. Writes gpu_results.json and
 # gpu_results.md into --out (default runs/gpu-check). Without CUDA it says so, skips the GPU

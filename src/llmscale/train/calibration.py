@@ -32,10 +32,9 @@ version, the model's shape, micro-batch, sequence length and precision. With the
 the time of a fixed probe workload (`probe_seconds`) measured alongside; a run that finds the
 figures times the probe again, and measures again when the machine now runs it more than
 `PROBE_TOLERANCE` times slower or faster (another engineer's load on a shared machine), saying so
-in one line: figures from a quiet hour would otherwise predict a busy hour's run (the demo's
-predicted / measured step time was 0.57-0.78 under a load average of 8-11 on 2 cores from a
-cache measured on a quiet machine, 0.96 and 0.99 measured again under that load). Re-measuring
-costs about a second at the demo's shape; the probe, about 50 ms.
+in one line: figures from a quiet hour would otherwise predict a busy hour's run. What a
+measurement and a probe cost on this machine: `python -m llmscale.bench.startup` (README,
+"startup-calibration" and "startup-probe").
 """
 
 from __future__ import annotations
@@ -418,7 +417,7 @@ def probe_seconds(device: torch.device) -> float:
     """Seconds of a fixed small workload (GEMMs, element-wise adds and their dispatch), the
     median of `PROBE_PASSES` passes of about 10 ms each: how fast this process runs now, at
     whatever share of the cores the machine's other processes leave it. Timed alongside every
-    measurement and again whenever cached figures are used (about 60 ms on a quiet machine);
+    measurement and again whenever cached figures are used (`python -m llmscale.bench.startup`);
     each pass is long enough to span the scheduler's time slices, so that it sees the share,
     and the median passes over a single burst of others' work."""
     a = torch.randn(PROBE_GEMM, PROBE_GEMM, device=device)
