@@ -50,12 +50,14 @@ claims: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m llmscale.docs
 
-# The fault-injection suite's rows (tests/faults, fault_row) as docs/reliability.md; the page is
-# written even when a case fails (it shows which), and make then fails.
+# The fault-injection suite's rows (tests/faults, fault_row), kept as docs/results/reliability.json
+# and rendered as docs/reliability.md; the page is written even when a case fails (it shows
+# which), and make then fails.
 reliability: $(STAMP)
 	rm -f build/reliability.json; status=0; \
 	LLMSCALE_RELIABILITY_JSON=build/reliability.json $(PY) -m pytest tests/faults -q || status=$$?; \
-	$(PY) -m llmscale.bench.reliability build/reliability.json docs/reliability.md && exit $$status
+	cp build/reliability.json docs/results/reliability.json && \
+	$(PY) -m llmscale.bench.reliability docs/results/reliability.json docs/reliability.md && exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

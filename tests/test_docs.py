@@ -34,6 +34,7 @@ RECORDS = tuple(
         "offload",
         "selective",
         "pages-startup",
+        "reliability",
     )
 )
 
@@ -73,6 +74,29 @@ def test_a_changed_result_makes_its_block_stale(tmp_path: Path) -> None:
     assert "README.md: measured-vs-predicted" in stale  # the recompute row
     assert "docs/claims.md: the whole file" in stale  # claims' recompute row
     assert "docs/results.md: the whole file" in stale  # make results' page of the same file
+
+
+def test_the_reliability_page_is_rendered_from_the_fault_suites_record(tmp_path: Path) -> None:
+    """docs/reliability.md is make reliability's record (docs/results/reliability.json)
+    rendered by that command's own function: a failed or lossy case in the record shows on the
+    page, and without the record the page names the command that writes it."""
+    root = _copy(tmp_path)
+    record = root / "docs/results/reliability.json"
+    rows = json.loads(record.read_text())
+    ctx = docs.Context(root / "docs/results/results.json")
+    page = docs._reliability_md(ctx)
+    assert page == (ROOT / "docs/reliability.md").read_text()
+    n = len(rows)
+    assert f"**{n} cases, {n} passed, " in page
+    rows[0]["outcome"] = "failed"
+    rows[1]["data_lost"] = "the last checkpoint"
+    record.write_text(json.dumps(rows))
+    doctored = docs._reliability_md(docs.Context(root / "docs/results/results.json"))
+    assert f"**{n} cases, {n - 1} passed, " in doctored
+    assert "| **failed** |" in doctored and "| **the last checkpoint** |" in doctored
+    record.unlink()
+    missing = docs._reliability_md(docs.Context(root / "docs/results/results.json"))
+    assert "run `make reliability`" in missing
 
 
 def _edit_block(path: Path, name: str, old: str, new: str) -> str:

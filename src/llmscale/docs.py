@@ -1613,6 +1613,17 @@ def _planner_validation(ctx: Context) -> str:
     return markdown(all_rows())
 
 
+def _reliability_md(ctx: Context) -> str:
+    """docs/reliability.md from the fault suite's record, docs/results/reliability.json (`make
+    reliability`), with that command's own renderer; without the record, the command to run."""
+    from llmscale.bench.reliability import markdown, read_rows
+
+    path = ctx.results_path.parent / "reliability.json"
+    if not path.is_file():
+        return "# Reliability: faults and bad input\n\nNo record yet: run `make reliability`.\n"
+    return markdown(read_rows(path))
+
+
 def _results_md(ctx: Context) -> str:
     """docs/results.md from results.json with `make results`' own renderer (bench.report
     .markdown); its header (the command, date and machine of that run, which results.json does
@@ -1745,6 +1756,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/claims.md", None, _claims_md),
     Block("docs/results.md", None, _results_md),
     Block("docs/planner-validation.md", None, _planner_validation),
+    Block("docs/reliability.md", None, _reliability_md),
     # README's prose (docs_pages.py)
     Block("README.md", "startup-calibration", pages.startup_calibration),
     Block("README.md", "startup-probe", pages.startup_probe),
