@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 
+from llmscale import docs_parallel as par
 from llmscale.bench import demo
 from llmscale.cli.plan import plan_output
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
@@ -1744,6 +1745,19 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/claims.md", None, _claims_md),
     Block("docs/results.md", None, _results_md),
     Block("docs/planner-validation.md", None, _planner_validation),
+    # docs/parallel.md, schedule.md, pipeline-bench.md, planner.md prose (llmscale.docs_parallel)
+    Block("docs/parallel.md", "demo-losses", par.demo_losses),
+    Block("docs/parallel.md", "replica-allreduces", par.replica_allreduces),
+    Block("docs/parallel.md", "pipeline-gathers", par.pipeline_gathers_table),
+    Block("docs/parallel.md", "interleaved-inflight", par.interleaved_inflight),
+    Block("docs/parallel.md", "zbh1-idle", par.zbh1_idle),
+    Block("docs/parallel.md", "inflight-limit", par.inflight_limit),
+    Block("docs/schedule.md", "inflight-rest", par.inflight_rest),
+    Block("docs/pipeline-bench.md", "pipeline-step-cost", par.pipeline_step_cost),
+    Block("docs/pipeline-bench.md", "pipeline-send-bytes", par.pipeline_send_bytes),
+    Block("docs/planner.md", "decode-ridge", par.decode_ridge),
+    Block("docs/planner.md", "cp-rows", par.cp_rows),
+    Block("docs/planner.md", "vanilla-tp", par.vanilla_tp),
 )
 
 
