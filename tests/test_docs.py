@@ -27,6 +27,7 @@ RECORDS = tuple(
     f"docs/results/{n}.json"
     for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload", "selective")
 )
+RECORDS += ("docs/results/parallel-init.json",)  # bench/parallel_init.py (docs_parallel)
 
 
 def _copy(tmp_path: Path) -> Path:

@@ -21,7 +21,7 @@ MINE = {b.name for b in docs.BLOCKS if b.render.__module__ == docs_parallel.__na
 
 def test_my_blocks_are_current() -> None:
     ctx = Context(ROOT / "docs" / "results" / "results.json", measure=False)
-    assert len(MINE) == 12
+    assert len(MINE) == 13
     for b in docs.BLOCKS:
         if b.name in MINE:
             have = docs._content((ROOT / b.file).read_text(), b)
@@ -161,3 +161,33 @@ def test_validation_blocks_follow_the_rows(monkeypatch: pytest.MonkeyPatch) -> N
         == "predicted / published tokens/s per GPU at cp 1, 8: 1.00, 1.50"
     )
     assert docs_parallel.vanilla_tp(ctx) == "tt2506-8b-64gpu-bf16-tp 1.10 predicted / published"
+
+
+def test_init_rate_renders_what_the_recorder_writes(tmp_path: Path) -> None:
+    """The recorder's output is what the renderer reads: a tiny run, then a doctored rate."""
+    from llmscale.bench import parallel_init
+    from llmscale.model.config import get_preset
+
+    res = tmp_path / "docs" / "results"
+    ctx = Context(res / "results.json")
+    assert docs_parallel.init_rate(ctx).startswith("not measured yet")
+    out = res / "parallel-init.json"
+    assert (
+        parallel_init.main(
+            ["--rows", "64", "--cols", "32", "--repeats", "2", "--json-out", str(out)]
+        )
+        == 0
+    )
+    rec = json.loads(out.read_text())[parallel_init.SUITE]
+    assert rec["shape"] == [64, 32] and len(rec["seconds"]) == 2
+    assert rec["values_per_s"] == pytest.approx(64 * 32 / min(rec["seconds"]))
+    assert "bench.parallel_init --rows 64" in rec["command"] and len(rec["load_average"]) == 2
+
+    def change(d: dict[str, Any]) -> None:
+        d[parallel_init.SUITE]["values_per_s"] = 1e8
+
+    _edit(out, change)
+    n = get_preset("llama2-70b").num_params()
+    text = docs_parallel.init_rate(ctx)
+    assert text.startswith("0.10 G values/s on one core")
+    assert f"take {n / 1e8 / 60:.0f} minutes" in text

@@ -1758,6 +1758,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "decode-ridge", par.decode_ridge),
     Block("docs/planner.md", "cp-rows", par.cp_rows),
     Block("docs/planner.md", "vanilla-tp", par.vanilla_tp),
+    Block("docs/parallel.md", "init-rate", par.init_rate),
 )
 
 

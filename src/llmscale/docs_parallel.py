@@ -296,3 +296,28 @@ def vanilla_tp(ctx: Context) -> str:
     published throughput (`validation.runs`)."""
     rows = [r for r in _validation("tt2506-8b-") if r.id.endswith("-tp")]
     return ", ".join(f"{r.id} {r.ratio:.2f}" for r in rows) + " predicted / published"
+
+
+def init_rate(ctx: Context) -> str:
+    """parallel.md's limits: how fast one core draws initial values (docs/results/
+    parallel-init.json, `python -m llmscale.bench.parallel_init`) and what that makes of
+    Llama 2 70B drawn whole on a rank."""
+    import json
+
+    from llmscale.bench import parallel_init
+    from llmscale.model.config import get_preset
+
+    path = ctx.results_path.parent / "parallel-init.json"
+    rec = json.loads(path.read_text()).get(parallel_init.SUITE) if path.is_file() else None
+    if rec is None:
+        return "not measured yet: `python -m llmscale.bench.parallel_init --json-out " \
+            "docs/results/parallel-init.json`"  # fmt: skip
+    rate = rec["values_per_s"]
+    n = get_preset("llama2-70b").num_params()
+    load = rec["load_average"]
+    return (
+        f"{rate / 1e9:.2f} G values/s on one core (`python -m llmscale.bench.parallel_init`, "
+        f"{rec['measured_at'][:10]}, load average {load[0]:.1f} to {load[1]:.1f}), so Llama 2 "
+        f"70B's {n / 1e9:.0f} G values take {n / rate / 60:.0f} minutes on a rank that draws "
+        "them all"
+    )
