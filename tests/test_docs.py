@@ -35,6 +35,7 @@ RECORDS = tuple(
         "selective",
         "pages-startup",
         "reliability",
+        "parallel-init",
     )
 )
 

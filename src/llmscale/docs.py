@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 from rich.console import Console
 
 from llmscale import docs_pages as pages
+from llmscale import docs_parallel as par
 from llmscale.bench import demo
 from llmscale.cli.plan import plan_output
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
@@ -1764,6 +1765,20 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "params-window", pages.params_window),
     Block("README.md", "memcheck-need", pages.memcheck_need),
     Block("README.md", "korthikanti-fit", pages.korthikanti_fit),
+    # docs/parallel.md, schedule.md, pipeline-bench.md, planner.md prose (llmscale.docs_parallel)
+    Block("docs/parallel.md", "demo-losses", par.demo_losses),
+    Block("docs/parallel.md", "replica-allreduces", par.replica_allreduces),
+    Block("docs/parallel.md", "pipeline-gathers", par.pipeline_gathers_table),
+    Block("docs/parallel.md", "interleaved-inflight", par.interleaved_inflight),
+    Block("docs/parallel.md", "zbh1-idle", par.zbh1_idle),
+    Block("docs/parallel.md", "inflight-limit", par.inflight_limit),
+    Block("docs/schedule.md", "inflight-rest", par.inflight_rest),
+    Block("docs/pipeline-bench.md", "pipeline-step-cost", par.pipeline_step_cost),
+    Block("docs/pipeline-bench.md", "pipeline-send-bytes", par.pipeline_send_bytes),
+    Block("docs/planner.md", "decode-ridge", par.decode_ridge),
+    Block("docs/planner.md", "cp-rows", par.cp_rows),
+    Block("docs/planner.md", "vanilla-tp", par.vanilla_tp),
+    Block("docs/parallel.md", "init-rate", par.init_rate),
 )
 
 
