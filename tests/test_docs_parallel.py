@@ -191,3 +191,34 @@ def test_init_rate_renders_what_the_recorder_writes(tmp_path: Path) -> None:
     text = docs_parallel.init_rate(ctx)
     assert text.startswith("0.10 G values/s on one core")
     assert f"take {n / 1e8 / 60:.0f} minutes" in text
+
+
+def test_planner_md_reads_the_stacks_the_links_and_the_runs(monkeypatch) -> None:
+    """The fitted factors, NVLink's achieved rate and the run counts are the catalog's and the
+    stacks' own: a changed fact changes the sentence."""
+    import dataclasses
+
+    from llmscale import stack as stack_mod
+    from llmscale.hardware import catalog
+    from llmscale.validation import runs as runs_mod
+
+    fits = docs_parallel.stack_fits(None)
+    assert "torchtitan on NVIDIA H100 96GB" in fits and "0.73x" in fits
+    tt = stack_mod.STACKS["torchtitan"]
+    fit = dataclasses.replace(
+        tt.fitted[0], scale=dataclasses.replace(tt.fitted[0].scale, value=0.5)
+    )
+    monkeypatch.setitem(stack_mod.STACKS, "torchtitan", dataclasses.replace(tt, fitted=(fit,)))
+    assert "0.5x" in docs_parallel.stack_fits(None) and "0.73x" not in docs_parallel.stack_fits(
+        None
+    )
+
+    link = catalog.default_catalog().link("nvlink4")
+    per_link = link.achieved_GBps.value / link.links_per_gpu.value
+    assert docs_parallel.nvlink_achieved(None).startswith(f"{per_link:.1f} GB/s per NVLink 4 link")
+
+    rows = runs_mod.load_runs()
+    text = docs_parallel.run_counts(None)
+    assert text.startswith(f"{len(rows)} runs: ")
+    monkeypatch.setattr(runs_mod, "load_runs", lambda: rows[:3])
+    assert docs_parallel.run_counts(None).startswith("3 runs: ")

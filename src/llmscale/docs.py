@@ -1779,6 +1779,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "cp-rows", par.cp_rows),
     Block("docs/planner.md", "vanilla-tp", par.vanilla_tp),
     Block("docs/parallel.md", "init-rate", par.init_rate),
+    Block("docs/planner.md", "stack-fits", par.stack_fits),
+    Block("docs/planner.md", "nvlink-achieved", par.nvlink_achieved),
+    Block("docs/planner.md", "run-counts", par.run_counts),
 )
 
 

@@ -321,3 +321,49 @@ def init_rate(ctx: Context) -> str:
         f"70B's {n / 1e9:.0f} G values take {n / rate / 60:.0f} minutes on a rank that draws "
         "them all"
     )
+
+
+# ---- docs/planner.md: the stacks' fitted values and the validation set ------------------------
+
+
+def stack_fits(ctx: Context) -> str:
+    """planner.md: each stack's fixed cost per step and the factors fitted on its published
+    runs (`Stack.fitted`), from the stacks themselves."""
+    from llmscale.hardware.catalog import default_catalog
+    from llmscale.stack import STACKS, STEP_OVERHEAD
+
+    parts = []
+    for stack in STACKS.values():
+        for fit in stack.fitted:
+            gpu = default_catalog().gpu(fit.gpu).display
+            parts.append(f"{stack.name} on {gpu} at {fit.scale.value:g}x ({', '.join(fit.fields)})")
+    return f"`Stack.step_overhead_ms`: {STEP_OVERHEAD.value:g} ms, an assumption; fitted: " + (
+        "; ".join(parts) if parts else "none"
+    )
+
+
+def nvlink_achieved(ctx: Context) -> str:
+    """planner.md: what NCCL's topology model reaches on NVLink 4 (`achieved_GBps`) against the
+    datasheet, per link and per GPU, from the link catalog."""
+    from llmscale.hardware.catalog import default_catalog
+
+    link = default_catalog().link("nvlink4")
+    assert link.achieved_GBps is not None and link.links_per_gpu is not None
+    per_gpu, links = link.achieved_GBps.value, link.links_per_gpu.value
+    return (
+        f"{per_gpu / links:.1f} GB/s per NVLink 4 link, {per_gpu:g} GB/s per H100 against "
+        f"{link.bandwidth_GBps.value:g} on the datasheet"
+    )
+
+
+def run_counts(ctx: Context) -> str:
+    """planner.md: how many published runs validation/data/runs.toml holds, per stack and role."""
+    from llmscale.validation.runs import load_runs
+
+    runs = load_runs()
+    by: dict[str, int] = {}
+    for r in runs:
+        by[r["stack"]] = by.get(r["stack"], 0) + 1
+    cal = sum(r["role"] == "calibration" for r in runs)
+    per = ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+    return f"{len(runs)} runs: {per}; {cal} of them calibration"
