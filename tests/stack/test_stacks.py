@@ -188,6 +188,53 @@ def test_micro_pipelined_tp_runs_its_gemms_in_tp_row_chunks() -> None:
     assert tp_chunked_gemm_seconds(plan, H100, time_params(MEGATRON_CORE), peak, None) == 0.0
 
 
+def test_micro_pipelined_tp_fuses_a_reduce_scatter_only_with_the_matmul_producing_it() -> None:
+    """torch's async TP (micro_pipeline_tp.py `_find_producer_matmul`) fuses a reduce-scatter
+    with the one matmul producing its input: the forward's row-parallel outputs, each then
+    reduced by a kernel reading the tp partial shards (`_fused_matmul_reduce_scatter_impl`);
+    the backward's reduce-scatter of a region with several column-parallel linears (wq, wk, wv;
+    w1, w3) reads the sum of their input gradients and runs unfused, exposed in full. A GELU
+    MLP has one column-parallel linear (w1): its backward reduce-scatter is fused."""
+    from llmscale.plan.collectives import collective
+    from llmscale.plan.time import _overlapped, _tp_block_seconds, tp_region_gemm_seconds
+
+    async_tp = time_params(TORCHTITAN.on(tp_overlap_gemm=True, tp_overlap_chunks=True))
+    peak = H100.gpu.peak_flops("bf16")
+    hbm = H100.gpu.hbm_bandwidth * H100.gpu.calibration.hbm_efficiency.value
+    eta = async_tp.dp_overlap
+    gpt = get_preset("gpt2-124m")
+    for model, unfused in ((L8, [True, True]), (gpt, [True, False])):
+        plan = Plan(model=model, seq_len=1024 if model is gpt else 8192, micro_batch_size=4,
+                    global_batch_size=32, tp=4, dp_shard=2, sequence_parallel=True)  # fmt: skip
+        nbytes = 4 * plan.seq_len * model.dim * 2
+        ag = collective("all_gather", nbytes, 4, 4, H100.fabric).seconds
+        rs = collective("reduce_scatter", nbytes, 4, 4, H100.fabric).seconds
+        reduction = (nbytes + nbytes / 4) / hbm
+        regions = tp_region_gemm_seconds(plan, H100, peak, None)
+        fwd = sum(_overlapped(ag, c, eta) + _overlapped(rs, r, eta) + reduction
+                  for c, r in regions)  # fmt: skip
+        bwd = sum(
+            (rs if several else _overlapped(rs, c, eta) + reduction) + _overlapped(ag, r, eta)
+            for (c, r), several in zip(regions, unfused, strict=True)
+        )
+        got = _tp_block_seconds(plan, H100, async_tp, peak, None)
+        assert got[0] == pytest.approx(fwd, rel=1e-12)
+        assert got[1] == pytest.approx(bwd, rel=1e-12)
+        # op-level SAC keeps the reduce-scatters' outputs: its redo is the all-gathers alone
+        assert got[2] == pytest.approx(sum(_overlapped(ag, c, eta) for c, _ in regions), rel=1e-12)
+    # Megatron's TP overlap (TransformerEngine's userbuffers) is not torch's: no such terms
+    plan = Plan(model=L8, seq_len=8192, micro_batch_size=1, global_batch_size=8, tp=8,
+                dp_shard=1, sequence_parallel=True)  # fmt: skip
+    mc = _tp_block_seconds(plan, H100, time_params(MEGATRON_CORE), peak, None)
+    ag = collective("all_gather", 8192 * L8.dim * 2, 8, 8, H100.fabric).seconds
+    rs = collective("reduce_scatter", 8192 * L8.dim * 2, 8, 8, H100.fabric).seconds
+    regions = tp_region_gemm_seconds(plan, H100, peak, None)
+    eta = time_params(MEGATRON_CORE).dp_overlap
+    assert mc[1] == pytest.approx(
+        sum(_overlapped(rs, c, eta) + _overlapped(ag, r, eta) for c, r in regions), rel=1e-12
+    )
+
+
 def test_torchtitan_gathers_float8_inputs_under_tp() -> None:
     """torchtitan's Float8 TP styles all-gather the float8 cast of a region's input: the
     forward all-gathers move half the bytes of bf16 ones; backward's stay bf16."""

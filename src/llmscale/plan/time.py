@@ -720,7 +720,19 @@ def _tp_block_seconds(
     Where the stack overlaps them with GEMMs (`tp_overlap_gemm`), each runs beside the GEMMs it
     feeds or drains (`tp_region_gemm_seconds`): an all-gather (and, in backward, its
     reduce-scatter) beside the column-parallel GEMMs reading its output, a reduce-scatter or
-    all-reduce (and its mirror) beside the row-parallel GEMM writing its input."""
+    all-reduce (and its mirror) beside the row-parallel GEMM writing its input.
+
+    torch's micro-pipelined TP (`Stack.tp_overlap_chunks`; torch/_inductor/fx_passes/
+    micro_pipeline_tp.py) fuses a reduce-scatter only with the one matmul that produces its
+    input (`_find_producer_matmul`), and each fused one ends with a reduction kernel over the
+    tp partial results it received (torch.distributed._symmetric_memory
+    `_fused_matmul_reduce_scatter_impl`: reads tp shards, writes one, at HBM bandwidth):
+    - forward, the row-parallel output's reduce-scatter is fused: hidden, plus that reduction;
+    - backward, the gradient of a region's gathered input is the sum of its column-parallel
+      linears' input gradients (wq, wk, wv; w1, w3): with more than one, the reduce-scatter
+      reads an add, not a matmul, and runs unfused, exposed in full; a region with one
+      column-parallel linear (a GELU MLP's w1) is fused like the forward's.
+    All-gathers feed matmuls in both directions and are fused."""
     m, tp = plan.model, plan.tp
     nbytes = cp_tokens(plan) * m.dim * DTYPE_BYTES[plan.precision]
     fp8_gather = plan.fp8_matmuls and tp_.kernels.fp8_all_gathers
@@ -739,13 +751,32 @@ def _tp_block_seconds(
         fwd = bwd = [("all_reduce", seconds("all_reduce", nbytes), 1)]
 
     regions = tp_region_gemm_seconds(plan, cluster, peak, flat) if tp_.tp_overlap_gemm else []
+    chunked = tp_.tp_overlap_gemm and tp_.stack.tp_overlap_chunks and plan.sequence_parallel
+    # torch's fused reduce-scatter: its reduction kernel, and which ones are fused (above)
+    reduction = 0.0
+    unfused: list[bool] = []
+    if chunked:
+        hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
+        reduction = (nbytes + nbytes / tp) / hbm
+        cols: dict[str, int] = {}
+        for lin in block_linears(plan):
+            cols[lin.region] = cols.get(lin.region, 0) + lin.colwise
+        unfused = [n > 1 for n in cols.values()]
 
     def exposed(parts: list[tuple[str, float, int]], kept: frozenset[str] = frozenset()) -> float:
         parts = [p for p in parts if p[0] not in kept]
         if not tp_.tp_overlap_gemm:
             return TP_REGIONS_PER_BLOCK * sum(sec for _, sec, _ in parts)
-        return sum(_overlapped(sec, gemms[side], tp_.dp_overlap)
-                   for gemms in regions for _, sec, side in parts)  # fmt: skip
+        total = 0.0
+        for i, gemms in enumerate(regions):
+            for kind, sec, side in parts:
+                if chunked and kind == "reduce_scatter" and side == 0 and unfused[i]:
+                    total += sec  # the input gradients' sum: not a matmul, not fused
+                    continue
+                total += _overlapped(sec, gemms[side], tp_.dp_overlap)
+                if chunked and kind == "reduce_scatter":
+                    total += reduction
+        return total
 
     return exposed(fwd), exposed(bwd), exposed(fwd, OP_SAC_SAVED_COLLECTIVES)
 

@@ -147,7 +147,10 @@ class Stack:
     # hands each of the group's shards to the matmul, `_fused_matmul_reduce_scatter_impl`
     # multiplies `A.chunk(group.size())`). Only under sequence parallelism (the pass fuses
     # all-gathers and reduce-scatters, not all-reduces); the weight gradients, which contract
-    # over the gathered tokens, stay whole.
+    # over the gathered tokens, stay whole. A fused reduce-scatter ends with a reduction kernel
+    # over the partial shards, and a reduce-scatter whose input is not one matmul's output (the
+    # backward's sum of several linears' input gradients) stays unfused (plan/time.py
+    # `_tp_block_seconds`).
     tp_overlap_chunks: bool = False
     p2p_scatter_gather: bool = False  # pipeline sends split over the TP ranks (Megatron 2021)
     optimizer_bytes_per_param: float = 28.0  # AdamW foreach, fp32: read p g m v, write p m v
