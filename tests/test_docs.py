@@ -26,6 +26,7 @@ def test_every_rendered_block_is_current() -> None:
 RECORDS = tuple(
     f"docs/results/{n}.json"
     for n in ("results", "demo", "timings", "pipeline_memory", "overhead", "offload", "selective")
+    + ("offload-lsp", "offload-kernels")  # docs/offload.md's (docs_offload.py)
 )
 
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 
+from llmscale import docs_offload
 from llmscale.bench import demo
 from llmscale.cli.plan import plan_output
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
@@ -1744,6 +1745,14 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/claims.md", None, _claims_md),
     Block("docs/results.md", None, _results_md),
     Block("docs/planner-validation.md", None, _planner_validation),
+    Block("docs/offload.md", "lsp-fit", docs_offload.lsp_fit),
+    Block("docs/offload.md", "lsp-compress-times", docs_offload.lsp_compress_times),
+    Block("docs/offload.md", "params-offload-bytes", docs_offload.params_offload_bytes),
+    Block("docs/offload.md", "host-adamw-kernels", docs_offload.host_adamw_kernels),
+    Block("docs/offload.md", "offload-reading", docs_offload.offload_reading),
+    Block("docs/offload.md", "zero-offload-link", docs_offload.zero_offload_link),
+    Block("docs/offload.md", "lsp-regime", docs_offload.lsp_regime),
+    Block("docs/offload.md", "params-offload-traffic", docs_offload.params_offload_traffic),
 )
 
 
