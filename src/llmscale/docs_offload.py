@@ -277,9 +277,16 @@ def lsp_regime(ctx: Context) -> str:
     """The factored compression's multiply-adds against the weight gradient's, T d (m + n + d)
     / (T m n), per block matrix of the small model at its d, and at the paper's proportions;
     the sparse and dense 4096 x 4096 compression from offload-kernels.json."""
-    from llmscale.docs import _lsp_step
+    from llmscale.model.config import get_preset
+    from llmscale.plan.lsp import matrix_dims, one_process_split
+    from llmscale.plan.plan import Plan
 
-    plan, mats, _, _ = _lsp_step("small")
+    model = get_preset("small")
+    plan = Plan(model=model, seq_len=128, micro_batch_size=1, global_batch_size=1, offload="lsp")
+    mats = sorted({
+        (s, matrix_dims(s, plan.lsp_dim, plan.lsp_nonzeros)[0])
+        for s in one_process_split(model).matrices
+    })  # fmt: skip
     ratio: dict[float, list[str]] = {}
     for (m, n), d in mats:
         r = round(d * (m + n + d) / (m * n), 2)
