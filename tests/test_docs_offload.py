@@ -112,6 +112,7 @@ def test_the_offload_bench_figures_are_the_record(tmp_path: Path) -> None:
     assert {"params-offload-bytes", "offload-reading", "params-offload-traffic"} <= _stale(root)
     docs.write(root)
     assert "at most 7.00 MiB during a step" in _block(root, "params-offload-bytes")
+    assert "the step serially " in _block(root, "offload-reading")
     assert "overlapped +100%" in _block(root, "offload-reading")
     assert "without offload (+100%" in _block(root, "params-offload-traffic")
 

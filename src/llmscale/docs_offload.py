@@ -37,9 +37,13 @@ def _span(xs: list[float]) -> str:
 
 
 def _measured(rec: dict[str, Any]) -> str:
-    """When and under what load a record was measured ("2026-12-05 09:30 UTC, load 1.2-2.3")."""
+    """When and under what load a record was measured ("measured 2026-12-05 09:30 UTC, load
+    average 1.2 at the start, 2.3 at the end")."""
     a, b = rec["load_average"]
-    return f"measured {rec['measured_at'][:16].replace('T', ' ')} UTC, load average {a:.1f}–{b:.1f}"
+    return (
+        f"measured {rec['measured_at'][:16].replace('T', ' ')} UTC, load average {a:.1f} at the "
+        f"start, {b:.1f} at the end"
+    )
 
 
 # ---- offload-lsp.json ----------------------------------------------------------------------------
@@ -229,8 +233,8 @@ def offload_reading(ctx: Context) -> str:
         what = 'real memcpy (the CPU is the "device")' if g <= 0 else f"a simulated {g:g} GB/s link"
         line = (
             f"- {what}: {_ms(work)} of offload work per step beside a {_ms(st['off'])} step "
-            f"without offload; serially the step costs {st['serial'] / st['off'] - 1:+.0%} over "
-            f"no offload, overlapped {st['overlap'] / st['off'] - 1:+.0%}"
+            f"without offload; against it, the step serially {st['serial'] / st['off'] - 1:+.0%}, "
+            f"overlapped {st['overlap'] / st['off'] - 1:+.0%}"
         )
         if g > 0:
             moved = r["bytes_moved"]["overlap"]
