@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,12 +35,15 @@ def _copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _doctor(root: Path, name: str, suite: str, edit) -> dict:  # type: ignore[no-untyped-def]
+def _doctor(
+    root: Path, name: str, suite: str, edit: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
     path = root / "docs" / "results" / f"{name}.json"
     data = json.loads(path.read_text())
     edit(data[suite])
     path.write_text(json.dumps(data))
-    return data[suite]
+    rec: dict[str, Any] = data[suite]
+    return rec
 
 
 def _block(root: Path, name: str) -> str:
@@ -54,7 +59,7 @@ def _stale(root: Path) -> set[str]:
 def test_the_lsp_fits_and_losses_are_the_record(tmp_path: Path) -> None:
     root = _copy(tmp_path)
 
-    def edit(rec: dict) -> None:
+    def edit(rec: dict[str, Any]) -> None:
         rec["loss"]["lsp"][-1] = 4.987
         rec["fits"][0]["before"] = 1.666
         rec["rank3"]["after"] = 0.123
@@ -71,7 +76,7 @@ def test_the_lsp_fits_and_losses_are_the_record(tmp_path: Path) -> None:
 def test_the_kernel_timings_are_the_record(tmp_path: Path) -> None:
     root = _copy(tmp_path)
 
-    def edit(rec: dict) -> None:
+    def edit(rec: dict[str, Any]) -> None:
         rec["adamw_s"]["fused"] = 0.0012345
         rec["adamw_s"]["foreach"] = 0.5  # slower than exact: the words follow
         big = next(c for c in rec["compression"] if c["m"] == 4096)
@@ -101,7 +106,7 @@ def test_the_regime_ratios_are_the_small_models_shapes() -> None:
 def test_the_offload_bench_figures_are_the_record(tmp_path: Path) -> None:
     root = _copy(tmp_path)
 
-    def edit(rec: dict) -> None:
+    def edit(rec: dict[str, Any]) -> None:
         for r in rec["runs"]:
             if r["offload"] == "optimizer+params":
                 r["param_peak_bytes"] = {"serial": 7 * 2**20, "overlap": 7 * 2**20}
@@ -120,7 +125,7 @@ def test_the_offload_bench_figures_are_the_record(tmp_path: Path) -> None:
 def test_zero_offloads_link_time_is_the_finetune_record(tmp_path: Path) -> None:
     root = _copy(tmp_path)
 
-    def edit(suite: dict) -> None:
+    def edit(suite: dict[str, Any]) -> None:
         row = next(r for r in suite["rows"] if r["config"] == "optimizer"
                    and r["quantity"] == "bytes moved per step")  # fmt: skip
         row["measured"] = 123_000_000
