@@ -36,6 +36,8 @@ RECORDS = tuple(
         "pages-startup",
         "reliability",
         "parallel-init",
+        "offload-lsp",
+        "offload-kernels",
     )
 )
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 
+from llmscale import docs_offload
 from llmscale import docs_pages as pages
 from llmscale import docs_parallel as par
 from llmscale.bench import demo
@@ -1782,6 +1783,15 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "stack-fits", par.stack_fits),
     Block("docs/planner.md", "nvlink-achieved", par.nvlink_achieved),
     Block("docs/planner.md", "run-counts", par.run_counts),
+    # docs/offload.md's prose (docs_offload.py)
+    Block("docs/offload.md", "lsp-fit", docs_offload.lsp_fit),
+    Block("docs/offload.md", "lsp-compress-times", docs_offload.lsp_compress_times),
+    Block("docs/offload.md", "params-offload-bytes", docs_offload.params_offload_bytes),
+    Block("docs/offload.md", "host-adamw-kernels", docs_offload.host_adamw_kernels),
+    Block("docs/offload.md", "offload-reading", docs_offload.offload_reading),
+    Block("docs/offload.md", "zero-offload-link", docs_offload.zero_offload_link),
+    Block("docs/offload.md", "lsp-regime", docs_offload.lsp_regime),
+    Block("docs/offload.md", "params-offload-traffic", docs_offload.params_offload_traffic),
 )
 
 

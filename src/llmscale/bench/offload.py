@@ -266,6 +266,19 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> dict[str, A
         "bytes_moved_predicted": want,
         "hidden_wall": hidden_wall,
         "hidden_timeline": _median(hidden_tl),
+        "n_params": t.n_params,
+        # the overlap run: from the end of backward to the first update and to the last upload
+        # (optimizer+params: the last update), medians over the timed steps
+        "update_after_backward_s": statistics.median(barrier),
+        "last_after_backward_s": statistics.median(tail),
+        # the device's parameter bytes between steps (the ledger's param_bytes) and, under
+        # optimizer+params, the most held at once during a step (device_param_peak_bytes)
+        "param_bytes": {m: row["param_bytes"] for m, row in last_row.items()},
+        "param_peak_bytes": {
+            m: row["device_param_peak_bytes"]
+            for m, row in last_row.items()
+            if row.get("device_param_peak_bytes") is not None
+        },
     }
 
 
