@@ -515,3 +515,9 @@ def test_bubble_estimate_reads_its_draws(monkeypatch: pytest.MonkeyPatch) -> Non
     out = docs.bubble_estimate(docs.Context(measure=False))
     assert "from 20% below to 50% above the simulated bubble for zbv (median 10% above)" in out
     assert "from 30% below to 20% above the simulated bubble for dualpipev (median 1% below)" in out
+
+
+def test_a_negative_hidden_share_reads_as_none() -> None:
+    """Where overlapping cost more than it hid (a busy host), the page says so, not 'hid -12%'."""
+    assert docs._hid(0.55) == "55%"
+    assert docs._hid(-0.12) == "none (its threads cost 12% more)"

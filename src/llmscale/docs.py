@@ -1229,6 +1229,11 @@ def kv_per_token(ctx: Context) -> str:
     )
 
 
+def _hid(share: float) -> str:
+    """A hidden share as a percentage; none where overlapping cost more than it hid."""
+    return f"{share:.0%}" if share >= 0 else f"none (its threads cost {-share:.0%} more)"
+
+
 def params_offload_times(ctx: Context) -> str:
     """docs/offload.md: what parameter offload costs at a simulated 1 GB/s link, from the offload
     bench's record (docs/results/offload.json), against "optimizer" in the same record."""
@@ -1252,8 +1257,8 @@ def params_offload_times(ctx: Context) -> str:
         f"{ms(step['overlap'])} overlapped against {ms(step['off'])} without offload: the "
         "parameter fetches add 2 × (forward + backward) uploads per micro-step to the offload "
         f"work ({ms(p['offload_work_s'])} per step against {ms(o['offload_work_s'])} for "
-        f'"optimizer"), and overlap hid {p["hidden_wall"]:.0%} of it by wall time, '
-        f"{p['hidden_timeline']:.0%} by the timeline"
+        f'"optimizer"), and overlap hid {_hid(p["hidden_wall"])} of it by wall time, '
+        f"{_hid(p['hidden_timeline'])} by the timeline"
     )
     if native is not None:
         out += f". With real memcpy on this CPU host the work is {ms(native['offload_work_s'])}"

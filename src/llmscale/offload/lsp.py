@@ -97,7 +97,7 @@ def sketch(bags: RowBags, x: torch.Tensor) -> torch.Tensor:
     """P X (d x n) for X (k x n, fp32): row r is the sum of P[r, j] X[j] over row r's non-zeros.
 
     One weighted `embedding_bag` (a gather-and-sum kernel, on the CPU and on CUDA): s k n
-    multiply-adds, where the dense product takes d k n (d / s = 8 at the defaults).
+    multiply-adds, where the dense product takes d k n (d / s times as many).
     """
     return F.embedding_bag(bags.cols, x, bags.offsets, mode="sum", per_sample_weights=bags.weights)
 
