@@ -52,3 +52,28 @@ def test_simulate_equals_replaying_the_orders(schedule: str, pp: int, m: int, v:
         assert (lean.makespan, lean.bubble_fraction, lean.busy) == (
             checked.makespan, checked.bubble_fraction, checked.busy,
         )  # fmt: skip
+        assert lean.peak_inflight == checked.peak_inflight
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "v"), SHAPES)
+def test_op_graph_numbers_the_inputs_deps_names(schedule: str, pp: int, m: int, v: int) -> None:
+    # `_op_graph` numbers each op's inputs by arithmetic; `_deps` names them as (kind, stage,
+    # microbatch) keys: the same inputs, in the same order, with the same rank crossings.
+    orders = sc.schedule_ops(schedule, pp, m, v)
+    shape = sc.built_shape(schedule, pp, m, v)
+    n_stages = pp * v
+    graph = sc._op_graph(sc._as_actions(orders), shape)
+    rank_of = sc._stage_ranks(pp, v, shape[3])
+
+    def number(kind: str, stage: int, mb: int) -> int:
+        return ("FBW".index(kind) * n_stages + stage) * m + mb
+
+    for rank_ops, rows, peak in zip(orders, graph.rows, graph.peaks, strict=True):
+        assert len(rows) == len(rank_ops)
+        for op, row in zip(rank_ops, rows, strict=True):
+            deps = [(number(*key), cross) for key, cross in sc._deps(op, n_stages, rank_of)]
+            deps += [(-1, False)] * (2 - len(deps))
+            want = (number(op.kind, op.stage, op.microbatch), "FBW".index(op.kind), op.stage)
+            assert row == (*want, *deps[0], *deps[1])
+        assert peak == sc._peak_inflight(rank_ops)
+    assert graph.joins == any(op.joined for o in orders for op in o)
