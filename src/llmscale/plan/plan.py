@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import Field, dataclass, field, fields, replace
-from functools import cached_property
 from typing import Any
 
 from llmscale.config import (
@@ -85,34 +84,17 @@ class Plan(MeshDegrees):
     # With dp_shard > 1: 1 and 2 keep params unsharded from forward to backward, 3 reshards.
     zero_stage: int = _cfg("parallel.zero_stage", 3)
 
-    # ---- derived (dp, world_size, fsdp from MeshDegrees; the rest from the runtime's functions),
-    # each computed once per plan and kept in its __dict__ (`cached_property`: the search reads
-    # them hundreds of thousands of times; `varied` copies the fields only)
-    @cached_property
-    def dp(self) -> int:
-        """`MeshDegrees.dp`, kept."""
-        return super().dp
-
-    @cached_property
-    def world_size(self) -> int:
-        """`MeshDegrees.world_size`, kept."""
-        return super().world_size
-
-    @cached_property
-    def fsdp(self) -> bool:
-        """`MeshDegrees.fsdp`, kept."""
-        return super().fsdp
-
-    @cached_property
+    # ---- derived (dp, world_size, fsdp from MeshDegrees; the rest from the runtime's functions)
+    @property
     def n_microbatches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
         return n_microbatches(self.global_batch_size, self.micro_batch_size, self.dp)
 
-    @cached_property
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
-    @cached_property
+    @property
     def fsdp_shards(self) -> int:
         """Ranks each FSDP2 parameter is sharded over as the llmscale runtime runs this layout:
         dp_shard, times cp under context parallelism (the dp_shard x cp mesh: cp ranks hold the
@@ -129,7 +111,7 @@ class Plan(MeshDegrees):
         1: not sharded)."""
         return self.dp_shard * self.cp if self.fsdp_for(stack) else 1
 
-    @cached_property
+    @property
     def held_grads_order(self) -> tuple[str, int] | None:
         """The pipeline order whose walk says when this plan's gradients wait
         (`schedule.held_grads_order`); None without a pipeline."""
@@ -137,7 +119,7 @@ class Plan(MeshDegrees):
             return None
         return held_grads_order(self.pp_schedule, self.pp, self.n_microbatches, self.chunks)
 
-    @cached_property
+    @property
     def fsdp_holds_grads_across_microbatches(self) -> bool:
         """FSDP2 under a pipeline schedule (torch.distributed.pipelining turns off gradient
         sync and resharding after backward for every micro-batch, then reduce-scatters once at
@@ -148,34 +130,34 @@ class Plan(MeshDegrees):
             return False
         return _grads_unsharded(self.zero_stage, self.pp, self.n_microbatches)
 
-    @cached_property
+    @property
     def fp8_matmuls(self) -> bool:
         """precision fp8: the linears' matmuls in float8 (torchao), everything else as bf16."""
         return self.precision == "fp8"
 
-    @cached_property
+    @property
     def fsdp_cpu_offload(self) -> bool:
         """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
         return uses_fsdp_cpu_offload(self.offload, self.dp)
 
-    @cached_property
+    @property
     def lowp_weights(self) -> bool:
         """The forward runs on bf16/fp16 weights: FSDP2's or replicate's param_dtype (the
         runtime wraps the model whenever gradients are reduced, dp x cp > 1, and autocast runs
         only without) or offloaded working copies."""
         return self.precision != "fp32" and (self.dp * self.cp > 1 or self.offload != "none")
 
-    @cached_property
+    @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank the schedule runs (`config.pipeline_chunks`)."""
         return pipeline_chunks(self.pp_schedule, self.pp_chunks)
 
-    @cached_property
+    @property
     def v_shape(self) -> bool:
         """Stages placed in a V (zbv, dualpipev): rank r holds stages r and 2 pp - 1 - r."""
         return self.pp > 1 and self.pp_schedule in V_SCHEDULES
 
-    @cached_property
+    @property
     def head_rank(self) -> int:
         """The pipeline rank of the last stage (final norm, output, loss): pp - 1, or in a V
         rank 0, which holds the first and the last stage."""
@@ -202,13 +184,13 @@ class Plan(MeshDegrees):
     def varied(self, **changes: Any) -> Plan:
         """`dataclasses.replace(self, **changes)` at a third of its cost, for the search's inner
         loop (tens of thousands of plans): the fields are copied, not passed through the
-        generated __init__, which checks nothing (Plan has no __post_init__), and the derived
-        values `self` keeps are not (tests/plan/test_search_speed.py checks that the two agree)."""
+        generated __init__, which checks nothing (Plan has no __post_init__;
+        tests/plan/test_search_speed.py checks that the two agree)."""
         if not changes.keys() <= _FIELD_NAMES:
             unknown = sorted(changes.keys() - _FIELD_NAMES)
             raise TypeError(f"Plan has no field {', '.join(unknown)}")
         new = object.__new__(Plan)
-        new.__dict__.update({name: self.__dict__[name] for name in _FIELD_ORDER})
+        new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
         return new
 
@@ -313,8 +295,7 @@ class Plan(MeshDegrees):
         self.to_job().validate(world_size=self.world_size)
 
 
-_FIELD_ORDER = tuple(f.name for f in fields(Plan))
-_FIELD_NAMES = frozenset(_FIELD_ORDER)
+_FIELD_NAMES = frozenset(f.name for f in fields(Plan))
 
 
 @memoize
