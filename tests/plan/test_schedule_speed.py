@@ -77,3 +77,27 @@ def test_op_graph_numbers_the_inputs_deps_names(schedule: str, pp: int, m: int, 
             assert row == (*want, *deps[0], *deps[1])
         assert peak == sc._peak_inflight(rank_ops)
     assert graph.joins == any(op.joined for o in orders for op in o)
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "v"), [x for x in SHAPES if x[1] > 1])
+def test_backward_walk_shortcuts(schedule: str, pp: int, m: int, v: int) -> None:
+    # zero_bubble's order without its Fs is its order filtered; the held-memory walks'
+    # B/W stream is the order's, and a stream with nothing joined splits every B.
+    for rank in range(pp):
+        ops = sc.rank_ops(schedule, pp, m, v, rank)
+        stream = [(op.kind, op.chunk, op.joined) for op in ops if op.kind != "F"]
+        assert sc._backward_actions(schedule, pp, m, v, rank) == stream
+        if schedule == "zero_bubble":
+            full = sc._zero_bubble_actions(pp, m, v, rank)
+            assert sc._zero_bubble_actions(pp, m, v, rank, forwards=False) == [
+                a for a in full if a[0] != "F"
+            ]
+        if schedule not in sc.SPLIT_BACKWARD_SCHEDULES:
+            continue
+        events = [
+            (c, 1) if kind == "B" else (c, -1)
+            for k, (kind, c, joined) in enumerate(stream)
+            if (kind == "B" and not sc._whole_backward(stream, k)) or (kind == "W" and not joined)
+        ]
+        assert list(sc.split_backward_events(schedule, pp, m, v, rank)) == events
+        assert any(j for *_, j in stream) == (schedule == "dualpipev")  # the only joins

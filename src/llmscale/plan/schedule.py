@@ -244,36 +244,35 @@ def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> li
 
 
 def _zero_bubble_actions(
-    pp: int, microbatches: int, chunks: int, rank: int
+    pp: int, microbatches: int, chunks: int, rank: int, forwards: bool = True
 ) -> list[tuple[OpKind, int]]:
-    """`_zero_bubble_order` as (kind, stage) pairs (the held-memory frontier reads only these)."""
+    """`_zero_bubble_order` as (kind, stage) pairs (the held-memory frontier reads only these;
+    `forwards` False leaves the Fs out). Step k's F runs stage ((k // r) % v) pp + rank, with
+    r micro-batches per round; from the warm-up's end its B runs the chunks in reverse, and
+    each W the stage of the oldest B whose W is pending."""
     per_round = microbatches // zero_bubble_rounds(pp, microbatches)
     total = microbatches * chunks
     warmup = min((chunks - 1) * per_round + (pp - 1 - rank), total)
-
-    def stage_f(step: int) -> int:
-        return ((step // per_round) % chunks) * pp + rank
-
-    def stage_b(step: int) -> int:
-        return (chunks - 1 - ((step - warmup) // per_round) % chunks) * pp + rank
+    top = (chunks - 1) * pp + rank  # the last chunk's stage, where the Bs start
 
     order: list[tuple[OpKind, int]] = []
-    b_steps: list[int] = []
+    add = order.append
+    b_stages: list[int] = []  # each B's stage, in order: the Ws follow them
     w_done = 0
-    for step in range(total + warmup):
-        if step < warmup:
-            order.append(("F", stage_f(step)))
-            continue
-        if step < total:
-            order.append(("F", stage_f(step)))
-        order.append(("B", stage_b(step)))
-        b_steps.append(step)
+    if forwards:
+        for step in range(warmup):
+            add(("F", ((step // per_round) % chunks) * pp + rank))
+    for step in range(warmup, total + warmup):
+        if forwards and step < total:
+            add(("F", ((step // per_round) % chunks) * pp + rank))
+        stage = top - (((step - warmup) // per_round) % chunks) * pp
+        add(("B", stage))
+        b_stages.append(stage)
         if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
-            order.append(("W", stage_b(b_steps[w_done])))
+            add(("W", b_stages[w_done]))
             w_done += 1
-    while w_done < len(b_steps):
-        order.append(("W", stage_b(b_steps[w_done])))
-        w_done += 1
+    for stage in b_stages[w_done:]:
+        add(("W", stage))
     return order
 
 
@@ -575,6 +574,8 @@ def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
     ops = _backward_actions(schedule, pp, microbatches, chunks, rank)
+    if not any(joined for _, _, joined in ops):  # every B split, every W apart
+        return tuple([(chunk, 1 if kind == "B" else -1) for kind, chunk, _ in ops])
     events: list[tuple[int, int]] = []
     for k, (kind, chunk, joined) in enumerate(ops):
         if kind == "B":
@@ -659,39 +660,54 @@ def _held_grad_points(
     accum, pending = [0] * chunks, [0] * chunks
     tied = 0
     points: set[tuple[int, ...]] = set()
+    # Whether the flags changed since the last point taken: an unchanged point is in `points`
+    # already (each op takes one; most change a flag or none).
+    changed = True
 
     def point() -> None:
-        waiting = tied if last_chunk is not None and not pending[last_chunk] else 0
-        points.add((*accum, *pending, waiting))
+        nonlocal changed
+        if changed:
+            waiting = tied if last_chunk is not None and not pending[last_chunk] else 0
+            points.add((*accum, *pending, waiting))
+            changed = False
 
     def post_backward(c: int, found: bool) -> None:
-        nonlocal tied
-        if found:
+        nonlocal tied, changed
+        if found and not accum[c]:
             accum[c] = 1
-        pending[c] = 0
-        if c == last_chunk:
+            changed = True
+        if pending[c]:
+            pending[c] = 0
+            changed = True
+        if c == last_chunk and tied:
             tied = 0
+            changed = True
 
     def reduce(c: int) -> None:
-        nonlocal tied
+        nonlocal tied, changed
         point()
         accum[c] = pending[c] = 0
         if c == last_chunk:
             tied = 0
+        changed = True
 
     deferred: int | None = None
+    n_ops = len(ops)
     for k, (kind, c, joined) in enumerate(ops):
         if kind == "B":
-            whole = not split or _whole_backward(ops, k)
+            # a full backward: its W joined to it (`_whole_backward`)
+            whole = not split or (k + 1 < n_ops and ops[k + 1][0] == "W" and ops[k + 1][2])
             if whole or c != first:
                 post_backward(c, whole or pending[c] == 1)
         elif not joined:  # a W run apart
             if c == first:  # the first stage's whole backward
                 post_backward(c, True)
-            else:
+            elif not pending[c]:
                 pending[c] = 1
-        if tied_v and c == first and kind == "W":  # the lookup's gradient, after its B
+                changed = True
+        if tied_v and c == first and kind == "W" and not tied:  # the lookup's gradient
             tied = 1
+            changed = True
         point()
         if final[c] == k:
             if tied_v and c == last_chunk:
@@ -717,8 +733,8 @@ def _backward_actions(
     """`rank`'s B and W ops in its order as (kind, chunk, joined to the op before), from the
     orders' plain-tuple forms where there are (forwards change no gradient)."""
     if schedule == "zero_bubble":
-        return [(kind, stage // pp, False) for kind, stage in
-                _zero_bubble_actions(pp, m, chunks, rank) if kind != "F"]  # fmt: skip
+        return [(kind, stage // pp, False)
+                for kind, stage in _zero_bubble_actions(pp, m, chunks, rank, forwards=False)]  # fmt: skip
     return [(a[0], a[2], a[4]) for a in _actions(schedule, pp, m, chunks, rank) if a[0] != "F"]
 
 
