@@ -101,3 +101,26 @@ def test_backward_walk_shortcuts(schedule: str, pp: int, m: int, v: int) -> None
         ]
         assert list(sc.split_backward_events(schedule, pp, m, v, rank)) == events
         assert any(j for *_, j in stream) == (schedule == "dualpipev")  # the only joins
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks"), [("zero_bubble", 2), ("zero_bubble", 4), ("zbv", 2), ("dualpipev", 2)]
+)
+@pytest.mark.parametrize("pp", [5, 8])
+def test_frontier_extends_from_small_counts_at_every_count(
+    schedule: str, chunks: int, pp: int
+) -> None:
+    # `_held_frontier` extends every count with a steady period from three small orders (not
+    # only past 256): the same points as walking the whole order, at every count up to 256.
+    checked = 0
+    for m in range(2 * pp, 257):
+        if sc._steady_period(schedule, pp, m) is None:
+            continue
+        if schedule == "zero_bubble" and m % sc.zero_bubble_rounds(pp, m):
+            continue
+        for rank in range(pp):
+            got = sc._held_frontier(schedule, pp, m, chunks, rank)
+            assert set(got) == set(sc.held_frontier_exact(schedule, pp, m, chunks, rank))
+            assert sc.held_frontier_extended(schedule, pp, m, chunks, rank) is not None
+            checked += 1
+    assert checked >= (6 if schedule == "zero_bubble" else 200) * pp

@@ -765,8 +765,8 @@ def held_after_b_peak(
     return max((sum(n * w for n, w in zip(c, weights, strict=True)) for c in frontier), default=0.0)
 
 
-# Past this many micro-batches `_held_frontier` counts the order at three smaller counts and
-# extends their steady state (the search asks for up to 10^6 micro-batches; walking that order
+# Past this many micro-batches `held_grad_points` takes a count that is not a multiple of pp as
+# 3pp's (`_first_steady`; the search asks for up to 10^6 micro-batches; walking that order
 # takes minutes per rank).
 EXACT_HELD_MICROBATCHES = 256
 
@@ -795,12 +795,14 @@ def _held_frontier(
 ) -> tuple[tuple[int, ...], ...]:
     """The counts (pending per chunk, then B done per chunk) after each split B of the order,
     only those no other count dominates: with weights >= 0 the peak is at one of them (the
-    search asks for thousands of plans; the frontier is a handful of points). Large counts are
-    extended from smaller ones (`held_frontier_extended`)."""
-    if microbatches > EXACT_HELD_MICROBATCHES:
-        extended = held_frontier_extended(schedule, pp, microbatches, chunks, rank)
-        if extended is not None:
-            return extended
+    search asks for thousands of plans; the frontier is a handful of points). Counts with a
+    steady period are extended from three smaller ones (`held_frontier_extended`), whose walks
+    every larger count of the rank shares: the same points as the whole order's at every count
+    to 256 (walked for pp 2 to 16 on every rank and pp 18 to 64 on seven, zero_bubble over 1, 2
+    and 4 chunks, when this was written; tests/plan/test_schedule_speed.py walks pp 5 and 8)."""
+    extended = held_frontier_extended(schedule, pp, microbatches, chunks, rank)
+    if extended is not None:
+        return extended
     return held_frontier_exact(schedule, pp, microbatches, chunks, rank)
 
 
@@ -844,13 +846,31 @@ def held_frontier_extended(
     if found is None:
         return None
     m1, period = found
+    form = _steady_form(schedule, pp, chunks, rank, m1, period)
+    if form is None:
+        return None
+    fixed, moving, d = form
+    if not moving:
+        return _undominated(set(fixed))
+    k = (microbatches - m1) // period
+    shifted = {tuple(a + k * s for a, s in zip(p, d, strict=True)) for p in moving}
+    return _undominated(set(fixed) | shifted)
+
+
+@memoize
+def _steady_form(
+    schedule: str, pp: int, chunks: int, rank: int, m1: int, period: int
+) -> tuple[frozenset[tuple[int, ...]], tuple[tuple[int, ...], ...], tuple[int, ...]] | None:
+    """`held_frontier_extended`'s form from the orders of m1, m1 + P and m1 + 2P: the points
+    they share (A), those that move at m1 (B) and the vector d they move by per period (every
+    larger count of the rank reads these); None where the three orders do not show it."""
     fronts = [
         set(held_frontier_exact(schedule, pp, m1 + j * period, chunks, rank)) for j in range(3)
     ]
-    fixed = fronts[0] & fronts[1] & fronts[2]
+    fixed = frozenset(fronts[0] & fronts[1] & fronts[2])
     moving = [sorted(f - fixed) for f in fronts]
     if not moving[0]:
-        return _undominated(fixed) if all(not m for m in moving) else None
+        return (fixed, (), ()) if all(not m for m in moving) else None
     if not len(moving[0]) == len(moving[1]) == len(moving[2]):
         return None
     d = tuple(b - a for a, b in zip(moving[0][0], moving[1][0], strict=True))
@@ -858,9 +878,7 @@ def held_frontier_extended(
         want = sorted(tuple(a + j * s for a, s in zip(p, d, strict=True)) for p in moving[0])
         if moving[j] != want:
             return None
-    k = (microbatches - m1) // period
-    shifted = {tuple(a + k * s for a, s in zip(p, d, strict=True)) for p in moving[0]}
-    return _undominated(fixed | shifted)
+    return fixed, tuple(moving[0]), d
 
 
 def _covers(q: tuple[int, ...], p: tuple[int, ...]) -> bool:
