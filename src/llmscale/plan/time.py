@@ -94,12 +94,13 @@ from llmscale.model.config import (
     OP_SAC_SAVED_COLLECTIVES,
     SP_GATHERED_INPUTS,
     TP_STYLES,
+    ModelConfig,
     op_sac_saves_matmul,
     split_layers,
     stage_ids,
 )
 from llmscale.plan import activations as act
-from llmscale.plan.cache import Memo
+from llmscale.plan.cache import Memo, memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
@@ -227,7 +228,13 @@ def _has_fp8_calibration(gpu: GPU) -> bool:
 
 def recompute_fraction(plan: Plan) -> float:
     """Share of the blocks' forward FLOPs run again (`ModelConfig.recompute_fraction`)."""
-    return plan.model.recompute_fraction(plan.recompute, plan.seq_len, plan.recompute_every_k)
+    return _recompute_fraction(plan.model, plan.recompute, plan.seq_len, plan.recompute_every_k)
+
+
+@memoize
+def _recompute_fraction(model: ModelConfig, mode: str, seq_len: int, every_k: int) -> float:
+    """`recompute_fraction`'s answer, kept (every plan the search times asks it)."""
+    return model.recompute_fraction(mode, seq_len, every_k)
 
 
 def _per_node(group: int, stride: int, gpus_per_node: int) -> int:
