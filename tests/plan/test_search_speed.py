@@ -139,3 +139,45 @@ def test_the_keys_floors_shares_pieces_on() -> None:
         dataclasses.replace(base, dp_replicate=1, dp_shard=4).activations_key()
         != base.activations_key()
     )  # another dp: another micro-batch count
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "gpu", "seq", "batch"),
+    [("llama2-70b", 8, "h100", 4096, 64), ("llama3-8b", 16, "h100", 8192, 64)],
+)
+def test_time_floor_skips_only_plans_never_shown(
+    monkeypatch: pytest.MonkeyPatch, name: str, gpus: int, gpu: str, seq: int, batch: int
+) -> None:
+    # The search times a fitting plan in full only while its step-time floor can beat the
+    # plans it keeps: with and without the shortcut it answers the same, having timed fewer;
+    # and the floor is no more than the estimate for every plan the search times.
+    from llmscale.plan import search as sr
+    from llmscale.plan import time as tm
+    from llmscale.plan.cluster import Cluster
+
+    model, cluster = get_preset(name), Cluster.of(gpu)
+    timed: list[tuple[float, float]] = []
+    estimate = tm.estimate_step_time
+
+    def counted(plan, cluster, params, simulate=False, ranks=None, validate=True):  # type: ignore[no-untyped-def]
+        t = estimate(plan, cluster, params, simulate, ranks, validate)
+        if ranks is not None:  # the loop's (the finals are simulated)
+            timed.append((tm.step_time_floor(plan, cluster, params, ranks), t.seconds))
+        return t
+
+    monkeypatch.setattr(sr.tm, "estimate_step_time", counted)
+    runs = {}
+    for prune in (False, True):
+        monkeypatch.setattr(sr, "PRUNE_BY_TIME_FLOOR", prune)
+        timed.clear()
+        res = sr.search(model, gpus, cluster, seq, batch, top=5)
+        runs[prune] = (res, list(timed))
+    (full, all_timed), (pruned, few_timed) = runs[False], runs[True]
+    assert len(all_timed) == full.feasible > len(few_timed) > 0  # some plans were skipped
+    assert all(floor <= seconds for floor, seconds in all_timed)
+    assert sum(floor < seconds for floor, seconds in all_timed) > 0  # a floor, not the estimate
+    assert (pruned.evaluated, pruned.feasible) == (full.evaluated, full.feasible)
+    assert [(c.plan, c.time, c.memory.total) for c in pruned.candidates] == [
+        (c.plan, c.time, c.memory.total) for c in full.candidates
+    ]
+    assert len(full.candidates) == 5

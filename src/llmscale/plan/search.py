@@ -34,6 +34,7 @@ the shown plans without a timeline, from the orders it keeps (plan/schedule.py `
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Iterator
@@ -331,6 +332,11 @@ def search(
     host_per_gpu = cluster.node.host_memory_bytes / cluster.gpus_per_node
     found: list[tuple[float, float, Plan]] = []
     evaluated = 0
+    # The least `keep` step times found so far, negated (a heap whose top is the largest), and
+    # the fitting plans not timed because their floor is past them (`PRUNE_BY_TIME_FLOOR`).
+    keep = max(top, resimulate)
+    kept: list[float] = []
+    untimed = 0
     rejected: dict[str, None] = {}
     settings: list[tuple[Plan, tuple[int, ...]]] = []  # each memory-checked layout, once
     recs = [r for r in RECOMPUTE_ORDER if r in space.recompute]
@@ -451,10 +457,21 @@ def search(
                                 )
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
+                                    if (
+                                        len(kept) == keep and PRUNE_BY_TIME_FLOOR
+                                        and tm.step_time_floor(plan, cluster, time_params, ends)
+                                        > -kept[0]
+                                    ):  # fmt: skip
+                                        untimed += 1  # not among the `keep` fastest
+                                        continue
                                     t = tm.estimate_step_time(
                                         plan, cluster, time_params, ranks=ends, validate=False
                                     )
                                     found.append((t.seconds, total, plan))
+                                    if len(kept) < keep:
+                                        heapq.heappush(kept, -t.seconds)
+                                    elif t.seconds < -kept[0]:
+                                        heapq.heapreplace(kept, -t.seconds)
                         fit_any = fit_any or bool(fits)
                     if not fit_any:
                         break  # a bigger micro-batch needs more memory still
@@ -462,10 +479,10 @@ def search(
                     mbs_text = ", ".join(map(str, space.micro_batch_sizes))
                     rejected[f"global batch {global_batch_size} is not a multiple of dp {dp} "
                              f"x micro-batch ({mbs_text})"] = None  # fmt: skip
-    feasible = len(found)
+    feasible = len(found) + untimed
     found.sort(key=lambda x: (x[0], x[1]))
     finals: list[Candidate] = []
-    for _, _, plan in found[: max(top, resimulate)]:
+    for _, _, plan in found[:keep]:
         full_mem = mem.estimate_memory(plan, memory_options, validate=False)
         if full_mem.total > budget:  # a rank the search did not cost is fuller
             feasible -= 1
@@ -490,6 +507,11 @@ def search(
         rejected=tuple(rejected),
     )
 
+
+# Fitting plans whose step-time floor (`tm.step_time_floor`: the stage times alone) is past the
+# `max(top, resimulate)` fastest found so far are counted, not timed in full: a plan slower than
+# those is never shown nor re-timed (tests/plan/test_search_speed.py searches with it off).
+PRUNE_BY_TIME_FLOOR = True
 
 # Pipeline ops (stages x micro-batches) up to which a shown plan's step is re-timed with the
 # simulator; above it the closed form (exact for equal stage costs) keeps a search of thousands
