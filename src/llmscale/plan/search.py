@@ -383,6 +383,8 @@ def search(
                 dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
             )  # fmt: skip
+            # Whether each offload runs the forward on low-precision weights (`_Floors`).
+            lowp = [base.varied(offload=o).lowp_weights for o in pp_offloads]
             # Knob settings whose states alone fit, each as (zero index, offload index), per
             # placement of the layers (chunks, and a V or not: which layers a rank holds, and
             # whether the head shares rank 0 with the embedding).
@@ -409,7 +411,7 @@ def search(
                             settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
                     fit_any = False
                     useful = _useful_recomputes(
-                        recs, replace(base, micro_batch_size=mbs, sequence_parallel=sp),
+                        recs, base.varied(micro_batch_size=mbs, sequence_parallel=sp),
                         memory_options,
                     )  # fmt: skip
                     for sched, v in scheds:
@@ -417,22 +419,18 @@ def search(
                         ends = _costed_ranks(model, pp, space, v, where[1])
                         if where not in placed:
                             placed[where] = _fitting_states(
-                                replace(base, pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
+                                base.varied(pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
                                 ends, memory_options, budget / over, host_per_gpu,
                             )  # fmt: skip
                         # The knobs below vary this plan's recompute, ZeRO stage and offload.
-                        knobs = Plan(
-                            model=model, seq_len=seq_len, micro_batch_size=mbs,
-                            global_batch_size=global_batch_size,
-                            recompute_every_k=space.recompute_every_k, precision=precision,
-                            dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
-                            pp_schedule=sched, pp_chunks=v, sequence_parallel=sp, cp=space.cp,
-                            pp_layers=space.pp_layers,
+                        knobs = base.varied(
+                            micro_batch_size=mbs, pp_schedule=sched, pp_chunks=v,
+                            sequence_parallel=sp,
                         )  # fmt: skip
                         floors = _Floors(
                             knobs, recs, zeros, pp_offloads, ends, memory_options, budget,
                             split_states.setdefault((mbs, sched, v), {}),
-                            layout_activity.setdefault((sp, mbs, sched, v), {}),
+                            layout_activity.setdefault((sp, mbs, sched, v), {}), lowp,
                         )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
@@ -663,11 +661,16 @@ class _Floors:
         limit: float,
         states: dict[tuple[int, int, int], mem.RankPieces] | None = None,
         activity: dict[tuple[int, bool, int], mem.Activity] | None = None,
+        lowp: list[bool] | None = None,
     ) -> None:
         self.knobs, self.recs, self.zeros, self.offloads = knobs, recs, zeros, offloads
         self.ranks, self.opt, self.limit = ranks, opt, limit
         self.over = 1 + opt.allocator_overhead
-        self.lowp = [knobs.varied(offload=o).lowp_weights for o in offloads]
+        # per offload, `lowp_weights` (the caller's, where it has them: they read the precision
+        # and the dp and cp degrees, not the schedule or micro-batch)
+        self.lowp = (
+            [knobs.varied(offload=o).lowp_weights for o in offloads] if lowp is None else lowp
+        )
         self.states = {} if states is None else states
         self.activity = {} if activity is None else activity
 
