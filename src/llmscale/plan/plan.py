@@ -115,9 +115,7 @@ class Plan(MeshDegrees):
     def held_grads_order(self) -> tuple[str, int] | None:
         """The pipeline order whose walk says when this plan's gradients wait
         (`schedule.held_grads_order`); None without a pipeline."""
-        if self.pp == 1:
-            return None
-        return held_grads_order(self.pp_schedule, self.pp, self.n_microbatches, self.chunks)
+        return _held_order(self.pp_schedule, self.pp, self.n_microbatches, self.chunks)
 
     @property
     def fsdp_holds_grads_across_microbatches(self) -> bool:
@@ -126,9 +124,7 @@ class Plan(MeshDegrees):
         the step's end), or zero 1 accumulating without one: each stage keeps its unsharded
         parameters and unsharded fp32 gradients until then (the llmscale stack's
         `param_residency`)."""
-        if not self.fsdp:
-            return False
-        return _grads_unsharded(self.zero_stage, self.pp, self.n_microbatches)
+        return _holds_grads(self.fsdp, self.zero_stage, self.pp, self.n_microbatches)
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -197,17 +193,19 @@ class Plan(MeshDegrees):
     # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
     def states_key(self) -> tuple[Hashable, ...]:
         """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
-        dp = self.dp
+        # (the derived values it names, each read once: a search builds thousands of keys)
+        dp, pp, chunks, n_mb = self.dp, self.pp, self.chunks, self.n_microbatches
         return (
-            id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
+            id(self.model), self.tp, pp, chunks, self.dp_shard, self.zero_stage,
             self.offload, self.precision, uses_fsdp_cpu_offload(self.offload, dp),
             self.pp_layers, self.cp, self.v_shape, self.lsp_dim, self.lsp_nonzeros,
             dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
-            self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
-            # under a pipeline, when each chunk's gradients wait (schedule.held_grad_points)
-            self.held_grads_order,
+            # zero 1 accumulating: unsharded grads (`fsdp_holds_grads_across_microbatches`)
+            _holds_grads(self.fsdp, self.zero_stage, pp, n_mb),
+            # under a pipeline, when each chunk's gradients wait (`held_grads_order`)
+            _held_order(self.pp_schedule, pp, n_mb, chunks),
             # lsp's host transfer buffers: gradient hooks per step (plan.lsp.hooks_per_step)
-            (self.n_microbatches, self.dp_replicate) if self.offload == "lsp" else None,
+            (n_mb, self.dp_replicate) if self.offload == "lsp" else None,
         )  # fmt: skip
 
     def activations_key(self) -> tuple[Hashable, ...]:
@@ -296,6 +294,18 @@ class Plan(MeshDegrees):
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Plan))
+
+
+def _held_order(schedule: str, pp: int, n_microbatches: int, chunks: int) -> tuple[str, int] | None:
+    """`Plan.held_grads_order` from its fields' values (the states key reads it too)."""
+    if pp == 1:
+        return None
+    return held_grads_order(schedule, pp, n_microbatches, chunks)
+
+
+def _holds_grads(fsdp: bool, zero_stage: int, pp: int, n_microbatches: int) -> bool:
+    """`Plan.fsdp_holds_grads_across_microbatches` from its fields' values."""
+    return fsdp and _grads_unsharded(zero_stage, pp, n_microbatches)
 
 
 @memoize
