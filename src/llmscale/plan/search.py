@@ -439,7 +439,7 @@ def search(
                             if rec not in useful:
                                 continue
                             for zi, oi in placed[where]:
-                                if any(
+                                if fits and any(
                                     (f[0] == ri or levels[f[0]] < levels[ri])
                                     and f[1] <= zi and f[2] <= oi
                                     for f in fits
