@@ -162,7 +162,11 @@ def test_time_floor_skips_only_plans_never_shown(
     def counted(plan, cluster, params, simulate=False, ranks=None, validate=True):  # type: ignore[no-untyped-def]
         t = estimate(plan, cluster, params, simulate, ranks, validate)
         if ranks is not None:  # the loop's (the finals are simulated)
-            timed.append((tm.step_time_floor(plan, cluster, params, ranks), t.seconds))
+            floor = tm.step_time_floor(plan, cluster, params, ranks)
+            timed.append((floor, t.seconds))
+            # stopped once past a bar: a floor still, past that bar
+            early = tm.step_time_floor(plan, cluster, params, ranks, past=floor / 2)
+            assert floor / 2 < early <= floor
         return t
 
     monkeypatch.setattr(sr.tm, "estimate_step_time", counted)

@@ -457,8 +457,9 @@ def search(
                                     fits.append((ri, zi, oi))
                                     if (
                                         len(kept) == keep and PRUNE_BY_TIME_FLOOR
-                                        and tm.step_time_floor(plan, cluster, time_params, ends)
-                                        > -kept[0]
+                                        and tm.step_time_floor(
+                                            plan, cluster, time_params, ends, past=-kept[0]
+                                        ) > -kept[0]
                                     ):  # fmt: skip
                                         untimed += 1  # not among the `keep` fastest
                                         continue

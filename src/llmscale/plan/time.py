@@ -910,17 +910,28 @@ def _replicate_group(plan: Plan, stack: Stack) -> tuple[int, int]:
 
 
 def step_time_floor(
-    plan: Plan, cluster: Cluster, params: TimeParams = DEFAULT_TIME, ranks: tuple[int, ...] = (0,)
+    plan: Plan,
+    cluster: Cluster,
+    params: TimeParams = DEFAULT_TIME,
+    ranks: tuple[int, ...] = (0,),
+    past: float = math.inf,
 ) -> float:
     """No more than `estimate_step_time(plan, cluster, params, ranks=ranks).seconds` (not
     simulated; overlap shares in [0, 1]), from its stage times alone: the micro-batches'
     forward and backward on the slowest of `ranks`, its `pipe` before the bubble; every other
-    part of the step adds seconds >= 0. The search skips the rest of a plan's estimate where
-    this is past the plans it keeps (tests/plan/test_search_speed.py holds the two together)."""
+    part of the step adds seconds >= 0. Ranks are taken in turn, and once the floor of those
+    taken is past `past` it is returned without the others' stage times. The search skips the
+    rest of a plan's estimate where this is past the plans it keeps
+    (tests/plan/test_search_speed.py holds the two together)."""
     cluster = cluster.run_by(params.stack)
-    stages = [_rank_times(plan, r, cluster, params) for r in ranks]
-    slow = max(stages, key=lambda st: st.fwd + st.bwd)
-    return plan.n_microbatches * (slow.fwd + slow.bwd)
+    n_mb = plan.n_microbatches
+    floor = 0.0
+    for r in ranks:
+        st = _rank_times(plan, r, cluster, params)
+        floor = max(floor, n_mb * (st.fwd + st.bwd))
+        if floor > past:
+            break
+    return floor
 
 
 def estimate_step_time(
