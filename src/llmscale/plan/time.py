@@ -919,14 +919,15 @@ def step_time_floor(
     """No more than `estimate_step_time(plan, cluster, params, ranks=ranks).seconds` (not
     simulated; overlap shares in [0, 1]), from its stage times alone: the micro-batches'
     forward and backward on the slowest of `ranks`, its `pipe` before the bubble; every other
-    part of the step adds seconds >= 0. Ranks are taken in turn, and once the floor of those
-    taken is past `past` it is returned without the others' stage times. The search skips the
+    part of the step adds seconds >= 0. Ranks are taken in turn, the last first (the head's,
+    most often the slowest), and once the floor of those taken is past `past` it is returned
+    without the others' stage times. The search skips the
     rest of a plan's estimate where this is past the plans it keeps
     (tests/plan/test_search_speed.py holds the two together)."""
     cluster = cluster.run_by(params.stack)
     n_mb = plan.n_microbatches
     floor = 0.0
-    for r in ranks:
+    for r in reversed(ranks):
         st = _rank_times(plan, r, cluster, params)
         floor = max(floor, n_mb * (st.fwd + st.bwd))
         if floor > past:
