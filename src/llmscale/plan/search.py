@@ -28,8 +28,10 @@ pipeline ops keep the closed form; per-tensor counts, collectives and per-block 
 cached. In the inner loop a layout's plans differ only in recompute, ZeRO stage and offload:
 `_Floors` finds each costed rank's floor (`worst_total`'s first test) from its states, looked up
 once per (ZeRO stage, offload), and its activity, once per (recompute, low-precision weights),
-and builds a plan (`Plan.varied`) only for those it does not rule out; the simulator re-times
-the shown plans without a timeline, from the orders it keeps (plan/schedule.py `simulate`).
+and builds a plan (`Plan.varied`) only for those it does not rule out; a plan that fits is
+timed in full only while its step-time floor (`tm.step_time_floor`) can beat the
+`max(top, resimulate)` fastest so far (`PRUNE_BY_TIME_FLOOR`); the simulator re-times the shown
+plans without a timeline, from the graphs it keeps (plan/schedule.py `simulate`).
 """
 
 from __future__ import annotations
