@@ -671,18 +671,6 @@ def _held_grad_points(
             points.add((*accum, *pending, waiting))
             changed = False
 
-    def post_backward(c: int, found: bool) -> None:
-        nonlocal tied, changed
-        if found and not accum[c]:
-            accum[c] = 1
-            changed = True
-        if pending[c]:
-            pending[c] = 0
-            changed = True
-        if c == last_chunk and tied:
-            tied = 0
-            changed = True
-
     def reduce(c: int) -> None:
         nonlocal tied, changed
         point()
@@ -694,21 +682,33 @@ def _held_grad_points(
     deferred: int | None = None
     n_ops = len(ops)
     for k, (kind, c, joined) in enumerate(ops):
+        found: bool | None = None  # FSDP2's post-backward runs: whether it finds gradients
         if kind == "B":
             # a full backward: its W joined to it (`_whole_backward`)
             whole = not split or (k + 1 < n_ops and ops[k + 1][0] == "W" and ops[k + 1][2])
             if whole or c != first:
-                post_backward(c, whole or pending[c] == 1)
+                found = whole or pending[c] == 1
         elif not joined:  # a W run apart
             if c == first:  # the first stage's whole backward
-                post_backward(c, True)
+                found = True
             elif not pending[c]:
                 pending[c] = 1
+                changed = True
+        if found is not None:  # the post-backward
+            if found and not accum[c]:
+                accum[c] = 1
+                changed = True
+            if pending[c]:
+                pending[c] = 0
+                changed = True
+            if c == last_chunk and tied:
+                tied = 0
                 changed = True
         if tied_v and c == first and kind == "W" and not tied:  # the lookup's gradient
             tied = 1
             changed = True
-        point()
+        if changed:
+            point()
         if final[c] == k:
             if tied_v and c == last_chunk:
                 deferred = c
