@@ -686,17 +686,19 @@ class _Floors:
         """Each rank's floor (`mem.floor_pieces`), or None when one is over the limit."""
         plan: Plan | None = None
         parts = []
+        states, activities, lowp = self.states, self.activity, self.lowp[oi]
+        over, limit, allocated = self.over, self.limit, mem.floor_allocated
         for r in self.ranks:
-            st = self.states.get((zi, oi, r))
+            st = states.get((zi, oi, r))
             if st is None:
                 plan = plan or self.plan(ri, zi, oi)
-                st = self.states[zi, oi, r] = mem.rank_states(plan, r, self.opt)
-            key = (ri, self.lowp[oi], r)
-            activity = self.activity.get(key)
+                st = states[zi, oi, r] = mem.rank_states(plan, r, self.opt)
+            key = (ri, lowp, r)
+            activity = activities.get(key)
             if activity is None:
                 plan = plan or self.plan(ri, zi, oi)
-                activity = self.activity[key] = mem.rank_activity(plan, r, self.opt)
-            if self.over * mem.floor_allocated(st, activity) > self.limit:
+                activity = activities[key] = mem.rank_activity(plan, r, self.opt)
+            if over * allocated(st, activity) > limit:
                 return None
             parts.append((st, activity))
         return [mem.floor_pieces(st, activity) for st, activity in parts]
