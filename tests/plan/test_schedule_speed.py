@@ -124,3 +124,11 @@ def test_frontier_extends_from_small_counts_at_every_count(
             assert sc.held_frontier_extended(schedule, pp, m, chunks, rank) is not None
             checked += 1
     assert checked >= (6 if schedule == "zero_bubble" else 200) * pp
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "v"), SHAPES[::2])
+def test_schedule_actions_are_the_orders_kinds_and_stages(
+    schedule: str, pp: int, m: int, v: int
+) -> None:
+    want = [[(op.kind, op.stage) for op in ops] for ops in sc.schedule_ops(schedule, pp, m, v)]
+    assert sc.schedule_actions(schedule, pp, m, v) == want

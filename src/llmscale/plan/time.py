@@ -83,7 +83,6 @@ dense peak of the precision's dtype; HFU counts recomputation too.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -107,7 +106,7 @@ from llmscale.plan.lsp import host_adam_numel
 from llmscale.plan.memory import plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_ops
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_actions
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.work import (
     block_linears,
@@ -868,7 +867,9 @@ def _pipeline_unit_gathers(
 GATHERS_AFFINE_FROM = 3
 
 
-@functools.lru_cache(maxsize=4096)
+# (planner memos, emptied with the others by `cache.clear_all`: a benchmark's cold search
+# replays these too; the orders, thousands of ops each, a few at a time)
+@memoize
 def _replayed_gathers(
     schedule: str, pp: int, microbatches: int, chunks: int, zero_stage: int, rank: int
 ) -> float | None:
@@ -879,15 +880,19 @@ def _replayed_gathers(
     return sum(counts.values()) / len(counts) if counts else None
 
 
-@functools.lru_cache(maxsize=256)
+_ORDERS: Memo[list[list[tuple[str, int]]] | None] = Memo("time.schedule_orders", maxsize=256)
+
+
 def _schedule_orders(
     schedule: str, pp: int, microbatches: int, chunks: int
 ) -> list[list[tuple[str, int]]] | None:
-    try:
-        ops = schedule_ops(schedule, pp, microbatches, chunks)
-    except ConfigError:
-        return None
-    return [[(op.kind, op.stage) for op in rank_ops] for rank_ops in ops]
+    def compute() -> list[list[tuple[str, int]]] | None:
+        try:
+            return schedule_actions(schedule, pp, microbatches, chunks)  # (kind, stage)
+        except ConfigError:
+            return None
+
+    return _ORDERS.get((schedule, pp, microbatches, chunks), compute)
 
 
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
