@@ -211,21 +211,17 @@ def _interleaved_op(kind: OpKind, k: int, pp: int, chunks: int, rank: int) -> _A
 def _rank_order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[_Action]:
     total = microbatches * chunks
     warmup = _warmup_forwards(schedule, pp, microbatches, chunks, rank)
-
-    def fwd(k: int) -> _Action:
-        if schedule == "interleaved_1f1b":
-            return _interleaved_op("F", k, pp, chunks, rank)
-        return ("F", rank, 0, k, False)
-
-    def bwd(k: int) -> _Action:
-        if schedule == "interleaved_1f1b":
-            return _interleaved_op("B", k, pp, chunks, rank)
-        return ("B", rank, 0, k, False)
-
-    order = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):  # steady state: one forward, then one backward
-        order += [fwd(warmup + k), bwd(k)]
-    order += [bwd(k) for k in range(total - warmup, total)]  # cool-down
+    # the k-th forward and the k-th backward
+    if schedule == "interleaved_1f1b":
+        fwds = [_interleaved_op("F", k, pp, chunks, rank) for k in range(total)]
+        bwds = [_interleaved_op("B", k, pp, chunks, rank) for k in range(total)]
+    else:
+        fwds = [("F", rank, 0, k, False) for k in range(total)]
+        bwds = [("B", rank, 0, k, False) for k in range(total)]
+    order = fwds[:warmup]
+    for f, b in zip(fwds[warmup:], bwds, strict=False):  # steady state: a forward, a backward
+        order += (f, b)
+    order += bwds[total - warmup :]  # cool-down
     return order
 
 
