@@ -439,15 +439,17 @@ def schedule_actions(
 ) -> list[list[tuple[str, int]]]:
     """`schedule_ops` as each rank's (kind, stage) pairs, without building `Op`s (the time
     model replays FSDP's all-gathers on orders of thousands of ops)."""
+    return [rank_actions(schedule, pp, microbatches, chunks, r) for r in range(pp)]
+
+
+def rank_actions(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> list[tuple[str, int]]:
+    """`schedule_actions(...)[rank]`, that rank's alone."""
     _validate(schedule, pp, microbatches, chunks)
     if schedule == "zero_bubble":  # its pairs come without micro-batch numbers
-        return [
-            [(k, s) for k, s in _zero_bubble_actions(pp, microbatches, chunks, r)]
-            for r in range(pp)
-        ]
-    return [
-        [(a[0], a[1]) for a in _actions(schedule, pp, microbatches, chunks, r)] for r in range(pp)
-    ]
+        return [(k, s) for k, s in _zero_bubble_actions(pp, microbatches, chunks, rank)]
+    return [(a[0], a[1]) for a in _actions(schedule, pp, microbatches, chunks, rank)]
 
 
 # ---- closed forms -------------------------------------------------------------------------

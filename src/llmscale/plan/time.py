@@ -106,7 +106,7 @@ from llmscale.plan.lsp import host_adam_numel
 from llmscale.plan.memory import plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_actions
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, rank_actions
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.work import (
     block_linears,
@@ -868,31 +868,34 @@ GATHERS_AFFINE_FROM = 3
 
 
 # (planner memos, emptied with the others by `cache.clear_all`: a benchmark's cold search
-# replays these too; the orders, thousands of ops each, a few at a time)
+# replays these too)
 @memoize
 def _replayed_gathers(
     schedule: str, pp: int, microbatches: int, chunks: int, zero_stage: int, rank: int
 ) -> float | None:
-    orders = _schedule_orders(schedule, pp, microbatches, chunks)
-    if orders is None:
+    order = _rank_order(schedule, pp, microbatches, chunks, rank)
+    if order is None:
         return None
-    counts = pipeline_gathers(zero_stage, orders[rank])
+    counts = pipeline_gathers(zero_stage, order)
     return sum(counts.values()) / len(counts) if counts else None
 
 
-_ORDERS: Memo[list[list[tuple[str, int]]] | None] = Memo("time.schedule_orders", maxsize=256)
+_ORDERS: Memo[list[tuple[str, int]] | None] = Memo("time.rank_orders", maxsize=1024)
 
 
-def _schedule_orders(
-    schedule: str, pp: int, microbatches: int, chunks: int
-) -> list[list[tuple[str, int]]] | None:
-    def compute() -> list[list[tuple[str, int]]] | None:
+def _rank_order(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> list[tuple[str, int]] | None:
+    """`rank`'s (kind, stage) order, for each ZeRO stage's replay (only the ranks the search
+    costs are built; a bounded memo: each holds thousands of ops)."""
+
+    def compute() -> list[tuple[str, int]] | None:
         try:
-            return schedule_actions(schedule, pp, microbatches, chunks)  # (kind, stage)
+            return rank_actions(schedule, pp, microbatches, chunks, rank)
         except ConfigError:
             return None
 
-    return _ORDERS.get((schedule, pp, microbatches, chunks), compute)
+    return _ORDERS.get((schedule, pp, microbatches, chunks, rank), compute)
 
 
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
