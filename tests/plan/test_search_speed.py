@@ -53,6 +53,23 @@ def test_memoize_computes_once_per_key() -> None:
     assert calls == [(2, "x"), (3, "x")]
 
 
+def test_memoize_values_keys_by_value() -> None:
+    from llmscale.plan.cache import clear_all, memoize_values
+
+    calls: list[tuple[int, tuple[int, ...]]] = []
+
+    @memoize_values
+    def f(a: int, layers: tuple[int, ...]) -> int:
+        calls.append((a, layers))
+        return a * sum(layers)
+
+    # equal tuples are one key (memoize keys a tuple by its id); cleared with the other memos
+    assert [f(2, (1, 2)), f(2, tuple([1, 2])), f(3, (1, 2)), f(2, (1, 2))] == [6, 6, 9, 6]
+    assert calls == [(2, (1, 2)), (3, (1, 2))]
+    clear_all()
+    assert f(2, (1, 2)) == 6 and len(calls) == 3
+
+
 def test_memo_put_clears_when_full() -> None:
     memo: Memo[int] = Memo("test.small", maxsize=2)
     assert memo.get((1,), lambda: 10) == 10 and memo.put((2,), 20) == 20

@@ -41,7 +41,7 @@ from llmscale.model.config import (
     split_layers,
     stage_ids,
 )
-from llmscale.plan.cache import memoize
+from llmscale.plan.cache import memoize_values
 from llmscale.plan.schedule import held_grads_order
 from llmscale.stack import LLMSCALE, Stack, param_residency
 
@@ -308,7 +308,7 @@ def _holds_grads(fsdp: bool, zero_stage: int, pp: int, n_microbatches: int) -> b
     return fsdp and _grads_unsharded(zero_stage, pp, n_microbatches)
 
 
-@memoize
+@memoize_values
 def _grads_unsharded(zero_stage: int, pp: int, n_microbatches: int) -> bool:
     """`Plan.fsdp_holds_grads_across_microbatches` under FSDP (a memo: every plan's
     `states_key` reads it)."""
@@ -316,7 +316,7 @@ def _grads_unsharded(zero_stage: int, pp: int, n_microbatches: int) -> bool:
     return res.grads_unsharded
 
 
-@memoize
+@memoize_values
 def _rank_stages(
     n_layers: int,
     pp: int,

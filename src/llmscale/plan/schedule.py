@@ -46,7 +46,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.model.config import stage_ids
-from llmscale.plan.cache import Memo, memoize
+from llmscale.plan.cache import Memo, memoize_values
 
 OpKind = Literal["F", "B", "W"]
 Costs = float | Sequence[float]
@@ -421,7 +421,7 @@ def _order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) ->
     return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in actions]
 
 
-@memoize
+@memoize_values
 def rank_ops(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> tuple[Op, ...]:
     """`schedule_ops(...)[rank]` without the other ranks, unvalidated, cached: the memory
     model walks one rank's order for several quantities."""
@@ -538,7 +538,7 @@ def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
     return order_peak(schedule, pp, microbatches, chunks, rank)
 
 
-@memoize
+@memoize_values
 def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
     itself: the orders have no one-line warm-up count to read it from."""
@@ -583,7 +583,7 @@ def split_backward_events(
     return _split_events(schedule, pp, microbatches, chunks, rank)
 
 
-@memoize
+@memoize_values
 def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
@@ -659,7 +659,7 @@ def held_grads_order(
     return schedule, min(microbatches, _first_steady(schedule, pp, microbatches))
 
 
-@memoize
+@memoize_values
 def _held_grad_points(
     schedule: str, pp: int, m: int, chunks: int, rank: int, tied_v: bool
 ) -> tuple[tuple[int, ...], ...]:
@@ -803,7 +803,7 @@ def _steady_period(schedule: str, pp: int, microbatches: int) -> tuple[int, int]
     return m1, period
 
 
-@memoize
+@memoize_values
 def _held_frontier(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
@@ -871,7 +871,7 @@ def held_frontier_extended(
     return _undominated(set(fixed) | shifted)
 
 
-@memoize
+@memoize_values
 def _steady_form(
     schedule: str, pp: int, chunks: int, rank: int, m1: int, period: int
 ) -> tuple[frozenset[tuple[int, ...]], tuple[tuple[int, ...], ...], tuple[int, ...]] | None:
