@@ -704,8 +704,20 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
     return PipelineHeld(peak, buffers)
 
 
+_HELD_WEIGHTS: Memo[tuple[list[float], list[float]]] = Memo("memory.held_weights")
+
+
 def _held_weights(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[list[float], list[float]]:
-    """Per chunk of `rank`, the bytes a split B keeps until its W and until the step's end."""
+    """Per chunk of `rank`, the bytes a split B keeps until its W and until the step's end
+    (cached on `Plan.pipeline_key`, as `pipeline_held` and `_held_floor`, which both read it)."""
+    key = (*plan.pipeline_key(), id(opt), rank)
+    compute = lambda: _compute_held_weights(plan, rank, opt)  # noqa: E731
+    return _HELD_WEIGHTS.get(key, compute, (plan.model, opt))
+
+
+def _compute_held_weights(
+    plan: Plan, rank: int, opt: MemoryOptions
+) -> tuple[list[float], list[float]]:
     args = slice_args(plan, opt.kernels)
     share = cp_share(plan)
     n_stages = plan.pp * plan.chunks
