@@ -36,6 +36,40 @@ def test_varied_is_replace() -> None:
         a.tp = 8  # type: ignore[misc]
 
 
+# Another value of every Plan field (plan/plan.py), for the kept values' test below.
+OTHER = {
+    "model": get_preset("llama3-8b"), "seq_len": 2048, "micro_batch_size": 4,
+    "global_batch_size": 128, "recompute": "full", "recompute_every_k": 3, "precision": "fp32",
+    "offload": "none", "lsp_dim": 256, "lsp_nonzeros": 8, "dp_replicate": 4, "dp_shard": 2,
+    "tp": 8, "pp": 4, "pp_schedule": "zbv", "pp_chunks": 4, "pp_layers": (10, 8, 8, 6),
+    "cp": 2, "sequence_parallel": False, "zero_stage": 1,
+}  # fmt: skip
+
+
+def test_kept_values_read_only_their_fields() -> None:
+    # A kept value (`plan._Kept`) is carried by `varied` to a plan that changes none of the
+    # fields it names: changing any other field must leave it as it was, and changing one of
+    # its own gives the value a new plan computes.
+    from llmscale.plan.plan import _KEPT
+
+    assert set(OTHER) == {f.name for f in dataclasses.fields(Plan)}
+    assert {"dp", "n_microbatches", "chunks", "v_shape"} <= set(_KEPT)
+    for base in (BASE, dataclasses.replace(BASE, pp_schedule="zero_bubble", dp_shard=4)):
+        for name in _KEPT:
+            getattr(base, name)  # kept in base from here on
+        assert set(_KEPT) <= set(vars(base))
+        for field, value in OTHER.items():
+            fresh = dataclasses.replace(base, **{field: value})
+            carried = base.varied(**{field: value})
+            for name, kept in _KEPT.items():
+                assert getattr(carried, name) == getattr(fresh, name), (field, name)
+                if field not in kept.reads:
+                    assert getattr(fresh, name) == getattr(base, name), (field, name)
+                    assert name in vars(carried)  # carried, not computed again
+    # a change to a field it names is seen (a control that can fail)
+    assert BASE.varied(dp_shard=4).dp == 8 and BASE.varied(pp_schedule="zbv").chunks == 2
+
+
 def test_varied_refuses_a_name_that_is_not_a_field() -> None:
     with pytest.raises(TypeError, match="no field zero"):
         BASE.varied(zero=1)

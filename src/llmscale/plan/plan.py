@@ -16,9 +16,9 @@ next to the fields, so a new field is added to them in the same place
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from llmscale.config import (
     V_SCHEDULES,
@@ -44,6 +44,37 @@ from llmscale.model.config import (
 from llmscale.plan.cache import memoize_values
 from llmscale.plan.schedule import held_grads_order
 from llmscale.stack import LLMSCALE, Stack, param_residency
+
+T = TypeVar("T")
+
+
+class _Kept(Generic[T]):
+    """A derived value of a plan computed on its first read and kept in the plan's __dict__,
+    where later reads find it without a call (a non-data descriptor); `reads` names the fields
+    it is computed from: `Plan.varied` carries it to a plan that changes none of them
+    (tests/plan/test_search_speed.py perturbs every other field). For the few values the
+    search's inner loop reads most (hundreds of thousands of reads per search)."""
+
+    def __init__(self, reads: tuple[str, ...], fn: Callable[[Any], T]) -> None:
+        self.reads = frozenset(reads)
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Kept[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> T | _Kept[T]:
+        if obj is None:
+            return self
+        value: T = self.fn(obj)
+        obj.__dict__[self.name] = value
+        return value
+
+
+def _kept(*reads: str) -> Callable[[Callable[[Any], T]], _Kept[T]]:
+    return lambda fn: _Kept(reads, fn)
 
 
 def _cfg(key: str, default: Any = None, frozen: type | None = None) -> Any:
@@ -85,7 +116,12 @@ class Plan(MeshDegrees):
     zero_stage: int = _cfg("parallel.zero_stage", 3)
 
     # ---- derived (dp, world_size, fsdp from MeshDegrees; the rest from the runtime's functions)
-    @property
+    @_kept("dp_replicate", "dp_shard")
+    def dp(self) -> int:
+        """`MeshDegrees.dp`, kept."""
+        return super().dp
+
+    @_kept("global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard")
     def n_microbatches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
         return n_microbatches(self.global_batch_size, self.micro_batch_size, self.dp)
@@ -143,12 +179,12 @@ class Plan(MeshDegrees):
         only without) or offloaded working copies."""
         return self.precision != "fp32" and (self.dp * self.cp > 1 or self.offload != "none")
 
-    @property
+    @_kept("pp_schedule", "pp_chunks")
     def chunks(self) -> int:
         """Model chunks per pipeline rank the schedule runs (`config.pipeline_chunks`)."""
         return pipeline_chunks(self.pp_schedule, self.pp_chunks)
 
-    @property
+    @_kept("pp", "pp_schedule")
     def v_shape(self) -> bool:
         """Stages placed in a V (zbv, dualpipev): rank r holds stages r and 2 pp - 1 - r."""
         return self.pp > 1 and self.pp_schedule in V_SCHEDULES
@@ -181,13 +217,19 @@ class Plan(MeshDegrees):
         """`dataclasses.replace(self, **changes)` at a third of its cost, for the search's inner
         loop (tens of thousands of plans): the fields are copied, not passed through the
         generated __init__, which checks nothing (Plan has no __post_init__;
-        tests/plan/test_search_speed.py checks that the two agree)."""
+        tests/plan/test_search_speed.py checks that the two agree), and the kept values
+        (`_Kept`) that read none of `changes` are carried over."""
         if not changes.keys() <= _FIELD_NAMES:
             unknown = sorted(changes.keys() - _FIELD_NAMES)
             raise TypeError(f"Plan has no field {', '.join(unknown)}")
         new = object.__new__(Plan)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
+        state = new.__dict__
+        state.update(self.__dict__)
+        state.update(changes)
+        if not _KEPT_READS.isdisjoint(changes):  # drop the kept values read from a change
+            for name, kept in _KEPT.items():
+                if name in state and not kept.reads.isdisjoint(changes):
+                    del state[name]
         return new
 
     # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
@@ -294,6 +336,8 @@ class Plan(MeshDegrees):
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Plan))
+_KEPT = {n: a for n, a in vars(Plan).items() if isinstance(a, _Kept)}
+_KEPT_READS = frozenset().union(*(a.reads for a in _KEPT.values()))
 
 
 def _held_order(schedule: str, pp: int, n_microbatches: int, chunks: int) -> tuple[str, int] | None:
