@@ -53,7 +53,7 @@ def test_kept_values_read_only_their_fields() -> None:
     from llmscale.plan.plan import _KEPT
 
     assert set(OTHER) == {f.name for f in dataclasses.fields(Plan)}
-    assert {"dp", "n_microbatches", "chunks", "v_shape"} <= set(_KEPT)
+    assert {"dp", "n_microbatches", "chunks", "v_shape", "lowp_weights", "fsdp"} <= set(_KEPT)
     for base in (BASE, dataclasses.replace(BASE, pp_schedule="zero_bubble", dp_shard=4)):
         for name in _KEPT:
             getattr(base, name)  # kept in base from here on

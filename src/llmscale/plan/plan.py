@@ -121,6 +121,11 @@ class Plan(MeshDegrees):
         """`MeshDegrees.dp`, kept."""
         return super().dp
 
+    @_kept("dp_shard")
+    def fsdp(self) -> bool:
+        """`MeshDegrees.fsdp`, kept."""
+        return super().fsdp
+
     @_kept("global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard")
     def n_microbatches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
@@ -147,7 +152,10 @@ class Plan(MeshDegrees):
         1: not sharded)."""
         return self.dp_shard * self.cp if self.fsdp_for(stack) else 1
 
-    @property
+    @_kept(
+        "pp_schedule", "pp", "pp_chunks", "global_batch_size", "micro_batch_size",
+        "dp_replicate", "dp_shard",
+    )  # fmt: skip
     def held_grads_order(self) -> tuple[str, int] | None:
         """The pipeline order whose walk says when this plan's gradients wait
         (`schedule.held_grads_order`); None without a pipeline."""
@@ -172,7 +180,7 @@ class Plan(MeshDegrees):
         """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
         return uses_fsdp_cpu_offload(self.offload, self.dp)
 
-    @property
+    @_kept("precision", "dp_replicate", "dp_shard", "cp", "offload")
     def lowp_weights(self) -> bool:
         """The forward runs on bf16/fp16 weights: FSDP2's or replicate's param_dtype (the
         runtime wraps the model whenever gradients are reduced, dp x cp > 1, and autocast runs
@@ -189,7 +197,7 @@ class Plan(MeshDegrees):
         """Stages placed in a V (zbv, dualpipev): rank r holds stages r and 2 pp - 1 - r."""
         return self.pp > 1 and self.pp_schedule in V_SCHEDULES
 
-    @property
+    @_kept("pp", "pp_schedule")
     def head_rank(self) -> int:
         """The pipeline rank of the last stage (final norm, output, loss): pp - 1, or in a V
         rank 0, which holds the first and the last stage."""
