@@ -36,6 +36,40 @@ def test_varied_is_replace() -> None:
         a.tp = 8  # type: ignore[misc]
 
 
+# Another value of every Plan field (plan/plan.py), for the kept values' test below.
+OTHER = {
+    "model": get_preset("llama3-8b"), "seq_len": 2048, "micro_batch_size": 4,
+    "global_batch_size": 128, "recompute": "full", "recompute_every_k": 3, "precision": "fp32",
+    "offload": "none", "lsp_dim": 256, "lsp_nonzeros": 8, "dp_replicate": 4, "dp_shard": 2,
+    "tp": 8, "pp": 4, "pp_schedule": "zbv", "pp_chunks": 4, "pp_layers": (10, 8, 8, 6),
+    "cp": 2, "sequence_parallel": False, "zero_stage": 1,
+}  # fmt: skip
+
+
+def test_kept_values_read_only_their_fields() -> None:
+    # A kept value (`plan._Kept`) is carried by `varied` to a plan that changes none of the
+    # fields it names: changing any other field must leave it as it was, and changing one of
+    # its own gives the value a new plan computes.
+    from llmscale.plan.plan import _KEPT
+
+    assert set(OTHER) == {f.name for f in dataclasses.fields(Plan)}
+    assert {"dp", "n_microbatches", "chunks", "v_shape", "lowp_weights", "fsdp"} <= set(_KEPT)
+    for base in (BASE, dataclasses.replace(BASE, pp_schedule="zero_bubble", dp_shard=4)):
+        for name in _KEPT:
+            getattr(base, name)  # kept in base from here on
+        assert set(_KEPT) <= set(vars(base))
+        for field, value in OTHER.items():
+            fresh = dataclasses.replace(base, **{field: value})
+            carried = base.varied(**{field: value})
+            for name, kept in _KEPT.items():
+                assert getattr(carried, name) == getattr(fresh, name), (field, name)
+                if field not in kept.reads:
+                    assert getattr(fresh, name) == getattr(base, name), (field, name)
+                    assert name in vars(carried)  # carried, not computed again
+    # a change to a field it names is seen (a control that can fail)
+    assert BASE.varied(dp_shard=4).dp == 8 and BASE.varied(pp_schedule="zbv").chunks == 2
+
+
 def test_varied_refuses_a_name_that_is_not_a_field() -> None:
     with pytest.raises(TypeError, match="no field zero"):
         BASE.varied(zero=1)
@@ -51,6 +85,23 @@ def test_memoize_computes_once_per_key() -> None:
 
     assert [f(2, "x"), f(2, "x"), f(3, "x"), f(2, "x")] == ["xx", "xx", "xxx", "xx"]
     assert calls == [(2, "x"), (3, "x")]
+
+
+def test_memoize_values_keys_by_value() -> None:
+    from llmscale.plan.cache import clear_all, memoize_values
+
+    calls: list[tuple[int, tuple[int, ...]]] = []
+
+    @memoize_values
+    def f(a: int, layers: tuple[int, ...]) -> int:
+        calls.append((a, layers))
+        return a * sum(layers)
+
+    # equal tuples are one key (memoize keys a tuple by its id); cleared with the other memos
+    assert [f(2, (1, 2)), f(2, tuple([1, 2])), f(3, (1, 2)), f(2, (1, 2))] == [6, 6, 9, 6]
+    assert calls == [(2, (1, 2)), (3, (1, 2))]
+    clear_all()
+    assert f(2, (1, 2)) == 6 and len(calls) == 3
 
 
 def test_memo_put_clears_when_full() -> None:
@@ -139,3 +190,49 @@ def test_the_keys_floors_shares_pieces_on() -> None:
         dataclasses.replace(base, dp_replicate=1, dp_shard=4).activations_key()
         != base.activations_key()
     )  # another dp: another micro-batch count
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "gpu", "seq", "batch"),
+    [("llama2-70b", 8, "h100", 4096, 64), ("llama3-8b", 16, "h100", 8192, 64)],
+)
+def test_time_floor_skips_only_plans_never_shown(
+    monkeypatch: pytest.MonkeyPatch, name: str, gpus: int, gpu: str, seq: int, batch: int
+) -> None:
+    # The search times a fitting plan in full only while its step-time floor can beat the
+    # plans it keeps: with and without the shortcut it answers the same, having timed fewer;
+    # and the floor is no more than the estimate for every plan the search times.
+    from llmscale.plan import search as sr
+    from llmscale.plan import time as tm
+    from llmscale.plan.cluster import Cluster
+
+    model, cluster = get_preset(name), Cluster.of(gpu)
+    timed: list[tuple[float, float]] = []
+    estimate = tm.estimate_step_time
+
+    def counted(plan, cluster, params, simulate=False, ranks=None, validate=True):  # type: ignore[no-untyped-def]
+        t = estimate(plan, cluster, params, simulate, ranks, validate)
+        if ranks is not None:  # the loop's (the finals are simulated)
+            floor = tm.step_time_floor(plan, cluster, params, ranks)
+            timed.append((floor, t.seconds))
+            # stopped once past a bar: a floor still, past that bar
+            early = tm.step_time_floor(plan, cluster, params, ranks, past=floor / 2)
+            assert floor / 2 < early <= floor
+        return t
+
+    monkeypatch.setattr(sr.tm, "estimate_step_time", counted)
+    runs = {}
+    for prune in (False, True):
+        monkeypatch.setattr(sr, "PRUNE_BY_TIME_FLOOR", prune)
+        timed.clear()
+        res = sr.search(model, gpus, cluster, seq, batch, top=5)
+        runs[prune] = (res, list(timed))
+    (full, all_timed), (pruned, few_timed) = runs[False], runs[True]
+    assert len(all_timed) == full.feasible > len(few_timed) > 0  # some plans were skipped
+    assert all(floor <= seconds for floor, seconds in all_timed)
+    assert sum(floor < seconds for floor, seconds in all_timed) > 0  # a floor, not the estimate
+    assert (pruned.evaluated, pruned.feasible) == (full.evaluated, full.feasible)
+    assert [(c.plan, c.time, c.memory.total) for c in pruned.candidates] == [
+        (c.plan, c.time, c.memory.total) for c in full.candidates
+    ]
+    assert len(full.candidates) == 5

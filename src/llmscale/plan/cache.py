@@ -77,6 +77,26 @@ def memoize(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def memoize_values(fn: Callable[P, R]) -> Callable[P, R]:
+    """`memoize` for a function whose positional arguments are all values compared by value
+    (ints, strings, bools, tuples of them: no object to key by id): the arguments themselves
+    are the key, without building one (the schedule walks' memos, asked thousands of times)."""
+    memo: Memo[R] = Memo(f"{fn.__module__}.{fn.__qualname__}")
+
+    data = memo._data
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if kwargs:
+            return fn(*args, **kwargs)
+        hit = data.get(args)
+        if hit is not None:
+            return hit[1]
+        return memo.put(args, fn(*args, **kwargs))
+
+    return wrapper
+
+
 def clear_all() -> None:
     """Empty every planner memo."""
     for memo in _MEMOS:

@@ -79,7 +79,7 @@ plan/activations.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -655,7 +655,12 @@ class PipelineHeld(NamedTuple):
 _HELD: Memo[PipelineHeld] = Memo("memory.pipeline_held")
 
 
-def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> PipelineHeld:
+def pipeline_held(
+    plan: Plan,
+    rank: int,
+    opt: MemoryOptions = DEFAULT_OPTIONS,
+    pipeline_key: tuple[Hashable, ...] | None = None,
+) -> PipelineHeld:
     """torch 2.13's `PipelineStage` on pipeline `rank` (measured in docs/schedule.md, "Memory
     of the split schedules"):
 
@@ -670,8 +675,9 @@ def pipeline_held(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -
       other the one's received gradient: buffers, not counted twice.
 
     The step's peak comes from the schedule's op order (`schedule.held_after_b_peak`).
+    `pipeline_key`: `plan.pipeline_key()` where the caller has it (`worst_total`).
     """
-    key = (*plan.pipeline_key(), id(opt), rank)
+    key = (*(plan.pipeline_key() if pipeline_key is None else pipeline_key), id(opt), rank)
     compute = lambda: _pipeline_held(plan, rank, opt)  # noqa: E731
     return _HELD.get(key, compute, (plan.model, opt))
 
@@ -704,8 +710,20 @@ def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:
     return PipelineHeld(peak, buffers)
 
 
+_HELD_WEIGHTS: Memo[tuple[list[float], list[float]]] = Memo("memory.held_weights")
+
+
 def _held_weights(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[list[float], list[float]]:
-    """Per chunk of `rank`, the bytes a split B keeps until its W and until the step's end."""
+    """Per chunk of `rank`, the bytes a split B keeps until its W and until the step's end
+    (cached on `Plan.pipeline_key`, as `pipeline_held` and `_held_floor`, which both read it)."""
+    key = (*plan.pipeline_key(), id(opt), rank)
+    compute = lambda: _compute_held_weights(plan, rank, opt)  # noqa: E731
+    return _HELD_WEIGHTS.get(key, compute, (plan.model, opt))
+
+
+def _compute_held_weights(
+    plan: Plan, rank: int, opt: MemoryOptions
+) -> tuple[list[float], list[float]]:
     args = slice_args(plan, opt.kernels)
     share = cp_share(plan)
     n_stages = plan.pp * plan.chunks
@@ -733,7 +751,9 @@ def _held_weights(plan: Plan, rank: int, opt: MemoryOptions) -> tuple[list[float
 _HELD_FLOOR: Memo[float] = Memo("memory.held_floor")
 
 
-def _held_floor(plan: Plan, rank: int, opt: MemoryOptions) -> float:
+def _held_floor(
+    plan: Plan, rank: int, opt: MemoryOptions, pipeline_key: tuple[Hashable, ...] | None = None
+) -> float:
     """No more than `pipeline_held`'s pending gradients, without walking the op order: its
     last split B is a point of the held frontier, where every split B so far keeps its input
     gradient (`until_end`); 0 where the schedule does not say how many Bs are split."""
@@ -744,7 +764,8 @@ def _held_floor(plan: Plan, rank: int, opt: MemoryOptions) -> float:
             return 0.0
         return sum(n * e for e in _held_weights(plan, rank, opt)[1])
 
-    return _HELD_FLOOR.get((*plan.pipeline_key(), id(opt), rank), compute, (plan.model, opt))
+    key = (*(plan.pipeline_key() if pipeline_key is None else pipeline_key), id(opt), rank)
+    return _HELD_FLOOR.get(key, compute, (plan.model, opt))
 
 
 # A lower bound is trusted to exceed the limit only by more than this share (its sum runs in
@@ -774,13 +795,14 @@ def worst_total(
         floors.append((total, p, r))
     if not _splits_backward(plan, opt):
         return max(total for total, _, _ in floors)
+    key = plan.pipeline_key()  # (once for every rank's two lookups)
     if limit < math.inf:
         for _, p, r in floors:
-            bound = over * p.allocated_with(_held_floor(plan, r, opt))
+            bound = over * p.allocated_with(_held_floor(plan, r, opt, key))
             if bound > limit * (1 + _BOUND_MARGIN):
                 return bound
     return max(
-        over * p.allocated_with(pipeline_held(plan, r, opt).pending_weight_grads)
+        over * p.allocated_with(pipeline_held(plan, r, opt, key).pending_weight_grads)
         for _, p, r in floors
     )
 

@@ -132,16 +132,18 @@ def rank_params(
     the FSDP shard count. `autocast_numel` is what autocast casts where it runs (unwrapped
     bf16/fp16: `Plan.lowp_weights` false); under FSDP2 or replicate param_dtype casts instead
     and the planner reads the whole `numel` (plan/memory.py)."""
-    shapes = model.parameter_shapes()
     head_rank = 0 if v_shape else pp - 1
-    emb = Group.of(shapes["embedding"], tp, dp_shard, vocab_parallel) if rank == 0 else None
-    head_shapes = shapes["head"]
+    emb = _group(model, "embedding", tp, dp_shard, vocab_parallel) if rank == 0 else None
     copy = tied_copy(model, pp, v_shape=v_shape)
-    if copy:
+    head = None
+    if rank == head_rank and copy:
         # The last stage's copy of the tied embedding, its output projection: a tensor of its
         # own, with its own gradient and optimizer state (parallel/tied_embeddings.py).
+        head_shapes = model.parameter_shapes()["head"]
         head_shapes = [*head_shapes, (TIED_HEAD_WEIGHT, (model.vocab_size, model.dim))]
-    head = Group.of(head_shapes, tp, dp_shard, vocab_parallel) if rank == head_rank else None
+        head = Group.of(head_shapes, tp, dp_shard, vocab_parallel)
+    elif rank == head_rank:
+        head = _group(model, "head", tp, dp_shard, vocab_parallel)
     if model.tie_embeddings and not copy and emb is not None:
         # pp = 1, or a V's rank 0: the tied head has no tensor of its own, but where autocast
         # runs it casts the shared weight for the head (the embedding's lookup reads it uncast).
@@ -155,7 +157,14 @@ def rank_params(
             emb.autocast_numel + emb_cast,
             emb.saved_cast_numel + emb_cast,
         )
-    block = Group.of(shapes["block"], tp, dp_shard, vocab_parallel)
+    block = _group(model, "block", tp, dp_shard, vocab_parallel)
     split = split_layers(model.n_layers, pp * chunks, pp_layers)
     blocks = sum(len(split[s]) for s in stage_ids(rank, pp, chunks, v_shape))
     return RankParams.make(blocks, block, emb, head)
+
+
+@memoize
+def _group(model: ModelConfig, part: str, tp: int, dp_shard: int, vocab_parallel: bool) -> Group:
+    """`Group.of` one part of `model.parameter_shapes()` (embedding, block, head), kept: the
+    search asks `rank_params` for every pipeline rank and layout of the same groups."""
+    return Group.of(model.parameter_shapes()[part], tp, dp_shard, vocab_parallel)

@@ -16,9 +16,9 @@ next to the fields, so a new field is added to them in the same place
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from llmscale.config import (
     V_SCHEDULES,
@@ -41,9 +41,40 @@ from llmscale.model.config import (
     split_layers,
     stage_ids,
 )
-from llmscale.plan.cache import memoize
+from llmscale.plan.cache import memoize_values
 from llmscale.plan.schedule import held_grads_order
 from llmscale.stack import LLMSCALE, Stack, param_residency
+
+T = TypeVar("T")
+
+
+class _Kept(Generic[T]):
+    """A derived value of a plan computed on its first read and kept in the plan's __dict__,
+    where later reads find it without a call (a non-data descriptor); `reads` names the fields
+    it is computed from: `Plan.varied` carries it to a plan that changes none of them
+    (tests/plan/test_search_speed.py perturbs every other field). For the few values the
+    search's inner loop reads most (hundreds of thousands of reads per search)."""
+
+    def __init__(self, reads: tuple[str, ...], fn: Callable[[Any], T]) -> None:
+        self.reads = frozenset(reads)
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Kept[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> T | _Kept[T]:
+        if obj is None:
+            return self
+        value: T = self.fn(obj)
+        obj.__dict__[self.name] = value
+        return value
+
+
+def _kept(*reads: str) -> Callable[[Callable[[Any], T]], _Kept[T]]:
+    return lambda fn: _Kept(reads, fn)
 
 
 def _cfg(key: str, default: Any = None, frozen: type | None = None) -> Any:
@@ -85,7 +116,17 @@ class Plan(MeshDegrees):
     zero_stage: int = _cfg("parallel.zero_stage", 3)
 
     # ---- derived (dp, world_size, fsdp from MeshDegrees; the rest from the runtime's functions)
-    @property
+    @_kept("dp_replicate", "dp_shard")
+    def dp(self) -> int:
+        """`MeshDegrees.dp`, kept."""
+        return super().dp
+
+    @_kept("dp_shard")
+    def fsdp(self) -> bool:
+        """`MeshDegrees.fsdp`, kept."""
+        return super().fsdp
+
+    @_kept("global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard")
     def n_microbatches(self) -> int:
         """Micro-batches each pipeline runs per optimizer step (gradient accumulation steps)."""
         return n_microbatches(self.global_batch_size, self.micro_batch_size, self.dp)
@@ -111,13 +152,14 @@ class Plan(MeshDegrees):
         1: not sharded)."""
         return self.dp_shard * self.cp if self.fsdp_for(stack) else 1
 
-    @property
+    @_kept(
+        "pp_schedule", "pp", "pp_chunks", "global_batch_size", "micro_batch_size",
+        "dp_replicate", "dp_shard",
+    )  # fmt: skip
     def held_grads_order(self) -> tuple[str, int] | None:
         """The pipeline order whose walk says when this plan's gradients wait
         (`schedule.held_grads_order`); None without a pipeline."""
-        if self.pp == 1:
-            return None
-        return held_grads_order(self.pp_schedule, self.pp, self.n_microbatches, self.chunks)
+        return _held_order(self.pp_schedule, self.pp, self.n_microbatches, self.chunks)
 
     @property
     def fsdp_holds_grads_across_microbatches(self) -> bool:
@@ -126,9 +168,7 @@ class Plan(MeshDegrees):
         the step's end), or zero 1 accumulating without one: each stage keeps its unsharded
         parameters and unsharded fp32 gradients until then (the llmscale stack's
         `param_residency`)."""
-        if not self.fsdp:
-            return False
-        return _grads_unsharded(self.zero_stage, self.pp, self.n_microbatches)
+        return _holds_grads(self.fsdp, self.zero_stage, self.pp, self.n_microbatches)
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -140,24 +180,24 @@ class Plan(MeshDegrees):
         """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
         return uses_fsdp_cpu_offload(self.offload, self.dp)
 
-    @property
+    @_kept("precision", "dp_replicate", "dp_shard", "cp", "offload")
     def lowp_weights(self) -> bool:
         """The forward runs on bf16/fp16 weights: FSDP2's or replicate's param_dtype (the
         runtime wraps the model whenever gradients are reduced, dp x cp > 1, and autocast runs
         only without) or offloaded working copies."""
         return self.precision != "fp32" and (self.dp * self.cp > 1 or self.offload != "none")
 
-    @property
+    @_kept("pp_schedule", "pp_chunks")
     def chunks(self) -> int:
         """Model chunks per pipeline rank the schedule runs (`config.pipeline_chunks`)."""
         return pipeline_chunks(self.pp_schedule, self.pp_chunks)
 
-    @property
+    @_kept("pp", "pp_schedule")
     def v_shape(self) -> bool:
         """Stages placed in a V (zbv, dualpipev): rank r holds stages r and 2 pp - 1 - r."""
         return self.pp > 1 and self.pp_schedule in V_SCHEDULES
 
-    @property
+    @_kept("pp", "pp_schedule")
     def head_rank(self) -> int:
         """The pipeline rank of the last stage (final norm, output, loss): pp - 1, or in a V
         rank 0, which holds the first and the last stage."""
@@ -185,29 +225,37 @@ class Plan(MeshDegrees):
         """`dataclasses.replace(self, **changes)` at a third of its cost, for the search's inner
         loop (tens of thousands of plans): the fields are copied, not passed through the
         generated __init__, which checks nothing (Plan has no __post_init__;
-        tests/plan/test_search_speed.py checks that the two agree)."""
+        tests/plan/test_search_speed.py checks that the two agree), and the kept values
+        (`_Kept`) that read none of `changes` are carried over."""
         if not changes.keys() <= _FIELD_NAMES:
             unknown = sorted(changes.keys() - _FIELD_NAMES)
             raise TypeError(f"Plan has no field {', '.join(unknown)}")
         new = object.__new__(Plan)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
+        state = new.__dict__
+        state.update(self.__dict__)
+        state.update(changes)
+        if not _KEPT_READS.isdisjoint(changes):  # drop the kept values read from a change
+            for name, kept in _KEPT.items():
+                if name in state and not kept.reads.isdisjoint(changes):
+                    del state[name]
         return new
 
     # ---- cache keys: what each cached result reads (plan/cache.py; the model by id) ---------
     def states_key(self) -> tuple[Hashable, ...]:
         """Parameter, gradient and optimizer bytes of a rank (plan/memory.py)."""
-        dp = self.dp
+        # (the derived values it names, each read once: a search builds thousands of keys)
+        dp, pp, chunks, n_mb = self.dp, self.pp, self.chunks, self.n_microbatches
         return (
-            id(self.model), self.tp, self.pp, self.chunks, self.dp_shard, self.zero_stage,
+            id(self.model), self.tp, pp, chunks, self.dp_shard, self.zero_stage,
             self.offload, self.precision, uses_fsdp_cpu_offload(self.offload, dp),
             self.pp_layers, self.cp, self.v_shape, self.lsp_dim, self.lsp_nonzeros,
             dp * self.cp > 1,  # wrapped: replicate's param_dtype copies, not autocast's
-            self.fsdp_holds_grads_across_microbatches,  # zero 1 accumulating: unsharded grads
-            # under a pipeline, when each chunk's gradients wait (schedule.held_grad_points)
-            self.held_grads_order,
+            # zero 1 accumulating: unsharded grads (`fsdp_holds_grads_across_microbatches`)
+            _holds_grads(self.fsdp, self.zero_stage, pp, n_mb),
+            # under a pipeline, when each chunk's gradients wait (`held_grads_order`)
+            _held_order(self.pp_schedule, pp, n_mb, chunks),
             # lsp's host transfer buffers: gradient hooks per step (plan.lsp.hooks_per_step)
-            (self.n_microbatches, self.dp_replicate) if self.offload == "lsp" else None,
+            (n_mb, self.dp_replicate) if self.offload == "lsp" else None,
         )  # fmt: skip
 
     def activations_key(self) -> tuple[Hashable, ...]:
@@ -296,9 +344,23 @@ class Plan(MeshDegrees):
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Plan))
+_KEPT = {n: a for n, a in vars(Plan).items() if isinstance(a, _Kept)}
+_KEPT_READS = frozenset().union(*(a.reads for a in _KEPT.values()))
 
 
-@memoize
+def _held_order(schedule: str, pp: int, n_microbatches: int, chunks: int) -> tuple[str, int] | None:
+    """`Plan.held_grads_order` from its fields' values (the states key reads it too)."""
+    if pp == 1:
+        return None
+    return held_grads_order(schedule, pp, n_microbatches, chunks)
+
+
+def _holds_grads(fsdp: bool, zero_stage: int, pp: int, n_microbatches: int) -> bool:
+    """`Plan.fsdp_holds_grads_across_microbatches` from its fields' values."""
+    return fsdp and _grads_unsharded(zero_stage, pp, n_microbatches)
+
+
+@memoize_values
 def _grads_unsharded(zero_stage: int, pp: int, n_microbatches: int) -> bool:
     """`Plan.fsdp_holds_grads_across_microbatches` under FSDP (a memo: every plan's
     `states_key` reads it)."""
@@ -306,7 +368,7 @@ def _grads_unsharded(zero_stage: int, pp: int, n_microbatches: int) -> bool:
     return res.grads_unsharded
 
 
-@memoize
+@memoize_values
 def _rank_stages(
     n_layers: int,
     pp: int,

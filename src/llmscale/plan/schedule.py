@@ -46,7 +46,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.model.config import stage_ids
-from llmscale.plan.cache import Memo, memoize
+from llmscale.plan.cache import Memo, memoize_values
 
 OpKind = Literal["F", "B", "W"]
 Costs = float | Sequence[float]
@@ -189,7 +189,13 @@ def _warmup_forwards(schedule: str, pp: int, microbatches: int, chunks: int, ran
     return min((chunks - 1) * pp + 2 * (pp - rank - 1), microbatches * chunks)
 
 
-def _interleaved_op(kind: OpKind, k: int, pp: int, chunks: int, rank: int) -> Op:
+# An op of a rank's order without its rank: (kind, stage, chunk, microbatch, joined). The
+# builders below give these (cheaper than `Op`s: the simulator's graph and the held-memory
+# frontier read tens of thousands); `_order` makes them `Op`s.
+_Action = tuple[OpKind, int, int, int, bool]
+
+
+def _interleaved_op(kind: OpKind, k: int, pp: int, chunks: int, rank: int) -> _Action:
     """The k-th forward (or k-th backward) of a rank in interleaved 1F1B.
 
     Ops go in rounds of pp microbatches per chunk: chunk 0 for microbatches 0..pp-1, chunk 1
@@ -199,92 +205,77 @@ def _interleaved_op(kind: OpKind, k: int, pp: int, chunks: int, rank: int) -> Op
     if kind == "B":
         chunk = chunks - 1 - chunk
     microbatch = (k // (pp * chunks)) * pp + k % pp
-    return Op(kind, chunk * pp + rank, rank, chunk, microbatch)
+    return (kind, chunk * pp + rank, chunk, microbatch, False)
 
 
-def _rank_order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[Op]:
+def _rank_order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[_Action]:
     total = microbatches * chunks
     warmup = _warmup_forwards(schedule, pp, microbatches, chunks, rank)
-
-    def fwd(k: int) -> Op:
-        if schedule == "interleaved_1f1b":
-            return _interleaved_op("F", k, pp, chunks, rank)
-        return Op("F", rank, rank, 0, k)
-
-    def bwd(k: int) -> Op:
-        if schedule == "interleaved_1f1b":
-            return _interleaved_op("B", k, pp, chunks, rank)
-        return Op("B", rank, rank, 0, k)
-
-    order = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):  # steady state: one forward, then one backward
-        order += [fwd(warmup + k), bwd(k)]
-    order += [bwd(k) for k in range(total - warmup, total)]  # cool-down
+    # the k-th forward and the k-th backward
+    if schedule == "interleaved_1f1b":
+        fwds = [_interleaved_op("F", k, pp, chunks, rank) for k in range(total)]
+        bwds = [_interleaved_op("B", k, pp, chunks, rank) for k in range(total)]
+    else:
+        fwds = [("F", rank, 0, k, False) for k in range(total)]
+        bwds = [("B", rank, 0, k, False) for k in range(total)]
+    order = fwds[:warmup]
+    for f, b in zip(fwds[warmup:], bwds, strict=False):  # steady state: a forward, a backward
+        order += (f, b)
+    order += bwds[total - warmup :]  # cool-down
     return order
 
 
-def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> list[Op]:
+def _zero_bubble_order(pp: int, microbatches: int, chunks: int, rank: int) -> list[_Action]:
     """ScheduleInterleavedZeroBubble (ZB1P over v loop-style chunks): interleaved 1F1B's
     rounds, one forward less per hop in warm-up, B = input gradient only, and from the
     (rank+1)-th steady step on each B followed by the W of the oldest B whose W is pending;
     the remaining Ws at the end (torch's `_get_1f1b_rank_ops(enable_zero_bubble=True)`)."""
     counts: dict[tuple[str, int], int] = {}
-    order: list[Op] = []
+    order: list[_Action] = []
     for kind, stage in _zero_bubble_actions(pp, microbatches, chunks, rank):
         mb = counts.get((kind, stage), 0)
         counts[(kind, stage)] = mb + 1
-        order.append(Op(kind, stage, rank, stage // pp, mb))
+        order.append((kind, stage, stage // pp, mb, False))
     return order
 
 
 def _zero_bubble_actions(
-    pp: int, microbatches: int, chunks: int, rank: int
+    pp: int, microbatches: int, chunks: int, rank: int, forwards: bool = True
 ) -> list[tuple[OpKind, int]]:
-    """`_zero_bubble_order` as (kind, stage) pairs (the held-memory frontier reads only these)."""
+    """`_zero_bubble_order` as (kind, stage) pairs (the held-memory frontier reads only these;
+    `forwards` False leaves the Fs out). Step k's F runs stage ((k // r) % v) pp + rank, with
+    r micro-batches per round; from the warm-up's end its B runs the chunks in reverse, and
+    each W the stage of the oldest B whose W is pending."""
     per_round = microbatches // zero_bubble_rounds(pp, microbatches)
     total = microbatches * chunks
     warmup = min((chunks - 1) * per_round + (pp - 1 - rank), total)
-
-    def stage_f(step: int) -> int:
-        return ((step // per_round) % chunks) * pp + rank
-
-    def stage_b(step: int) -> int:
-        return (chunks - 1 - ((step - warmup) // per_round) % chunks) * pp + rank
+    top = (chunks - 1) * pp + rank  # the last chunk's stage, where the Bs start
 
     order: list[tuple[OpKind, int]] = []
-    b_steps: list[int] = []
+    add = order.append
+    b_stages: list[int] = []  # each B's stage, in order: the Ws follow them
     w_done = 0
-    for step in range(total + warmup):
-        if step < warmup:
-            order.append(("F", stage_f(step)))
-            continue
-        if step < total:
-            order.append(("F", stage_f(step)))
-        order.append(("B", stage_b(step)))
-        b_steps.append(step)
+    if forwards:
+        for step in range(warmup):
+            add(("F", ((step // per_round) % chunks) * pp + rank))
+    for step in range(warmup, total + warmup):
+        if forwards and step < total:
+            add(("F", ((step // per_round) % chunks) * pp + rank))
+        stage = top - (((step - warmup) // per_round) % chunks) * pp
+        add(("B", stage))
+        b_stages.append(stage)
         if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
-            order.append(("W", stage_b(b_steps[w_done])))
+            add(("W", b_stages[w_done]))
             w_done += 1
-    while w_done < len(b_steps):
-        order.append(("W", stage_b(b_steps[w_done])))
-        w_done += 1
+    for stage in b_stages[w_done:]:
+        add(("W", stage))
     return order
 
 
-# An op of a V schedule's order without its rank: (kind, stage, chunk, microbatch, joined).
-# The held-memory frontier reads thousands of orders (`_split_events`); these are cheaper to
-# build than `Op`s.
-_Action = tuple[OpKind, int, int, int, bool]
-
-
-def _zbv_order(pp: int, microbatches: int, rank: int) -> list[Op]:
+def _zbv_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     """ScheduleZBVZeroBubble (Qi et al. 2023, section 6): V placement, chunk 0 forwards to fill
     the V, then F/B/W of chunk 1 and chunk 0 in turn; planned for max(2pp - 1, m) microbatches
-    and the extra ones dropped, as torch does (`_zbv_actions`)."""
-    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in _zbv_actions(pp, microbatches, rank)]
-
-
-def _zbv_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
+    and the extra ones dropped, as torch does."""
     n = max(2 * pp - 1, microbatches)
     s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
     order: list[_Action] = []
@@ -338,17 +329,11 @@ def _zbv_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     return order
 
 
-def _dualpipev_order(pp: int, microbatches: int, rank: int) -> list[Op]:
+def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     """ScheduleDualPipeV (DeepSeek-V3's DualPipe cut to a V, as torch 2.13 builds it): eight
     phases of forwards, zero-bubble B/W pairs, overlapped F+B actions of different
     microbatches (F, then the full backward's B and W, joined) and full backwards (B, W
-    joined); the Ws of split backwards wait in a queue and run in its order
-    (`_dualpipev_actions`)."""
-    actions = _dualpipev_actions(pp, microbatches, rank)
-    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in actions]
-
-
-def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
+    joined); the Ws of split backwards wait in a queue and run in its order."""
     s0, s1 = stage_ids(rank, pp, 2, v_shape=True)
     count: dict[tuple[str, int], int] = {}
     queue: list[tuple[int, int]] = []  # pending (stage, microbatch) weight gradients
@@ -415,22 +400,28 @@ def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> list[_Action]:
     return order
 
 
-_ORDERS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
+_ORDERS: dict[str, Callable[[int, int, int, int], list[_Action]]] = {
     "zero_bubble": _zero_bubble_order,
-    "zbv": lambda pp, m, v, r: _zbv_order(pp, m, r),
-    "dualpipev": lambda pp, m, v, r: _dualpipev_order(pp, m, r),
+    "zbv": lambda pp, m, v, r: _zbv_actions(pp, m, r),
+    "dualpipev": lambda pp, m, v, r: _dualpipev_actions(pp, m, r),
 }
 
 
-def _order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[Op]:
-    """`rank`'s order, unvalidated: its schedule's own builder, or the warm-up form."""
+def _actions(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[_Action]:
+    """`rank`'s order as actions, unvalidated: its schedule's own builder, or the warm-up form."""
     build = _ORDERS.get(schedule)
     if build is not None:
         return build(pp, microbatches, chunks, rank)
     return _rank_order(schedule, pp, microbatches, chunks, rank)
 
 
-@memoize
+def _order(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> list[Op]:
+    """`rank`'s order, unvalidated (`_actions` as `Op`s)."""
+    actions = _actions(schedule, pp, microbatches, chunks, rank)
+    return [Op(k, s, rank, c, mb, j) for k, s, c, mb, j in actions]
+
+
+@memoize_values
 def rank_ops(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> tuple[Op, ...]:
     """`schedule_ops(...)[rank]` without the other ranks, unvalidated, cached: the memory
     model walks one rank's order for several quantities."""
@@ -441,6 +432,24 @@ def schedule_ops(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> 
     """The ordered F/B(/W) ops of each pipeline rank: `result[rank]` is what that rank runs."""
     _validate(schedule, pp, microbatches, chunks)
     return [_order(schedule, pp, microbatches, chunks, r) for r in range(pp)]
+
+
+def schedule_actions(
+    schedule: str, pp: int, microbatches: int, chunks: int = 1
+) -> list[list[tuple[str, int]]]:
+    """`schedule_ops` as each rank's (kind, stage) pairs, without building `Op`s (the time
+    model replays FSDP's all-gathers on orders of thousands of ops)."""
+    return [rank_actions(schedule, pp, microbatches, chunks, r) for r in range(pp)]
+
+
+def rank_actions(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> list[tuple[str, int]]:
+    """`schedule_actions(...)[rank]`, that rank's alone."""
+    _validate(schedule, pp, microbatches, chunks)
+    if schedule == "zero_bubble":  # its pairs come without micro-batch numbers
+        return [(k, s) for k, s in _zero_bubble_actions(pp, microbatches, chunks, rank)]
+    return [(a[0], a[1]) for a in _actions(schedule, pp, microbatches, chunks, rank)]
 
 
 # ---- closed forms -------------------------------------------------------------------------
@@ -529,7 +538,7 @@ def _split_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: in
     return order_peak(schedule, pp, microbatches, chunks, rank)
 
 
-@memoize
+@memoize_values
 def order_peak(schedule: str, pp: int, microbatches: int, chunks: int, rank: int) -> int:
     """Peak activations held in a zero-bubble schedule's order (F to W), counted on the order
     itself: the orders have no one-line warm-up count to read it from."""
@@ -574,11 +583,13 @@ def split_backward_events(
     return _split_events(schedule, pp, microbatches, chunks, rank)
 
 
-@memoize
+@memoize_values
 def _split_events(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, int], ...]:
     ops = _backward_actions(schedule, pp, microbatches, chunks, rank)
+    if not any(joined for _, _, joined in ops):  # every B split, every W apart
+        return tuple([(chunk, 1 if kind == "B" else -1) for kind, chunk, _ in ops])
     events: list[tuple[int, int]] = []
     for k, (kind, chunk, joined) in enumerate(ops):
         if kind == "B":
@@ -648,7 +659,7 @@ def held_grads_order(
     return schedule, min(microbatches, _first_steady(schedule, pp, microbatches))
 
 
-@memoize
+@memoize_values
 def _held_grad_points(
     schedule: str, pp: int, m: int, chunks: int, rank: int, tied_v: bool
 ) -> tuple[tuple[int, ...], ...]:
@@ -663,40 +674,55 @@ def _held_grad_points(
     accum, pending = [0] * chunks, [0] * chunks
     tied = 0
     points: set[tuple[int, ...]] = set()
+    # Whether the flags changed since the last point taken: an unchanged point is in `points`
+    # already (each op takes one; most change a flag or none).
+    changed = True
 
     def point() -> None:
-        waiting = tied if last_chunk is not None and not pending[last_chunk] else 0
-        points.add((*accum, *pending, waiting))
-
-    def post_backward(c: int, found: bool) -> None:
-        nonlocal tied
-        if found:
-            accum[c] = 1
-        pending[c] = 0
-        if c == last_chunk:
-            tied = 0
+        nonlocal changed
+        if changed:
+            waiting = tied if last_chunk is not None and not pending[last_chunk] else 0
+            points.add((*accum, *pending, waiting))
+            changed = False
 
     def reduce(c: int) -> None:
-        nonlocal tied
+        nonlocal tied, changed
         point()
         accum[c] = pending[c] = 0
         if c == last_chunk:
             tied = 0
+        changed = True
 
     deferred: int | None = None
+    n_ops = len(ops)
     for k, (kind, c, joined) in enumerate(ops):
+        found: bool | None = None  # FSDP2's post-backward runs: whether it finds gradients
         if kind == "B":
-            whole = not split or _whole_backward(ops, k)
+            # a full backward: its W joined to it (`_whole_backward`)
+            whole = not split or (k + 1 < n_ops and ops[k + 1][0] == "W" and ops[k + 1][2])
             if whole or c != first:
-                post_backward(c, whole or pending[c] == 1)
+                found = whole or pending[c] == 1
         elif not joined:  # a W run apart
             if c == first:  # the first stage's whole backward
-                post_backward(c, True)
-            else:
+                found = True
+            elif not pending[c]:
                 pending[c] = 1
-        if tied_v and c == first and kind == "W":  # the lookup's gradient, after its B
+                changed = True
+        if found is not None:  # the post-backward
+            if found and not accum[c]:
+                accum[c] = 1
+                changed = True
+            if pending[c]:
+                pending[c] = 0
+                changed = True
+            if c == last_chunk and tied:
+                tied = 0
+                changed = True
+        if tied_v and c == first and kind == "W" and not tied:  # the lookup's gradient
             tied = 1
-        point()
+            changed = True
+        if changed:
+            point()
         if final[c] == k:
             if tied_v and c == last_chunk:
                 deferred = c
@@ -721,13 +747,9 @@ def _backward_actions(
     """`rank`'s B and W ops in its order as (kind, chunk, joined to the op before), from the
     orders' plain-tuple forms where there are (forwards change no gradient)."""
     if schedule == "zero_bubble":
-        return [(kind, stage // pp, False) for kind, stage in
-                _zero_bubble_actions(pp, m, chunks, rank) if kind != "F"]  # fmt: skip
-    if schedule in V_SCHEDULES:
-        v_actions = _zbv_actions if schedule == "zbv" else _dualpipev_actions
-        return [(a[0], a[2], a[4]) for a in v_actions(pp, m, rank) if a[0] != "F"]
-    return [(op.kind, op.chunk, op.joined) for op in rank_ops(schedule, pp, m, chunks, rank)
-            if op.kind != "F"]  # fmt: skip
+        return [(kind, stage // pp, False)
+                for kind, stage in _zero_bubble_actions(pp, m, chunks, rank, forwards=False)]  # fmt: skip
+    return [(a[0], a[2], a[4]) for a in _actions(schedule, pp, m, chunks, rank) if a[0] != "F"]
 
 
 def split_b_count(schedule: str, microbatches: int) -> int | None:
@@ -757,8 +779,8 @@ def held_after_b_peak(
     return max((sum(n * w for n, w in zip(c, weights, strict=True)) for c in frontier), default=0.0)
 
 
-# Past this many micro-batches `_held_frontier` counts the order at three smaller counts and
-# extends their steady state (the search asks for up to 10^6 micro-batches; walking that order
+# Past this many micro-batches `held_grad_points` takes a count that is not a multiple of pp as
+# 3pp's (`_first_steady`; the search asks for up to 10^6 micro-batches; walking that order
 # takes minutes per rank).
 EXACT_HELD_MICROBATCHES = 256
 
@@ -781,18 +803,20 @@ def _steady_period(schedule: str, pp: int, microbatches: int) -> tuple[int, int]
     return m1, period
 
 
-@memoize
+@memoize_values
 def _held_frontier(
     schedule: str, pp: int, microbatches: int, chunks: int, rank: int
 ) -> tuple[tuple[int, ...], ...]:
     """The counts (pending per chunk, then B done per chunk) after each split B of the order,
     only those no other count dominates: with weights >= 0 the peak is at one of them (the
-    search asks for thousands of plans; the frontier is a handful of points). Large counts are
-    extended from smaller ones (`held_frontier_extended`)."""
-    if microbatches > EXACT_HELD_MICROBATCHES:
-        extended = held_frontier_extended(schedule, pp, microbatches, chunks, rank)
-        if extended is not None:
-            return extended
+    search asks for thousands of plans; the frontier is a handful of points). Counts with a
+    steady period are extended from three smaller ones (`held_frontier_extended`), whose walks
+    every larger count of the rank shares: the same points as the whole order's at every count
+    to 256 (walked for pp 2 to 16 on every rank and pp 18 to 64 on seven, zero_bubble over 1, 2
+    and 4 chunks, when this was written; tests/plan/test_schedule_speed.py walks pp 5 and 8)."""
+    extended = held_frontier_extended(schedule, pp, microbatches, chunks, rank)
+    if extended is not None:
+        return extended
     return held_frontier_exact(schedule, pp, microbatches, chunks, rank)
 
 
@@ -836,13 +860,31 @@ def held_frontier_extended(
     if found is None:
         return None
     m1, period = found
+    form = _steady_form(schedule, pp, chunks, rank, m1, period)
+    if form is None:
+        return None
+    fixed, moving, d = form
+    if not moving:
+        return _undominated(set(fixed))
+    k = (microbatches - m1) // period
+    shifted = {tuple(a + k * s for a, s in zip(p, d, strict=True)) for p in moving}
+    return _undominated(set(fixed) | shifted)
+
+
+@memoize_values
+def _steady_form(
+    schedule: str, pp: int, chunks: int, rank: int, m1: int, period: int
+) -> tuple[frozenset[tuple[int, ...]], tuple[tuple[int, ...], ...], tuple[int, ...]] | None:
+    """`held_frontier_extended`'s form from the orders of m1, m1 + P and m1 + 2P: the points
+    they share (A), those that move at m1 (B) and the vector d they move by per period (every
+    larger count of the rank reads these); None where the three orders do not show it."""
     fronts = [
         set(held_frontier_exact(schedule, pp, m1 + j * period, chunks, rank)) for j in range(3)
     ]
-    fixed = fronts[0] & fronts[1] & fronts[2]
+    fixed = frozenset(fronts[0] & fronts[1] & fronts[2])
     moving = [sorted(f - fixed) for f in fronts]
     if not moving[0]:
-        return _undominated(fixed) if all(not m for m in moving) else None
+        return (fixed, (), ()) if all(not m for m in moving) else None
     if not len(moving[0]) == len(moving[1]) == len(moving[2]):
         return None
     d = tuple(b - a for a, b in zip(moving[0][0], moving[1][0], strict=True))
@@ -850,9 +892,7 @@ def held_frontier_extended(
         want = sorted(tuple(a + j * s for a, s in zip(p, d, strict=True)) for p in moving[0])
         if moving[j] != want:
             return None
-    k = (microbatches - m1) // period
-    shifted = {tuple(a + k * s for a, s in zip(p, d, strict=True)) for p in moving[0]}
-    return _undominated(fixed | shifted)
+    return fixed, tuple(moving[0]), d
 
 
 def _covers(q: tuple[int, ...], p: tuple[int, ...]) -> bool:
@@ -975,7 +1015,8 @@ def simulate_orders(
     never run.
     """
     shape = _check_orders(orders)
-    return _replay(orders, shape, t_fwd, t_bwd, t_p2p, schedule, op_costs, t_w, True)
+    graph = _op_graph(_as_actions(orders), shape)
+    return _replay(orders, shape, t_fwd, t_bwd, t_p2p, schedule, op_costs, t_w, True, graph)
 
 
 _Key = tuple[str, int, int]  # (kind, stage, microbatch)
@@ -988,43 +1029,72 @@ class _OpGraph(NamedTuple):
     entry, not a dict of tuples. Per rank, per op: (number, kind index, stage, then up to two
     inputs as (number, from another rank), -1 for none, in `_deps`'s order); per rank, the
     index of the op that ends each op's torch action (itself unless joined ops follow it);
-    whether any op is joined."""
+    whether any op is joined; per rank, `_peak_inflight` of its order."""
 
     rows: tuple[tuple[tuple[int, int, int, int, bool, int, bool], ...], ...]
     action_end: tuple[tuple[int, ...], ...]
     joins: bool
+    peaks: tuple[int, ...]
 
 
-def _op_graph(orders: Sequence[Sequence[Op]], shape: tuple[int, int, int, bool, bool]) -> _OpGraph:
-    pp, chunks, microbatches, v_shape, _ = shape
+def _op_graph(
+    orders: Sequence[Sequence[_Action]], shape: tuple[int, int, int, bool, bool]
+) -> _OpGraph:
+    """The graph of per-rank orders given as actions (`_deps`'s inputs, by number: F of stage
+    s > 0 waits for F of s - 1, B for its F and, below the last stage, B of s + 1, W for its
+    B; tests/plan/test_schedule_speed.py checks it against `_deps`)."""
+    pp, chunks, m, v_shape, _ = shape
     n_stages = pp * chunks
     rank_of = _stage_ranks(pp, chunks, v_shape)
-    kind_index: dict[str, int] = {k: i for i, k in enumerate(_KINDS)}
-
-    def number(key: _Key) -> int:
-        return (kind_index[key[0]] * n_stages + key[1]) * microbatches + key[2]
-
+    b0 = n_stages * m  # the first B's number; the first W's is 2 b0
     rows = []
     action_end = []
-    for rank_ops in orders:
-        row = []
-        for op in rank_ops:
-            deps = [(number(key), cross) for key, cross in _deps(op, n_stages, rank_of)]
-            (d1, x1), (d2, x2) = deps + [(-1, False)] * (2 - len(deps))
-            key = (op.kind, op.stage, op.microbatch)
-            row.append((number(key), kind_index[op.kind], op.stage, d1, x1, d2, x2))
+    peaks = []
+    for actions in orders:
+        row: list[tuple[int, int, int, int, bool, int, bool]] = []
+        add = row.append
+        for kind, s, _, i, _ in actions:
+            here = rank_of[s]
+            if kind == "F":
+                n = s * m + i
+                if s:
+                    add((n, 0, s, n - m, rank_of[s - 1] != here, -1, False))
+                else:
+                    add((n, 0, s, -1, False, -1, False))
+            elif kind == "B":
+                n = b0 + s * m + i
+                if s < n_stages - 1:
+                    add((n, 1, s, n - b0, False, n + m, rank_of[s + 1] != here))
+                else:
+                    add((n, 1, s, n - b0, False, -1, False))
+            else:
+                n = 2 * b0 + s * m + i
+                add((n, 2, s, n - b0, False, -1, False))
         rows.append(tuple(row))
-        last = list(range(len(rank_ops)))
-        for k in range(len(rank_ops) - 2, -1, -1):
-            if rank_ops[k + 1].joined:
+        last = list(range(len(actions)))
+        for k in range(len(actions) - 2, -1, -1):
+            if actions[k + 1][4]:
                 last[k] = last[k + 1]
         action_end.append(tuple(last))
+        release = 2 if any(r[1] == 2 for r in row) else 1
+        held = peak = 0
+        for r in row:
+            if r[1] == 0:
+                held += 1
+                peak = max(peak, held)
+            elif r[1] == release:
+                held -= 1
+        peaks.append(peak)
     joins = any(i != last[i] for last in action_end for i in range(len(last)))
-    return _OpGraph(tuple(rows), tuple(action_end), joins)
+    return _OpGraph(tuple(rows), tuple(action_end), joins, tuple(peaks))
+
+
+def _as_actions(orders: Sequence[Sequence[Op]]) -> list[list[_Action]]:
+    return [[(op.kind, op.stage, op.chunk, op.microbatch, op.joined) for op in o] for o in orders]
 
 
 def _replay(
-    orders: Sequence[Sequence[Op]],
+    orders: Sequence[Sequence[Op]] | None,
     shape: tuple[int, int, int, bool, bool],
     t_fwd: Costs,
     t_bwd: Costs,
@@ -1033,10 +1103,11 @@ def _replay(
     op_costs: Mapping[tuple[str, int, int], float] | None,
     t_w: Costs | None,
     timeline: bool,
-    prepared: _OpGraph | None = None,
+    graph: _OpGraph,
 ) -> SimResult:
-    """`simulate_orders` on orders of `shape` (`_check_orders`'s answer; `prepared`: their
-    `_op_graph`); `timeline` False leaves the result's timeline empty."""
+    """`simulate_orders` on orders of `shape` (`_check_orders`'s answer) as `graph` (their
+    `_op_graph`); `timeline` False leaves the result's timeline empty, and then `orders` may be
+    None (`schedule`'s own, built again only to say where a deadlock is)."""
     pp, chunks, microbatches, v_shape, split = shape
     n_stages = pp * chunks
     full_b = _stage_costs("t_bwd", t_bwd, n_stages, chunks)
@@ -1048,7 +1119,6 @@ def _replay(
     for key, c in (op_costs or {}).items():
         if isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
             raise ConfigError("op_costs", f"{key}: {c}", "finite numbers >= 0")
-    graph = _op_graph(orders, shape) if prepared is None else prepared
     by_kind = tuple(cost.get(k, ()) for k in _KINDS)
     end: list[float | None] = [None] * (len(_KINDS) * n_stages * microbatches)
     # When each op's output leaves the rank (its action's end); without joined ops, its end.
@@ -1059,7 +1129,8 @@ def _replay(
     busy = [0.0] * pp
     nxt = [0] * pp
     placed: list[TimedOp] = []
-    remaining = sum(len(o) for o in orders)
+    remaining = sum(len(rows) for rows in graph.rows)
+    kept = orders if timeline else None  # the ops the timeline places
     # Start times are a longest path through a DAG (rank order + data edges), so visiting the
     # ranks round-robin gives the same times as a time-ordered event queue.
     while remaining:
@@ -1098,13 +1169,15 @@ def _replay(
                             sent[gone] = finish
                 free = finish
                 done += finish - start
-                if timeline:
-                    placed.append(TimedOp(r, orders[r][k], start, finish))
+                if kept is not None:
+                    placed.append(TimedOp(r, kept[r][k], start, finish))
                 k += 1
                 remaining -= 1
                 progressed = True
             nxt[r], free_at[r], busy[r] = k, free, done
         if not progressed:
+            if orders is None:
+                orders = schedule_ops(schedule, pp, microbatches, chunks)
             ends = _by_key(end, n_stages, microbatches)
             raise DeadlockError(
                 _deadlock_message(orders, nxt, ends, _by_key(sent, n_stages, microbatches))
@@ -1120,7 +1193,7 @@ def _replay(
         bubble_fraction=1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0,
         busy=tuple(busy),
         idle=tuple(makespan - b for b in busy),
-        peak_inflight=tuple(_peak_inflight(o) for o in orders),
+        peak_inflight=graph.peaks,
         timeline=tuple(sorted(placed, key=lambda t: (t.start, t.rank))),
         split_backward=split,
     )
@@ -1214,20 +1287,22 @@ def simulate(
     key = (schedule, pp, microbatches, chunks)
     shape = built_shape(*key)
 
-    def build() -> tuple[tuple[tuple[Op, ...], ...], _OpGraph]:
-        orders = tuple(map(tuple, schedule_ops(*key)))
-        return orders, _op_graph(orders, shape)
+    def build() -> _OpGraph:
+        return _op_graph([_actions(*key, r) for r in range(pp)], shape)
 
-    orders, graph = _BUILT.get(key, build)
+    graph = _BUILT.get(key, build)
+    orders = None
+    if timeline:
+        orders = _BUILT_ORDERS.get(key, lambda: tuple(map(tuple, schedule_ops(*key))))
     return _replay(orders, shape, t_fwd, t_bwd, t_p2p, schedule, None, t_w, timeline, graph)
 
 
-# The orders `simulate` replays, kept for the next plan of the same schedule and counts (a
-# search re-times its best plans, often several of one pipeline shape). A few only: one order
-# of a large pipeline holds tens of thousands of ops.
-_BUILT: Memo[tuple[tuple[tuple[Op, ...], ...], _OpGraph]] = Memo(
-    "schedule.built_orders", maxsize=16
-)
+# The graphs `simulate` replays, kept for the next plan of the same schedule and counts (a
+# search re-times its best plans, often several of one pipeline shape), built from the orders'
+# actions (no `Op`s); the orders themselves only for a timeline. A few only: one order of a
+# large pipeline holds tens of thousands of ops.
+_BUILT: Memo[_OpGraph] = Memo("schedule.built_graphs", maxsize=16)
+_BUILT_ORDERS: Memo[tuple[tuple[Op, ...], ...]] = Memo("schedule.built_orders", maxsize=16)
 
 
 def built_shape(

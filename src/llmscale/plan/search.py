@@ -28,12 +28,15 @@ pipeline ops keep the closed form; per-tensor counts, collectives and per-block 
 cached. In the inner loop a layout's plans differ only in recompute, ZeRO stage and offload:
 `_Floors` finds each costed rank's floor (`worst_total`'s first test) from its states, looked up
 once per (ZeRO stage, offload), and its activity, once per (recompute, low-precision weights),
-and builds a plan (`Plan.varied`) only for those it does not rule out; the simulator re-times
-the shown plans without a timeline, from the orders it keeps (plan/schedule.py `simulate`).
+and builds a plan (`Plan.varied`) only for those it does not rule out; a plan that fits is
+timed in full only while its step-time floor (`tm.step_time_floor`) can beat the
+`max(top, resimulate)` fastest so far (`PRUNE_BY_TIME_FLOOR`); the simulator re-times the shown
+plans without a timeline, from the graphs it keeps (plan/schedule.py `simulate`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Iterator
@@ -331,6 +334,11 @@ def search(
     host_per_gpu = cluster.node.host_memory_bytes / cluster.gpus_per_node
     found: list[tuple[float, float, Plan]] = []
     evaluated = 0
+    # The least `keep` step times found so far, negated (a heap whose top is the largest), and
+    # the fitting plans not timed because their floor is past them (`PRUNE_BY_TIME_FLOOR`).
+    keep = max(top, resimulate)
+    kept: list[float] = []
+    untimed = 0
     rejected: dict[str, None] = {}
     settings: list[tuple[Plan, tuple[int, ...]]] = []  # each memory-checked layout, once
     recs = [r for r in RECOMPUTE_ORDER if r in space.recompute]
@@ -377,6 +385,8 @@ def search(
                 dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
             )  # fmt: skip
+            # Whether each offload runs the forward on low-precision weights (`_Floors`).
+            lowp = [base.varied(offload=o).lowp_weights for o in pp_offloads]
             # Knob settings whose states alone fit, each as (zero index, offload index), per
             # placement of the layers (chunks, and a V or not: which layers a rank holds, and
             # whether the head shares rank 0 with the embedding).
@@ -403,7 +413,7 @@ def search(
                             settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
                     fit_any = False
                     useful = _useful_recomputes(
-                        recs, replace(base, micro_batch_size=mbs, sequence_parallel=sp),
+                        recs, base.varied(micro_batch_size=mbs, sequence_parallel=sp),
                         memory_options,
                     )  # fmt: skip
                     for sched, v in scheds:
@@ -411,22 +421,18 @@ def search(
                         ends = _costed_ranks(model, pp, space, v, where[1])
                         if where not in placed:
                             placed[where] = _fitting_states(
-                                replace(base, pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
+                                base.varied(pp_schedule=sched, pp_chunks=v), zeros, pp_offloads,
                                 ends, memory_options, budget / over, host_per_gpu,
                             )  # fmt: skip
                         # The knobs below vary this plan's recompute, ZeRO stage and offload.
-                        knobs = Plan(
-                            model=model, seq_len=seq_len, micro_batch_size=mbs,
-                            global_batch_size=global_batch_size,
-                            recompute_every_k=space.recompute_every_k, precision=precision,
-                            dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp,
-                            pp_schedule=sched, pp_chunks=v, sequence_parallel=sp, cp=space.cp,
-                            pp_layers=space.pp_layers,
+                        knobs = base.varied(
+                            micro_batch_size=mbs, pp_schedule=sched, pp_chunks=v,
+                            sequence_parallel=sp,
                         )  # fmt: skip
                         floors = _Floors(
                             knobs, recs, zeros, pp_offloads, ends, memory_options, budget,
                             split_states.setdefault((mbs, sched, v), {}),
-                            layout_activity.setdefault((sp, mbs, sched, v), {}),
+                            layout_activity.setdefault((sp, mbs, sched, v), {}), lowp,
                         )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
                         # and memory shrinks: skip a setting once one at least as fast fits.
@@ -435,7 +441,7 @@ def search(
                             if rec not in useful:
                                 continue
                             for zi, oi in placed[where]:
-                                if any(
+                                if fits and any(
                                     (f[0] == ri or levels[f[0]] < levels[ri])
                                     and f[1] <= zi and f[2] <= oi
                                     for f in fits
@@ -451,10 +457,22 @@ def search(
                                 )
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
+                                    if (
+                                        len(kept) == keep and PRUNE_BY_TIME_FLOOR
+                                        and tm.step_time_floor(
+                                            plan, cluster, time_params, ends, past=-kept[0]
+                                        ) > -kept[0]
+                                    ):  # fmt: skip
+                                        untimed += 1  # not among the `keep` fastest
+                                        continue
                                     t = tm.estimate_step_time(
                                         plan, cluster, time_params, ranks=ends, validate=False
                                     )
                                     found.append((t.seconds, total, plan))
+                                    if len(kept) < keep:
+                                        heapq.heappush(kept, -t.seconds)
+                                    elif t.seconds < -kept[0]:
+                                        heapq.heapreplace(kept, -t.seconds)
                         fit_any = fit_any or bool(fits)
                     if not fit_any:
                         break  # a bigger micro-batch needs more memory still
@@ -462,10 +480,10 @@ def search(
                     mbs_text = ", ".join(map(str, space.micro_batch_sizes))
                     rejected[f"global batch {global_batch_size} is not a multiple of dp {dp} "
                              f"x micro-batch ({mbs_text})"] = None  # fmt: skip
-    feasible = len(found)
+    feasible = len(found) + untimed
     found.sort(key=lambda x: (x[0], x[1]))
     finals: list[Candidate] = []
-    for _, _, plan in found[: max(top, resimulate)]:
+    for _, _, plan in found[:keep]:
         full_mem = mem.estimate_memory(plan, memory_options, validate=False)
         if full_mem.total > budget:  # a rank the search did not cost is fuller
             feasible -= 1
@@ -490,6 +508,11 @@ def search(
         rejected=tuple(rejected),
     )
 
+
+# Fitting plans whose step-time floor (`tm.step_time_floor`: the stage times alone) is past the
+# `max(top, resimulate)` fastest found so far are counted, not timed in full: a plan slower than
+# those is never shown nor re-timed (tests/plan/test_search_speed.py searches with it off).
+PRUNE_BY_TIME_FLOOR = True
 
 # Pipeline ops (stages x micro-batches) up to which a shown plan's step is re-timed with the
 # simulator; above it the closed form (exact for equal stage costs) keeps a search of thousands
@@ -641,11 +664,16 @@ class _Floors:
         limit: float,
         states: dict[tuple[int, int, int], mem.RankPieces] | None = None,
         activity: dict[tuple[int, bool, int], mem.Activity] | None = None,
+        lowp: list[bool] | None = None,
     ) -> None:
         self.knobs, self.recs, self.zeros, self.offloads = knobs, recs, zeros, offloads
         self.ranks, self.opt, self.limit = ranks, opt, limit
         self.over = 1 + opt.allocator_overhead
-        self.lowp = [knobs.varied(offload=o).lowp_weights for o in offloads]
+        # per offload, `lowp_weights` (the caller's, where it has them: they read the precision
+        # and the dp and cp degrees, not the schedule or micro-batch)
+        self.lowp = (
+            [knobs.varied(offload=o).lowp_weights for o in offloads] if lowp is None else lowp
+        )
         self.states = {} if states is None else states
         self.activity = {} if activity is None else activity
 
@@ -658,17 +686,19 @@ class _Floors:
         """Each rank's floor (`mem.floor_pieces`), or None when one is over the limit."""
         plan: Plan | None = None
         parts = []
+        states, activities, lowp = self.states, self.activity, self.lowp[oi]
+        over, limit, allocated = self.over, self.limit, mem.floor_allocated
         for r in self.ranks:
-            st = self.states.get((zi, oi, r))
+            st = states.get((zi, oi, r))
             if st is None:
                 plan = plan or self.plan(ri, zi, oi)
-                st = self.states[zi, oi, r] = mem.rank_states(plan, r, self.opt)
-            key = (ri, self.lowp[oi], r)
-            activity = self.activity.get(key)
+                st = states[zi, oi, r] = mem.rank_states(plan, r, self.opt)
+            key = (ri, lowp, r)
+            activity = activities.get(key)
             if activity is None:
                 plan = plan or self.plan(ri, zi, oi)
-                activity = self.activity[key] = mem.rank_activity(plan, r, self.opt)
-            if self.over * mem.floor_allocated(st, activity) > self.limit:
+                activity = activities[key] = mem.rank_activity(plan, r, self.opt)
+            if over * allocated(st, activity) > limit:
                 return None
             parts.append((st, activity))
         return [mem.floor_pieces(st, activity) for st, activity in parts]

@@ -83,7 +83,6 @@ dense peak of the precision's dtype; HFU counts recomputation too.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -94,19 +93,20 @@ from llmscale.model.config import (
     OP_SAC_SAVED_COLLECTIVES,
     SP_GATHERED_INPUTS,
     TP_STYLES,
+    ModelConfig,
     op_sac_saves_matmul,
     split_layers,
     stage_ids,
 )
 from llmscale.plan import activations as act
-from llmscale.plan.cache import Memo
+from llmscale.plan.cache import Memo, memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
 from llmscale.plan.memory import plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, schedule_ops
+from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, rank_actions
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.work import (
     block_linears,
@@ -227,7 +227,13 @@ def _has_fp8_calibration(gpu: GPU) -> bool:
 
 def recompute_fraction(plan: Plan) -> float:
     """Share of the blocks' forward FLOPs run again (`ModelConfig.recompute_fraction`)."""
-    return plan.model.recompute_fraction(plan.recompute, plan.seq_len, plan.recompute_every_k)
+    return _recompute_fraction(plan.model, plan.recompute, plan.seq_len, plan.recompute_every_k)
+
+
+@memoize
+def _recompute_fraction(model: ModelConfig, mode: str, seq_len: int, every_k: int) -> float:
+    """`recompute_fraction`'s answer, kept (every plan the search times asks it)."""
+    return model.recompute_fraction(mode, seq_len, every_k)
 
 
 def _per_node(group: int, stride: int, gpus_per_node: int) -> int:
@@ -892,26 +898,35 @@ def _pipeline_unit_gathers(
 GATHERS_AFFINE_FROM = 3
 
 
-@functools.lru_cache(maxsize=4096)
+# (planner memos, emptied with the others by `cache.clear_all`: a benchmark's cold search
+# replays these too)
+@memoize
 def _replayed_gathers(
     schedule: str, pp: int, microbatches: int, chunks: int, zero_stage: int, rank: int
 ) -> float | None:
-    orders = _schedule_orders(schedule, pp, microbatches, chunks)
-    if orders is None:
+    order = _rank_order(schedule, pp, microbatches, chunks, rank)
+    if order is None:
         return None
-    counts = pipeline_gathers(zero_stage, orders[rank])
+    counts = pipeline_gathers(zero_stage, order)
     return sum(counts.values()) / len(counts) if counts else None
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule_orders(
-    schedule: str, pp: int, microbatches: int, chunks: int
-) -> list[list[tuple[str, int]]] | None:
-    try:
-        ops = schedule_ops(schedule, pp, microbatches, chunks)
-    except ConfigError:
-        return None
-    return [[(op.kind, op.stage) for op in rank_ops] for rank_ops in ops]
+_ORDERS: Memo[list[tuple[str, int]] | None] = Memo("time.rank_orders", maxsize=1024)
+
+
+def _rank_order(
+    schedule: str, pp: int, microbatches: int, chunks: int, rank: int
+) -> list[tuple[str, int]] | None:
+    """`rank`'s (kind, stage) order, for each ZeRO stage's replay (only the ranks the search
+    costs are built; a bounded memo: each holds thousands of ops)."""
+
+    def compute() -> list[tuple[str, int]] | None:
+        try:
+            return rank_actions(schedule, pp, microbatches, chunks, rank)
+        except ConfigError:
+            return None
+
+    return _ORDERS.get((schedule, pp, microbatches, chunks, rank), compute)
 
 
 def _p2p_seconds(plan: Plan, cluster: Cluster, tp_: TimeParams) -> float:
@@ -931,6 +946,32 @@ def _replicate_group(plan: Plan, stack: Stack) -> tuple[int, int]:
     if plan.fsdp_for(stack) or plan.cp == 1:
         return plan.dp_replicate, plan.tp * plan.cp * plan.dp_shard
     return plan.dp_replicate * plan.cp, plan.tp
+
+
+def step_time_floor(
+    plan: Plan,
+    cluster: Cluster,
+    params: TimeParams = DEFAULT_TIME,
+    ranks: tuple[int, ...] = (0,),
+    past: float = math.inf,
+) -> float:
+    """No more than `estimate_step_time(plan, cluster, params, ranks=ranks).seconds` (not
+    simulated; overlap shares in [0, 1]), from its stage times alone: the micro-batches'
+    forward and backward on the slowest of `ranks`, its `pipe` before the bubble; every other
+    part of the step adds seconds >= 0. Ranks are taken in turn, the last first (the head's,
+    most often the slowest), and once the floor of those taken is past `past` it is returned
+    without the others' stage times. The search skips the
+    rest of a plan's estimate where this is past the plans it keeps
+    (tests/plan/test_search_speed.py holds the two together)."""
+    cluster = cluster.run_by(params.stack)
+    n_mb = plan.n_microbatches
+    floor = 0.0
+    for r in reversed(ranks):
+        st = _rank_times(plan, r, cluster, params)
+        floor = max(floor, n_mb * (st.fwd + st.bwd))
+        if floor > past:
+            break
+    return floor
 
 
 def estimate_step_time(
