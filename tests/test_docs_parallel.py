@@ -222,3 +222,19 @@ def test_planner_md_reads_the_stacks_the_links_and_the_runs(monkeypatch) -> None
     assert text.startswith(f"{len(rows)} runs: ")
     monkeypatch.setattr(runs_mod, "load_runs", lambda: rows[:3])
     assert docs_parallel.run_counts(None).startswith("3 runs: ")
+
+
+def test_planner_md_states_the_time_models_defaults_from_the_code(monkeypatch) -> None:
+    """The assumptions paragraph reads `DEFAULT_TIME` and the stacks' step overhead: a changed
+    default changes the sentence."""
+    import dataclasses
+
+    from llmscale.plan import time as time_mod
+
+    text = docs_parallel.time_defaults(None)
+    assert f"overlap efficiency {time_mod.DEFAULT_TIME.dp_overlap:g}" in text
+    changed = dataclasses.replace(time_mod.DEFAULT_TIME, host_adam_GBps=12.5, tp_overlap=0.5)
+    monkeypatch.setattr(time_mod, "DEFAULT_TIME", changed)
+    text = docs_parallel.time_defaults(None)
+    assert "host AdamW 12.5 GB/s" in text and "TP overlap 0.5" in text
+    assert docs_parallel.step_overhead(None).endswith("ms on a catalog GPU")

@@ -1788,6 +1788,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "stack-fits", par.stack_fits),
     Block("docs/planner.md", "nvlink-achieved", par.nvlink_achieved),
     Block("docs/planner.md", "run-counts", par.run_counts),
+    Block("docs/planner.md", "time-defaults", par.time_defaults),
+    Block("docs/planner.md", "step-overhead", par.step_overhead),
     # docs/offload.md's prose (docs_offload.py)
     Block("docs/offload.md", "lsp-fit", docs_offload.lsp_fit),
     Block("docs/offload.md", "lsp-compress-times", docs_offload.lsp_compress_times),

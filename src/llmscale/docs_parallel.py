@@ -367,3 +367,22 @@ def run_counts(ctx: Context) -> str:
     cal = sum(r["role"] == "calibration" for r in runs)
     per = ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
     return f"{len(runs)} runs: {per}; {cal} of them calibration"
+
+
+def time_defaults(ctx: Context) -> str:
+    """planner.md: the time model's default assumptions, read from `plan.time.DEFAULT_TIME`."""
+    from llmscale.plan.time import DEFAULT_TIME as t
+
+    tp = "no TP overlap" if t.tp_overlap == 0 else f"TP overlap {t.tp_overlap:g}"
+    return (
+        f"{t.fwd_passes:g} + {t.bwd_passes:g} memory passes, {tp}, FSDP/DP overlap efficiency "
+        f"{t.dp_overlap:g}, offload {t.offload_overlap:.0%} hidden, host AdamW "
+        f"{t.host_adam_GBps:g} GB/s"
+    )
+
+
+def step_overhead(ctx: Context) -> str:
+    """planner.md: the fixed cost per step a stack assumes on a catalog GPU."""
+    from llmscale.stack import STEP_OVERHEAD
+
+    return f"{STEP_OVERHEAD.value:g} ms on a catalog GPU"
