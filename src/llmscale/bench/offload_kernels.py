@@ -23,7 +23,6 @@ fastest is the least disturbed); the record holds the torch threads and the load
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
+from llmscale.bench.records import suite_record, write_record
 from llmscale.model.config import get_preset
 from llmscale.model.transformer import build_model
 from llmscale.offload.lsp import Projectors, dense
@@ -121,20 +121,15 @@ def compression_seconds(m: int, n: int, d: int, s: int, repeats: int) -> dict[st
 
 def record(args: argparse.Namespace, figures: dict[str, Any], argv: list[str],
            load: tuple[float, float]) -> dict[str, Any]:  # fmt: skip
-    from llmscale.bench.timed import now_iso
-
-    return {
-        SUITE: {
-            "measured_at": now_iso(),
-            "title": "The host kernels of CPU offload: AdamW and LSP's compression",
-            "command": "python -m llmscale.bench.offload_kernels " + " ".join(argv),
-            "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "load_average": list(load),
-            "repeats": args.repeats,
-            **figures,
-        }
-    }
+    return suite_record(
+        SUITE,
+        "The host kernels of CPU offload: AdamW and LSP's compression",
+        "llmscale.bench.offload_kernels",
+        argv,
+        load,
+        repeats=args.repeats,
+        **figures,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,9 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json_out is not None:
         rec = record(args, figures, sys.argv[1:] if argv is None else argv,
                      (load, os.getloadavg()[0]))  # fmt: skip
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"wrote {args.json_out}")
+        write_record(args.json_out, rec)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Runs in seconds on a CPU host; nothing here is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from llmscale.bench.jobs import short_job
+from llmscale.bench.records import suite_record, write_record
 from llmscale.config import load_config
 from llmscale.offload.lsp import Projectors
 from llmscale.train.trainer import Trainer
@@ -116,20 +116,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def record(args: argparse.Namespace, figures: dict[str, Any], argv: list[str],
            load: tuple[float, float]) -> dict[str, Any]:  # fmt: skip
-    from llmscale.bench.timed import now_iso
-
-    return {
-        SUITE: {
-            "measured_at": now_iso(),
-            "title": "LSP-Offload's fits and loss against ZeRO-Offload",
-            "model": args.model,
-            "steps": args.steps,
-            "command": "python -m llmscale.bench.offload_lsp " + " ".join(argv),
-            "cores": os.cpu_count(),
-            "load_average": list(load),
-            **figures,
-        }
-    }
+    return suite_record(
+        SUITE,
+        "LSP-Offload's fits and loss against ZeRO-Offload",
+        "llmscale.bench.offload_lsp",
+        argv,
+        load,
+        model=args.model,
+        steps=args.steps,
+        **figures,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,9 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json_out is not None:
         rec = record(args, figures, sys.argv[1:] if argv is None else argv,
                      (load, os.getloadavg()[0]))  # fmt: skip
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"wrote {args.json_out}")
+        write_record(args.json_out, rec)
 
 
 if __name__ == "__main__":

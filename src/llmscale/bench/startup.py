@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmscale.bench.records import suite_record, write_record
 from llmscale.config import load_config
 from llmscale.paths import SOURCE_ROOT
 
@@ -117,30 +118,21 @@ def verify_times(shard_bytes: int) -> tuple[float, float]:
 
 def record(argv: list[str], shard_mb: int) -> dict[str, Any]:
     """Every figure, as docs/results/pages-startup.json holds them."""
-    from llmscale.bench.timed import now_iso
-
     before = os.getloadavg()[0]
     calibration_s, shape = calibration_seconds()
     probe_wall, probe_pass = probe_times()
     first, again = verify_times(shard_mb * 2**20)
-    return {
-        SUITE: {
-            "measured_at": now_iso(),
-            "title": "What a run costs before its first step",
-            "command": "python -m llmscale.bench.startup " + " ".join(argv),
-            "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "load_average": [before, os.getloadavg()[0]],
-            "torch": torch.__version__,
-            "calibration": {"seconds": calibration_s, **shape},
-            "probe": {"seconds": probe_wall, "median_pass_seconds": probe_pass},
-            "verify": {
-                "shard_bytes": shard_mb * 2**20,
-                "first_seconds": first,
-                "again_seconds": again,
-            },
-        }  # fmt: skip
-    }
+    return suite_record(
+        SUITE,
+        "What a run costs before its first step",
+        "llmscale.bench.startup",
+        argv,
+        (before, os.getloadavg()[0]),
+        torch=torch.__version__,
+        calibration={"seconds": calibration_s, **shape},
+        probe={"seconds": probe_wall, "median_pass_seconds": probe_pass},
+        verify={"shard_bytes": shard_mb * 2**20, "first_seconds": first, "again_seconds": again},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,9 +162,7 @@ def main(argv: list[str] | None = None) -> None:
           f"again {1e3 * v['again_seconds']:.2f} ms")  # fmt: skip
     print(f"load average {rec['load_average'][0]:.2f} -> {rec['load_average'][1]:.2f}")
     if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({SUITE: rec}, indent=1) + "\n")
-        print(f"wrote {args.json_out}")
+        write_record(args.json_out, {SUITE: rec})
 
 
 if __name__ == "__main__":
