@@ -181,6 +181,11 @@ def test_timings_alone_do_not_make_a_block_stale(tmp_path: Path) -> None:
     i, j = docs._span(text, "plan-speed")
     readme.write_text(text[:i] + docs.TIMING.sub("9.99 s", text[i:j]) + text[j:])
     assert docs.stale(root) == []
+    # --retime measures the search again and writes its seconds, and nothing else
+    assert docs.write(root, only=["plan-speed"]) == []
+    assert docs.write(root, only=["plan-speed"], retime=True) == ["README.md: plan-speed"]
+    i, j = docs._span(readme.read_text(), "plan-speed")
+    assert "9.99 s" not in readme.read_text()[i:j]
 
 
 def test_the_plan_example_is_the_commands_output(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1841,9 +1841,10 @@ def stale(root: Path = SOURCE_ROOT, ctx: Context | None = None) -> list[str]:
     return out
 
 
-def write(root: Path = SOURCE_ROOT, only: Collection[str] = ()) -> list[str]:
+def write(root: Path = SOURCE_ROOT, only: Collection[str] = (), retime: bool = False) -> list[str]:
     """Rewrite every stale block (timed ones measured afresh), or those named in `only`;
-    returns what changed."""
+    `retime`: also the timed blocks whose only change is their seconds (masked otherwise, as a
+    timing differs from run to run); returns what changed."""
     check = Context(root / "docs" / "results" / "results.json", measure=False)
     measure = Context(root / "docs" / "results" / "results.json", measure=True)  # timed blocks
     changed = []
@@ -1854,10 +1855,12 @@ def write(root: Path = SOURCE_ROOT, only: Collection[str] = ()) -> list[str]:
         text = path.read_text()
         have = _content(text, b)
         want = _rendered(b, check, have)
-        if _masked(have, b) == _masked(want, b):
+        if _masked(have, b) == _masked(want, b) and not (retime and b.timed):
             continue
         if b.timed:
             want = _rendered(b, measure, have)
+            if want == have:
+                continue
         if b.name is None:
             path.write_text(want)
         else:
@@ -1881,13 +1884,19 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(b.name for b in BLOCKS if b.name),
         help="rewrite only this block (repeatable; make demo: its own)",
     )
+    ap.add_argument(
+        "--retime",
+        action="store_true",
+        help="measure the timed blocks (the plan searches' seconds) afresh and write them even "
+        "when nothing else in them changed",
+    )
     args = ap.parse_args(argv)
     if args.check:
         bad = stale()
         for s in bad:
             print(f"stale: {s} (run make docs)", file=sys.stderr)
         return 1 if bad else 0
-    for s in write(only=args.block):
+    for s in write(only=args.block, retime=args.retime):
         print(f"wrote {s}")
     if args.block:
         return 0
