@@ -23,6 +23,23 @@ def test_every_rendered_block_is_current() -> None:
     assert docs.stale() == []
 
 
+def test_every_drawn_image_is_current_and_make_docs_redraws_a_changed_one(tmp_path: Path) -> None:
+    """The images the planner and the schedule simulator draw (`docs.IMAGE_COMMANDS`: README's
+    plan chart, parallel.md's Gantt charts) are the commands' own bytes; a changed one is
+    stale, and make docs draws it again."""
+    assert docs.stale_images() == []
+    paths = [c.split("--png ")[1].split()[0] for c in docs.IMAGE_COMMANDS]
+    assert "docs/img/plan-llama2-70b-h200.png" in paths and len(paths) == len(set(paths))
+    for p in paths:
+        (tmp_path / p).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / p, tmp_path / p)
+    gantt = tmp_path / "docs/img/gantt-zbv.png"
+    gantt.write_bytes(gantt.read_bytes()[:-10])
+    assert docs.stale_images(tmp_path) == ["docs/img/gantt-zbv.png: the image"]
+    assert docs.write_images(tmp_path) == ["docs/img/gantt-zbv.png: the image"]
+    assert gantt.read_bytes() == (ROOT / "docs/img/gantt-zbv.png").read_bytes()
+
+
 RECORDS = tuple(
     f"docs/results/{n}.json"
     for n in (

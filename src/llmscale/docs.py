@@ -1125,9 +1125,16 @@ def inflight_accuracy(ctx: Context) -> str:
     )
 
 
+# Commands whose `--png` draws an image the pages show, from the planner or the schedule
+# simulator alone (the same bytes at every run with the pinned matplotlib): `make docs` draws
+# each again and keeps it where it changed; `--check` reports one that differs.
+IMAGE_COMMANDS: list[str] = [f"{DEMO_PLAN} --png docs/img/plan-llama2-70b-h200.png"]
+
+
 def gantt(label: str, command: str) -> Callable[[Context], str]:
     """A schedule's bubble and text Gantt chart as `llmscale schedule` prints them (the `--png`
-    of the shown command draws the image beside it; rendering does not)."""
+    of the shown command draws the image beside it: `IMAGE_COMMANDS`; rendering does not)."""
+    IMAGE_COMMANDS.append(command)
 
     def render(ctx: Context) -> str:
         argv = command.split()[1:]
@@ -1830,6 +1837,50 @@ def _masked(text: str, b: Block) -> str:
     return TIMING.sub("<timed>", text) if b.timed else text
 
 
+def _drawn(command: str) -> tuple[str, bytes]:
+    """(the image's path in the repository, the bytes `command` draws there now)."""
+    import contextlib
+    import tempfile
+
+    from llmscale.cli import main
+
+    argv = command.split()[1:]
+    i = argv.index("--png")
+    path = argv[i + 1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / Path(path).name
+        argv[i + 1] = str(out)
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = main(argv)
+        if rc != 0:
+            raise RuntimeError(f"{command} exited {rc}")
+        return path, out.read_bytes()
+
+
+def stale_images(root: Path = SOURCE_ROOT) -> list[str]:
+    """`path: the image` of each drawn image (`IMAGE_COMMANDS`) that differs from its command's."""
+    out = []
+    for command in IMAGE_COMMANDS:
+        path, want = _drawn(command)
+        have = (root / path).read_bytes() if (root / path).is_file() else b""
+        if have != want:
+            out.append(f"{path}: the image")
+    return out
+
+
+def write_images(root: Path = SOURCE_ROOT) -> list[str]:
+    """Draw every image of `IMAGE_COMMANDS` again and keep those that changed."""
+    out = []
+    for command in IMAGE_COMMANDS:
+        path, want = _drawn(command)
+        target = root / path
+        if not target.is_file() or target.read_bytes() != want:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(want)
+            out.append(f"{path}: the image")
+    return out
+
+
 def stale(root: Path = SOURCE_ROOT, ctx: Context | None = None) -> list[str]:
     """`file: block` of each block whose text differs from its rendering (timings masked)."""
     ctx = ctx or Context(root / "docs" / "results" / "results.json", measure=False)
@@ -1892,7 +1943,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.check:
-        bad = stale()
+        bad = stale() + stale_images()
         for s in bad:
             print(f"stale: {s} (run make docs)", file=sys.stderr)
         return 1 if bad else 0
@@ -1900,6 +1951,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {s}")
     if args.block:
         return 0
+    for s in write_images():
+        print(f"wrote {s}")
     notice = results_notice(RESULTS_JSON)
     if notice:  # as `llmscale claims` says it: the figures are rendered from the file as it is
         print(f"llmscale docs: note: {notice}", file=sys.stderr)

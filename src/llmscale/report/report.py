@@ -291,7 +291,8 @@ def memory_png(result: SearchResult, path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     shown = result.shown
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(shown) + 2), 4.5))
+    # wide enough for the longest bar label ("offload optimizer+params") at 6 pt
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(shown) + 2), 4.5))
     xs = list(range(1, len(shown) + 1))
     bottom = [0.0] * len(xs)
     for part in MEMORY_PARTS:
