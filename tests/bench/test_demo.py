@@ -138,6 +138,13 @@ def test_make_demo_records_in_the_run_folder_and_demo_record_in_the_project(
     root = Path(__file__).resolve().parents[2]
     assert "/runs/" in (root / ".gitignore").read_text().splitlines()
     assert demo.run_dir(root).relative_to(root).parts[0] == "runs"
+    # make demo-record: the project's record and README's loss curve come from the same run
+    (folder / "loss.png").write_bytes(b"the run's plot")
+    monkeypatch.setattr(demo, "RECORD", folder / "project" / "demo.json")
+    monkeypatch.setattr(demo, "LOSS_IMAGE", folder / "project" / "demo-loss.png")
+    assert demo.main(["--record-only", "--record"]) == 0
+    assert (folder / "project" / "demo-loss.png").read_bytes() == b"the run's plot"
+    assert json.loads((folder / "project" / "demo.json").read_text())["demo"]["rows"]
     make = (root / "Makefile").read_text()
     recipe = make.split("\ndemo: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
     assert recipe.strip() == "$(PY) -m llmscale.bench.demo"  # no --record, no make docs

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -57,6 +58,7 @@ PLAN = (
 )  # fmt: skip
 RECORD = SOURCE_ROOT / "docs" / "results" / "demo.json"  # the project's (make demo-record)
 RUN_RECORD = "demo.json"  # in the run folder (make demo)
+LOSS_IMAGE = SOURCE_ROOT / "docs" / "img" / "demo-loss.png"  # README's, from the recorded run
 SUITE = "demo"
 
 
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument(
         "--record",
         action="store_true",
-        help=f"write the project's record, {RECORD.relative_to(SOURCE_ROOT)} (make demo-record)",
+        help=f"write the project's record, {_shown(RECORD)}, and copy the run's loss curve to "
+        f"{_shown(LOSS_IMAGE)} (make demo-record)",
     )
     ap.add_argument(
         "--record-only", action="store_true", help="record the run folder as it is, run nothing"
@@ -289,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make demo: not recorded: {e}", file=sys.stderr)
         return 1
     write(rec, out)
+    if args.record:  # README's loss curve is the recorded run's (`llmscale plot` drew it)
+        plot = run_dir() / "loss.png"
+        if plot.is_file():
+            LOSS_IMAGE.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plot, LOSS_IMAGE)
+            print(f"copied {_shown(plot)} to {_shown(LOSS_IMAGE)}")
     ratio = step_ratio(rec)
     print(
         f"recorded {_shown(out)}: step time predicted/measured "
