@@ -155,7 +155,10 @@ def test_the_demo_transcript_is_rendered_from_its_record(tmp_path: Path) -> None
     assert docs.stale(root) == ["README.md: demo-run"]
     assert docs.write(root) == ["README.md: demo-run"] and readme.read_text() == text
     i, j = docs._span(text, "demo-fit")
-    assert text[i:j].endswith(f"step time predicted/measured {ratio}")
+    fit = text[i:j]  # the ratio, then the other processes' load where the record has it
+    assert fit.endswith(f"step time predicted/measured {ratio}") or (
+        f"step time predicted/measured {ratio} (other processes used " in fit and fit.endswith(")")
+    )
 
     step["measured"] *= 2  # another run
     (root / "docs/results/demo.json").write_text(json.dumps(record))
