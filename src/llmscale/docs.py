@@ -59,10 +59,15 @@ class Context:
     def claims(self) -> list[Claim]:
         return check_claims(self.results_path)
 
+    def record(self, name: str, suite: str) -> dict[str, Any] | None:
+        """Suite `suite` of the record `name` beside results.json (docs/results/NAME, what a
+        bench recorder wrote); None where it is missing."""
+        return Results(self.results_path.parent / name).suite(suite)
+
     @cached_property
     def demo(self) -> dict[str, Any] | None:
         """docs/results/demo.json (what `make demo` recorded), beside results.json."""
-        return Results(self.results_path.parent / "demo.json").suite(demo.SUITE)
+        return self.record("demo.json", demo.SUITE)
 
     def timing(self, name: str) -> dict[str, Any] | None:
         """docs/results/timings.json's wall-time row of `name` (`bench/timed.py`)."""
@@ -887,7 +892,7 @@ def offload_modes(ctx: Context) -> str:
     `python -m llmscale.bench.offload --json-out docs/results/offload.json` recorded them."""
     from llmscale.bench import offload
 
-    rec = Results(ctx.results_path.parent / "offload.json").suite(offload.SUITE)
+    rec = ctx.record("offload.json", offload.SUITE)
     if not rec:
         return "Not measured yet: `python -m llmscale.bench.offload --json-out ...`."
 
@@ -935,7 +940,7 @@ def selective_kernels(ctx: Context) -> str:
     from llmscale.bench import selective as sel
     from llmscale.model.config import ModelConfig
 
-    rec = Results(ctx.results_path.parent / "selective.json").suite(sel.SUITE)
+    rec = ctx.record("selective.json", sel.SUITE)
     if not rec:
         return "Not measured yet: `python -m llmscale.bench.selective --json-out ...`."
     model, b, s = ModelConfig(**rec["model"]), rec["micro_batch_size"], rec["seq_len"]
@@ -1246,7 +1251,7 @@ def params_offload_times(ctx: Context) -> str:
     bench's record (docs/results/offload.json), against "optimizer" in the same record."""
     from llmscale.bench import offload
 
-    rec = Results(ctx.results_path.parent / "offload.json").suite(offload.SUITE)
+    rec = ctx.record("offload.json", offload.SUITE)
     runs = {(r["offload"], r["link_gbps"]): r for r in (rec or {}).get("runs", [])}
     p, o, native = (runs.get(k) for k in (("optimizer+params", 1.0), ("optimizer", 1.0),
                                           ("optimizer+params", 0.0)))  # fmt: skip

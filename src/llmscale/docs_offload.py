@@ -15,14 +15,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from llmscale.validation.claims import Results
-
 if TYPE_CHECKING:
     from llmscale.docs import Context
-
-
-def _record(ctx: Context, name: str, suite: str) -> dict[str, Any] | None:
-    return Results(ctx.results_path.parent / name).suite(suite)
 
 
 def _ms(seconds: float) -> str:
@@ -56,7 +50,7 @@ def lsp_fit(ctx: Context) -> str:
     ZeRO-Offload over the same steps, and the rank-3 test gradient's fit."""
     from llmscale.bench import offload_lsp
 
-    rec = _record(ctx, "offload-lsp.json", offload_lsp.SUITE)
+    rec = ctx.record("offload-lsp.json", offload_lsp.SUITE)
     if rec is None:
         return f"Not measured yet: `{LSP_CMD}`"
     st, fits = rec["settings"], rec["fits"]
@@ -101,7 +95,7 @@ KERNELS_CMD = (
 def _kernels(ctx: Context) -> dict[str, Any] | None:
     from llmscale.bench import offload_kernels
 
-    return _record(ctx, "offload-kernels.json", offload_kernels.SUITE)
+    return ctx.record("offload-kernels.json", offload_kernels.SUITE)
 
 
 def _compression(c: dict[str, Any]) -> str:
@@ -156,7 +150,7 @@ OFFLOAD_CMD = (
 def _offload(ctx: Context) -> tuple[dict[str, Any], dict[tuple[str, float], dict[str, Any]]] | None:
     from llmscale.bench import offload
 
-    rec = _record(ctx, "offload.json", offload.SUITE)
+    rec = ctx.record("offload.json", offload.SUITE)
     if rec is None:
         return None
     return rec, {(r["offload"], r["link_gbps"]): r for r in rec["runs"]}

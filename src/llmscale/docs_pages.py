@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from llmscale.validation.claims import Results
-
 if TYPE_CHECKING:
     from llmscale.docs import Context
 
@@ -25,7 +23,7 @@ MIB = 2**20
 def _startup(ctx: Context) -> dict[str, Any] | None:
     from llmscale.bench import startup
 
-    return Results(ctx.results_path.parent / STARTUP_RECORD).suite(startup.SUITE)
+    return ctx.record(STARTUP_RECORD, startup.SUITE)
 
 
 def _not_measured() -> str:

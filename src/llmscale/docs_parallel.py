@@ -302,13 +302,10 @@ def init_rate(ctx: Context) -> str:
     """parallel.md's limits: how fast one core draws initial values (docs/results/
     parallel-init.json, `python -m llmscale.bench.parallel_init`) and what that makes of
     Llama 2 70B drawn whole on a rank."""
-    import json
-
     from llmscale.bench import parallel_init
     from llmscale.model.config import get_preset
 
-    path = ctx.results_path.parent / "parallel-init.json"
-    rec = json.loads(path.read_text()).get(parallel_init.SUITE) if path.is_file() else None
+    rec = ctx.record("parallel-init.json", parallel_init.SUITE)
     if rec is None:
         return "not measured yet: `python -m llmscale.bench.parallel_init --json-out " \
             "docs/results/parallel-init.json`"  # fmt: skip
