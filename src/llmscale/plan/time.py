@@ -275,17 +275,34 @@ def tp_region_gemm_seconds(
     """Seconds of one block's forward GEMMs per tensor-parallel region (attention, MLP), as
     (column-parallel, row-parallel): the GEMMs a region's all-gather feeds and the one its
     reduce-scatter drains (`TP_STYLES`)."""
-    regions: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
-    for lin in block_linears(plan):
-        cols, rows = regions.setdefault(lin.region, ([], []))
-        (cols if lin.colwise else rows).append(lin.mnk)
     return [
         (
             _linear_seconds(plan, cols, cluster, peak, flat),
             _linear_seconds(plan, rows, cluster, peak, flat),
         )
-        for cols, rows in regions.values()
+        for cols, rows in _tp_regions(plan)
     ]
+
+
+def _tp_regions(plan: Plan) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]]:
+    """One block's GEMMs (M, N, K) per tensor-parallel region, in the block's order, as
+    (column-parallel, row-parallel)."""
+    regions: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+    for lin in block_linears(plan):
+        cols, rows = regions.setdefault(lin.region, ([], []))
+        (cols if lin.colwise else rows).append(lin.mnk)
+    return list(regions.values())
+
+
+def _micro_pipelined(plan: Plan, tp_: TimeParams) -> bool:
+    """Does the stack run this plan's TP collectives as torch's micro-pipelined ("async") TP
+    (`Stack.tp_overlap_chunks`, only under sequence parallelism at tp > 1)?"""
+    return (
+        plan.tp > 1
+        and plan.sequence_parallel
+        and tp_.tp_overlap_gemm
+        and tp_.stack.tp_overlap_chunks
+    )
 
 
 def tp_chunked_gemm_seconds(
@@ -298,8 +315,7 @@ def tp_chunked_gemm_seconds(
     shapes transposed, beside the mirrored collectives) lose as much; 0 where the stack does
     not chunk, without sequence parallelism, or at tp 1."""
     tp = plan.tp
-    splits = tp_.tp_overlap_gemm and tp_.stack.tp_overlap_chunks
-    if tp == 1 or not plan.sequence_parallel or not splits:
+    if not _micro_pipelined(plan, tp_):
         return 0.0
     whole = [lin.mnk for lin in block_linears(plan)]
     chunks = [(max(1, m // tp), n, k) for m, n, k in whole]
@@ -757,17 +773,14 @@ def _tp_block_seconds(
         fwd = bwd = [("all_reduce", seconds("all_reduce", nbytes), 1)]
 
     regions = tp_region_gemm_seconds(plan, cluster, peak, flat) if tp_.tp_overlap_gemm else []
-    chunked = tp_.tp_overlap_gemm and tp_.stack.tp_overlap_chunks and plan.sequence_parallel
+    chunked = _micro_pipelined(plan, tp_)
     # torch's fused reduce-scatter: its reduction kernel, and which ones are fused (above)
     reduction = 0.0
     unfused: list[bool] = []
     if chunked:
         hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
         reduction = (nbytes + nbytes / tp) / hbm
-        cols: dict[str, int] = {}
-        for lin in block_linears(plan):
-            cols[lin.region] = cols.get(lin.region, 0) + lin.colwise
-        unfused = [n > 1 for n in cols.values()]
+        unfused = [len(cols) > 1 for cols, _ in _tp_regions(plan)]  # regions' order
 
     def exposed(parts: list[tuple[str, float, int]], kept: frozenset[str] = frozenset()) -> float:
         parts = [p for p in parts if p[0] not in kept]
