@@ -1862,27 +1862,30 @@ def _drawn(command: str) -> tuple[str, bytes]:
         return path, out.read_bytes()
 
 
-def stale_images(root: Path = SOURCE_ROOT) -> list[str]:
-    """`path: the image` of each drawn image (`IMAGE_COMMANDS`) that differs from its command's."""
+def _changed_images(root: Path) -> list[tuple[str, bytes]]:
+    """(path, the bytes its command draws now) of each image of `IMAGE_COMMANDS` that differs
+    from the file under `root`."""
     out = []
     for command in IMAGE_COMMANDS:
         path, want = _drawn(command)
         have = (root / path).read_bytes() if (root / path).is_file() else b""
         if have != want:
-            out.append(f"{path}: the image")
+            out.append((path, want))
     return out
+
+
+def stale_images(root: Path = SOURCE_ROOT) -> list[str]:
+    """`path: the image` of each drawn image (`IMAGE_COMMANDS`) that differs from its command's."""
+    return [f"{path}: the image" for path, _ in _changed_images(root)]
 
 
 def write_images(root: Path = SOURCE_ROOT) -> list[str]:
     """Draw every image of `IMAGE_COMMANDS` again and keep those that changed."""
     out = []
-    for command in IMAGE_COMMANDS:
-        path, want = _drawn(command)
-        target = root / path
-        if not target.is_file() or target.read_bytes() != want:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(want)
-            out.append(f"{path}: the image")
+    for path, want in _changed_images(root):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(want)
+        out.append(f"{path}: the image")
     return out
 
 
