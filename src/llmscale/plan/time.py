@@ -99,7 +99,7 @@ from llmscale.model.config import (
     stage_ids,
 )
 from llmscale.plan import activations as act
-from llmscale.plan.cache import Memo, memoize
+from llmscale.plan.cache import Memo, memoize, memoize_values
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
@@ -913,7 +913,7 @@ GATHERS_AFFINE_FROM = 3
 
 # (planner memos, emptied with the others by `cache.clear_all`: a benchmark's cold search
 # replays these too)
-@memoize
+@memoize_values
 def _replayed_gathers(
     schedule: str, pp: int, microbatches: int, chunks: int, zero_stage: int, rank: int
 ) -> float | None:
