@@ -693,6 +693,12 @@ class Trainer:
         the checkpoint (KeyboardInterrupt: exit 130); under a launcher, not one within
         SAME_SIGNAL_SECONDS of the first (the same Ctrl-C, delivered directly and forwarded)."""
 
+        again = f"after {SAME_SIGNAL_SECONDS:g} s " if under_launcher() else ""
+        notice = (
+            "\nSIGINT: stopping after this step with a checkpoint "
+            f"(Ctrl-C again {again}to stop at once, without one)\n"
+        ).encode()
+
         def handler(signum: int, frame: Any) -> None:
             heartbeat.note_signal(signum)  # a collective failing now: the launcher stops us
             now = time.monotonic()
@@ -705,11 +711,7 @@ class Trainer:
             self._stop_signal, self._stop_time = signum, now
             if signum == signal.SIGINT and self.rank == 0:
                 # os.write: safe inside a signal handler, unlike the console's print.
-                os.write(
-                    2,
-                    b"\nSIGINT: stopping after this step with a checkpoint "
-                    b"(Ctrl-C again to stop at once, without one)\n",
-                )
+                os.write(2, notice)
 
         previous: dict[int, Any] = {}
         try:
