@@ -12,7 +12,13 @@ from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.memory import DEFAULT_OPTIONS, block_bytes, estimate_memory, memory_options
+from llmscale.plan.memory import (
+    DEFAULT_OPTIONS,
+    block_bytes,
+    estimate_memory,
+    memory_options,
+    rank_activity,
+)
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import DEFAULT_TIME, eager_block_bytes, estimate_step_time, time_params
 from llmscale.stack import (
@@ -392,3 +398,37 @@ def test_a_measured_devices_overheads_are_its_stacks() -> None:
     assert on.seconds - base.seconds == pytest.approx(extra, rel=1e-9)
     for key in ("matmul", "elementwise", "tp_comm", "dp_comm", "bubble"):
         assert o[key] == b[key], key  # the device's rates: untouched
+
+
+def test_torch_context_parallel_backward_holds_the_gathered_kv_and_fp32_gradients() -> None:
+    """Under torchtitan (torch's context_parallel, `allgather` rotation) the peak transient of a
+    cp rank is the ring backward's working set beside the attention half of the recomputed
+    block: every rank's K and V gathered (bf16), fp32 dQ and dK/dV accumulators, the fp32 dK/dV
+    sent on and received, the incoming output gradient; by hand for Llama 3 405B at tp 8, cp 8,
+    K and V repeated to the 16 query heads of a tp rank. A p2p ring stack has none of it."""
+    L405 = get_preset("llama3-405b")
+    plan = Plan(model=L405, seq_len=262144, micro_batch_size=1, global_batch_size=8, tp=8,
+                pp=8, cp=8, dp_shard=1, sequence_parallel=True, recompute="full",
+                precision="bf16")  # fmt: skip
+    kernels = replace(TORCHTITAN.kernels, repeat_kv=True)
+    t, width = 262144 // 8, 16384 // 8  # tokens and K/V (= Q) width on one rank
+    by_hand = (8 * t * 2 * width * 2  # gathered K and V
+               + 4 * t * width + 4 * t * 2 * width  # fp32 dQ, dK, dV
+               + 2 * 4 * t * 2 * width  # fp32 dK/dV sent and received
+               + 2 * t * width)  # fmt: skip
+    ring = act.torch_ring_backward_bytes(L405, 1, 262144, "bf16", 8, 8, kernels)
+    assert ring == by_hand  # 3.75 GiB
+    args = (L405, 1, 262144, "bf16", 8, True, kernels)
+    live = act.attention_live_bytes(*args)
+    # the attention half: what precedes the MLP's norm among the block's saved tensors
+    names = [s.name for s in act.block_tensors(*args)]
+    half = act.block_tensors(*args)[: names.index("ffn_norm input")]
+    assert live == sum(s.nbytes for s in half) and 0 < live < act.block_bytes(*args)
+    # K and V kept for the attention's backward as the kernel got them: repeated
+    assert {s.name: s.nbytes for s in half}["k"] == {s.name: s.nbytes for s in half}["q"]
+
+    def transient(stack: Stack) -> float:  # of a middle pipeline rank (no loss)
+        return rank_activity(plan, 1, replace(memory_options(stack), kernels=kernels)).transient
+
+    assert transient(TORCHTITAN) == pytest.approx(live / 8 + ring)
+    assert transient(TORCHTITAN.on(cp_rotate="ring")) < live / 8 + ring

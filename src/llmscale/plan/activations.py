@@ -196,7 +196,9 @@ def block_tensors(
             per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
         per_token.append(("wo input (attention output, copied)", a * d, "tp"))
     else:  # flash / efficient / cuDNN: q, k, v, out and log-sum-exp
-        per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
+        # (K and V as the kernel received them: repeated to the query heads by `repeat_kv`)
+        kv_in = d if kernels.repeat_kv else kv
+        per_token += [("q", a * d, "tp"), ("k", a * kv_in, "tp"), ("v", a * kv_in, "tp")]
         per_token.append(("attention output (= wo input)", a * d, "tp"))
         if mode == "none":
             per_token.append(("log-sum-exp (fp32)", 4 * heads, "tp"))
@@ -393,6 +395,59 @@ def _summed(tensors: Callable[_P, list[Saved]], name: str) -> Callable[_P, float
 
 block_bytes = _summed(block_tensors, "block_bytes")
 head_bytes = _summed(head_tensors, "head_bytes")
+
+
+@memoize
+def attention_live_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> float:
+    """Bytes of a block's saved tensors (`block_tensors` with nothing recomputed) still held
+    when its attention's backward runs: those of the attention half (its norm, the q/k/v
+    projections' input, the attention's inputs and output); the MLP's were consumed by its
+    backward."""
+    total = 0.0
+    args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels)
+    for t in block_tensors(*args):
+        if t.name.startswith("ffn_norm"):
+            break
+        total += t.nbytes
+    return total
+
+
+def torch_ring_backward_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int,
+    cp: int,
+    kernels: Kernels,
+) -> float:
+    """Bytes the backward of torch's `context_parallel` ring attention holds on one cp rank at
+    its peak, beyond the attention's saved tensors (torch.distributed.tensor.experimental,
+    `_templated_ring_attention_backward` with the default `allgather` rotation and
+    `convert_to_f32`), for one micro-batch of t = b x s / cp tokens: every rank's K and V
+    all-gathered in the activation dtype (cp x t x 2 x the K/V width, kept for the whole call),
+    the fp32 accumulators of dQ and of dK/dV, the fp32 dK/dV it sends on to the next rank (a
+    concatenated copy) and the one it receives from the previous (a new buffer), and the
+    incoming output gradient. K and V are as the kernel receives them: repeated to the query
+    heads under `Kernels.repeat_kv`. The forward's own (the gathered K and V, the fp32 output
+    being merged) is smaller and is not counted."""
+    a = DTYPE_BYTES[precision]  # (fp8: the attention runs in bf16)
+    t = micro_batch_size * seq_len / cp
+    q_width = model.dim / tp
+    kv_width = (model.dim if kernels.repeat_kv else model.kv_dim) / tp
+    gathered = cp * t * 2 * kv_width * a
+    accumulators = 4 * t * q_width + 4 * t * 2 * kv_width
+    in_flight = 2 * 4 * t * 2 * kv_width  # sent (concatenated) and received
+    grad_out = a * t * q_width
+    return gathered + accumulators + in_flight + grad_out
 
 
 def loss_transient_bytes(

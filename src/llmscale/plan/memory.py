@@ -637,8 +637,16 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
         transient = cp_share(plan) * act.loss_transient_bytes(
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
         )
-    if plan.recompute in ("full", "every_k"):  # a recomputed block's forward, for a moment
+    recomputed = plan.recompute in ("full", "every_k")
+    if recomputed:  # a recomputed block's forward, for a moment
         transient = max(transient, rank_work(plan, rank, opt.kernels).block_saved["none"])
+    if plan.cp > 1 and opt.stack.cp_rotate == "allgather":  # torch's context_parallel
+        args = slice_args(plan, opt.kernels)
+        ring = act.torch_ring_backward_bytes(*args[:5], plan.cp, opt.kernels)
+        # beside the attention half of the block it differentiates (recomputed for it, or
+        # among the saved activations already)
+        live = cp_share(plan) * act.attention_live_bytes(*args) if recomputed else 0.0
+        transient = max(transient, live + ring)
     acts = _rank_activation_bytes(plan, rank, opt)  # (cached with this, on the same key)
     return Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
 
