@@ -432,3 +432,26 @@ def test_torch_context_parallel_backward_holds_the_gathered_kv_and_fp32_gradient
 
     assert transient(TORCHTITAN) == pytest.approx(live / 8 + ring)
     assert transient(TORCHTITAN.on(cp_rotate="ring")) < live / 8 + ring
+
+
+def test_pipeline_outputs_kept_until_the_step_ends() -> None:
+    """torch's `PipelineStage.output_chunks`: with the stack's `pipeline_outputs_kept` "all"
+    (torch before pytorch#153383) every stage keeps each micro-batch's output, one residual
+    stream each, and the last its logits; "last" only the logits; "none" (step with
+    return_outputs=False, as the llmscale runtime) neither. By hand for a 4-stage 1F1B."""
+    plan = Plan(model=L8, seq_len=4096, micro_batch_size=2, global_batch_size=16, pp=4,
+                precision="bf16", recompute="full")  # fmt: skip
+    m, tokens = plan.n_microbatches, 2 * 4096
+    boundary, logits = 2 * tokens * L8.dim, 2 * tokens * L8.vocab_size
+
+    def buffers(kept: str, rank: int) -> float:
+        opts = memory_options(TORCHTITAN.on(pipeline_outputs_kept=kept))
+        return estimate_memory(plan, opts, validate=False).per_rank[rank].pipeline_buffers
+
+    for rank in range(4):
+        none = buffers("none", rank)
+        assert none == m * boundary * ((rank != 0) + (rank != 3))  # the receive buffers
+        last = m * logits if rank == 3 else 0.0
+        assert buffers("last", rank) == none + last
+        assert buffers("all", rank) == none + (last or m * boundary)
+    assert LLMSCALE.pipeline_outputs_kept == TORCHTITAN.pipeline_outputs_kept == "none"

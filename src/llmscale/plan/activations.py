@@ -374,6 +374,22 @@ def boundary_bytes(
     return per / _divisor("norm", tp, sequence_parallel, kernels)
 
 
+def logits_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> float:
+    """One micro-batch's logits as the output projection makes them (the activation dtype; a
+    vocabulary shard where the loss runs on shards, `Kernels.splits_logits`)."""
+    vocab_div = tp if kernels.splits_logits(model, tp) else 1
+    a = DTYPE_BYTES[precision]
+    return a * micro_batch_size * seq_len * model.vocab_size / vocab_div
+
+
 @memoize
 def with_weights(kernels: Kernels, lowp_weights: bool) -> Kernels:
     """`kernels` for a plan whose forward weights are (or are not) already low precision."""

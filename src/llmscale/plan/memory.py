@@ -702,10 +702,20 @@ def _pipeline_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
 
 
 def _receive_buffers(plan: Plan, rank: int, opt: MemoryOptions) -> float:
-    boundary = cp_share(plan) * act.boundary_bytes(*slice_args(plan, opt.kernels))
+    """The receive buffers, and the outputs the stack's schedule keeps until the step ends
+    (`Stack.pipeline_outputs_kept`: every micro-batch's, the last stage's its logits)."""
+    args = slice_args(plan, opt.kernels)
+    boundary = cp_share(plan) * act.boundary_bytes(*args)
     m, n_stages = plan.n_microbatches, plan.pp * plan.chunks
     ids = stage_ids(rank, plan.pp, plan.chunks, plan.v_shape)
-    return sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
+    total = sum(m * boundary * ((g != 0) + (g != n_stages - 1)) for g in ids)
+    kept = opt.stack.pipeline_outputs_kept
+    for g in ids:
+        if g == n_stages - 1 and kept != "none":
+            total += m * cp_share(plan) * act.logits_bytes(*args)
+        elif kept == "all":
+            total += m * boundary
+    return total
 
 
 def _pipeline_held(plan: Plan, rank: int, opt: MemoryOptions) -> PipelineHeld:

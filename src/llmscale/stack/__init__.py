@@ -157,6 +157,12 @@ class Stack:
     # torch.distributed.pipelining keeps a receive buffer pair per micro-batch and 1F1B holds
     # one micro-batch more ("torch"); Megatron frees each output once sent ("freed").
     pipeline: Literal["torch", "freed"] = "torch"
+    # Which pipeline stages keep every micro-batch's output until the step ends (torch's
+    # `PipelineStage.output_chunks`, merged for the caller of `schedule.step`): none (step with
+    # return_outputs=False: the llmscale runtime, torchtitan since its #1922, 2025-10), the
+    # last stage's (its logits; torch's default return_outputs), or every stage's (torch
+    # before pytorch#153383, 2025-05, appended each stage's output whatever its place).
+    pipeline_outputs_kept: Literal["none", "last", "all"] = "none"
     # Tied embedding and output projection under pipeline parallelism: refused, or a copy of
     # the embedding on the last stage whose gradient is all-reduced with the first's once per
     # step (Megatron's embedding group; DeepSpeed's TiedLayerSpec).

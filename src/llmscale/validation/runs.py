@@ -144,6 +144,8 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         stack = stack.on(compiles_loss=False)
     if row.get("repeat_kv"):  # torchtitan runs through 2025-06: K, V repeated before SDPA
         stack = stack.on(kernels=replace(stack.kernels, repeat_kv=True))
+    if row.get("pipeline_outputs_kept"):  # torch's pipelining of the run's date
+        stack = stack.on(pipeline_outputs_kept=row["pipeline_outputs_kept"])
     if row.get("expandable_segments"):  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         stack = stack.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD)
     return plan, stack, bool(row.get("compile"))
