@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from llmscale.model.config import get_preset
+from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
-from llmscale.plan.time import DEFAULT_TIME, estimate_step_time
+from llmscale.plan.time import DEFAULT_TIME, estimate_step_time, time_params
+from llmscale.stack import LLMSCALE, STACKS
 from llmscale.train import calibration
 from llmscale.train.calibration import SOURCE, measured_cluster
 
@@ -90,3 +92,27 @@ def test_the_stacks_costs_are_sourced_to_when_and_under_what_load_they_were_meas
     unknown = calibration.Measured(float("nan"), float("nan"))
     assert unknown.describe() == "when and under what load unknown"
     assert calibration.device_costs(figures, model, "a CPU").optimizer_efficiency.source == SOURCE
+
+
+def test_a_cpu_hides_no_communication_and_the_time_model_follows_the_stack() -> None:
+    """A CPU rank copies its gloo traffic on the core it computes on: a CPU's measured costs
+    carry no overlap (the ring passes and all-reduces of bench/cp.py and of a training run's
+    prediction alike), a GPU's keep the stack's; and parameters moved onto a stack take every
+    field the stack sets."""
+    figures = {"fixed_s": 0.01, "bandwidth_bytes": 1e10, "optimizer_s": 0.1}
+    tiny = get_preset("tiny")
+    cpu = calibration.device_costs(figures, tiny, "a test CPU")
+    gpu = calibration.device_costs(figures, tiny, "a test GPU", device_type="cuda")
+    assert LLMSCALE.on_device(cpu).dp_overlap == 0.0 == calibration.CPU_COMM_OVERLAP.value
+    assert LLMSCALE.on_device(gpu).dp_overlap == LLMSCALE.dp_overlap == 0.85
+    params = DEFAULT_TIME.with_stack(LLMSCALE.on_device(cpu))
+    assert params.dp_overlap == 0.0 and params.stack.dp_overlap == 0.0
+    for stack in STACKS.values():
+        moved, direct = DEFAULT_TIME.with_stack(stack), time_params(stack)
+        assert moved == dataclasses.replace(direct, kernels=DEFAULT_TIME.kernels)
+    plan = Plan(model=tiny, seq_len=64, micro_batch_size=2, global_batch_size=8, cp=2, dp_shard=1)
+    ring = estimate_step_time(plan, Cluster.of("h100"), params, validate=False).breakdown["cp_comm"]
+    hidden = estimate_step_time(plan, Cluster.of("h100"), DEFAULT_TIME, validate=False).breakdown[
+        "cp_comm"
+    ]
+    assert ring > hidden > 0

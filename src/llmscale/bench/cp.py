@@ -83,14 +83,12 @@ def cluster_of(figures: dict[str, float]) -> Cluster:
 
 
 def time_params(opts: BenchOptions, figures: dict[str, float]) -> TimeParams:
-    """The runtime's CPU kernels, its stack at the costs one repetition's `figures` measured;
-    nothing of the ranks' traffic hidden (`dp_overlap` 0): a rank of one thread on its own core
-    copies its gloo sends and receives on that core, so a ring pass or the gradient all-reduce
-    takes the time of the compute it runs beside."""
+    """The runtime's CPU kernels, its stack at the costs one repetition's `figures` measured
+    (on a CPU nothing of the ranks' traffic hidden: `calibration.CPU_COMM_OVERLAP`)."""
     model = get_preset(opts.model)
     kernels = act.Kernels.for_runtime(model, 1, "cpu")
     stack = DEFAULT_TIME.stack.on_device(calibration.device_costs(figures, model, DISPLAY))
-    return dataclasses.replace(DEFAULT_TIME, kernels=kernels, dp_overlap=0.0, stack=stack)
+    return dataclasses.replace(DEFAULT_TIME, kernels=kernels).with_stack(stack)
 
 
 def fastest_step(cfg: JobConfig, warmup: int) -> float:

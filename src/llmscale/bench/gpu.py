@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -443,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         if figures is not None:
             name = f"{label} (measured)"
             model = get_preset(args.model)
-            costs = device_costs(figures, model, name)
+            costs = device_costs(figures, model, name, device_type="cuda")
             measured = (
                 cluster_from(figures, "bf16", name),
-                replace(params, stack=params.stack.on_device(costs)),
+                params.with_stack(params.stack.on_device(costs)),
             )
     run_part("mfu", lambda: mfu_part(args, work, cluster, params, peak, budget, measured))
     if args.device == "cuda":

@@ -44,7 +44,7 @@ def calibrated(
     )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     stack = DEFAULT_TIME.stack.on_device(costs)
-    params = dataclasses.replace(DEFAULT_TIME, kernels=kernels, stack=stack)
+    params = dataclasses.replace(DEFAULT_TIME, kernels=kernels).with_stack(stack)
     return cluster, params, figures
 
 

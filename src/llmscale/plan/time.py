@@ -84,7 +84,7 @@ dense peak of the precision's dtype; HFU counts recomputation too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES
 from llmscale.errors import ConfigError
@@ -166,6 +166,20 @@ class TimeParams:
     # (`stack.param_residency`). The fields above that a stack sets come from it through
     # `time_params(stack)`.
     stack: Stack = LLMSCALE
+
+    def with_stack(self, stack: Stack) -> TimeParams:
+        """These parameters on `stack` (the same stack priced on a measured device, say), the
+        fields a stack sets (`time_params`) following it."""
+        return replace(
+            self,
+            dp_overlap=stack.dp_overlap,
+            p2p_scatter_gather=stack.p2p_scatter_gather,
+            optimizer_bytes_per_param=stack.optimizer_bytes_per_param,
+            grad_sync_once=stack.grad_sync_once,
+            elementwise=stack.elementwise,
+            tp_overlap_gemm=stack.tp_overlap_gemm,
+            stack=stack,
+        )
 
 
 DEFAULT_TIME = TimeParams()

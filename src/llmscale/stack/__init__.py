@@ -101,13 +101,17 @@ class DeviceCosts:
       pipeline rank, whatever its size (per-op dispatch and autograd bookkeeping where the host
       waits for each op, as on a CPU): the model's forward and backward on one token;
     - optimizer_efficiency: achieved / the device's bandwidth of the stack's optimizer step (a
-      CPU's per-tensor foreach fallback gets much less than its element-wise ops).
+      CPU's per-tensor foreach fallback gets much less than its element-wise ops);
+    - comm_overlap: how much of the communication run beside compute the device hides (the
+      stack's `dp_overlap`); None keeps the stack's (a GPU's collectives run on their own
+      SMs), 0 on a CPU, whose ranks copy their gloo sends and receives on their compute core.
     """
 
     device: str  # the measured device's display name
     step_overhead_ms: Sourced
     microbatch_overhead_ms: Sourced
     optimizer_efficiency: Sourced
+    comm_overlap: Sourced | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,11 +212,13 @@ class Stack:
 
     def on_device(self, costs: DeviceCosts) -> Stack:
         """This stack priced on a device measured with it: its fixed costs are `costs`."""
+        overlap = self.dp_overlap if costs.comm_overlap is None else costs.comm_overlap.value
         return replace(
             self,
             step_overhead_ms=costs.step_overhead_ms,
             microbatch_overhead_ms=costs.microbatch_overhead_ms,
             optimizer_efficiency=costs.optimizer_efficiency,
+            dp_overlap=overlap,
         )
 
     def optimizer_share(self, hbm_efficiency: Sourced) -> float:

@@ -328,13 +328,23 @@ STEP_OVERHEAD_NOT_MEASURED = (
 )
 
 
+# A CPU rank sends and receives over gloo on the core it computes on: the ring's passes and the
+# gradient all-reduce take the time of the compute they run beside (bench/cp.py measures it).
+CPU_COMM_OVERLAP = Sourced(0.0, "a CPU rank copies its gloo traffic on its compute core")
+
+
 def device_costs(
-    figures: dict[str, float], model: ModelConfig, display: str, when: Measured | None = None
+    figures: dict[str, float],
+    model: ModelConfig,
+    display: str,
+    when: Measured | None = None,
+    device_type: str = "cpu",
 ) -> DeviceCosts:
-    """What the llmscale stack costs on the measured device `display`, from its figures: the
-    one-token forward and backward (a micro-batch's fixed cost) and the optimizer step's share
-    of the measured element-wise bandwidth; each sourced to this calibration (and, `when` given,
-    to when and under what load it was measured)."""
+    """What the llmscale stack costs on the measured device `display` (of `device_type`, cpu or
+    cuda), from its figures: the one-token forward and backward (a micro-batch's fixed cost)
+    and the optimizer step's share of the measured element-wise bandwidth; each sourced to this
+    calibration (and, `when` given, to when and under what load it was measured); on a CPU no
+    communication hidden behind compute (`CPU_COMM_OVERLAP`)."""
     source = SOURCE if when is None else f"{SOURCE}, {when.describe()}"
     streamed = LLMSCALE.optimizer_bytes_per_param * model.num_params()
     optimizer_share = streamed / figures["bandwidth_bytes"] / figures["optimizer_s"]
@@ -343,6 +353,7 @@ def device_costs(
         step_overhead_ms=Sourced(0.0, STEP_OVERHEAD_NOT_MEASURED),
         microbatch_overhead_ms=Sourced(1000 * figures["fixed_s"], source),
         optimizer_efficiency=Sourced(min(1.0, optimizer_share), source),
+        comm_overlap=CPU_COMM_OVERLAP if device_type == "cpu" else None,
     )
 
 
@@ -377,7 +388,7 @@ def measured_cluster(
     display = display_name(device)
     return MeasuredDevice(
         cluster_from(figures, precision, display),
-        device_costs(figures, model, display),
+        device_costs(figures, model, display, device_type=device.type),
         figures,
     )
 
@@ -639,7 +650,8 @@ def cached_cluster(plan: Plan, device: torch.device) -> tuple[MeasuredDevice, Me
     )
     display = display_name(device)
     cluster = cluster_from(figures, plan.precision, display)
-    return MeasuredDevice(cluster, device_costs(figures, plan.model, display, when), figures), when
+    costs = device_costs(figures, plan.model, display, when, device.type)
+    return MeasuredDevice(cluster, costs, figures), when
 
 
 # ---- context parallelism: the runtime's ring blocks -------------------------------------------

@@ -192,7 +192,7 @@ def predict_run(cfg: JobConfig, hardware: Hardware, rank: int = 0) -> RunPredict
     except ConfigError as e:
         return RunPrediction(**base, memory_bytes={}, step_time_s=None, not_modelled=str(e))
     params = runtime_time_params(plan, hardware.device, compiled=cfg.train.compile)
-    params = replace(params, stack=hardware.stack)
+    params = params.with_stack(hardware.stack)
     seconds: float | None = None
     breakdown: dict[str, float] = {}
     try:
