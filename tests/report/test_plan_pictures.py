@@ -29,6 +29,26 @@ def test_a_bar_names_its_layout_fully() -> None:
         assert word in label, label
 
 
+def test_the_data_parallel_kind_is_named_as_the_stack_names_it() -> None:
+    """Under megatron-core, --dp-shard N --zero-stage 1 is Megatron's distributed optimizer
+    and the tables and bars say so; its zero 3 (Megatron FSDP) and every other stack's shards
+    read fsdp."""
+    from llmscale.plan.time import time_params
+    from llmscale.stack import MEGATRON_CORE, STACKS
+
+    space = SearchSpace(tp=8, pp=1, dp_shard=8, zero_stages=(1,), micro_batch_sizes=(1,),
+                        recompute=("full",), offload=("none",), sequence_parallel=(True,))  # fmt: skip
+    res = search(get_preset("llama2-70b"), 64, Cluster.of("h100"), 4096, 64, top=1,
+                 space=space, time_params=time_params(MEGATRON_CORE))  # fmt: skip
+    assert res.stack is MEGATRON_CORE
+    assert "distopt z1" in bar_label(res.shown[0], res.stack)
+    dp = next(c for c in search_table(res).columns if c.header == "dp")
+    assert list(dp.cells) == ["8 distopt"]
+    for stack in STACKS.values():
+        want = "distopt" if stack.sharding == "megatron" else "fsdp"
+        assert stack.sharded_dp_name(1) == want and stack.sharded_dp_name(3) == "fsdp"
+
+
 def test_the_wide_table_has_the_pipeline_columns() -> None:
     t = search_table(_result(), wide=True)
     names = [col.header for col in t.columns]

@@ -149,6 +149,7 @@ class SearchResult:
     unfit: tuple[Candidate, ...] = ()
     # Why layouts were dropped before any memory was counted (divisibility, schedule rules).
     rejected: tuple[str, ...] = ()
+    stack: Stack = LLMSCALE  # whose software the plans were costed as
 
     @property
     def shown(self) -> tuple[Candidate, ...]:
@@ -506,6 +507,7 @@ def search(
         space=space,
         unfit=unfit,
         rejected=tuple(rejected),
+        stack=time_params.stack,
     )
 
 

@@ -14,6 +14,7 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.predict import plan_collectives
 from llmscale.plan.roofline import Roofline
 from llmscale.plan.search import Candidate, SearchResult
+from llmscale.stack import LLMSCALE, Stack
 
 # The memory parts every table and picture shows: RankMemory's own breakdown, in its order.
 MEMORY_PARTS = tuple(
@@ -130,9 +131,11 @@ def compare_table(cat: Catalog, a: str, b: str) -> Table:
 # ---- plans --------------------------------------------------------------------------------
 
 
-def plan_label(p: Plan) -> dict[str, str]:
+def plan_label(p: Plan, stack: Stack = LLMSCALE) -> dict[str, str]:
+    """The plan's fields as the tables print them; the data-parallel kind as `stack` names it
+    (Megatron's distributed optimizer "distopt", FSDP, replicas "ddp")."""
     dp = f"{p.dp_replicate}x{p.dp_shard}" if p.dp_replicate > 1 and p.dp_shard > 1 else str(p.dp)
-    kind = "fsdp" if p.dp_shard > 1 else ("ddp" if p.dp > 1 else "-")
+    kind = stack.sharded_dp_name(p.zero_stage) if p.dp_shard > 1 else ("ddp" if p.dp > 1 else "-")
     sched = (
         "-"
         if p.pp == 1
@@ -150,10 +153,10 @@ def plan_label(p: Plan) -> dict[str, str]:
     }  # fmt: skip
 
 
-def bar_label(c: Candidate) -> str:
+def bar_label(c: Candidate, stack: Stack = LLMSCALE) -> str:
     """A plan named fully under its bar: degrees and data-parallel kind, ZeRO stage, micro-batch
     and recompute, schedule, offload, step time."""
-    lab = plan_label(c.plan)
+    lab = plan_label(c.plan, stack)
     zero = f" z{lab['zero']}" if lab["zero"] != "-" else ""
     sp = " sp" if lab["sp"] == "y" else ""
     off = "" if lab["offload"] == "none" else f"\noffload {lab['offload']}"
@@ -214,7 +217,8 @@ def search_table(result: SearchResult, wide: bool = False) -> Table:
         t.add_column(c, justify="left" if c in _LEFT else "right")
     for i, cand in enumerate(result.shown, 1):
         w = cand.memory.worst
-        lab = plan_label(cand.plan) if wide else _short_label(plan_label(cand.plan))
+        full = plan_label(cand.plan, result.stack)
+        lab = full if wide else _short_label(full)
         mem_cols = (
             [b(w.states), b(w.working_params), b(w.activations), b(w.pending_weight_grads),
              b(w.pipeline_buffers), b(w.transient + w.allocator), b(w.total)]
@@ -311,7 +315,7 @@ def memory_png(result: SearchResult, path: str | Path) -> Path:
     )
     labels = []
     for c in shown:
-        labels.append(bar_label(c))
+        labels.append(bar_label(c, result.stack))
     ax.set_xticks(xs, labels, fontsize=6)
     ax.set_ylabel("GiB on the fullest GPU")
     ax.set_title("Memory per GPU of the top plans (step time under each bar)")

@@ -221,6 +221,11 @@ class Stack:
             dp_overlap=overlap,
         )
 
+    def sharded_dp_name(self, zero_stage: int) -> str:
+        """What this stack calls sharded data parallelism at `zero_stage`: Megatron's
+        distributed optimizer at 1 ("distopt"), else FSDP."""
+        return "distopt" if self.sharding == "megatron" and zero_stage == 1 else "fsdp"
+
     def optimizer_share(self, hbm_efficiency: Sourced) -> float:
         """Achieved / datasheet bandwidth of the optimizer step on a device whose streaming
         kernels reach `hbm_efficiency` (`optimizer_efficiency` when measured)."""
