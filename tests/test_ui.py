@@ -20,3 +20,12 @@ from llmscale.ui import human_bytes
 )
 def test_human_bytes(n: float, text: str) -> None:
     assert human_bytes(n) == text
+
+
+def test_value_range() -> None:
+    from llmscale.ui import value_range
+
+    assert value_range([0.87, 0.81, 0.83], 2) == "0.81–0.87"
+    assert value_range([0.8149, 0.8151], 2) == "0.81–0.82"
+    assert value_range([0.8141, 0.8149], 2) == "0.81"  # both read the same
+    assert value_range([1.0], 3) == "1.000"

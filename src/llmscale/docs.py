@@ -36,6 +36,7 @@ from llmscale.bench import demo
 from llmscale.cli.plan import plan_output
 from llmscale.paths import RESULTS_JSON, SOURCE_ROOT
 from llmscale.report.search_report import PlanReport
+from llmscale.ui import value_range
 from llmscale.validation.claims import Claim, Results, check_claims, results_notice, to_markdown
 
 # A search's wall or CPU seconds, as `plan` and this module print them ("0.92 s").
@@ -1443,11 +1444,6 @@ def _within(ratios: list[float]) -> str:
     return f"{100 * max(abs(r - 1) for r in ratios):.1f}%"
 
 
-def _range(values: list[float]) -> str:
-    lo, hi = f"{min(values):.3f}", f"{max(values):.3f}"
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
 def _when(ctx: Context, suite: str) -> str:
     at = (ctx.results.suite(suite) or {}).get("measured_at", "")
     return at[:10] or "undated"
@@ -1525,7 +1521,7 @@ def measured_vs_predicted(ctx: Context) -> str:
         r = _ratios(fl)
         rows.append((
             "pipeline activations in flight (stage 0), GPipe / 1F1B / interleaved, pp=2 and 4",
-            f"pred/meas {_range(r)} in all {len(fl)} configurations (planner: "
+            f"pred/meas {value_range(r, 3)} in all {len(fl)} configurations (planner: "
             "in-flight units × one micro-batch)",
         ))  # fmt: skip
     st = ctx.rows("time", "step time")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from llmscale.ui import value_range
+
 if TYPE_CHECKING:
     from llmscale.docs import Context
 
@@ -23,11 +25,6 @@ def _ms(seconds: float) -> str:
     """Milliseconds to two significant figures or more: 0.24 ms, 4.6 ms, 173 ms."""
     ms = 1e3 * seconds
     return f"{ms:.2f} ms" if ms < 1 else f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms"
-
-
-def _span(xs: list[float]) -> str:
-    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
-    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def _measured(rec: dict[str, Any]) -> str:
@@ -62,16 +59,16 @@ def lsp_fit(ctx: Context) -> str:
     after = statistics.mean(f["after"] for f in at[first])
     out = (
         f"On the tiny model with {st['n_blocks']} blocks (d = {dims}, s = {st['lsp_nonzeros']}) "
-        f"a fit at the first step takes each matrix's error from {_span([f['before'] for f in at[first]])} "
-        f"(a random sketch) to {_span([f['after'] for f in at[first]])} (mean {after:.2f})"
+        f"a fit at the first step takes each matrix's error from {value_range([f['before'] for f in at[first]], 2)} "
+        f"(a random sketch) to {value_range([f['after'] for f in at[first]], 2)} (mean {after:.2f})"
     )  # fmt: skip
     for s in refits:
         out += (
             f"; at step {s} (a check every {st['lsp_check_every']} steps) {len(at[s])} of the "
-            f"{len(at[first])} matrices read {_span([f['before'] for f in at[s]])} with their old "
+            f"{len(at[first])} matrices read {value_range([f['before'] for f in at[s]], 2)} with their old "
             f"projectors on the new gradient, above the threshold of "
             f"{st['lsp_refit_threshold']:g}, and were refitted to "
-            f"{_span([f['after'] for f in at[s]])} (mean "
+            f"{value_range([f['after'] for f in at[s]], 2)} (mean "
             f"{statistics.mean(f['after'] for f in at[s]):.2f})"
         )
     lsp, opt = rec["loss"]["lsp"], rec["loss"]["optimizer"]

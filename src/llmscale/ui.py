@@ -14,6 +14,13 @@ def console(stderr: bool = False) -> Console:
     return Console(file=stream, width=width, highlight=False, soft_wrap=True)
 
 
+def value_range(values: list[float], digits: int) -> str:
+    """The smallest and largest of `values` to `digits` decimals ("0.81–0.87"), or the one
+    value where both read the same."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def human_bytes(n: float) -> str:
     """`n` bytes in the largest binary unit (B to TiB) in which it reads below 1024."""
     for unit in ("B", "KiB", "MiB", "GiB"):
