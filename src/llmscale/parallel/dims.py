@@ -69,7 +69,7 @@ def init_distributed(device: torch.device, timeout_seconds: float = 600.0) -> No
     # The mesh's subgroups are made by new_group without a timeout (torch 2.13's DeviceMesh
     # passes one only from pg_options), which means torch's module default: make it ours.
     c10d.default_pg_timeout = timeout
-    c10d.default_pg_nccl_timeout = timeout  # type: ignore[attr-defined]  # torch: imported, not re-exported
+    c10d.default_pg_nccl_timeout = timeout
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = rendezvous_store(rank, world_size, timeout)
     dist.init_process_group(
@@ -87,7 +87,7 @@ def job_store() -> Any:
         return None
     store = c10d._get_default_store()
     # The process group's prefix, then the attempt's (rendezvous_store): the TCPStore under them.
-    while isinstance(store, dist.PrefixStore):  # type: ignore[attr-defined]  # torch: not in __all__
+    while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
 
@@ -103,7 +103,7 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # torch: not in __all__
+    store = dist.TCPStore(
         host,
         port,
         world_size,
@@ -112,7 +112,7 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> Any:
         multi_tenant=True,
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"llmscale/attempt-{attempt}", store)  # type: ignore[attr-defined]  # torch: not in __all__
+    return dist.PrefixStore(f"llmscale/attempt-{attempt}", store)
 
 
 @dataclass
