@@ -468,7 +468,8 @@ def demo_run(ctx: Context) -> str:
     rec = ctx.demo
     if rec is None:
         return "```text\nnot recorded yet: make demo\n```"
-    return "```text\n$ " + rec["commands"][0] + "\n" + "\n".join(demo.transcript(rec)) + "\n```"
+    command: str = rec["commands"][0]
+    return "```text\n$ " + command + "\n" + "\n".join(demo.transcript(rec)) + "\n```"
 
 
 def demo_wall(ctx: Context) -> str:
@@ -1286,7 +1287,8 @@ def schedule_idle(ctx: Context) -> str:
 
     def idle(*argv: str) -> float:
         out = json.loads(_run(("schedule", "--pp", "4", "--microbatches", "8", *argv, "--json")))
-        return max(out["makespan"] - b for b in out["busy"])
+        seconds: float = max(out["makespan"] - b for b in out["busy"])
+        return seconds
 
     zb = idle("--schedule", "zero_bubble", "--chunks", "2")
     zbv, base = idle("--schedule", "zbv"), idle()

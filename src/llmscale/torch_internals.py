@@ -97,7 +97,7 @@ def dtensor_like(param: Any, host: torch.Tensor) -> Any:
     spec = param._spec
     meta = TensorMeta(shape=param.shape, stride=param.stride(), dtype=host.dtype)
     new_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
-    return DTensor(host, new_spec, requires_grad=False)
+    return DTensor(host, new_spec, requires_grad=False)  # type: ignore[no-untyped-call]  # torch: DTensor.__new__ unannotated
 
 
 def is_wrapper_subclass(t: torch.Tensor) -> bool:

@@ -38,7 +38,10 @@ def run(opts: BenchOptions) -> SuiteResult:
         if batch is None:
             batch = trainer.train_stream.next_batch(GLOBAL)
         loss, _ = trainer.forward_backward(batch)
-        grads[mbs] = [p.grad.detach().clone() for p in trainer.parameters()]
+        grads[mbs] = []
+        for p in trainer.parameters():
+            assert p.grad is not None  # forward_backward gave every parameter its gradient
+            grads[mbs].append(p.grad.detach().clone())
         losses[mbs] = loss.item()
         trainer.optimizer.zero_grad(set_to_none=True)
         m = measure(cfg, opts.warmup, trainer=trainer)

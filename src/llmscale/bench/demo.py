@@ -65,7 +65,8 @@ SUITE = "demo"
 def run_dir(root: Path = SOURCE_ROOT) -> Path:
     """The demo's run folder: its config's job.run_dir, relative to the checkout."""
     with (root / CONFIG).open("rb") as f:
-        return root / tomllib.load(f)["job"]["run_dir"]
+        run: str = tomllib.load(f)["job"]["run_dir"]
+    return root / run
 
 
 def commands(root: Path = SOURCE_ROOT) -> list[tuple[str, ...]]:
@@ -180,7 +181,8 @@ def _row(config: str, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _suite(rec: dict[str, Any]) -> dict[str, Any]:
-    return rec.get(SUITE, rec)
+    suite: dict[str, Any] = rec.get(SUITE, rec)
+    return suite
 
 
 def table_rows(rec: dict[str, Any]) -> list[Compared]:

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, link_gbps: float, offload: str) -> dict[str, A
     """One offload mode at one link: the three trainers' figures, printed, and returned as a
     record's entry (`record`)."""
     trainers = {m: _trainer(args, m, link_gbps, offload) for m in ("off", "serial", "overlap")}
-    last_row: dict[str, dict] = {}
+    last_row: dict[str, dict[str, Any]] = {}
     for t in trainers.values():
         if hasattr(t.optimizer, "timeline"):
             t.optimizer.timeline.keep_steps = 10_000

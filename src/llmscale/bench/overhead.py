@@ -27,6 +27,7 @@ from llmscale.bench.jobs import short_job
 from llmscale.bench.report import Row
 from llmscale.bench.timed import now_iso
 from llmscale.config import load_config
+from llmscale.data.stream import PackedStream
 from llmscale.model.transformer import build_model
 from llmscale.train.trainer import Trainer
 
@@ -69,14 +70,16 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
         return time.perf_counter() - t0
 
-    plain_stream = type(trainer.train_stream)(trainer.train_stream.tokens, args.seq, cfg.job.seed)
+    stream = trainer.train_stream
+    assert isinstance(stream, PackedStream)  # no data.dataset: the byte-level files of data.path
+    plain_stream = type(stream)(stream.tokens, args.seq, cfg.job.seed)
     t_trainer, t_plain = [], []
     for i in range(args.steps + args.warmup):
         row = trainer.train_step()

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--global-batch", type=int, default=1024)
     args = ap.parse_args(argv)
-    cases = CASES
+    cases: tuple[Case, ...] = CASES
     if args.model is not None:
         cases = (Case(args.model, args.gpus, args.gpu, args.seq, args.global_batch, None),)
     print(f"{'search':56} {'wall s':>7} {'cpu s':>6} {'costed':>7} {'fit':>5}  {'target':14} best")

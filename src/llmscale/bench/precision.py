@@ -10,13 +10,16 @@ scaled loss (`fp16_backward_underflow`), where activation gradients can vanish o
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
+
+import torch
 
 from llmscale.bench.memory import memory_options
 from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, measure, png_path
 from llmscale.bench.timing import calibrated
 from llmscale.plan.predict import expected_runtime_metrics, predict_step_time
-from llmscale.train.precision import fp16_backward_underflow, underflow_report
+from llmscale.train.precision import UnderflowRow, fp16_backward_underflow, underflow_report
 from llmscale.train.trainer import Trainer, lm_loss
 
 MODES = ("fp32", "bf16", "fp16")
@@ -114,7 +117,9 @@ def _span(xs: list[float]) -> str:
     return f"{100 * min(xs):.2f}-{100 * max(xs):.2f}%"
 
 
-def underflow_after_training(opts: BenchOptions, seed: int = 0):
+def underflow_after_training(
+    opts: BenchOptions, seed: int = 0
+) -> tuple[list[UnderflowRow], list[UnderflowRow], float]:
     """Train in fp32 from `seed`, then measure both underflow reports on the next batch."""
     cfg = opts.job(
         "--train.micro_batch_size", str(MICRO_BATCH), "--train.global_batch_size", str(MICRO_BATCH),
@@ -127,17 +132,23 @@ def underflow_after_training(opts: BenchOptions, seed: int = 0):
     batch = t.train_stream.next_batch(MICRO_BATCH)[:UNDERFLOW_BATCH].to(t.device)
     params = [p for p in t.parameters() if p.requires_grad]
 
-    def loss_fn():
+    def loss_fn() -> torch.Tensor:
         return lm_loss(t.model(batch[:, :-1]), batch[:, 1:])
 
-    loss_fn().backward()
-    cast = underflow_report([p.grad for p in params], SCALES)
+    loss_fn().backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
+    grads = []
+    for p in params:
+        assert p.grad is not None  # every trainable parameter of the model is in the loss
+        grads.append(p.grad)
+    cast = underflow_report(grads, SCALES)
     t.optimizer.zero_grad(set_to_none=True)
     e2e = fp16_backward_underflow(loss_fn, params, SCALES, t.device.type)
     return cast, e2e, loss
 
 
-def _plot(cast, e2e, over, path, title: str) -> None:
+def _plot(
+    cast: list[list[float]], e2e: list[list[float]], over: list[float], path: Path, title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -44,7 +44,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def passed(row: dict[str, Any]) -> bool:
-    return row.get("outcome", "passed") == "passed"
+    outcome: str = row.get("outcome", "passed")
+    return outcome == "passed"
 
 
 def data_lost(row: dict[str, Any]) -> bool:

@@ -46,7 +46,7 @@ def calibration_seconds() -> tuple[float, dict[str, Any]]:
     from llmscale.train.calibration import QUICK, measure
 
     cfg = load_config(DEMO_CONFIG if DEMO_CONFIG.is_file() else None)
-    shape = {
+    shape: dict[str, Any] = {
         "model": cfg.model.name,
         "micro_batch_size": cfg.train.micro_batch_size,
         "seq_len": cfg.data.seq_len,

@@ -113,7 +113,8 @@ class PackedStream(WindowStream):
         return self._order
 
     def _ordered(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        return self._epoch_order(epoch)[positions]
+        windows: np.ndarray = self._epoch_order(epoch)[positions]
+        return windows
 
     def rows(self, windows: np.ndarray) -> np.ndarray:
         starts = windows * self.seq_len

@@ -95,7 +95,8 @@ def write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: 
     if len(shards) == 1:
         save_file(shards[0], str(out / WEIGHTS), metadata={"format": "pt"})
         return [out / WEIGHTS]
-    files, weight_map = [], {}
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / name), metadata={"format": "pt"})

@@ -19,7 +19,8 @@ from llmscale.config import JobConfig
 from llmscale.data.prepared import document_ids, load_meta, verify_tokenizer
 from llmscale.data.tokenizer import ByteTokenizer
 from llmscale.errors import ConfigError
-from llmscale.hf.folder import TOKENIZER, TokenizerFiles, byte_tokenizer_files
+from llmscale.hf.check import TOKENIZER
+from llmscale.hf.folder import TokenizerFiles, byte_tokenizer_files
 from llmscale.train.data import byte_tokenizer_sha256, check_checkpoint_tokenizer
 
 

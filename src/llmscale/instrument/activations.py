@@ -270,7 +270,7 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     if is_wrapper_subclass(t) and not _is_parameter(t):
         # DTensor, AsyncCollectiveTensor (TP): the memory is in the plain tensors inside. A
         # DTensor parameter (FSDP's unsharded one under TP) is checked before unwrapping.
-        attrs, _ = t.__tensor_flatten__()
+        attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # torch: a wrapper subclass's, not on Tensor's stubs
         out: list[torch.Tensor] = []
         for a in attrs:
             inner = getattr(t, a)

@@ -78,7 +78,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     seq = x.shape[1]
     cos = rope[0, :seq].unsqueeze(1)  # (seq, 1, head_dim/2): broadcast over heads
     sin = rope[1, :seq].unsqueeze(1)
-    xf = x.float().unflatten(-1, (-1, 2))
+    xf = x.float().unflatten(-1, (-1, 2))  # type: ignore[no-untyped-call]  # torch: Tensor.unflatten unannotated
     x1, x2 = xf[..., 0], xf[..., 1]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
@@ -115,7 +115,8 @@ class Attention(nn.Module):
             assert rope is not None
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        y: torch.Tensor = self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        return y
 
 
 class FeedForward(nn.Module):
@@ -127,9 +128,12 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.gated else None  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+            y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        else:
+            y = self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        return y
 
 
 class TransformerBlock(nn.Module):
@@ -142,8 +146,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope)
+        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return out
 
 
 class Transformer(nn.Module):
@@ -152,6 +157,8 @@ class Transformer(nn.Module):
     A pipeline stage may lack tok_embeddings (then it takes hidden states) or norm/output
     (then it returns hidden states); the forward handles each piece being None.
     """
+
+    rope: torch.Tensor  # the RoPE table, a non-persistent buffer (empty without RoPE)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -179,6 +186,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
+        h: torch.Tensor
         pos = None if self.positions is None else self.positions(seq, tokens.device)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
@@ -196,7 +204,8 @@ class Transformer(nn.Module):
             return h  # an earlier pipeline stage: hidden states go to the next one
         h = self.norm(h)
         if self.output is not None:
-            return self.output(h)
+            logits: torch.Tensor = self.output(h)
+            return logits
         assert self.tok_embeddings is not None, "tied head needs the embedding on this stage"
         return F.linear(h, self.tok_embeddings.weight)
 

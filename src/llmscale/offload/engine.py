@@ -240,7 +240,7 @@ class CudaCopier:
         self.device = device
         self.timeline = timeline
         self.meter = meter if meter is not None else TrafficMeter()
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch: cuda.Stream unannotated
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, step: int, unit: str, phase: str
@@ -249,8 +249,8 @@ class CudaCopier:
         if self.lane == "d2h":
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         timing = self.timeline is not None
-        start = torch.cuda.Event(enable_timing=timing)
-        end = torch.cuda.Event(enable_timing=timing)
+        start = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]  # torch: cuda.Event unannotated
+        end = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]  # torch: cuda.Event unannotated
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             dst.copy_(src, non_blocking=True)
@@ -296,10 +296,13 @@ class ThreadWorker:
     """
 
     def __init__(self, intra_op_threads: int | None = None) -> None:
-        init = (torch.set_num_threads, (intra_op_threads,)) if intra_op_threads else (None, ())
-        self._pool = cf.ThreadPoolExecutor(
-            1, thread_name_prefix="llmscale-cpu-adam", initializer=init[0], initargs=init[1]
-        )
+        name = "llmscale-cpu-adam"
+        if intra_op_threads:
+            self._pool = cf.ThreadPoolExecutor(
+                1, name, initializer=torch.set_num_threads, initargs=(intra_op_threads,)
+            )
+        else:
+            self._pool = cf.ThreadPoolExecutor(1, name)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
         return self._pool.submit(fn, *args)

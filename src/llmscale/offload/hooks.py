@@ -121,7 +121,10 @@ class ModelHooks:
 
     def on_grad(self, params: Iterable[nn.Parameter], fn: Callable[[torch.Tensor], None]) -> None:
         """`fn(param)` once each parameter's gradient has been accumulated."""
-        self._handles += [p.register_post_accumulate_grad_hook(fn) for p in params]
+        self._handles += [
+            p.register_post_accumulate_grad_hook(fn)  # type: ignore[no-untyped-call]  # torch: Tensor.register_post_accumulate_grad_hook unannotated
+            for p in params
+        ]
 
     def before_forward(self, module: nn.Module, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args, module, inputs)` before `module`'s forward, ahead of its other pre-hooks
@@ -142,12 +145,14 @@ class ModelHooks:
         after_save: Callable[..., None] | None = None,
     ) -> None:
         """Around the model's `state_dict` and `load_state_dict`."""
-        self._handles.append(model.register_state_dict_pre_hook(before_save))
-        self._handles.append(model.register_load_state_dict_pre_hook(before_load))
-        self._handles.append(model.register_load_state_dict_post_hook(after_load))
+        # (torch leaves these four Module.register_*_hook methods unannotated)
+        self._handles.append(model.register_state_dict_pre_hook(before_save))  # type: ignore[no-untyped-call]
+        self._handles.append(model.register_load_state_dict_pre_hook(before_load))  # type: ignore[no-untyped-call]
+        self._handles.append(model.register_load_state_dict_post_hook(after_load))  # type: ignore[no-untyped-call]
         if after_save is not None:
             # (a partial: torch marks the hook object, which a bound method cannot carry)
-            self._handles.append(model.register_state_dict_post_hook(functools.partial(after_save)))
+            hook = functools.partial(after_save)
+            self._handles.append(model.register_state_dict_post_hook(hook))  # type: ignore[no-untyped-call]
 
     def swap_forward(self, module: nn.Linear, sink: Sink) -> None:
         """Run `module` through `offload.lsp_linear`'s compressed weight gradient."""

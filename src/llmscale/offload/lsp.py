@@ -59,7 +59,8 @@ def sketch_values(
     """Count-sketch values: random signs, scaled so that E[PᵀP] is d/k times the identity
     (k = n_cols: P P ᵀ is then about the identity, and the start is a random projection)."""
     signs = torch.randint(0, 2, (n_cols, s), generator=gen, device=device).float() * 2 - 1
-    return signs * (d / (n_cols * s)) ** 0.5
+    scale: float = (d / (n_cols * s)) ** 0.5
+    return signs * scale
 
 
 def dense(rows: torch.Tensor, vals: torch.Tensor, d: int) -> torch.Tensor:
@@ -226,7 +227,8 @@ class Projectors:
         """||Pᵀ P G Qᵀ Q − G|| / ||G|| (a 0-d fp32 tensor on the device)."""
         g = g.float()
         r = self.decompress(self.compress(g))
-        return (r - g).norm() / g.norm().clamp_min(torch.finfo(torch.float32).tiny)
+        err: torch.Tensor = (r - g).norm() / g.norm().clamp_min(torch.finfo(torch.float32).tiny)
+        return err
 
     @torch.no_grad()
     def fit(

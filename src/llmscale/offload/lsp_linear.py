@@ -36,7 +36,7 @@ class CompressedGradLinear(torch.autograd.Function):
     """y = x Wᵀ + b; backward: dX and db as autograd's, W's gradient handed to the sink."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None, sink: Sink
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
@@ -45,7 +45,7 @@ class CompressedGradLinear(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -59,7 +59,7 @@ class ForwardSwap:
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         self.module = module
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
@@ -71,7 +71,9 @@ def install(module: nn.Linear, sink: Sink) -> ForwardSwap:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return F.linear(x, module.weight, module.bias)
-        out: torch.Tensor = CompressedGradLinear.apply(x, module.weight, module.bias, sink)
+        out: torch.Tensor = CompressedGradLinear.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply unannotated
+            x, module.weight, module.bias, sink
+        )
         return out
 
     return ForwardSwap(module, forward)

@@ -260,7 +260,7 @@ class ParamOffload:
     def _hook_backward(self, u: UnitParams, values: Iterable[Any]) -> None:
         for t in _tensors(values):
             if t.requires_grad:
-                t.register_hook(lambda grad, u=u: self._pre_backward(u))
+                t.register_hook(lambda grad, u=u: self._pre_backward(u))  # type: ignore[no-untyped-call]  # torch: Tensor.register_hook unannotated
 
     def _pre_backward(self, u: UnitParams) -> None:
         task = graph_task_id()

@@ -55,7 +55,7 @@ class TransferTimeline:
         self.origin = time.perf_counter()
         self._ref_event: Any = None
         if self.cuda:
-            self._ref_event = torch.cuda.Event(enable_timing=True)
+            self._ref_event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: cuda.Event unannotated
             self._ref_event.record(torch.cuda.current_stream(device))
             self._ref_event.synchronize()
             self.origin = time.perf_counter()
@@ -66,7 +66,7 @@ class TransferTimeline:
     def stream_now(self) -> Any:
         """A mark on the current stream (CUDA) or the host clock (elsewhere)."""
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: cuda.Event unannotated
             ev.record()
             return ev
         return time.perf_counter()
@@ -85,7 +85,8 @@ class TransferTimeline:
         if isinstance(mark, float):
             return mark - self.origin
         mark.synchronize()
-        return self._ref_event.elapsed_time(mark) / 1e3
+        ms: float = self._ref_event.elapsed_time(mark)
+        return ms / 1e3
 
     def intervals(self) -> list[Interval]:
         with self._lock:

@@ -30,7 +30,7 @@ steps on the host. The device holds only the unsharded parameters of the units i
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -171,7 +171,7 @@ def apply_fsdp(
             if counter is not None:
                 counter.install_all_reduce(unit)
 
-    for block in model.layers.values():  # type: ignore[union-attr]
+    for block in cast(nn.ModuleDict, model.layers).values():
         wrap(block)
     wrap(model)
 

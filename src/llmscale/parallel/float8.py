@@ -64,7 +64,10 @@ def fp8_eligible(fqn: str, module: nn.Module) -> bool:
 def convert_to_fp8(model: nn.Module) -> int:
     """Swap `model`'s eligible linears for torchao's Float8Linear in place (before any
     parallelism, on any device, meta included); the number swapped."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import (  # type: ignore[import-untyped]  # torchao ships no py.typed
+        Float8LinearConfig,
+        convert_to_float8_training,
+    )
 
     convert_to_float8_training(
         model, config=Float8LinearConfig(), module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m)

@@ -53,7 +53,9 @@ def grad_like_param(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return g
     if tuple(g.placements) == tuple(p.placements):
         return g
-    return g.redistribute(device_mesh=p.device_mesh, placements=p.placements)  # type: ignore[attr-defined]
+    # (both are DTensors here: the hasattr checks above; Tensor's stubs lack these attributes)
+    out: torch.Tensor = g.redistribute(device_mesh=p.device_mesh, placements=p.placements)  # type: ignore[attr-defined]
+    return out
 
 
 def shard_count(g: torch.Tensor) -> int:

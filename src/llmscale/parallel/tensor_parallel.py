@@ -30,7 +30,7 @@ table in `model/config.py` (`TP_STYLES`, `VOCAB_TP_STYLES`, `SP_*`, `vocab_paral
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -54,7 +54,7 @@ from llmscale.model.config import (
     sp_embedding_scatter,
     vocab_parallel,
 )
-from llmscale.model.transformer import Transformer
+from llmscale.model.transformer import FeedForward, Transformer
 
 
 def _style(split: TPSplit, **kw: Any) -> Any:
@@ -114,7 +114,7 @@ def apply_tp(model: Transformer, tp_mesh: Any, sequence_parallel: bool) -> None:
     for block in model.layers.values():
         plan: dict[str, Any] = {}
         for name, split in TP_STYLES.items():
-            if name == "feed_forward.w3" and block.feed_forward.w3 is None:
+            if name == "feed_forward.w3" and cast(FeedForward, block.feed_forward).w3 is None:
                 continue
             # The row-wise output projections return the residual stream's layout.
             plan[name] = (

@@ -40,7 +40,7 @@ Offloaded optimizers (gradients on the host) are refused with a tied pipeline (c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,7 @@ def share_tied_head(parts: Sequence[nn.Module], ids: Sequence[int], n_stages: in
     first = parts[list(ids).index(0)]
     last = parts[list(ids).index(n_stages - 1)]
     assert first.tok_embeddings is not None and last.output is not None
-    first.tok_embeddings = SharedEmbedding(last.output, last)  # type: ignore[assignment]
+    first.tok_embeddings = SharedEmbedding(cast(nn.Linear, last.output), last)
 
 
 class TiedEmbeddings:

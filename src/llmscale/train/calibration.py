@@ -47,12 +47,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 
-from llmscale.config import OptimizerSection
+from llmscale.config import OptimizerSection, Precision
 from llmscale.errors import ConfigError
 from llmscale.hardware.spec import Sourced
 from llmscale.instrument import calibrate
@@ -203,7 +203,7 @@ def _elementwise_bytes(
 ) -> float:
     """The planner's bytes of one block's element-wise ops, forward and backward."""
     plan = Plan(model=model, seq_len=seq_len, micro_batch_size=micro_batch,
-                global_batch_size=micro_batch, precision=precision)  # fmt: skip
+                global_batch_size=micro_batch, precision=cast(Precision, precision))  # fmt: skip
     activations, _ = runtime_eager_block_parts(plan, act.Kernels.for_runtime(model, 1, device.type))
     return 3 * activations
 

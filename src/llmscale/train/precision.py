@@ -191,7 +191,7 @@ def fp16_backward_underflow(
     """
     for p in params:
         p.grad = None
-    loss_fn().backward()
+    loss_fn().backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
     reference = [p.grad.detach().clone() if p.grad is not None else None for p in params]
     rows = []
     for s in scales:
@@ -199,7 +199,7 @@ def fp16_backward_underflow(
             p.grad = None
         with autocast("fp16", device_type):
             loss = loss_fn()
-        (loss.float() * s).backward()
+        (loss.float() * s).backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
         nonzero = underflow = overflow = 0
         for p, ref in zip(params, reference, strict=True):
             if ref is None:

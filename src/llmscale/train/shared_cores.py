@@ -169,7 +169,7 @@ def step_overhead_seconds(cfg: JobConfig, dims: ParallelDims, device: torch.devi
             with loss_context(cfg.model, dims.tp):
                 with counting or contextlib.nullcontext():
                     loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-                (loss / n_mb).backward()
+                (loss / n_mb).backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
         loss_sum = dims.global_mean_loss(loss.detach())
         norm, _ = opts.grad_norm(None)
         opts.clip_(norm, cfg.train.max_grad_norm or math.inf)

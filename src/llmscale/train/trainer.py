@@ -244,6 +244,8 @@ class Trainer:
                 self.pp_timeline = PipelineRecorder(self.dims.pp_rank, sync)
             if cfg.metrics.activation_memory:  # receive buffers, what split backwards keep
                 self.pp_memory = PipelineMemory()
+            pp_group = self.dims.pp_group()
+            assert pp_group is not None  # pp > 1: build_mesh made the mesh
             self.pp_schedule = build_pipeline_schedule(
                 self.model_parts,
                 self.parallel.stage_ids,
@@ -252,7 +254,7 @@ class Trainer:
                 cfg.n_microbatches,
                 self._pp_loss,
                 self.device,
-                self.dims.pp_group(),
+                pp_group,
                 timeline=self.pp_timeline,
                 memory=self.pp_memory,
             )
@@ -364,7 +366,7 @@ class Trainer:
         if self.pp_schedule is not None:
             return self._forward_backward_pipeline(batch)
         cfg = self.cfg
-        micro_batches = batch.split(cfg.train.micro_batch_size)
+        micro_batches = batch.split(cfg.train.micro_batch_size)  # type: ignore[no-untyped-call]  # torch: Tensor.split unannotated
         accum = len(micro_batches)
         # What micro-batch 0's forward (and its loss) saves: the activation_bytes metric.
         meter = None
@@ -389,7 +391,7 @@ class Trainer:
                     autocast(self.autocast_mode, self.device.type),
                 ):
                     loss = lm_loss(self.model(inputs), targets, self.data.n_valid_vocab)
-                self.scaler.scale_loss(loss / accum).backward()
+                self.scaler.scale_loss(loss / accum).backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward unannotated
             loss_sum += loss.detach()
         act_bytes = meter.saved_bytes if meter is not None else 0
         return self.dims.global_mean_loss(loss_sum / accum), act_bytes
