@@ -113,3 +113,10 @@ def test_a_row_is_driven_as_the_cli_drives_it() -> None:
         "selective_op",
         True,
     )
+
+
+def test_a_row_fact_with_an_unknown_value_is_refused() -> None:
+    rows = {r["id"]: r for r in load_runs()}
+    row = dict(rows["tt2412-405b-512gpu-3d-1f1b"], pipeline_outputs_kept="al")
+    with pytest.raises(ConfigError, match=r"pipeline_outputs_kept.*none \| last \| all"):
+        run_plan(row)

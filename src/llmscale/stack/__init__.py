@@ -50,6 +50,7 @@ __all__ = [
 # policy is one branch of `param_residency`.
 Sharding = Literal["llmscale", "fsdp2_default", "megatron"]
 Elementwise = Literal["llmscale", "torchtitan", "saved"]
+PipelineOutputsKept = Literal["none", "last", "all"]
 
 
 # The fixed cost of an optimizer step on a GPU, whatever the stack (no published figure).
@@ -166,7 +167,7 @@ class Stack:
     # return_outputs=False: the llmscale runtime, torchtitan since its #1922, 2025-10), the
     # last stage's (its logits; torch's default return_outputs), or every stage's (torch
     # before pytorch#153383, 2025-05, appended each stage's output whatever its place).
-    pipeline_outputs_kept: Literal["none", "last", "all"] = "none"
+    pipeline_outputs_kept: PipelineOutputsKept = "none"
     # Tied embedding and output projection under pipeline parallelism: refused, or a copy of
     # the embedding on the last stage whose gradient is all-reduced with the first's once per
     # step (Megatron's embedding group; DeepSpeed's TiedLayerSpec).

@@ -19,7 +19,7 @@ import statistics
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from llmscale.config import PP_SCHEDULES, Precision, Recompute, model_from_table
 from llmscale.errors import ConfigError
@@ -29,7 +29,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import estimate_step_time, time_params
-from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, Stack
+from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, PipelineOutputsKept, Stack
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
 ROLES = ("calibration", "validation")
@@ -144,8 +144,12 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         stack = stack.on(compiles_loss=False)
     if row.get("repeat_kv"):  # torchtitan runs through 2025-06: K, V repeated before SDPA
         stack = stack.on(kernels=replace(stack.kernels, repeat_kv=True))
-    if row.get("pipeline_outputs_kept"):  # torch's pipelining of the run's date
-        stack = stack.on(pipeline_outputs_kept=row["pipeline_outputs_kept"])
+    if "pipeline_outputs_kept" in row:  # torch's pipelining of the run's date
+        kept = row["pipeline_outputs_kept"]
+        if kept not in get_args(PipelineOutputsKept):
+            raise ConfigError(f"run {row['id']}.pipeline_outputs_kept", kept,
+                              " | ".join(get_args(PipelineOutputsKept)))  # fmt: skip
+        stack = stack.on(pipeline_outputs_kept=kept)
     if row.get("expandable_segments"):  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         stack = stack.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD)
     return plan, stack, bool(row.get("compile"))
