@@ -53,7 +53,13 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     add_model_arg(p, "llama2-70b")
     p.add_argument("--gpu", default="h200", help="GPU name (llmscale hw; default h200)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=4096,
+        help="sequence length (default 4096), at most the model's max_seq_len (a preset's: its "
+        "released context; a FILE.toml [model] table may set a longer one)",
+    )
     p.add_argument(
         "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
     )

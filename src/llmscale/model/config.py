@@ -302,6 +302,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def seq_len_allowed(self) -> str:
+        """What a planning command accepts as a sequence length for this model, and how to plan
+        a longer context (a preset's max_seq_len is its released context)."""
+        return (
+            f"<= model.max_seq_len={self.max_seq_len} (a longer context: --model FILE.toml "
+            f'whose [model] table has name = "{self.name}" and max_seq_len = N)'
+        )
+
     def with_overrides(self, **overrides: Any) -> ModelConfig:
         known = {f.name for f in fields(self)}
         for k in overrides:

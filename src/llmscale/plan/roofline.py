@@ -61,7 +61,7 @@ def _check(batch: int, seq: int, model: ModelConfig) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(name, v, "a positive integer")
     if seq > model.max_seq_len:
-        raise ConfigError("seq", seq, f"<= model.max_seq_len={model.max_seq_len}")
+        raise ConfigError("seq", seq, model.seq_len_allowed())
 
 
 def training(

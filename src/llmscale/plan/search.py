@@ -742,6 +742,6 @@ def _check_inputs(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(name, value, "a positive integer")
     if seq_len > model.max_seq_len:
-        raise ConfigError("seq_len", seq_len, f"<= model.max_seq_len={model.max_seq_len}")
+        raise ConfigError("seq_len", seq_len, model.seq_len_allowed())
     if precision not in PRECISIONS:
         raise ConfigError("precision", precision, " | ".join(PRECISIONS))
