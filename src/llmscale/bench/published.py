@@ -157,6 +157,9 @@ def runs_markdown(results: list[RunResult]) -> list[str]:
         "(`src/llmscale/validation/runs.py`; rows, sources and what each source leaves unsaid in",
         "`src/llmscale/validation/data/runs.toml` and `runs_sources.md`). Errors are over",
         "`validation` rows only (no value was fitted on them). Throughput as the source gives it.",
+        "After a layout's `;`: the facts of the run's software at its date that the row states,",
+        "each with its source in runs.toml (async TP, K and V repeated before the attention, the",
+        "loss run eager, torch's pipelining keeping stage outputs, ...), which the stack takes.",
         "",
     ]
     lines += [f"- {s.line}" for s in summarise(results)]

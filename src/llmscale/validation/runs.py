@@ -168,6 +168,25 @@ def _layout(plan: Plan, stack: Stack) -> str:
     )
 
 
+def _row_facts(row: dict[str, Any]) -> str:
+    """The facts of the run's software that `run_plan` applies to its stack, as the validation
+    page lists them beside the layout ("" for none)."""
+    facts = []
+    if row.get("async_tp"):
+        facts.append("async TP")
+    if row.get("repeat_kv"):
+        facts.append("K/V repeated")
+    if row.get("compiled_loss") is False:
+        facts.append("loss eager")
+    if row.get("grad_reduce_in_fp32") is False:
+        facts.append("bf16 gradient reduce")
+    if "pipeline_outputs_kept" in row:
+        facts.append(f"stage outputs kept: {row['pipeline_outputs_kept']}")
+    if row.get("expandable_segments"):
+        facts.append("expandable segments")
+    return f"; {', '.join(facts)}" if facts else ""
+
+
 def evaluate(row: dict[str, Any]) -> RunResult:
     """One row's prediction, as `llmscale plan --stack ... <layout>` makes it."""
     plan, stack, compiled = run_plan(row)
@@ -188,7 +207,7 @@ def evaluate(row: dict[str, Any]) -> RunResult:
         id=str(row["id"]),
         stack=stack.name,
         role=str(row["role"]),
-        layout=_layout(plan, stack),
+        layout=_layout(plan, stack) + _row_facts(row),
         quantity=quantity,
         published=published,
         predicted=predicted,
