@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 import statistics
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from llmscale.config import PP_SCHEDULES, Precision, Recompute, model_from_table
 from llmscale.errors import ConfigError
@@ -105,6 +106,63 @@ def _recompute(text: str, n_layers: int) -> tuple[Recompute, int]:
     raise ConfigError("recompute", text, "none | selective | selective_op | full | full:N-layers")
 
 
+def _outputs_kept(stack: Stack, row: dict[str, Any]) -> Stack:
+    kept = row["pipeline_outputs_kept"]
+    if kept not in get_args(PipelineOutputsKept):
+        raise ConfigError(f"run {row['id']}.pipeline_outputs_kept", kept,
+                          " | ".join(get_args(PipelineOutputsKept)))  # fmt: skip
+    return stack.on(pipeline_outputs_kept=kept)
+
+
+class RowFact(NamedTuple):
+    """A fact of a run's software at its date that a row may state (with its source in a
+    comment): whether the row states it, its label on the validation page, and what it changes
+    in the row's stack."""
+
+    stated: Callable[[dict[str, Any]], bool]
+    label: Callable[[dict[str, Any]], str]
+    apply: Callable[[Stack, dict[str, Any]], Stack]
+
+
+ROW_FACTS: tuple[RowFact, ...] = (
+    RowFact(  # torchtitan's micro-pipelined TP collectives
+        lambda r: bool(r.get("async_tp")), lambda r: "async TP",
+        lambda s, r: s.on(tp_overlap_gemm=True, tp_overlap_chunks=True),
+    ),
+    RowFact(  # torchtitan runs through 2025-06: K, V repeated before SDPA
+        lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
+        lambda s, r: s.on(kernels=replace(s.kernels, repeat_kv=True)),
+    ),
+    RowFact(  # a torchtitan of 2024: the loss ran eager
+        lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
+        lambda s, r: s.on(compiles_loss=False),
+    ),
+    RowFact(  # Megatron's bf16 main gradients
+        lambda r: r.get("grad_reduce_in_fp32") is False, lambda r: "bf16 gradient reduce",
+        lambda s, r: s.on(main_grad_bytes=2),
+    ),
+    RowFact(  # torch's pipelining of the run's date
+        lambda r: "pipeline_outputs_kept" in r,
+        lambda r: f"stage outputs kept: {r['pipeline_outputs_kept']}", _outputs_kept,
+    ),
+    RowFact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
+        lambda r: bool(r.get("expandable_segments")), lambda r: "expandable segments",
+        lambda s, r: s.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD),
+    ),
+)  # fmt: skip
+
+
+def row_facts(row: dict[str, Any]) -> list[RowFact]:
+    """The `ROW_FACTS` that `row` states."""
+    return [f for f in ROW_FACTS if f.stated(row)]
+
+
+def _facts_text(row: dict[str, Any]) -> str:
+    """The row's facts as the validation page lists them after its layout ("" for none)."""
+    labels = [f.label(row) for f in row_facts(row)]
+    return f"; {', '.join(labels)}" if labels else ""
+
+
 def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
     """The Plan of a published row, its stack, and whether its blocks are compiled."""
     stack = STACKS[row["stack"]]
@@ -136,22 +194,8 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         pp_chunks=vp,
         sequence_parallel=bool(row.get("sp", tp > 1)),
     )
-    if row.get("async_tp"):  # torchtitan's micro-pipelined TP collectives
-        stack = stack.on(tp_overlap_gemm=True, tp_overlap_chunks=True)
-    if row.get("grad_reduce_in_fp32") is False:  # Megatron's bf16 main gradients
-        stack = stack.on(main_grad_bytes=2)
-    if row.get("compiled_loss") is False:  # a torchtitan of 2024: the loss ran eager
-        stack = stack.on(compiles_loss=False)
-    if row.get("repeat_kv"):  # torchtitan runs through 2025-06: K, V repeated before SDPA
-        stack = stack.on(kernels=replace(stack.kernels, repeat_kv=True))
-    if "pipeline_outputs_kept" in row:  # torch's pipelining of the run's date
-        kept = row["pipeline_outputs_kept"]
-        if kept not in get_args(PipelineOutputsKept):
-            raise ConfigError(f"run {row['id']}.pipeline_outputs_kept", kept,
-                              " | ".join(get_args(PipelineOutputsKept)))  # fmt: skip
-        stack = stack.on(pipeline_outputs_kept=kept)
-    if row.get("expandable_segments"):  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
-        stack = stack.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD)
+    for fact in row_facts(row):
+        stack = fact.apply(stack, row)
     return plan, stack, bool(row.get("compile"))
 
 
@@ -166,25 +210,6 @@ def _layout(plan: Plan, stack: Stack) -> str:
         f"t{plan.tp} p{plan.pp}{v}{cp} {dp}, mbs {plan.micro_batch_size}, "
         f"gbs {plan.global_batch_size}, seq {plan.seq_len}, {plan.recompute}, {plan.precision}"
     )
-
-
-def _row_facts(row: dict[str, Any]) -> str:
-    """The facts of the run's software that `run_plan` applies to its stack, as the validation
-    page lists them beside the layout ("" for none)."""
-    facts = []
-    if row.get("async_tp"):
-        facts.append("async TP")
-    if row.get("repeat_kv"):
-        facts.append("K/V repeated")
-    if row.get("compiled_loss") is False:
-        facts.append("loss eager")
-    if row.get("grad_reduce_in_fp32") is False:
-        facts.append("bf16 gradient reduce")
-    if "pipeline_outputs_kept" in row:
-        facts.append(f"stage outputs kept: {row['pipeline_outputs_kept']}")
-    if row.get("expandable_segments"):
-        facts.append("expandable segments")
-    return f"; {', '.join(facts)}" if facts else ""
 
 
 def evaluate(row: dict[str, Any]) -> RunResult:
@@ -207,7 +232,7 @@ def evaluate(row: dict[str, Any]) -> RunResult:
         id=str(row["id"]),
         stack=stack.name,
         role=str(row["role"]),
-        layout=_layout(plan, stack) + _row_facts(row),
+        layout=_layout(plan, stack) + _facts_text(row),
         quantity=quantity,
         published=published,
         predicted=predicted,
