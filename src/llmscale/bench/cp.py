@@ -18,7 +18,6 @@ medians over the repetitions of measured and of predicted.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -37,6 +36,7 @@ from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_step_time
 from llmscale.plan.time import DEFAULT_TIME, StepTime, TimeParams
+from llmscale.plan.time import time_params as stack_time_params
 from llmscale.train import calibration
 from llmscale.train.metrics import read_jsonl
 
@@ -88,7 +88,7 @@ def time_params(opts: BenchOptions, figures: dict[str, float]) -> TimeParams:
     model = get_preset(opts.model)
     kernels = act.Kernels.for_runtime(model, 1, "cpu")
     stack = DEFAULT_TIME.stack.on_device(calibration.device_costs(figures, model, DISPLAY))
-    return dataclasses.replace(DEFAULT_TIME, kernels=kernels).with_stack(stack)
+    return stack_time_params(stack, kernels)
 
 
 def fastest_step(cfg: JobConfig, warmup: int) -> float:

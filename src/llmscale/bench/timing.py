@@ -9,8 +9,6 @@ calibration), with the runtime's stack at the costs measured on it (`Stack.on_de
 
 from __future__ import annotations
 
-import dataclasses
-
 from llmscale.bench.report import Row, SuiteResult
 from llmscale.bench.runner import BenchOptions, measure
 from llmscale.config import JobConfig
@@ -18,7 +16,7 @@ from llmscale.model.config import get_preset
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.predict import predict_step_time
-from llmscale.plan.time import DEFAULT_TIME, TimeParams
+from llmscale.plan.time import DEFAULT_TIME, TimeParams, time_params
 from llmscale.train.calibration import measured_cluster
 from llmscale.train.trainer import resolve_device
 
@@ -44,7 +42,7 @@ def calibrated(
     )
     kernels = act.Kernels.for_runtime(model, 1, device.type)  # the suites run one process
     stack = DEFAULT_TIME.stack.on_device(costs)
-    params = dataclasses.replace(DEFAULT_TIME, kernels=kernels).with_stack(stack)
+    params = time_params(stack, kernels)
     return cluster, params, figures
 
 

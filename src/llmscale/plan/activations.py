@@ -196,8 +196,7 @@ def block_tensors(
             per_token += [("q", a * d, "tp"), ("k", a * kv, "tp"), ("v", a * kv, "tp")]
         per_token.append(("wo input (attention output, copied)", a * d, "tp"))
     else:  # flash / efficient / cuDNN: q, k, v, out and log-sum-exp
-        # (K and V as the kernel received them: repeated to the query heads by `repeat_kv`)
-        kv_in = d if kernels.repeat_kv else kv
+        kv_in = kernels.attention_kv_dim(model)  # K and V as the kernel received them
         per_token += [("q", a * d, "tp"), ("k", a * kv_in, "tp"), ("v", a * kv_in, "tp")]
         per_token.append(("attention output (= wo input)", a * d, "tp"))
         if mode == "none":
@@ -287,18 +286,18 @@ def head_tensors(
     """Last stage: final norm, the output projection's input and the loss's log-softmax."""
     tokens = micro_batch_size * seq_len
     a = DTYPE_BYTES[precision]
-    d, v = model.dim, model.vocab_size
+    d = model.dim
     per_token = norm_terms(model, "final norm", a, kernels)
     per_token.append(("output projection input", a * d, "linear_in"))
-    vocab_div = tp if kernels.splits_logits(model, tp) else 1
+    logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
     out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
     if kernels.compiled_loss:  # the compiled loss keeps its input and a log-sum-exp per token
         out += [
-            Saved("logits (the compiled loss's input)", a * tokens * v / vocab_div, "seq"),
+            Saved("logits (the compiled loss's input)", a * logits, "seq"),
             Saved("row max and log-sum-exp (fp32)", 8 * tokens, "seq"),
         ]
     else:
-        out.append(Saved("log-softmax output (fp32 logits)", 4 * tokens * v / vocab_div, "seq"))
+        out.append(Saved("log-softmax output (fp32 logits)", 4 * logits, "seq"))
     out += [
         Saved("targets (int64)", 8 * tokens, "seq"),
         Saved("loss total weight", 4, "seq"),
@@ -374,6 +373,15 @@ def boundary_bytes(
     return per / _divisor("norm", tp, sequence_parallel, kernels)
 
 
+def logit_count(
+    model: ModelConfig, micro_batch_size: int, seq_len: int, tp: int, kernels: Kernels
+) -> float:
+    """Logits of one micro-batch on one tensor-parallel rank: its vocabulary shard where the
+    loss runs on shards (`Kernels.splits_logits`), else the whole vocabulary."""
+    vocab_div = tp if kernels.splits_logits(model, tp) else 1
+    return micro_batch_size * seq_len * model.vocab_size / vocab_div
+
+
 def logits_bytes(
     model: ModelConfig,
     micro_batch_size: int,
@@ -383,11 +391,9 @@ def logits_bytes(
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
 ) -> float:
-    """One micro-batch's logits as the output projection makes them (the activation dtype; a
-    vocabulary shard where the loss runs on shards, `Kernels.splits_logits`)."""
-    vocab_div = tp if kernels.splits_logits(model, tp) else 1
-    a = DTYPE_BYTES[precision]
-    return a * micro_batch_size * seq_len * model.vocab_size / vocab_div
+    """One micro-batch's logits as the output projection makes them, in the activation dtype
+    (`logit_count` of them)."""
+    return DTYPE_BYTES[precision] * logit_count(model, micro_batch_size, seq_len, tp, kernels)
 
 
 @memoize
@@ -458,7 +464,7 @@ def torch_ring_backward_bytes(
     a = DTYPE_BYTES[precision]  # (fp8: the attention runs in bf16)
     t = micro_batch_size * seq_len / cp
     q_width = model.dim / tp
-    kv_width = (model.dim if kernels.repeat_kv else model.kv_dim) / tp
+    kv_width = kernels.attention_kv_dim(model) / tp
     gathered = cp * t * 2 * kv_width * a
     accumulators = 4 * t * q_width + 4 * t * 2 * kv_width
     in_flight = 2 * 4 * t * 2 * kv_width  # sent (concatenated) and received
@@ -487,7 +493,7 @@ def loss_transient_bytes(
         raise ConfigError("kernels.vocab_parallel_loss", kernels.vocab_parallel_loss,
                           "dtensor | megatron")  # fmt: skip
     per_logit = 12.0 if split and kernels.vocab_parallel_loss == "dtensor" else 8.0
-    return per_logit * micro_batch_size * seq_len * model.vocab_size / (tp if split else 1)
+    return per_logit * logit_count(model, micro_batch_size, seq_len, tp, kernels)
 
 
 def korthikanti_bytes(

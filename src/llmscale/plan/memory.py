@@ -642,7 +642,8 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
         transient = max(transient, rank_work(plan, rank, opt.kernels).block_saved["none"])
     if plan.cp > 1 and opt.stack.cp_rotate == "allgather":  # torch's context_parallel
         args = slice_args(plan, opt.kernels)
-        ring = act.torch_ring_backward_bytes(*args[:5], plan.cp, opt.kernels)
+        model, b, s, precision, tp, _, kernels = args
+        ring = act.torch_ring_backward_bytes(model, b, s, precision, tp, plan.cp, kernels)
         # beside the attention half of the block it differentiates (recomputed for it, or
         # among the saved activations already)
         live = cp_share(plan) * act.attention_live_bytes(*args) if recomputed else 0.0

@@ -168,8 +168,8 @@ class TimeParams:
     stack: Stack = LLMSCALE
 
     def with_stack(self, stack: Stack) -> TimeParams:
-        """These parameters on `stack` (the same stack priced on a measured device, say), the
-        fields a stack sets (`time_params`) following it."""
+        """These parameters on `stack` (the same stack priced on a measured device, say), every
+        field a stack sets following it (`time_params` builds on this)."""
         return replace(
             self,
             dp_overlap=stack.dp_overlap,
@@ -189,17 +189,8 @@ def time_params(
     stack: Stack, kernels: act.Kernels | None = None, compiled: bool = False
 ) -> TimeParams:
     """The time model's parameters for `stack` (`kernels`: a measured device's instead)."""
-    return TimeParams(
-        dp_overlap=stack.dp_overlap,
-        p2p_scatter_gather=stack.p2p_scatter_gather,
-        optimizer_bytes_per_param=stack.optimizer_bytes_per_param,
-        kernels=stack.kernels_for(compiled) if kernels is None else kernels,
-        grad_sync_once=stack.grad_sync_once,
-        elementwise=stack.elementwise,
-        compiled=compiled,
-        tp_overlap_gemm=stack.tp_overlap_gemm,
-        stack=stack,
-    )
+    own = stack.kernels_for(compiled) if kernels is None else kernels
+    return TimeParams(kernels=own, compiled=compiled).with_stack(stack)
 
 
 @dataclass(frozen=True)
@@ -474,8 +465,7 @@ def _ring_attention_seconds(
         bwd = sum(_overlapped(2 * step, n * unit_b, eta) for n in blocks) + step
         return n_fwd * fwd, n_bwd * bwd
     if tp_.stack.cp_rotate == "allgather":
-        heads = m.n_heads if tp_.kernels.repeat_kv else m.n_kv_heads
-        local = 2.0 * cp_tokens(plan) * (heads // plan.tp) * m.head_dim  # K and V elements
+        local = 2.0 * cp_tokens(plan) * tp_.kernels.attention_kv_dim(m) / plan.tp  # K and V
         in_node = max(1, min(cp, cluster.gpus_per_node // plan.tp))
         gather = collective(
             "all_gather", cp * local * DTYPE_BYTES[plan.precision], cp, in_node, cluster.fabric

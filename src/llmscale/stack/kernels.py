@@ -86,6 +86,11 @@ class Kernels:
             return False
         return loss_parallel(model, tp) if self.loss_parallel is None else self.loss_parallel
 
+    def attention_kv_dim(self, model: ModelConfig) -> int:
+        """Width of K (and of V) as the attention kernel receives them: repeated to the query
+        heads under `repeat_kv`, else the model's K/V heads."""
+        return model.dim if self.repeat_kv else model.kv_dim
+
     def attention_kernel(self, model: ModelConfig, precision: str) -> str:
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError("kernels.attention", self.attention, " | ".join(ATTENTION_KERNELS))
