@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from llmscale.errors import ConfigError
@@ -120,3 +122,42 @@ def test_a_row_fact_with_an_unknown_value_is_refused() -> None:
     row = dict(rows["tt2412-405b-512gpu-3d-1f1b"], pipeline_outputs_kept="al")
     with pytest.raises(ConfigError, match=r"pipeline_outputs_kept.*none \| last \| all"):
         run_plan(row)
+
+
+def test_a_loss_kernel_the_row_does_not_know_is_refused() -> None:
+    rows = {r["id"]: r for r in load_runs()}
+    row = dict(rows["mcore-r080-weak-1.7b"], loss_kernel="tee")
+    with pytest.raises(
+        ConfigError, match=r"loss_kernel.*torch \| megatron \| megatron_fused \| te"
+    ):
+        run_plan(row)
+
+
+def test_megatron_runs_price_the_cross_entropy_their_configuration_ran() -> None:
+    """Megatron-LM r0.8's README runs kept --cross-entropy-loss-fusion off: its unfused
+    vocab-parallel cross-entropy moves 52 B per bf16 logit (38 forward, 14 backward) where
+    TransformerEngine's, which the megatron-core stack runs today, moves 10 (6, 4); the 1.7B
+    row (tp 1, pp 1, 4 micro-batches of 4,096 tokens, vocabulary 131,072) is slower by exactly
+    that traffic at the GPU's HBM rate, and keeps an fp32 softmax (4 B per logit) and a bf16
+    cast beside it (the rank's peak transient) where TransformerEngine keeps the bf16 gradient
+    alone."""
+    from llmscale.plan.cluster import Cluster
+    from llmscale.plan.memory import estimate_memory, memory_options
+    from llmscale.plan.time import estimate_step_time, time_params
+
+    row = {r["id"]: r for r in load_runs()}["mcore-r080-weak-1.7b"]
+    plan, unfused, _ = run_plan(row)
+    assert unfused.kernels.loss_kernel == "megatron"
+    te = unfused.on(kernels=replace(unfused.kernels, loss_kernel="te"))
+    cluster = Cluster.of("h100")
+    slow = estimate_step_time(plan, cluster, time_params(unfused), validate=False)
+    fast = estimate_step_time(plan, cluster, time_params(te), validate=False)
+    logits = plan.micro_batch_size * plan.seq_len * plan.model.vocab_size
+    hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
+    assert plan.n_microbatches == 4
+    assert slow.seconds - fast.seconds == pytest.approx(4 * (52 - 10) * logits / hbm, rel=1e-9)
+    kept = estimate_memory(plan, memory_options(unfused), validate=False).worst
+    lean = estimate_memory(plan, memory_options(te), validate=False).worst
+    assert kept.activations - lean.activations == pytest.approx((4 - 2) * logits)
+    assert kept.transient == pytest.approx(2 * logits)
+    assert lean.transient < kept.transient  # TE: the loss holds nothing beside what it keeps

@@ -283,26 +283,110 @@ def head_tensors(
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
 ) -> list[Saved]:
-    """Last stage: final norm, the output projection's input and the loss's log-softmax."""
+    """Last stage: final norm, the output projection's input and what the loss keeps."""
     tokens = micro_batch_size * seq_len
     a = DTYPE_BYTES[precision]
     d = model.dim
     per_token = norm_terms(model, "final norm", a, kernels)
     per_token.append(("output projection input", a * d, "linear_in"))
-    logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
     out = _scale(per_token, tokens, tp, sequence_parallel, kernels)
-    if kernels.compiled_loss:  # the compiled loss keeps its input and a log-sum-exp per token
-        out += [
-            Saved("logits (the compiled loss's input)", a * logits, "seq"),
-            Saved("row max and log-sum-exp (fp32)", 8 * tokens, "seq"),
-        ]
-    else:
-        out.append(Saved("log-softmax output (fp32 logits)", 4 * logits, "seq"))
+    out += loss_tensors(model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels)
     out += [
         Saved("targets (int64)", 8 * tokens, "seq"),
         Saved("loss total weight", 4, "seq"),
     ]
     return out
+
+
+def loss_tensors(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> list[Saved]:
+    """What the cross-entropy kernel (`Kernels.loss_kernel`) keeps over the logits for its
+    backward: torch's the fp32 log-softmax output, or, compiled (`Kernels.compiled_loss`), its
+    input and a log-sum-exp per token; Megatron's (fused or not) the fp32 softmax;
+    TransformerEngine's the logits' gradient, written over them in forward."""
+    a = DTYPE_BYTES[precision]
+    logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
+    kernel = kernels.loss()
+    if kernel in ("megatron", "megatron_fused"):
+        return [Saved("softmax (fp32 logits)", 4 * logits, "seq")]
+    if kernel == "te":
+        return [Saved("the logits' gradient, over the logits", a * logits, "seq")]
+    if kernels.compiled_loss:
+        return [
+            Saved("logits (the compiled loss's input)", a * logits, "seq"),
+            Saved("row max and log-sum-exp (fp32)", 8 * micro_batch_size * seq_len, "seq"),
+        ]
+    return [Saved("log-softmax output (fp32 logits)", 4 * logits, "seq")]
+
+
+def loss_traffic(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> tuple[float, float] | None:
+    """HBM bytes the cross-entropy kernel moves over one micro-batch's logits (forward,
+    backward) where they are read from its code, with a = the logits' dtype in bytes; None for
+    torch's, which the time model prices as every other fused kernel (passes over what it
+    keeps, `loss_tensors`).
+
+    Megatron's vocab_parallel_cross_entropy (megatron/core/tensor_parallel/cross_entropy.py),
+    one kernel per step: the fp32 copy (read a, write 4), the row max (read 4), the max
+    subtracted in place (8), exp in place (8), the row sum (4), the division in place (8):
+    36 + a per logit; backward, the gradient scaled in place (8) and autograd's cast to the
+    logits' dtype (read 4, write a): 12 + a. Fused (megatron/core/fusions/fused_cross_entropy.py,
+    its four steps each one torch.compile'd function): the copy with its max (a + 4), the
+    subtraction, exp and sum (8), the division (8): 20 + a; backward the scaling, written back
+    to the saved softmax, and the cast in one pass: 8 + a. TransformerEngine's
+    (transformer_engine/pytorch/triton/cross_entropy.py): the online softmax reads the logits
+    (a), then the gradient is written over them (read a, write a): 3a; backward its scaling
+    by the output gradient (read a, write a): 2a."""
+    a = DTYPE_BYTES[precision]
+    per_logit = {
+        "megatron": (36.0 + a, 12.0 + a),
+        "megatron_fused": (20.0 + a, 8.0 + a),
+        "te": (3.0 * a, 2.0 * a),
+    }.get(kernels.loss())
+    if per_logit is None:
+        return None
+    logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
+    return per_logit[0] * logits, per_logit[1] * logits
+
+
+@memoize
+def head_traffic(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int,
+    sequence_parallel: bool,
+    kernels: Kernels,
+    fwd_passes: float,
+    bwd_passes: float,
+) -> tuple[float, float]:
+    """HBM bytes the head's element-wise kernels move for one micro-batch (forward, backward):
+    `fwd_passes` and `bwd_passes` over what the head keeps (`head_tensors`), the loss's share
+    as its kernel moves it where that is known (`loss_traffic`)."""
+    args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels)
+    kept = head_bytes(*args)
+    fwd, bwd = fwd_passes * kept, bwd_passes * kept
+    moved = loss_traffic(*args)
+    if moved is not None:
+        loss_kept = sum(t.nbytes for t in loss_tensors(*args))
+        fwd += moved[0] - fwd_passes * loss_kept
+        bwd += moved[1] - bwd_passes * loss_kept
+    return fwd, bwd
 
 
 def block_output_grads(
@@ -473,27 +557,32 @@ def torch_ring_backward_bytes(
 
 
 def loss_transient_bytes(
-    model: ModelConfig, micro_batch_size: int, seq_len: int, kernels: Kernels = RUNTIME, tp: int = 1
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    kernels: Kernels = RUNTIME,
+    tp: int = 1,
+    precision: Precision = "bf16",
 ) -> float:
-    """Short-lived logits memory beyond the saved log-softmax, at its peak.
+    """Short-lived logits memory beyond what the loss keeps (`loss_tensors`), at its peak.
 
-    In the loss's backward, the gradient of the log-softmax output and the gradient of its
-    input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per logit on
-    top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4). On
-    vocabulary shards under torch's `loss_parallel` the backward is composite (the zeros it
+    torch's: in the loss's backward, the gradient of the log-softmax output and the gradient
+    of its input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per
+    logit on top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4).
+    On vocabulary shards under torch's `loss_parallel` the backward is composite (the zeros it
     scatters the targets into, exp of the saved output, their sum): 12 bytes per logit of the
     shard (torch's MemTracker over the two, tests/plan/test_loss_memory.py). A compiled loss
     (`Kernels.compiled_loss`) computes the logits' gradient in one fused kernel: none.
-    Megatron's vocab-parallel cross-entropy is taken as the plain kernels' 8 (not measured).
-    """
-    if kernels.compiled_loss:
+    Megatron's (fused or not) works in place on its fp32 copy: in forward the logits in their
+    dtype beside it, in backward the gradient cast to that dtype beside it, a bytes per logit
+    either way. TransformerEngine's writes the gradient over the logits: none."""
+    kernel = kernels.loss()
+    count = logit_count(model, micro_batch_size, seq_len, tp, kernels)
+    if kernel in ("megatron", "megatron_fused"):
+        return DTYPE_BYTES[precision] * count
+    if kernel == "te" or kernels.compiled_loss:
         return 0.0
-    split = kernels.splits_logits(model, tp)
-    if kernels.vocab_parallel_loss not in ("dtensor", "megatron"):
-        raise ConfigError("kernels.vocab_parallel_loss", kernels.vocab_parallel_loss,
-                          "dtensor | megatron")  # fmt: skip
-    per_logit = 12.0 if split and kernels.vocab_parallel_loss == "dtensor" else 8.0
-    return per_logit * logit_count(model, micro_batch_size, seq_len, tp, kernels)
+    return (12.0 if kernels.splits_logits(model, tp) else 8.0) * count
 
 
 def korthikanti_bytes(

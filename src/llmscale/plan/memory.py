@@ -635,7 +635,7 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
     transient = 0.0
     if rank == plan.head_rank:
         transient = cp_share(plan) * act.loss_transient_bytes(
-            plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp
+            plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp, plan.precision
         )
     recomputed = plan.recompute in ("full", "every_k")
     if recomputed:  # a recomputed block's forward, for a moment

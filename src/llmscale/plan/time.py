@@ -110,9 +110,11 @@ from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, rank_act
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.work import (
     block_linears,
+    cp_share,
     cp_tokens,
     plan_kernels,
     rank_work,
+    slice_args,
 )
 from llmscale.stack import LLMSCALE, Stack, param_residency
 from llmscale.stack.residency import few_stage_gathers, pipeline_gathers
@@ -669,10 +671,13 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         redone = n_blocks * (kept["none"] - kept["selective"])
     else:
         redone = n_full * kept["none"]
-    saved += work.head_saved
     hbm = cluster.gpu.hbm_bandwidth * cal.hbm_efficiency.value
-    elem_f = tp_.fwd_passes * saved / hbm
-    elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm
+    head_f = head_b = 0.0
+    if work.head:  # the final norm, the head's input and the loss (this cp rank's share)
+        moved = act.head_traffic(*slice_args(plan, tp_.kernels), tp_.fwd_passes, tp_.bwd_passes)
+        head_f, head_b = (cp_share(plan) * x / hbm for x in moved)
+    elem_f = tp_.fwd_passes * saved / hbm + head_f
+    elem_b = (tp_.bwd_passes * saved + tp_.fwd_passes * redone) / hbm + head_b
     if tp_.elementwise not in ELEMENTWISE_MODELS:
         raise ConfigError("elementwise", tp_.elementwise, " | ".join(ELEMENTWISE_MODELS))
     if tp_.elementwise != "saved":
@@ -683,10 +688,9 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         else:
             eager = eager_block_bytes(plan)
         block_f = eager / hbm
-        head = work.head_saved / hbm
         redo_blocks = n_blocks if op_sac else n_full
-        elem_f = n_blocks * block_f + tp_.fwd_passes * head
-        elem_b = 2 * n_blocks * block_f + redo_blocks * block_f + tp_.bwd_passes * head
+        elem_f = n_blocks * block_f + head_f
+        elem_b = 2 * n_blocks * block_f + redo_blocks * block_f + head_b
     # Tensor-parallel collectives (inside a node), per block.
     tp_f = tp_b = 0.0
     if tp > 1:

@@ -392,7 +392,11 @@ MEGATRON_CORE = Stack(
         sp_saves_gathered_input=False,  # SP inputs re-gathered in backward
         vocab_parallel=True,
         loss_parallel=True,  # vocab-parallel cross-entropy
-        vocab_parallel_loss="megatron",
+        # TransformerEngine's fused cross-entropy: Megatron-Bridge's GPTModelProvider sets
+        # cross_entropy_loss_fusion and its performance scripts cross_entropy_fusion_impl =
+        # "te" (scripts/performance/utils/helpers.py at v0.2.0, 2025-11; overrides.py since).
+        # Runs of other dates state theirs (validation/runs.py ROW_FACTS, `loss_kernel`).
+        loss_kernel="te",
         fused_swiglu=True,  # bias_activation_fusion: BiasSwiGLUFunction keeps its input only
         fp8_saves_casts=True,  # TransformerEngine's fp8 linears save their float8 inputs
     ),

@@ -15,6 +15,8 @@ from llmscale.errors import ConfigError
 from llmscale.model.config import ModelConfig, loss_parallel, vocab_parallel
 
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math", "materialized")
+# The cross-entropy kernels a stack may run (`Kernels.loss_kernel`).
+LOSS_KERNELS = ("torch", "megatron", "megatron_fused", "te")
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,16 @@ class Kernels:
     # input, 1 byte per element (torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput,
     # which torchtitan's apply_tp uses with float8 linears); gradients stay bf16.
     fp8_all_gathers: bool = False
-    # How the loss runs on vocabulary shards (where it does, `splits_logits`): torch's
-    # `loss_parallel` (DTensor: a composite backward, `(zeros + exp(log_softmax)) * grad`, three
-    # fp32 (b, s, V/tp) temporaries beside the saved output) or Megatron's vocab-parallel
-    # cross-entropy (its own autograd function over the saved softmax).
-    vocab_parallel_loss: str = "dtensor"  # dtensor | megatron
+    # The cross-entropy kernel (`LOSS_KERNELS`): "torch" (F.cross_entropy on the fp32 logits;
+    # on vocabulary shards torch's `loss_parallel`, a DTensor composite: `splits_logits`);
+    # "megatron" (Megatron's vocab_parallel_cross_entropy, unfused: an fp32 copy of the logits
+    # turned into the softmax in place by separate kernels, which it saves; its backward scales
+    # it in place and autograd casts it to the logits' dtype); "megatron_fused" (the same four
+    # steps as torch.compile'd functions, --cross-entropy-loss-fusion with the native
+    # implementation); "te" (TransformerEngine's Triton cross-entropy: an online softmax over
+    # the logits, whose gradient it writes over them in forward and scales in backward). What
+    # each saves and moves: `plan/activations.py` `loss_tensors`, `loss_traffic`.
+    loss_kernel: str = "torch"
     # K and V repeated to the query heads before the attention kernel (grouped-query attention
     # without the kernel's own support: torchtitan's Llama repeat_kv before 2025); what a
     # context-parallel all-gather moves.
@@ -101,6 +108,12 @@ class Kernels:
         # fp32 on CUDA: no flash kernel; the memory-efficient one has no GQA, so GQA -> math.
         return "math" if model.n_kv_heads < model.n_heads else "efficient"
 
+    def loss(self) -> str:
+        """`loss_kernel`, checked against `LOSS_KERNELS` (ConfigError naming them)."""
+        if self.loss_kernel not in LOSS_KERNELS:
+            raise ConfigError("kernels.loss_kernel", self.loss_kernel, " | ".join(LOSS_KERNELS))
+        return self.loss_kernel
+
 
 # The llmscale runtime on CUDA and on the CPU, for any model (vocabulary split as it decides);
 # `Kernels.for_runtime(model, tp, device)` gives the same facts resolved for one model.
@@ -116,5 +129,5 @@ MEGATRON_2021 = Kernels(
     sp_saves_gathered_input=False,
     vocab_parallel=True,
     loss_parallel=True,
-    vocab_parallel_loss="megatron",
+    loss_kernel="megatron",
 )

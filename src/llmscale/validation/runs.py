@@ -31,6 +31,7 @@ from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import estimate_step_time, time_params
 from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, PipelineOutputsKept, Stack
+from llmscale.stack.kernels import LOSS_KERNELS
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
 ROLES = ("calibration", "validation")
@@ -114,6 +115,21 @@ def _outputs_kept(stack: Stack, row: dict[str, Any]) -> Stack:
     return stack.on(pipeline_outputs_kept=kept)
 
 
+LOSS_KERNEL_LABELS = {
+    "torch": "torch",
+    "megatron": "Megatron unfused",
+    "megatron_fused": "Megatron fused",
+    "te": "TransformerEngine",
+}
+
+
+def _loss_kernel(stack: Stack, row: dict[str, Any]) -> Stack:
+    kernel = row["loss_kernel"]
+    if kernel not in LOSS_KERNELS:
+        raise ConfigError(f"run {row['id']}.loss_kernel", kernel, " | ".join(LOSS_KERNELS))
+    return stack.on(kernels=replace(stack.kernels, loss_kernel=kernel))
+
+
 class RowFact(NamedTuple):
     """A fact of a run's software at its date that a row may state (with its source in a
     comment): whether the row states it, its label on the validation page, and what it changes
@@ -144,6 +160,11 @@ ROW_FACTS: tuple[RowFact, ...] = (
     RowFact(  # torch's pipelining of the run's date
         lambda r: "pipeline_outputs_kept" in r,
         lambda r: f"stage outputs kept: {r['pipeline_outputs_kept']}", _outputs_kept,
+    ),
+    RowFact(  # the cross-entropy kernel of the run's Megatron / NeMo configuration
+        lambda r: "loss_kernel" in r,
+        lambda r: f"cross-entropy: {LOSS_KERNEL_LABELS.get(r['loss_kernel'], r['loss_kernel'])}",
+        _loss_kernel,
     ),
     RowFact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         lambda r: bool(r.get("expandable_segments")), lambda r: "expandable segments",
