@@ -431,25 +431,34 @@ def test_loss_parallel_keeps_a_vocabulary_shard_of_the_logits() -> None:
 
 
 def test_each_cross_entropy_kernel_keeps_and_moves_what_its_code_does() -> None:
-    """Per bf16 logit of a vocabulary shard (tp 8, Llama 2's 32,000 words): Megatron's
-    vocab-parallel cross-entropy keeps its fp32 softmax and moves 38 B forward (the fp32 copy,
-    max, subtraction, exp, sum, division) and 14 backward (the in-place scaling, the cast);
-    fused, 22 and 10; TransformerEngine's keeps the bf16 gradient it wrote over the logits and
-    moves 6 and 4; torch's is priced by passes over what it keeps (None). An unknown kernel is
-    refused naming the four."""
+    """Per bf16 logit of a vocabulary shard (tp 8, Llama 2's 32,000 words): torch's
+    `loss_parallel` moves 38 B forward (the fp32 copy, then amax, shift, exp, sum and result as
+    separate kernels) and 38 backward; Megatron's vocab-parallel cross-entropy keeps its fp32
+    softmax and moves 38 and 14 (in-place scaling, the cast); fused, 22 and 10;
+    TransformerEngine's keeps the bf16 gradient it wrote over the logits and moves 6 and 4.
+    Whole logits in fp32 (tp 1, the CPU runtime): torch's log_softmax and its backward, 16 and
+    20, no copies. A compiled loss is priced by passes over what it keeps (None). An unknown
+    kernel is refused naming the four."""
     import dataclasses
 
     args = (L7, 1, 4096, "bf16", 8, True)
     logits = 4096 * 32000 / 8
-    expect = {"megatron": (38, 14, 4), "megatron_fused": (22, 10, 4), "te": (6, 4, 2)}
-    for kernel, (fwd, bwd, kept) in expect.items():
-        kern = dataclasses.replace(act.MEGATRON_2021, loss_kernel=kernel)
+    expect = {
+        "torch": (38, 38, 4, 12),
+        "megatron": (38, 14, 4, 2),
+        "megatron_fused": (22, 10, 4, 2),
+        "te": (6, 4, 2, 0),
+    }
+    for kernel, (fwd, bwd, kept, held) in expect.items():
+        kern = dataclasses.replace(act.RUNTIME, loss_kernel=kernel)
         assert act.loss_traffic(*args, kern) == (fwd * logits, bwd * logits)
         (saved,) = act.loss_tensors(*args, kern)
         assert saved.nbytes == kept * logits
-        transient = act.loss_transient_bytes(L7, 1, 4096, kern, 8, "bf16")
-        assert transient == (0.0 if kernel == "te" else 2 * logits)
-    assert act.loss_traffic(*args, act.RUNTIME) is None
+        assert act.loss_transient_bytes(L7, 1, 4096, kern, 8, "bf16") == held * logits
+    whole = 4096 * 32000
+    assert act.loss_traffic(L7, 1, 4096, "fp32") == (16 * whole, 20 * whole)
+    compiled = dataclasses.replace(act.RUNTIME, compiled_loss=True)
+    assert act.loss_traffic(*args, compiled) is None
     bad = dataclasses.replace(act.RUNTIME, loss_kernel="liger")
     with pytest.raises(
         ConfigError, match=r"loss_kernel.*torch \| megatron \| megatron_fused \| te"

@@ -50,7 +50,11 @@ def test_one_gpu_step_by_hand() -> None:
     matmul = 32 * (3 * block + 3.5 * attn) + 3 * head
     hbm = 4.8e12 * cal.hbm_efficiency.value
     saved = 32 * act.block_bytes(L7, 2, 2048, "bf16") + act.head_bytes(L7, 2, 2048, "bf16")
-    memory_bound = (2 + 3) * saved / hbm
+    # The loss's fp32 log-softmax output is among the saved bytes, but its kernels' traffic is
+    # their own: the fp32 copy (2 + 4), log_softmax's three reads and a write (16); backward
+    # nll_loss's zeros (4), log_softmax's backward (16), the cast back (4 + 2) per logit.
+    logits = tokens * 32000
+    memory_bound = ((2 + 3) * (saved - 4 * logits) + (22 + 26) * logits) / hbm
     optimizer = 28 * L7.num_params() / hbm
     fixed = LLMSCALE.step_overhead_ms.value / 1000  # a catalog GPU: the stack's
     assert t.breakdown["matmul"] == pytest.approx(4 * matmul)
@@ -78,8 +82,11 @@ def test_the_runtimes_eager_elementwise_traffic_by_hand() -> None:
     t = estimate_step_time(plan, H200)
     hbm = 4.8e12 * H200.gpu.calibration.hbm_efficiency.value
     head = act.head_bytes(L7, 2, 2048, "bf16")
-    # Forward once, backward twice the blocks' bytes; the head by its saved-bytes passes.
-    want = (3 * 32 * block + (2 + 3) * head) / hbm
+    logits = tokens * 32000
+    # Forward once, backward twice the blocks' bytes; the head's norm and input by its
+    # saved-bytes passes, the loss (its fp32 log-softmax output among the head's bytes) by its
+    # kernels' traffic, 22 B per logit forward and 26 backward.
+    want = (3 * 32 * block + (2 + 3) * (head - 4 * logits) + (22 + 26) * logits) / hbm
     assert t.breakdown["elementwise"] == pytest.approx(want)
 
 
@@ -127,7 +134,9 @@ def test_memory_bound_kernels_at_the_achieved_bandwidth() -> None:
     saved = 32 * act.block_bytes(L7, 1, 2048, "bf16") + act.head_bytes(L7, 1, 2048, "bf16")
     hbm = 4.8e12 * H200.gpu.calibration.hbm_efficiency.value
     assert H200.gpu.calibration.hbm_efficiency.value < 1
-    assert t.breakdown["elementwise"] == pytest.approx(5 * saved / hbm)
+    logits = 2048 * 32000  # the loss: its kernels' 22 + 26 B per logit, not 5 passes over 4
+    want = (5 * (saved - 4 * logits) + (22 + 26) * logits) / hbm
+    assert t.breakdown["elementwise"] == pytest.approx(want)
 
 
 @pytest.mark.parametrize(

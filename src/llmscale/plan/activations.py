@@ -336,29 +336,45 @@ def loss_traffic(
     kernels: Kernels = RUNTIME,
 ) -> tuple[float, float] | None:
     """HBM bytes the cross-entropy kernel moves over one micro-batch's logits (forward,
-    backward) where they are read from its code, with a = the logits' dtype in bytes; None for
-    torch's, which the time model prices as every other fused kernel (passes over what it
-    keeps, `loss_tensors`).
+    backward), read from its code; None for a compiled loss, which the time model prices as
+    every other fused kernel (passes over what it keeps, `loss_tensors`). With a = the logits'
+    dtype in bytes, the fp32 copy every kernel but TransformerEngine's makes costs a + 4 (read,
+    write) and its gradient's cast back 4 + a (neither when the logits are fp32).
+
+    torch's F.cross_entropy on the fp32 logits (the runtime's `lm_loss`, torchtitan's loss):
+    log_softmax reads a row three times (max, sum of exp, output) and writes it, 16 B;
+    backward, nll_loss's zeros (4) and log_softmax's backward (the row's gradient sum, then
+    the gradient from it and exp of the output: 16). On vocabulary shards (torch's
+    `loss_parallel`, `torch/distributed/tensor/parallel/loss.py` `_log_softmax`,
+    `_nll_loss_and_log_softmax_backward`) each step is its own kernel: amax (4), the shift (8),
+    exp (8), sum (4), the result (8), 32 B; backward zeros (4), exp of the output (8), their
+    sum (12), the product with the output gradient (8), 32.
 
     Megatron's vocab_parallel_cross_entropy (megatron/core/tensor_parallel/cross_entropy.py),
-    one kernel per step: the fp32 copy (read a, write 4), the row max (read 4), the max
-    subtracted in place (8), exp in place (8), the row sum (4), the division in place (8):
-    36 + a per logit; backward, the gradient scaled in place (8) and autograd's cast to the
-    logits' dtype (read 4, write a): 12 + a. Fused (megatron/core/fusions/fused_cross_entropy.py,
-    its four steps each one torch.compile'd function): the copy with its max (a + 4), the
-    subtraction, exp and sum (8), the division (8): 20 + a; backward the scaling, written back
-    to the saved softmax, and the cast in one pass: 8 + a. TransformerEngine's
+    one kernel per step: the row max (4), the max subtracted in place (8), exp in place (8),
+    the row sum (4), the division in place (8): 32 B; backward, the gradient scaled in place
+    (8). Fused (megatron/core/fusions/fused_cross_entropy.py, its steps each one
+    torch.compile'd function): the copy with its max, the subtraction, exp and sum (8), the
+    division (8); backward the scaling, written back to the saved softmax, and its cast to
+    bf16 (hard-coded) in one pass, 10. TransformerEngine's
     (transformer_engine/pytorch/triton/cross_entropy.py): the online softmax reads the logits
-    (a), then the gradient is written over them (read a, write a): 3a; backward its scaling
-    by the output gradient (read a, write a): 2a."""
+    (a), then the gradient is written over them (read a, write a): 3a; backward its scaling by
+    the output gradient (read a, write a): 2a."""
     a = DTYPE_BYTES[precision]
-    per_logit = {
-        "megatron": (36.0 + a, 12.0 + a),
-        "megatron_fused": (20.0 + a, 8.0 + a),
-        "te": (3.0 * a, 2.0 * a),
-    }.get(kernels.loss())
-    if per_logit is None:
-        return None
+    up, down = (a + 4.0, 4.0 + a) if a < 4 else (0.0, 0.0)
+    kernel = kernels.loss()
+    if kernel == "torch":
+        if kernels.compiled_loss:
+            return None
+        per_logit = (
+            (up + 32, 32 + down) if kernels.splits_logits(model, tp) else (up + 16, 20 + down)
+        )
+    elif kernel == "megatron":
+        per_logit = (up + 32, 8 + down)
+    elif kernel == "megatron_fused":
+        per_logit = ((up or 4.0) + 16, 8.0 + 2.0)
+    else:  # te
+        per_logit = (3.0 * a, 2.0 * a)
     logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
     return per_logit[0] * logits, per_logit[1] * logits
 
@@ -377,7 +393,7 @@ def head_traffic(
 ) -> tuple[float, float]:
     """HBM bytes the head's element-wise kernels move for one micro-batch (forward, backward):
     `fwd_passes` and `bwd_passes` over what the head keeps (`head_tensors`), the loss's share
-    as its kernel moves it where that is known (`loss_traffic`)."""
+    as its kernel moves it (`loss_traffic`; a compiled loss by the passes too)."""
     args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels)
     kept = head_bytes(*args)
     fwd, bwd = fwd_passes * kept, bwd_passes * kept

@@ -451,7 +451,7 @@ TORCHTITAN = Stack(
             "h100-96g",
             ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
             Sourced(
-                0.73,
+                0.74,
                 "fitted on row tt2412-8b-8gpu-fsdp (torchtitan docs/performance.md, Dec 2024: "
                 "Llama 3.1 8B on 8 x H100 96GB at 500 W, FSDP, 5,762 tokens/s/GPU; the "
                 "calibration row of validation/data/runs.toml): the share of the catalog's "
