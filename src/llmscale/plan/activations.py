@@ -519,6 +519,29 @@ block_bytes = _summed(block_tensors, "block_bytes")
 head_bytes = _summed(head_tensors, "head_bytes")
 
 
+def mlp_backward_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
+) -> float:
+    """Gradients a block's backward holds beside its saved tensors at its peak, in the
+    feed-forward network, one micro-batch on one tensor-parallel rank: a gated activation's
+    backward writes the gradients of its two inputs while that of its output is alive, each
+    b x s x ffn/tp in the activation dtype, where the product it read was freed by the down
+    projection's backward: two such tensors beyond what the block saved; a GeLU's, its input's
+    gradient beside its output's: one. (Measured on the runtime's block under fp32 and bf16,
+    with and without recompute: tests/plan/test_backward_memory.py; the rest of the backward's
+    rise, one or two residual-stream tensors and a weight's gradient, is not counted.) The
+    intermediate is never sequence-split, so sequence parallelism does not divide it."""
+    del sequence_parallel, kernels  # (the SliceArgs signature; neither changes it)
+    tensors = 2 if model.gated else 1
+    return tensors * micro_batch_size * seq_len * model.ffn_dim / tp * DTYPE_BYTES[precision]
+
+
 @memoize
 def attention_live_bytes(
     model: ModelConfig,
