@@ -109,6 +109,13 @@ def run_layouts(
 
 
 RTOL = 1e-5
+# Gathered weights after the run's AdamW steps. AdamW divides each gradient element by its own
+# running magnitude, so a float rounding difference in a small gradient element moves its weight
+# by up to the learning rate, whatever the element's size: the weights agree less tightly than
+# the losses. Tensor-parallel layouts end with one GQA value projection (layers.1's wv) 1.1-1.4e-5
+# from one process on some hosts (a 2-core Xeon, 2026-12-05) and under 1e-5 on others; every
+# other weight, and every loss, within 1e-5.
+PARAM_RTOL = 5e-5
 
 
 def single_process_reference(run_dir: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -132,7 +139,8 @@ def rel_error(a: Any, b: Any) -> float:
 def assert_same_run(
     got: dict[str, Any], ref: dict[str, Any], name: str, rtol: float = RTOL, steps: int = 5
 ) -> None:
-    """Same `steps` losses, validation loss and gathered parameters as the reference, to rtol."""
+    """Same `steps` losses and validation loss as the reference, to rtol, and gathered
+    parameters to rtol or `PARAM_RTOL`, whichever is looser."""
     assert got["steps_done"] == steps, name
     assert len(got["losses"]) == len(ref["losses"]) == steps, name
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), 1):
@@ -147,4 +155,4 @@ def assert_same_run(
         have = got["params"][k]
         assert have.shape == want.shape, (name, k)
         rel = rel_error(have, want)
-        assert rel < rtol, f"{name} {k}: relative error {rel:.2e}"
+        assert rel < max(rtol, PARAM_RTOL), f"{name} {k}: relative error {rel:.2e}"

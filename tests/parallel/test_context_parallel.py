@@ -26,6 +26,7 @@ import pytest
 import torch
 from parallel_harness import (
     BASE,
+    PARAM_RTOL,
     RTOL,
     assert_same_run,
     free_port,
@@ -247,7 +248,7 @@ def test_checkpoint_saved_under_cp_resumes_under_another_cp(world4, reference) -
     for row, want in zip(rows, reference["losses"], strict=True):
         assert rel_error(row["loss"], want) < RTOL, (row["step"], row["loss"], want)
     for k, want in reference["params"].items():
-        assert rel_error(resumed["params"][k], want) < RTOL, k
+        assert rel_error(resumed["params"][k], want) < PARAM_RTOL, k
 
 
 def _check_memory(name: str, args: list[str], runs: dict[str, dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from parallel_harness import (
     BASE,
+    PARAM_RTOL,
     RTOL,
     assert_same_run,
     rel_error,
@@ -180,7 +181,7 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, tmp_pa
         assert rel_error(row["loss"], want) < RTOL, (row["step"], row["loss"], want)
     for k, want in reference["params"].items():
         rel = ((resumed["params"][k] - want).norm() / want.norm()).item()
-        assert rel < RTOL, (k, rel)
+        assert rel < PARAM_RTOL, (k, rel)
 
     # The same distributed checkpoint also loads into one process, without a process group.
     ckpt = resumed["run_dir"] / "checkpoints" / "step-000003"
@@ -198,7 +199,7 @@ def test_resume_under_another_layout_continues_the_run(world4, reference, tmp_pa
         assert rel_error(a, b) < RTOL, (a, b)
     for n, p in t.model.named_parameters():
         want = reference["params"][n]
-        assert ((p.detach() - want).norm() / want.norm()).item() < RTOL, n
+        assert ((p.detach() - want).norm() / want.norm()).item() < PARAM_RTOL, n
 
 
 @pytest.mark.parametrize(
