@@ -9,7 +9,9 @@ and bytes alike, so the ratio is the model's):
   FLOPs = ModelConfig.train_flops_per_token(seq) x batch x seq
   bytes = weights read in forward and twice in backward in the working dtype (3 x 2 B, bf16),
           + AdamW's 28 B per parameter once per step (fp32 read p, g, m, v; write p, m, v),
-          + (fwd_passes + bwd_passes) x the activations the blocks save (plan/activations.py)
+          + (fwd_passes + bwd_passes) x the activations the blocks save (plan/activations.py),
+          + the head's traffic as the time model counts it (`activations.head_traffic`: the
+            cross-entropy by its kernels' bytes)
 Decode step (one new token for each of `batch` sequences with `seq` tokens of context):
   FLOPs = 2 x (matmul weights) x batch + 4 x n_layers x seq x dim x batch (QK^T and AV)
   bytes = every weight once (2 B) + the KV cache, 2 x n_layers x seq x kv_dim x 2 B per sequence
@@ -79,9 +81,13 @@ def training(
     psi = model.num_params()
     wbytes = DTYPE_BYTES[precision]
     saved = model.n_layers * act.block_bytes(model, batch, seq, precision)
-    saved += act.head_bytes(model, batch, seq, precision)
     traffic = 3 * wbytes * psi + params.optimizer_bytes_per_param * psi
     traffic += (params.fwd_passes + params.bwd_passes) * saved
+    # the head as the time model moves it: its loss by its kernels' traffic
+    traffic += sum(
+        act.head_traffic(model, batch, seq, precision, 1, False, params.kernels,
+                         params.fwd_passes, params.bwd_passes)
+    )  # fmt: skip
     peak = gpu.peak_flops(PEAK_DTYPE.get(precision, params.fp32_matmul))
     return Roofline(
         f"training step, batch {batch} x seq {seq}", flops, traffic, peak, gpu.hbm_bandwidth
