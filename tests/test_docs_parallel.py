@@ -210,13 +210,13 @@ def test_planner_md_reads_the_stacks_the_links_and_the_runs(monkeypatch) -> None
     from llmscale.validation import runs as runs_mod
 
     fits = docs_parallel.stack_fits(None)
-    assert "torchtitan on NVIDIA H100 96GB" in fits and "0.73x" in fits
+    assert "torchtitan on NVIDIA H100 96GB" in fits and "0.74x" in fits
     tt = stack_mod.STACKS["torchtitan"]
     fit = dataclasses.replace(
         tt.fitted[0], scale=dataclasses.replace(tt.fitted[0].scale, value=0.5)
     )
     monkeypatch.setitem(stack_mod.STACKS, "torchtitan", dataclasses.replace(tt, fitted=(fit,)))
-    assert "0.5x" in docs_parallel.stack_fits(None) and "0.73x" not in docs_parallel.stack_fits(
+    assert "0.5x" in docs_parallel.stack_fits(None) and "0.74x" not in docs_parallel.stack_fits(
         None
     )
 
