@@ -396,13 +396,11 @@ def head_traffic(
     as its kernel moves it (`loss_traffic`; a compiled loss by the passes too)."""
     args = (model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels)
     kept = head_bytes(*args)
-    fwd, bwd = fwd_passes * kept, bwd_passes * kept
     moved = loss_traffic(*args)
-    if moved is not None:
-        loss_kept = sum(t.nbytes for t in loss_tensors(*args))
-        fwd += moved[0] - fwd_passes * loss_kept
-        bwd += moved[1] - bwd_passes * loss_kept
-    return fwd, bwd
+    if moved is None:
+        return fwd_passes * kept, bwd_passes * kept
+    rest = kept - sum(t.nbytes for t in loss_tensors(*args))  # the norm, the input, targets
+    return fwd_passes * rest + moved[0], bwd_passes * rest + moved[1]
 
 
 def block_output_grads(

@@ -638,14 +638,14 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
             plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp, plan.precision
         )
     recomputed = plan.recompute in ("full", "every_k")
+    args = slice_args(plan, opt.kernels)
     # A block's backward: its MLP's gradients beside what it saved, and, recomputed, beside
     # the whole of its forward, for a moment.
-    block = cp_share(plan) * act.mlp_backward_bytes(*slice_args(plan, opt.kernels))
+    block = cp_share(plan) * act.mlp_backward_bytes(*args)
     if recomputed:
         block += rank_work(plan, rank, opt.kernels).block_saved["none"]
     transient = max(transient, block)
     if plan.cp > 1 and opt.stack.cp_rotate == "allgather":  # torch's context_parallel
-        args = slice_args(plan, opt.kernels)
         model, b, s, precision, tp, _, kernels = args
         ring = act.torch_ring_backward_bytes(model, b, s, precision, tp, plan.cp, kernels)
         # beside the attention half of the block it differentiates (recomputed for it, or
