@@ -23,6 +23,7 @@ from llmscale.model.config import (
     PRESETS,
     SHAPE_KEYS,
     ModelConfig,
+    auto_split_ok,
     from_hf_config,
     get_preset,
     pp_layers_problem,
@@ -469,8 +470,11 @@ class ParallelSection(MeshDegrees):
     """Model chunks per pipeline rank (interleaved_1f1b and zero_bubble: >= 2; zbv and
     dualpipev always run 2, placed in a V: leave unset or set 2; 1 otherwise)."""
     pp_layers: list[int] = field(default_factory=list)
-    """Layers of each pipeline stage (pp x pp_chunks entries, summing to model.n_layers); empty
-    = automatic: floor or ceil of n_layers / stages each, the first and last stages the lighter."""
+    """Layers of each pipeline stage (pp x pp_chunks entries, summing to model.n_layers; the
+    first or last may be 0: the embedding or the head on a stage of its own); empty = automatic:
+    floor or ceil of n_layers / stages each, the first and last stages the lighter, and over
+    n_layers + 2 stages the embedding and the head each alone (Megatron-Core's
+    account_for_embedding/loss_in_pipeline_split)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks in load-balanced chunks, causal
     ring attention between them (seq_len a multiple of 2 x cp); FSDP shards over dp_shard x cp.
@@ -623,11 +627,13 @@ class JobConfig:
                 "data.seq_len", self.data.seq_len, f"a multiple of parallel.tp={p.tp}"
             )
         stages = p.pp * pipeline_chunks(p.pp_schedule, p.pp_chunks)
-        if stages > m.n_layers:
+        if not p.pp_layers and not auto_split_ok(m.n_layers, stages):
             raise ConfigError(
                 "parallel.pp",
                 p.pp,
-                f"pp x pp_chunks = {stages} stages, at most model.n_layers={m.n_layers}",
+                f"pp x pp_chunks = {stages} stages, at most model.n_layers={m.n_layers} or "
+                f"exactly n_layers + 2 = {m.n_layers + 2} (the embedding and the head each on "
+                "a stage of their own)",
             )
         if p.pp_layers:
             problem = pp_layers_problem(p.pp_layers, m.n_layers, stages)

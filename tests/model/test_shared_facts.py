@@ -13,6 +13,7 @@ import torch.distributed as dist
 from llmscale.model.config import (
     TP_STYLES,
     VOCAB_TP_STYLES,
+    auto_split_ok,
     block_recompute,
     get_preset,
     loss_parallel,
@@ -106,13 +107,24 @@ def test_layer_split_covers_every_layer_once(layers: int, stages: int) -> None:
     ("pp_layers", "needle"),
     [
         ([2, 2, 2], "2 entries"),
-        ([4, 0], "positive layer counts"),
+        ([-1, 5], "layer counts >= 0"),
         ([3, 3], "summing to model.n_layers=4, got 6"),
     ],
 )
 def test_bad_pp_layers_are_named(pp_layers: list[int], needle: str) -> None:
     assert needle in pp_layers_problem(pp_layers, 4, 2)
     assert pp_layers_problem([1, 3], 4, 2) == ""
+
+
+def test_only_the_first_and_last_stage_may_hold_no_layer() -> None:
+    """The embedding alone on the first stage, the head alone on the last (Megatron's
+    account_for_embedding/loss_in_pipeline_split); a middle stage without a layer is refused."""
+    assert pp_layers_problem([0, 4], 4, 2) == pp_layers_problem([4, 0], 4, 2) == ""
+    assert pp_layers_problem([0, 2, 2, 0], 4, 4) == ""
+    assert "every stage but the first and the last" in pp_layers_problem([2, 0, 2], 4, 3)
+    assert "at least one layer" in pp_layers_problem([0], 0, 1)
+    assert auto_split_ok(4, 4) and auto_split_ok(4, 6) and auto_split_ok(126, 128)
+    assert not auto_split_ok(4, 5) and not auto_split_ok(4, 7) and not auto_split_ok(4, 0)
 
 
 def test_recompute_rules() -> None:

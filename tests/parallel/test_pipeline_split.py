@@ -32,17 +32,27 @@ def test_split_is_contiguous_and_balanced(layers, stages, sizes) -> None:
     assert [i for r in parts for i in r] == list(range(layers))
 
 
-def test_split_needs_a_layer_per_stage() -> None:
-    with pytest.raises(ValueError):
-        split_layers(4, 5)
+def test_split_needs_a_layer_per_stage_or_the_ends_alone() -> None:
+    """At most one stage per layer, or exactly two more: the embedding and the head each alone
+    (Megatron's account_for_embedding/loss_in_pipeline_split with one slot per stage)."""
+    for stages in (5, 7):
+        with pytest.raises(ValueError, match="cannot split 4 layers"):
+            split_layers(4, stages)
+    assert [len(r) for r in split_layers(4, 6)] == [0, 1, 1, 1, 1, 0]
+    sizes = [len(r) for r in split_layers(126, 128)]  # Llama 3.1 405B over pp 16 x 8 chunks
+    assert sizes == [0, *[1] * 126, 0]
 
 
 def test_explicit_layers_per_stage() -> None:
     assert split_layers(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
     assert split_layers(7, 3, (3, 3, 1)) == [range(0, 3), range(3, 6), range(6, 7)]
-    for bad in ([2, 3], [4], [0, 4], [1, 1, 2]):
+    assert split_layers(4, 2, [0, 4]) == [range(0, 0), range(0, 4)]  # the embedding alone
+    assert split_layers(4, 3, [2, 2, 0]) == [range(0, 2), range(2, 4), range(4, 4)]
+    for bad in ([2, 3], [4], [-1, 5], [1, 1, 2]):
         with pytest.raises(ValueError, match="parallel.pp_layers"):
             split_layers(4, 2, bad)
+    with pytest.raises(ValueError, match="every stage but the first and the last"):
+        split_layers(4, 3, [2, 0, 2])
 
 
 def test_stage_module_holds_its_explicit_layers() -> None:
@@ -50,6 +60,10 @@ def test_stage_module_holds_its_explicit_layers() -> None:
     first = build_stage_module(model, 0, 2, [3, 1])
     last = build_stage_module(model, 1, 2, [3, 1])
     assert list(first.layers) == ["0", "1", "2"] and list(last.layers) == ["3"]
+    alone = build_stage_module(model, 0, 2, [0, 4])  # the embedding alone
+    assert list(alone.layers) == [] and alone.tok_embeddings is not None and alone.output is None
+    head = build_stage_module(model, 1, 2, [4, 0])  # the final norm and the head alone
+    assert list(head.layers) == [] and head.tok_embeddings is None and head.output is not None
 
 
 def test_interleaved_stages_are_assigned_loop_style() -> None:
@@ -57,7 +71,7 @@ def test_interleaved_stages_are_assigned_loop_style() -> None:
     assert stage_ids(1, 2, 1) == [1]
 
 
-@pytest.mark.parametrize("n_stages", [2, 4])
+@pytest.mark.parametrize("n_stages", [2, 4, 6])  # 6: the embedding and the head alone
 def test_stages_in_sequence_are_the_model(n_stages) -> None:
     model = build_model(get_preset("tiny"), seed=3)
     stages = [build_stage_module(model, s, n_stages) for s in range(n_stages)]

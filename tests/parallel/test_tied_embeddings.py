@@ -64,6 +64,10 @@ WORLD2 = {
     "tied_pp2_1f1b": _p(pp=2, pp_schedule="1f1b"),
     "tied_pp2_zero_bubble": _p(pp=2, pp_schedule="zero_bubble", pp_chunks=2),  # ZB1P
     "tied_pp2_zbv": _p(pp=2, pp_schedule="zbv"),  # a V: one tensor
+    # the copy alone on the last stage (no block), and over n_layers + 2 = 10 stages the
+    # embedding alone on the first and the copy alone on the last (the automatic split)
+    "tied_pp2_head_alone": _p(pp=2, pp_layers="[8, 0]"),
+    "tied_pp2_v5_ends_alone": _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=5),
 }
 WORLD4 = {
     "tied_pp2_fsdp2": _p(pp=2, dp_shard=2),
@@ -276,6 +280,8 @@ ALLREDUCES = {
     "tied_pp2_zbv_fsdp2": [0, 0],
     "tied_pp2_zbv_fsdp2_zero1": [0, 0],
     "tied_pp2_dualpipev_fsdp2": [0, 0],
+    "tied_pp2_head_alone": [1, 1],
+    "tied_pp2_v5_ends_alone": [1, 1],
     # HSDP: one all-reduce per unit (4 blocks, and the root) and the tied one; in a V pp rank 0's
     # first stage has no root unit (the tied weight is the last stage's)
     "tied_pp2_hsdp": [6, 6],

@@ -1,6 +1,7 @@
 """Layouts issue 12 adds, each equal to one process on the same global batch (to 1e-5).
 
-- uneven pipeline stages (`parallel.pp_layers`), the first stage heavier or lighter;
+- uneven pipeline stages (`parallel.pp_layers`), the first stage heavier or lighter, the
+  embedding or the head alone on a stage (explicit, or automatic over n_layers + 2 stages);
 - tensor parallelism with the loss on vocabulary shards (torch's `loss_parallel`: the logits are
   never gathered), with and without sequence parallelism;
 - sequence parallelism on a GPT-style model (learned positions, LayerNorm with biases, GELU,
@@ -44,6 +45,25 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
         ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     ),
     "learned_pp2_tp1": ("learned_untied", ["--parallel.pp", "2", "--parallel.pp_layers", "[3, 1]"]),
+    # The embedding alone on the first stage; the head alone on the last.
+    "pp2_layers_0_4": ("tiny", ["--parallel.pp", "2", "--parallel.pp_layers", "[0, 4]"]),
+    "pp2_layers_4_0": (
+        "tiny",
+        ["--parallel.pp", "2", "--parallel.pp_layers", "[4, 0]", "--parallel.pp_schedule", "gpipe"],
+    ),
+    # n_layers + 2 stages, split automatically: 0, 1, 1, 1, 1, 0 (Megatron's
+    # account_for_embedding/loss_in_pipeline_split).
+    "pp2_v3_ends_alone": (
+        "tiny",
+        [
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_schedule",
+            "interleaved_1f1b",
+            "--parallel.pp_chunks",
+            "3",
+        ],
+    ),  # fmt: skip
 }
 
 
@@ -75,10 +95,21 @@ def test_wide_layout_equals_one_process(name, world2, references) -> None:
     assert_same_run(_comparable(world2[name]), _comparable(ref), name)
 
 
-@pytest.mark.parametrize("name", ["pp2_layers_1_3", "pp2_layers_3_1", "learned_pp2_tp1"])
+SPLITS = ["pp2_layers_1_3", "pp2_layers_3_1", "learned_pp2_tp1", "pp2_layers_0_4",
+          "pp2_layers_4_0", "pp2_v3_ends_alone"]  # fmt: skip
+# Blocks each pipeline rank holds, and whether it holds the embedding / the output projection.
+HELD = {
+    "pp2_layers_0_4": ([[], [0, 1, 2, 3]], [True, False], [False, True]),
+    "pp2_layers_4_0": ([[0, 1, 2, 3], []], [True, False], [False, True]),
+    "pp2_v3_ends_alone": ([[1, 3], [0, 2]], [True, False], [False, True]),
+}
+
+
+@pytest.mark.parametrize("name", SPLITS)
 def test_each_stage_holds_the_layers_the_planner_gives_it(name, world2) -> None:
     """Each pipeline rank's own parameters (its result file) name exactly the blocks the planner
-    puts on that rank, and the planner's split is the config's pp_layers."""
+    puts on that rank (and, for a split with a stage of the embedding or the head alone, the
+    blocks, embedding and head written out by hand), and an explicit split is the config's."""
     model, args = LAYOUTS[name]
     plan = as_plan(load_config(None, [*BASE, *MODELS[model], *args]))
     out = world2[name]["run_dir"].parent
@@ -86,5 +117,11 @@ def test_each_stage_holds_the_layers_the_planner_gives_it(name, world2) -> None:
         stage = torch.load(out / f"{name}.stage{rank}.pt", weights_only=False)
         held = sorted({int(k.split(".")[1]) for k in stage["params"] if k.startswith("layers.")})
         assert held == plan.rank_layers(rank), (rank, held)
-        first = sum(plan.pp_layers[:rank])
-        assert held == list(range(first, first + plan.pp_layers[rank]))
+        if plan.pp_layers:
+            first = sum(plan.pp_layers[:rank])
+            assert held == list(range(first, first + plan.pp_layers[rank]))
+        if name in HELD:
+            blocks, embedding, head = HELD[name]
+            assert held == blocks[rank], (rank, held)
+            assert any(k.startswith("tok_embeddings.") for k in stage["params"]) == embedding[rank]
+            assert any(k.startswith("output.") for k in stage["params"]) == head[rank]

@@ -83,11 +83,13 @@ def _layouts() -> dict[str, list[str]]:
                 *tp2, *model, "--parallel.sequence_parallel", "true",
                 "--precision.mode", precision,
             ]  # fmt: skip
-    # An uneven pipeline split: 5 blocks on the first rank, 1 on the last.
-    out["pp2_layers_5_1_fp32_none"] = [
-        "--parallel.pp", "2", "--parallel.pp_layers", "[5, 1]",
-        "--train.global_batch_size", "8", "--train.steps", "2",
-    ]  # fmt: skip
+    # An uneven pipeline split: 5 blocks on the first rank, 1 on the last; the embedding alone
+    # on the first rank (every block and the head on the last), and the head alone on the last.
+    for tag, split in (("5_1", "[5, 1]"), ("0_6", "[0, 6]"), ("6_0", "[6, 0]")):
+        out[f"pp2_layers_{tag}_fp32_none"] = [
+            "--parallel.pp", "2", "--parallel.pp_layers", split,
+            "--train.global_batch_size", "8", "--train.steps", "2",
+        ]  # fmt: skip
     # Gradients reduced without FSDP (replicate over dp_replicate, or over the cp ranks): the
     # runtime casts the weights once (replicate's param_dtype), autocast does not run.
     for tag, degree in (("dprep2", "--parallel.dp_replicate"), ("cp2", "--parallel.cp")):

@@ -145,6 +145,31 @@ def test_a_126_layer_model_interleaves_over_pp_16_without_pp_layers() -> None:
     assert res.candidates[0].time.seconds < one.time.seconds
 
 
+def test_405b_over_pp_16_x_8_chunks_puts_the_embedding_and_the_head_alone() -> None:
+    """Megatron-Bridge's Llama 3.1 405B on 256 GB200 (26.02, MXFP8: tp 4, pp 16, vp 8) runs 128
+    stages for 126 layers: its recipe counts the embedding and the loss as a layer each
+    (account_for_embedding/loss_in_pipeline_split), so the first stage holds the embedding
+    alone and the last the head alone. The search costs that layout with no --pp-layers (it
+    refused it: 128 stages > 126 layers), the first and last rank one block lighter."""
+    from llmscale.plan.memory import memory_options
+    from llmscale.plan.time import time_params
+    from llmscale.report.search_report import fixed_space
+    from llmscale.stack import STACKS
+
+    model, mcore = get_preset("llama3-405b"), STACKS["megatron-core"]
+    fixed = {"tp": 4, "pp": 16, "chunks": 8, "schedule": "interleaved_1f1b", "mbs": 1}
+    space, _ = fixed_space(256, fixed)
+    res = search(
+        model, 256, Cluster.of("gb200"), 8192, 1536, "fp8", top=3, space=space,
+        memory_options=memory_options(mcore), time_params=time_params(mcore),
+    )  # fmt: skip
+    assert res.candidates, res.why_none()
+    plan = res.candidates[0].plan
+    assert plan.chunks == 8 and not plan.pp_layers
+    assert [len(plan.rank_layers(r)) for r in range(16)] == [7, *[8] * 14, 7]
+    assert plan.rank_layers(0) == list(range(15, 126, 16))  # stage 0 holds no block
+
+
 def test_the_search_refuses_what_the_runtime_refuses() -> None:
     """cp > 1 with optimizer offload: `train`, `train --dry-run` and the search read one rule
     (config.offload_problem); the search says why it dropped those plans."""

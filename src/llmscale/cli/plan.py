@@ -100,7 +100,10 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     fix.add_argument(
         "--pp-layers",
         help="layers per pipeline stage, e.g. 31,32,32,31 (sets --pp; summing to "
-        "the model's layers)",
+        "the model's layers; the first or last may be 0: the embedding or the head alone). "
+        "Unset: even, the first and last stages the lighter; over n_layers + 2 stages the "
+        "embedding and the head alone at the ends (Megatron's "
+        "account_for_embedding/loss_in_pipeline_split)",
     )
     fix.add_argument("--zero-stage", type=int, help=" | ".join(map(str, ZERO_STAGES)))
     fix.add_argument(

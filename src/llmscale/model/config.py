@@ -8,8 +8,8 @@ This module must not import torch: the planner counts parameters and FLOPs from 
   whether the loss runs on vocabulary shards (`loss_parallel`, `sp_embedding_scatter`)
   (`parallel/tensor_parallel.py` maps them to DTensor styles; `plan/params.py` and
   `plan/activations.py` count from them);
-- `stage_layer_counts`, `split_layers` and `stage_ids`: the layer -> pipeline stage -> rank
-  placement, automatic or from `parallel.pp_layers` (`parallel/pipeline.py`, `plan/plan.py`);
+- `stage_layer_counts`, `split_layers`, `auto_split_ok` and `stage_ids`: the layer -> pipeline
+  stage -> rank placement, automatic or from `parallel.pp_layers` (`parallel/pipeline.py`, `plan/plan.py`);
 - `block_recompute`, `op_sac_saves_matmul` and `ModelConfig.recompute_fraction`: which blocks
   each recompute mode checkpoints (the every-k rule), which matmul outputs selective_op keeps,
   and the share of forward FLOPs run again.
@@ -435,14 +435,26 @@ def tp_split(param_name: str, vocab_split: bool) -> TPSplit | None:
 
 
 def pp_layers_problem(pp_layers: list[int] | tuple[int, ...], n_layers: int, n_stages: int) -> str:
-    """What is wrong with an explicit `parallel.pp_layers` list ("" when nothing is)."""
+    """What is wrong with an explicit `parallel.pp_layers` list ("" when nothing is). The first
+    stage may hold no layer (the embedding alone) and so may the last (the final norm, output
+    projection and loss alone), as Megatron-Core's account_for_embedding_in_pipeline_split and
+    account_for_loss_in_pipeline_split place them; every other stage holds at least one."""
     if len(pp_layers) != n_stages:
         return f"{n_stages} entries (one per pipeline stage: pp x pp_chunks), got {len(pp_layers)}"
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in pp_layers):
-        return "positive layer counts (every stage holds at least one layer)"
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pp_layers):
+        return "layer counts >= 0 (0 only for the first or the last stage)"
+    if any(n < 1 for n in pp_layers[1:-1]) or (n_stages == 1 and pp_layers[0] < 1):
+        return "at least one layer on every stage but the first and the last"
     if sum(pp_layers) != n_layers:
         return f"layer counts summing to model.n_layers={n_layers}, got {sum(pp_layers)}"
     return ""
+
+
+def auto_split_ok(n_layers: int, n_stages: int) -> bool:
+    """Can the automatic split (`stage_layer_counts` without `pp_layers`) place `n_layers`
+    layers on `n_stages` stages: at most one stage per layer, or exactly two more (the
+    embedding and the head each on a stage of their own)."""
+    return 1 <= n_stages <= n_layers or (n_layers >= 1 and n_stages == n_layers + 2)
 
 
 def stage_layer_counts(
@@ -453,15 +465,23 @@ def stage_layer_counts(
     Automatic: floor(L / stages) or ceil(L / stages) each; the extra layers go to the middle
     stages first (rank 1 upwards), then to the first stage, then to the last, so that the
     first stage (embedding) and the last (final norm, output projection and loss) are the
-    lighter ones. 126 layers over 4 stages: 31, 32, 32, 31.
+    lighter ones. 126 layers over 4 stages: 31, 32, 32, 31. Over L + 2 stages the first holds
+    the embedding alone and the last the head alone, one layer on each stage between: 126
+    layers over pp 16 x 8 chunks are 0, 1, ..., 1, 0. This is Megatron-Core's split with
+    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split (the
+    embedding and the loss each take a layer's slot; Megatron-Bridge's Llama 3.1 405B recipe
+    sets both), which equals the split above wherever its slots divide and the end stages
+    keep a layer.
     """
     if pp_layers:
         problem = pp_layers_problem(pp_layers, n_layers, n_stages)
         if problem:
             raise ValueError(f"parallel.pp_layers = {list(pp_layers)}: expected {problem}")
         return list(pp_layers)
-    if not 1 <= n_stages <= n_layers:
+    if not auto_split_ok(n_layers, n_stages):
         raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+    if n_stages == n_layers + 2:
+        return [0, *([1] * n_layers), 0]
     base, extra = divmod(n_layers, n_stages)
     order = [*range(1, n_stages - 1), 0, n_stages - 1] if n_stages > 1 else [0]
     heavy = set(order[:extra])

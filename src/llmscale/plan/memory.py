@@ -283,9 +283,15 @@ def head_inflight(plan: Plan) -> int:
     return plan.n_microbatches if plan.pp > 1 and plan.pp_schedule == "gpipe" else 1
 
 
-def embedding_inflight(plan: Plan) -> int:
-    """Micro-batches whose token ids the first stage holds (its first chunk's share)."""
+def embedding_inflight(plan: Plan, stack: Stack = LLMSCALE) -> int:
+    """Micro-batches whose token ids the first stage holds (its first chunk's share). torch's
+    pipelining (`stack.pipeline == "torch"`) splits the step's batch into views of it
+    (`tensor_split`), so while any micro-batch's embedding keeps its ids, the whole batch's
+    storage stays: all the step's micro-batches (measured where the first stage holds the
+    embedding alone: tests/plan/test_predicted_vs_measured.py)."""
     units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, 0)
+    if plan.pp > 1 and stack.pipeline == "torch":
+        return plan.n_microbatches
     return min(math.ceil(units / plan.chunks), plan.n_microbatches)
 
 
@@ -513,7 +519,7 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
     total = units * work.blocks_saved / plan.chunks
     if work.embedding:
-        total += embedding_inflight(plan) * work.embedding_saved
+        total += embedding_inflight(plan, opt.stack) * work.embedding_saved
     torch_1f1b = opt.stack.pipeline == "torch" and plan.pp_schedule == "1f1b"
     if rank == plan.head_rank and plan.pp > 1 and torch_1f1b:
         # torch's Schedule1F1B still holds the previous micro-batch's loss while the next one

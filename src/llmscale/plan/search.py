@@ -4,8 +4,9 @@ Enumerated: tp x pp x dp (dp as replicas x FSDP shards), micro-batch size, recom
 ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, offload; the
 context-parallel degree and an explicit layer split (`pp_layers`) are fixed by the space (cp
 GPUs per sequence: gpus = pp x dp x cp x tp). Kept only when: tp <= GPUs per node and tp divides
-n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers (a pp that does not divide n_layers
-splits them unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
+n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers, or n_layers + 2 with the embedding
+and the head each on a stage of their own (a pp that does not divide n_layers splits them
+unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
 divides by micro-batch x dp and the micro-batches meet the schedule's rule, as the runtime's
 (`config.microbatch_rule`: >= pp, a multiple of pp for interleaved_1f1b and zero_bubble, >= 2 pp
 for dualpipev);
@@ -56,7 +57,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
-from llmscale.model.config import ModelConfig, stage_ids, stage_layer_counts
+from llmscale.model.config import ModelConfig, auto_split_ok, stage_ids, stage_layer_counts
 from llmscale.plan import memory as mem
 from llmscale.plan import time as tm
 from llmscale.plan.cache import memoize
@@ -226,7 +227,7 @@ def _layouts(
             if (rest // tp) % pp:
                 rejected[f"tp x pp = {tp} x {pp} does not divide {rest} GPUs"
                          + (f" (after cp {cp})" if cp > 1 else "")] = None  # fmt: skip
-            elif pp > model.n_layers:
+            elif not (space.pp_layers or auto_split_ok(model.n_layers, pp)):
                 rejected[f"pp {pp} > n_layers {model.n_layers}"] = None
             elif space.pp_layers and len(space.pp_layers) % pp:
                 rejected[f"pp {pp} does not divide the {len(space.pp_layers)} pp_layers"] = None
@@ -286,7 +287,7 @@ def _stages_ok(model: ModelConfig, stages: int, space: SearchSpace) -> bool:
     schedule: 126 layers over pp 16 x 2 chunks are 30 stages of 4 and 2 of 3."""
     if space.pp_layers:
         return len(space.pp_layers) == stages
-    return stages <= model.n_layers
+    return auto_split_ok(model.n_layers, stages)
 
 
 @memoize

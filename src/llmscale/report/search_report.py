@@ -238,16 +238,18 @@ def _degree_text(name: str, value: int, given: dict[str, Any], fixed: dict[str, 
 
 
 def _pp_layers(text: Any) -> tuple[int, ...]:
-    """`--pp-layers 3,4,4,3` (or "[3, 4, 4, 3]") as layer counts, each a positive integer."""
+    """`--pp-layers 3,4,4,3` (or "[3, 4, 4, 3]") as layer counts, one integer >= 0 per stage
+    (0 only on the first or last stage: `model.config.pp_layers_problem`)."""
     parts = str(text).strip().strip("[]").replace(" ", "").split(",")
     try:
         layers = tuple(int(p) for p in parts)
     except ValueError:
         layers = ()
-    if not layers or any(n < 1 for n in layers):
+    if not layers or any(n < 0 for n in layers) or any(n < 1 for n in layers[1:-1]):
         raise ConfigError(
-            "pp_layers", text, "positive layer counts, one per pipeline stage: 3,4,4,3"
-        )
+            "pp_layers", text,
+            "layer counts >= 0, one per pipeline stage: 3,4,4,3 (0 only first or last: 0,5,5,4)",
+        )  # fmt: skip
     return layers
 
 
