@@ -45,7 +45,7 @@ def test_plain_loss_temporaries_are_the_planners() -> None:
     logits = torch.randn(B, S, cfg.vocab_size, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, cfg.vocab_size, (B, S))
     measured = _loss_temporaries(logits, targets, split=False)
-    assert measured == loss_transient_bytes(cfg, B, S, Kernels(), tp=1)
+    assert measured == loss_transient_bytes(cfg, B, S, "bf16", tp=1, kernels=Kernels())
 
 
 def test_loss_parallel_temporaries_are_the_planners(tmp_path) -> None:
@@ -68,7 +68,7 @@ def test_loss_parallel_temporaries_are_the_planners(tmp_path) -> None:
     # One rank holds the whole vocabulary here; at tp ranks each holds 1/tp of it.
     tp = 2
     kernels = Kernels(vocab_parallel=True, loss_parallel=True)
-    predicted = tp * loss_transient_bytes(cfg, B, S, kernels, tp=tp)
+    predicted = tp * loss_transient_bytes(cfg, B, S, "bf16", tp=tp, kernels=kernels)
     assert predicted == 12 * B * S * cfg.vocab_size
     # beside them, per token: the targets' masks and indices (int64, bool), left out
     assert predicted <= measured <= predicted + 40 * B * S

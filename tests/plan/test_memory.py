@@ -461,7 +461,7 @@ def test_each_cross_entropy_kernel_keeps_and_moves_what_its_code_does() -> None:
         assert act.loss_traffic(*args, kern) == (fwd * logits, bwd * logits)
         (saved,) = act.loss_tensors(*args, kern)
         assert saved.nbytes == kept * logits
-        assert act.loss_transient_bytes(L7, 1, 4096, kern, 8, "bf16") == held * logits
+        assert act.loss_transient_bytes(*args, kern) == held * logits
     whole = 4096 * 32000
     assert act.loss_traffic(L7, 1, 4096, "fp32") == (16 * whole, 20 * whole)
     compiled = dataclasses.replace(act.RUNTIME, compiled_loss=True)

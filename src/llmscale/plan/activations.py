@@ -298,6 +298,76 @@ def head_tensors(
     return out
 
 
+@dataclass(frozen=True)
+class LossFacts:
+    """One cross-entropy kernel (`Kernels.loss_kernel`) per logit of a micro-batch, read from
+    its code: what it keeps for its backward (`keeps`: label, bytes per logit, bytes per
+    token), what it holds beside that at its peak (`held`, bytes per logit), and the HBM bytes
+    its kernels move (`moved`: forward, backward per logit; None where the time model prices
+    passes over what it keeps, as for every other fused kernel)."""
+
+    keeps: tuple[tuple[str, float, float], ...]
+    held: float
+    moved: tuple[float, float] | None
+
+
+def loss_facts(
+    model: ModelConfig, tp: int, precision: Precision, kernels: Kernels = RUNTIME
+) -> LossFacts:
+    """The facts of `kernels`' cross-entropy kernel, the one place that branches on it. With
+    a = the logits' dtype in bytes, the fp32 copy every kernel but TransformerEngine's makes
+    costs a + 4 (read, write) and its gradient's cast back 4 + a (neither for fp32 logits).
+
+    torch's F.cross_entropy on the fp32 logits (the runtime's `lm_loss`, torchtitan's loss)
+    keeps the fp32 log-softmax output. log_softmax reads a row three times (max, sum of exp,
+    output) and writes it, 16 B; backward, nll_loss's zeros (4) and log_softmax's backward
+    (the row's gradient sum, then the gradient from it and exp of the output: 16). In that
+    backward the gradients of the output and of the input are both fp32 while the saved
+    output lives: 8 B held (the forward peak, the logits and their fp32 copy, is 6 or 4). On
+    vocabulary shards (torch's `loss_parallel`, `torch/distributed/tensor/parallel/loss.py`
+    `_log_softmax`, `_nll_loss_and_log_softmax_backward`) each step is its own kernel: amax
+    (4), the shift (8), exp (8), sum (4), the result (8), 32 B; backward zeros (4), exp of the
+    output (8), their sum (12), the product with the output gradient (8), 32; the composite
+    backward holds 12 B (the zeros the targets scatter into, exp of the output, their sum;
+    torch's MemTracker over the two: tests/plan/test_loss_memory.py). Compiled
+    (`Kernels.compiled_loss`): it keeps its input and a log-sum-exp and a max per token, and
+    computes the logits' gradient in one fused kernel (none held).
+
+    Megatron's vocab_parallel_cross_entropy (megatron/core/tensor_parallel/cross_entropy.py)
+    keeps the fp32 softmax, made in place on its fp32 copy by one kernel per step: the row max
+    (4), the max subtracted in place (8), exp in place (8), the row sum (4), the division in
+    place (8): 32 B; backward, the gradient scaled in place (8). It holds a B: in forward the
+    logits beside the copy, in backward the gradient cast to their dtype beside it. Fused
+    (megatron/core/fusions/fused_cross_entropy.py, its steps each one torch.compile'd
+    function): the copy with its max, the subtraction, exp and sum (8), the division (8);
+    backward the scaling, written back to the saved softmax, and its cast to bf16
+    (hard-coded) in one pass, 10. TransformerEngine's
+    (transformer_engine/pytorch/triton/cross_entropy.py) writes the gradient over the logits
+    in forward and keeps that (a B, none held): the online softmax reads the logits (a), then
+    the gradient is written over them (read a, write a): 3a; backward its scaling by the
+    output gradient (read a, write a): 2a."""
+    a = float(DTYPE_BYTES[precision])
+    up, down = (a + 4.0, 4.0 + a) if a < 4 else (0.0, 0.0)
+    kernel = kernels.loss()
+    softmax = (("softmax (fp32 logits)", 4.0, 0.0),)
+    if kernel == "megatron":
+        return LossFacts(softmax, a, (up + 32, 8 + down))
+    if kernel == "megatron_fused":
+        return LossFacts(softmax, a, ((up or 4.0) + 16, 8.0 + 2.0))
+    if kernel == "te":
+        return LossFacts((("the logits' gradient, over the logits", a, 0.0),), 0.0, (3 * a, 2 * a))
+    if kernels.compiled_loss:
+        keeps = (
+            ("logits (the compiled loss's input)", a, 0.0),
+            ("row max and log-sum-exp (fp32)", 0.0, 8.0),
+        )
+        return LossFacts(keeps, 0.0, None)
+    log_softmax = (("log-softmax output (fp32 logits)", 4.0, 0.0),)
+    if kernels.splits_logits(model, tp):
+        return LossFacts(log_softmax, 12.0, (up + 32, 32 + down))
+    return LossFacts(log_softmax, 8.0, (up + 16, 20 + down))
+
+
 def loss_tensors(
     model: ModelConfig,
     micro_batch_size: int,
@@ -307,23 +377,12 @@ def loss_tensors(
     sequence_parallel: bool = False,
     kernels: Kernels = RUNTIME,
 ) -> list[Saved]:
-    """What the cross-entropy kernel (`Kernels.loss_kernel`) keeps over the logits for its
-    backward: torch's the fp32 log-softmax output, or, compiled (`Kernels.compiled_loss`), its
-    input and a log-sum-exp per token; Megatron's (fused or not) the fp32 softmax;
-    TransformerEngine's the logits' gradient, written over them in forward."""
-    a = DTYPE_BYTES[precision]
+    """What the cross-entropy kernel keeps over the logits for its backward (`loss_facts`)."""
     logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
-    kernel = kernels.loss()
-    if kernel in ("megatron", "megatron_fused"):
-        return [Saved("softmax (fp32 logits)", 4 * logits, "seq")]
-    if kernel == "te":
-        return [Saved("the logits' gradient, over the logits", a * logits, "seq")]
-    if kernels.compiled_loss:
-        return [
-            Saved("logits (the compiled loss's input)", a * logits, "seq"),
-            Saved("row max and log-sum-exp (fp32)", 8 * micro_batch_size * seq_len, "seq"),
-        ]
-    return [Saved("log-softmax output (fp32 logits)", 4 * logits, "seq")]
+    tokens = micro_batch_size * seq_len
+    facts = loss_facts(model, tp, precision, kernels)
+    return [Saved(label, per_logit * logits + per_token * tokens, "seq")
+            for label, per_logit, per_token in facts.keeps]  # fmt: skip
 
 
 def loss_traffic(
@@ -336,47 +395,12 @@ def loss_traffic(
     kernels: Kernels = RUNTIME,
 ) -> tuple[float, float] | None:
     """HBM bytes the cross-entropy kernel moves over one micro-batch's logits (forward,
-    backward), read from its code; None for a compiled loss, which the time model prices as
-    every other fused kernel (passes over what it keeps, `loss_tensors`). With a = the logits'
-    dtype in bytes, the fp32 copy every kernel but TransformerEngine's makes costs a + 4 (read,
-    write) and its gradient's cast back 4 + a (neither when the logits are fp32).
-
-    torch's F.cross_entropy on the fp32 logits (the runtime's `lm_loss`, torchtitan's loss):
-    log_softmax reads a row three times (max, sum of exp, output) and writes it, 16 B;
-    backward, nll_loss's zeros (4) and log_softmax's backward (the row's gradient sum, then
-    the gradient from it and exp of the output: 16). On vocabulary shards (torch's
-    `loss_parallel`, `torch/distributed/tensor/parallel/loss.py` `_log_softmax`,
-    `_nll_loss_and_log_softmax_backward`) each step is its own kernel: amax (4), the shift (8),
-    exp (8), sum (4), the result (8), 32 B; backward zeros (4), exp of the output (8), their
-    sum (12), the product with the output gradient (8), 32.
-
-    Megatron's vocab_parallel_cross_entropy (megatron/core/tensor_parallel/cross_entropy.py),
-    one kernel per step: the row max (4), the max subtracted in place (8), exp in place (8),
-    the row sum (4), the division in place (8): 32 B; backward, the gradient scaled in place
-    (8). Fused (megatron/core/fusions/fused_cross_entropy.py, its steps each one
-    torch.compile'd function): the copy with its max, the subtraction, exp and sum (8), the
-    division (8); backward the scaling, written back to the saved softmax, and its cast to
-    bf16 (hard-coded) in one pass, 10. TransformerEngine's
-    (transformer_engine/pytorch/triton/cross_entropy.py): the online softmax reads the logits
-    (a), then the gradient is written over them (read a, write a): 3a; backward its scaling by
-    the output gradient (read a, write a): 2a."""
-    a = DTYPE_BYTES[precision]
-    up, down = (a + 4.0, 4.0 + a) if a < 4 else (0.0, 0.0)
-    kernel = kernels.loss()
-    if kernel == "torch":
-        if kernels.compiled_loss:
-            return None
-        per_logit = (
-            (up + 32, 32 + down) if kernels.splits_logits(model, tp) else (up + 16, 20 + down)
-        )
-    elif kernel == "megatron":
-        per_logit = (up + 32, 8 + down)
-    elif kernel == "megatron_fused":
-        per_logit = ((up or 4.0) + 16, 8.0 + 2.0)
-    else:  # te
-        per_logit = (3.0 * a, 2.0 * a)
+    backward; `loss_facts`); None for a compiled loss, priced as passes over what it keeps."""
+    moved = loss_facts(model, tp, precision, kernels).moved
+    if moved is None:
+        return None
     logits = logit_count(model, micro_batch_size, seq_len, tp, kernels)
-    return per_logit[0] * logits, per_logit[1] * logits
+    return moved[0] * logits, moved[1] * logits
 
 
 @memoize
@@ -597,29 +621,15 @@ def loss_transient_bytes(
     model: ModelConfig,
     micro_batch_size: int,
     seq_len: int,
-    kernels: Kernels = RUNTIME,
+    precision: Precision,
     tp: int = 1,
-    precision: Precision = "bf16",
+    sequence_parallel: bool = False,
+    kernels: Kernels = RUNTIME,
 ) -> float:
-    """Short-lived logits memory beyond what the loss keeps (`loss_tensors`), at its peak.
-
-    torch's: in the loss's backward, the gradient of the log-softmax output and the gradient
-    of its input are both fp32 (b, s, V) while the saved output is still alive: 8 bytes per
-    logit on top of the 4 saved (the forward peak, bf16 logits + their fp32 copy, is 6 or 4).
-    On vocabulary shards under torch's `loss_parallel` the backward is composite (the zeros it
-    scatters the targets into, exp of the saved output, their sum): 12 bytes per logit of the
-    shard (torch's MemTracker over the two, tests/plan/test_loss_memory.py). A compiled loss
-    (`Kernels.compiled_loss`) computes the logits' gradient in one fused kernel: none.
-    Megatron's (fused or not) works in place on its fp32 copy: in forward the logits in their
-    dtype beside it, in backward the gradient cast to that dtype beside it, a bytes per logit
-    either way. TransformerEngine's writes the gradient over the logits: none."""
-    kernel = kernels.loss()
-    count = logit_count(model, micro_batch_size, seq_len, tp, kernels)
-    if kernel in ("megatron", "megatron_fused"):
-        return DTYPE_BYTES[precision] * count
-    if kernel == "te" or kernels.compiled_loss:
-        return 0.0
-    return (12.0 if kernels.splits_logits(model, tp) else 8.0) * count
+    """Short-lived logits memory beyond what the loss keeps (`loss_tensors`), at its peak
+    (`loss_facts`)."""
+    held = loss_facts(model, tp, precision, kernels).held
+    return held * logit_count(model, micro_batch_size, seq_len, tp, kernels)
 
 
 def korthikanti_bytes(

@@ -638,13 +638,11 @@ _ACTIVITY: Memo[Activity] = Memo("memory.rank_activity")
 
 
 def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
+    args = slice_args(plan, opt.kernels)
     transient = 0.0
     if rank == plan.head_rank:
-        transient = cp_share(plan) * act.loss_transient_bytes(
-            plan.model, plan.micro_batch_size, plan.seq_len, opt.kernels, plan.tp, plan.precision
-        )
+        transient = cp_share(plan) * act.loss_transient_bytes(*args)
     recomputed = plan.recompute in ("full", "every_k")
-    args = slice_args(plan, opt.kernels)
     # A block's backward: its MLP's gradients beside what it saved, and, recomputed, beside
     # the whole of its forward, for a moment.
     block = cp_share(plan) * act.mlp_backward_bytes(*args)

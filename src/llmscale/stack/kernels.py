@@ -59,7 +59,7 @@ class Kernels:
     # steps as torch.compile'd functions, --cross-entropy-loss-fusion with the native
     # implementation); "te" (TransformerEngine's Triton cross-entropy: an online softmax over
     # the logits, whose gradient it writes over them in forward and scales in backward). What
-    # each saves and moves: `plan/activations.py` `loss_tensors`, `loss_traffic`.
+    # each keeps, holds and moves: `plan/activations.py` `loss_facts`.
     loss_kernel: str = "torch"
     # K and V repeated to the query heads before the attention kernel (grouped-query attention
     # without the kernel's own support: torchtitan's Llama repeat_kv before 2025); what a
