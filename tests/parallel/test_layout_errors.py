@@ -28,9 +28,9 @@ def _p(**degrees: object) -> list[str]:
         (8, _p(pp=8), "parallel.pp", "8 stages, at most model.n_layers=4"),
         (
             4,
-            _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=3),
+            _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=4),
             "parallel.pp",
-            "6 stages, at most model.n_layers=4",
+            "8 stages, at most model.n_layers=4 or exactly n_layers + 2 = 6",
         ),
         (4, _p(dp_shard=2), "parallel", "degrees whose product equals the world size 4"),
         (2, _p(dp_shard=4), "parallel", "degrees whose product equals the world size 2"),
@@ -76,11 +76,18 @@ def _p(**degrees: object) -> list[str]:
             "optimizer.offload",
             "none with parallel.pp > 1 and model.tie_embeddings",
         ),
-        # Explicit layers per pipeline stage (issue 12): one entry per stage, each positive,
-        # summing to the model's layers.
+        # Explicit layers per pipeline stage (issue 12): one entry per stage, summing to the
+        # model's layers, at least one on every stage but the first and the last (which may hold
+        # the embedding or the head alone).
         (2, _p(pp=2) + ["--parallel.pp_layers", "[1, 2]"], "parallel.pp_layers", "got 3"),
         (2, _p(pp=2) + ["--parallel.pp_layers", "[4]"], "parallel.pp_layers", "2 entries"),
-        (2, _p(pp=2) + ["--parallel.pp_layers", "[0, 4]"], "parallel.pp_layers", "positive"),
+        (2, _p(pp=2) + ["--parallel.pp_layers", "[-1, 5]"], "parallel.pp_layers", ">= 0"),
+        (
+            3,
+            _p(pp=3) + ["--parallel.pp_layers", "[2, 0, 2]", "--train.global_batch_size", "6"],
+            "parallel.pp_layers",
+            "at least one layer on every stage but the first and the last",
+        ),
         (
             4,
             _p(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=2, pp_layers="[1, 1, 2]"),
