@@ -289,9 +289,9 @@ def embedding_inflight(plan: Plan, stack: Stack = LLMSCALE) -> int:
     (`tensor_split`), so while any micro-batch's embedding keeps its ids, the whole batch's
     storage stays: all the step's micro-batches (measured where the first stage holds the
     embedding alone: tests/plan/test_predicted_vs_measured.py)."""
-    units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, 0)
     if plan.pp > 1 and stack.pipeline == "torch":
         return plan.n_microbatches
+    units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, 0)
     return min(math.ceil(units / plan.chunks), plan.n_microbatches)
 
 
