@@ -441,12 +441,23 @@ def pp_layers_problem(pp_layers: list[int] | tuple[int, ...], n_layers: int, n_s
     account_for_loss_in_pipeline_split place them; every other stage holds at least one."""
     if len(pp_layers) != n_stages:
         return f"{n_stages} entries (one per pipeline stage: pp x pp_chunks), got {len(pp_layers)}"
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pp_layers):
-        return "layer counts >= 0 (0 only for the first or the last stage)"
-    if any(n < 1 for n in pp_layers[1:-1]) or (n_stages == 1 and pp_layers[0] < 1):
+    problem = pp_layer_counts_problem(pp_layers)
+    if problem:
+        return problem
+    if n_stages == 1 and pp_layers[0] < 1:
         return "at least one layer on every stage but the first and the last"
     if sum(pp_layers) != n_layers:
         return f"layer counts summing to model.n_layers={n_layers}, got {sum(pp_layers)}"
+    return ""
+
+
+def pp_layer_counts_problem(pp_layers: list[int] | tuple[int, ...]) -> str:
+    """What is wrong with the entries of a layer split, whatever the model ("" when nothing is):
+    integers >= 0, and 0 only on the first or the last stage."""
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pp_layers):
+        return "layer counts >= 0 (0 only for the first or the last stage)"
+    if any(n < 1 for n in pp_layers[1:-1]):
+        return "at least one layer on every stage but the first and the last"
     return ""
 
 

@@ -18,7 +18,7 @@ from llmscale.config import (
     load_model,
 )
 from llmscale.errors import ConfigError, UsageError
-from llmscale.model.config import ModelConfig, pp_layers_problem
+from llmscale.model.config import ModelConfig, pp_layer_counts_problem, pp_layers_problem
 from llmscale.plan import memory as mem
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
@@ -245,7 +245,7 @@ def _pp_layers(text: Any) -> tuple[int, ...]:
         layers = tuple(int(p) for p in parts)
     except ValueError:
         layers = ()
-    if not layers or any(n < 0 for n in layers) or any(n < 1 for n in layers[1:-1]):
+    if not layers or pp_layer_counts_problem(layers):
         raise ConfigError(
             "pp_layers", text,
             "layer counts >= 0, one per pipeline stage: 3,4,4,3 (0 only first or last: 0,5,5,4)",
