@@ -12,6 +12,7 @@ from llmscale.hardware.spec import Sourced
 from llmscale.model.config import get_preset, op_sac_saves_matmul
 from llmscale.plan import activations as act
 from llmscale.plan.cluster import Cluster
+from llmscale.plan.collectives import collective
 from llmscale.plan.memory import (
     DEFAULT_OPTIONS,
     block_bytes,
@@ -293,6 +294,30 @@ def test_torch_context_parallel_gathers_k_and_v_once_per_call() -> None:
     gathered = cp_comm(TORCHTITAN)
     repeated = cp_comm(TORCHTITAN.on(kernels=replace(TORCHTITAN.kernels, repeat_kv=True)))
     assert ring < gathered < repeated
+
+
+def test_compiled_context_parallel_waits_for_each_transfer() -> None:
+    """Traced into compiled blocks, torch's ring waits for each functional collective where it
+    issues it (`_maybe_wrap_tensor` under tracing), so none of its traffic hides behind the
+    attention: per micro-batch, every block's all-gather of K and V in each forward, recompute
+    and backward call, and its cp fp32 gradient passes; eager, most of it hides. A
+    step-by-step p2p ring (Megatron-Core's) is not torch's and does not change."""
+    plan = Plan(model=L8, seq_len=131072, micro_batch_size=1, global_batch_size=2, cp=4,
+                dp_shard=2, recompute="full", precision="bf16")  # fmt: skip
+    stack = TORCHTITAN.on(fitted=())
+
+    def cp_comm(s: Stack, compiled: bool) -> float:
+        tp_ = time_params(s, compiled=compiled)
+        return estimate_step_time(plan, H100, tp_, validate=False).breakdown["cp_comm"]
+
+    local = 2.0 * (131072 // 4) * L8.kv_dim * 2  # K and V, bf16 (not repeated to the heads)
+    gather = collective("all_gather", 4 * local, 4, 4, H100.fabric).seconds
+    grads = collective("p2p", 2 * local, 2, 2, H100.fabric).seconds  # fp32
+    whole = L8.n_layers * (3 * gather + 4 * grads)
+    assert cp_comm(stack, compiled=True) == pytest.approx(whole, rel=1e-9)
+    assert cp_comm(stack, compiled=False) < whole / 2
+    ring = MEGATRON_CORE.on(fitted=())
+    assert cp_comm(ring, compiled=True) == cp_comm(ring, compiled=False)
 
 
 def test_tied_pipelines() -> None:

@@ -41,7 +41,8 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   holds s / cp of every sequence (load-balanced), so its linears, element-wise kernels, TP
   collectives and pipeline sends see b s / cp tokens and its attention 1/cp of the causal
   FLOPs; per attention call, cp - 1 ring steps each pass a K and V chunk (backward: K, V and
-  their gradients) to the next cp rank beside 1/cp of the attention (`_ring_attention_seconds`).
+  their gradients) to the next cp rank beside 1/cp of the attention (`_ring_attention_seconds`;
+  torch's ring traced into compiled blocks waits for each transfer: `compiled_ring_waits`).
   FSDP shards over dp_shard x cp (`Plan.fsdp_shards_for`); without FSDP the cp ranks all-reduce
   their gradients with the replicas.
 - the loss under tensor parallelism: vocabulary-parallel (torch's loss_parallel) it all-reduces
@@ -420,6 +421,12 @@ def ring_attention_compute_seconds(plan: Plan, cluster: Cluster) -> tuple[float,
     return RING_FWD_MATMULS * work, RING_BWD_MATMULS * work
 
 
+def compiled_ring_waits(tp_: TimeParams) -> bool:
+    """Whether torch's context_parallel ring waits for each of its collectives where it issues
+    them: when it is traced into compiled blocks (`_ring_attention_seconds`)."""
+    return tp_.compiled and tp_.stack.cp_rotate == "allgather"
+
+
 def _ring_attention_seconds(
     plan: Plan,
     cluster: Cluster,
@@ -446,7 +453,12 @@ def _ring_attention_seconds(
     (with `Kernels.repeat_kv`, repeated to the query heads first), issued beside step 0's
     blocks, so whatever exceeds 1/cp of the attention is exposed; in backward that all-gather
     again, and the K and V gradients passed around the ring in fp32 (`convert_to_f32`), each
-    beside one step's blocks and the last one exposed.
+    beside one step's blocks and the last one exposed. With the blocks compiled
+    (`TimeParams.compiled`) the ring is traced into them, and a traced functional collective is
+    waited where it is issued (torch/distributed/_functional_collectives.py `_maybe_wrap_tensor`:
+    `wait_tensor` at once when `_are_we_tracing()`), which Inductor keeps unless its
+    `reorder_for_compute_comm_overlap` pass is on (off by default; torchtitan does not set it):
+    every ring transfer is then exposed in full (`compiled_ring_waits`).
 
     Otherwise a p2p ring (TransformerEngine's, Megatron-Core): cp - 1 ring steps per call, each
     passing this rank's K and V chunk in the run's dtype beside attn / cp of the compute (the
@@ -467,6 +479,8 @@ def _ring_attention_seconds(
         bwd = sum(_overlapped(2 * step, n * unit_b, eta) for n in blocks) + step
         return n_fwd * fwd, n_bwd * bwd
     if tp_.stack.cp_rotate == "allgather":
+        if compiled_ring_waits(tp_):
+            eta, attn_f, attn_b = 1.0, 0.0, 0.0  # nothing beside it: all exposed
         local = 2.0 * cp_tokens(plan) * tp_.kernels.attention_kv_dim(m) / plan.tp  # K and V
         in_node = max(1, min(cp, cluster.gpus_per_node // plan.tp))
         gather = collective(
