@@ -30,6 +30,8 @@ CAT = default_catalog()
         ("h100", 80, 3.35, 989.5),
         ("h200", 141, 4.8, 989.5),
         ("b200", 180, 8.0, 2250),
+        ("b300", 288, 8.0, 2250),  # HGX B300: 36 PF BF16 with sparsity / 8 / 2
+        ("gb300", 288, 8.0, 2500),  # GB300 NVL72: 360 PF BF16 with sparsity / 72 / 2
         ("mi300x", 192, 5.3, 1307.4),
         ("mi325x", 256, 6.0, 1307.4),
     ],
@@ -49,6 +51,23 @@ def test_dense_is_half_of_sparse_and_tf32_is_listed() -> None:
     assert get_gpu("h100").peak_flops("tf32") == pytest.approx(494.5e12)
     assert get_gpu("a100-80g").peak_flops("tf32") == pytest.approx(156e12)
     assert get_gpu("mi300x").peak_flops("fp8") == pytest.approx(2614.9e12)
+
+
+def test_blackwell_ultra_nodes() -> None:
+    """GB300 NVL72: 72 GPUs in one NVLink 5 domain, a ConnectX-8 (800 Gb/s) per GPU, FP8 at
+    720 PF with sparsity / 72 / 2; DGX B300: 8 GPUs, 8 ConnectX-8 ports."""
+    assert get_gpu("gb300").peak_flops("fp8") == pytest.approx(5000e12)
+    rack = CAT.node_for_gpu("gb300")
+    assert (rack.name, rack.gpus.value, rack.nics.value, rack.scale_up, rack.nic) == (
+        "nvl72-gb300",
+        72,
+        72,
+        "nvlink5",
+        "ib-xdr",
+    )
+    hgx = CAT.node_for_gpu("b300")
+    assert (hgx.gpus.value, hgx.nics.value, hgx.nic) == (8, 8, "ib-xdr")
+    assert get_link("ib-xdr").bandwidth == 100e9  # 800 Gb/s
 
 
 def test_links_per_direction() -> None:
@@ -177,6 +196,7 @@ def test_unknown_names_list_the_known_ones() -> None:
         ("NVIDIA A100-SXM4-80GB", "a100-80g"),
         ("NVIDIA A100-SXM4-40GB", "a100-40g"),
         ("NVIDIA B200", "b200"),
+        ("NVIDIA GB300", "gb300"),
         ("AMD Instinct MI300X", "mi300x"),
         ("NVIDIA H200 NVL", None),  # a different (lower-power) part: no wrong peak
         ("NVIDIA H100 PCIe", None),

@@ -363,7 +363,7 @@ def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
 
     roles = {r["id"]: r["role"] for r in load_runs()}
     fits = [f for s in STACKS.values() for f in s.fitted]
-    assert {f.gpu for f in fits} == {"a100-80g", "h100-96g"}
+    assert {f.gpu for f in fits} == {"a100-80g", "h100-96g", "gb200", "gb300"}
     for fit in fits:
         named = [
             m for m in re.findall(r"row ([a-z0-9][a-z0-9.-]+)", fit.scale.source) if m in roles
@@ -382,6 +382,16 @@ def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
     a100 = Cluster.of("a100-80g")
     meg = a100.run_by(MEGATRON_2021).gpu.calibration.gemm_efficiency.value
     assert meg == pytest.approx(0.7 * 1.03) and a100.run_by(TORCHTITAN) is a100
+    # Megatron-Core's factors on the two NVL72 parts of equal datasheet peaks, on them only
+    for gpu, scale in (("gb200", 0.95), ("gb300", 1.19)):
+        nvl = Cluster.of(gpu)
+        assert nvl.gpu.calibration.fp8_gemm_efficiency is not None
+        got = nvl.run_by(MEGATRON_CORE).gpu.calibration.fp8_gemm_efficiency
+        assert got is not None
+        assert got.value == pytest.approx(nvl.gpu.calibration.fp8_gemm_efficiency.value * scale)
+        assert nvl.run_by(TORCHTITAN) is nvl
+    b200 = Cluster.of("b200")
+    assert b200.run_by(MEGATRON_CORE) is b200
 
 
 def test_a_catalog_gpu_takes_the_stacks_step_overhead() -> None:

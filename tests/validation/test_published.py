@@ -136,6 +136,18 @@ def test_the_fitted_rows_are_fits() -> None:
     assert "torchtitan" in cat.gpu("h100-96g").calibration.gemm_efficiency.source
 
 
+def test_the_fitted_run_rows_are_fits() -> None:
+    """Each runs.toml row a stack's factor was fitted on reproduces its published throughput
+    (to the rounding of the factor), and is marked `calibration`."""
+    from llmscale.validation.runs import evaluate, load_runs
+
+    rows = {r["id"]: r for r in load_runs()}
+    for rid in ("mbridge-2511-gb200-llama3-8b-fp8", "mbridge-2511-gb300-llama3-8b-fp8",
+                "tt2412-8b-8gpu-fsdp"):  # fmt: skip
+        assert rows[rid]["role"] == "calibration"
+        assert evaluate(rows[rid]).ratio == pytest.approx(1.0, abs=0.01), rid
+
+
 def test_the_validation_page_is_regenerated() -> None:
     page = Path(__file__).resolve().parents[2] / "docs" / "planner-validation.md"
     assert page.read_text() == markdown(ALL), f"stale: run {COMMAND}"

@@ -412,6 +412,34 @@ MEGATRON_CORE = Stack(
     optimizer_bytes_per_param=34.0,
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
+    # What Megatron-Core's kernels reach on the two NVL72 parts, whose datasheets give the same
+    # dense peaks (GB200 and GB300 NVL72 pages: 360 PF BF16 and 720 PF FP8 with sparsity per 72
+    # GPUs) while the published 8-GPU Llama 3 8B job, identical on both, runs 1.19x faster on
+    # GB300 (1400 W) than on GB200 (1200 W): one factor on the GEMMs, FP8 GEMMs and flash
+    # attention of each part (the catalog's Blackwell shares are assumed ones). Fitted on the
+    # 8B rows; every other row on these parts is a prediction.
+    fitted=(
+        Fit(
+            "gb200",
+            ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
+            Sourced(
+                0.95,
+                "fitted on row mbridge-2511-gb200-llama3-8b-fp8 (Megatron-Bridge performance "
+                "summary, 25.11, DGX-GB200, Llama 3 8B on 8 GPUs, FP8-CS, 31,508 tokens/s/GPU; "
+                "the calibration row of validation/data/runs.toml)",
+            ),
+        ),
+        Fit(
+            "gb300",
+            ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
+            Sourced(
+                1.19,
+                "fitted on row mbridge-2511-gb300-llama3-8b-fp8 (Megatron-Bridge performance "
+                "summary, 25.11, DGX-GB300, Llama 3 8B on 8 GPUs, FP8-CS, 37,556 tokens/s/GPU; "
+                "the calibration row of validation/data/runs.toml)",
+            ),
+        ),
+    ),
 )
 
 TORCHTITAN = Stack(
