@@ -76,6 +76,12 @@ ASYNC_DISPATCH = Sourced(
 EXPANDABLE_SEGMENTS_OVERHEAD = 0.0
 
 
+# The calibration rates of every kernel on a part's SMs (its GEMMs, FP8 GEMMs and flash
+# attention), which its clocks, set by its power limit, scale alike; its HBM bandwidth is not
+# among them. What a fit on a part's clocks scales (`Fit.fields`).
+SM_RATES = ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency")
+
+
 @dataclass(frozen=True)
 class Fit:
     """A factor fitted on a published run of a stack: it scales `fields` of GPU `gpu`'s
@@ -421,7 +427,7 @@ MEGATRON_CORE = Stack(
     fitted=(
         Fit(
             "gb200",
-            ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
+            SM_RATES,
             Sourced(
                 0.95,
                 "fitted on row mbridge-2511-gb200-llama3-8b-fp8 (Megatron-Bridge performance "
@@ -431,7 +437,7 @@ MEGATRON_CORE = Stack(
         ),
         Fit(
             "gb300",
-            ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
+            SM_RATES,
             Sourced(
                 1.19,
                 "fitted on row mbridge-2511-gb300-llama3-8b-fp8 (Megatron-Bridge performance "
@@ -477,7 +483,7 @@ TORCHTITAN = Stack(
     fitted=(
         Fit(
             "h100-96g",
-            ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency"),
+            SM_RATES,
             Sourced(
                 0.74,
                 "fitted on row tt2412-8b-8gpu-fsdp (torchtitan docs/performance.md, Dec 2024: "
