@@ -233,6 +233,11 @@ class TrainSection:
     matmul and the attention kernel saved, the rest recomputed), every_k blocks, or full."""
     recompute_every_k: int = 2
     """With recompute = every_k: recompute one transformer block in every k."""
+    offload_activations: int = 0
+    """Transformer blocks, from the first, whose saved activations are moved to pinned host
+    memory after their forward and back before their backward (torch.autograd.graph.save_on_cpu;
+    Megatron-Core's --cpu-offloading-num-layers). 0 = none. As in Megatron-Core: pp = 1,
+    recompute = none, and fewer than model.n_layers."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     eval_every: int = 0
@@ -256,6 +261,7 @@ class TrainSection:
         _positive("train.global_batch_size", self.global_batch_size)
         _choice("train", self, "recompute")
         _positive("train.recompute_every_k", self.recompute_every_k)
+        _nonneg("train.offload_activations", self.offload_activations)
         _nonneg("train.max_grad_norm", self.max_grad_norm)
         _nonneg("train.eval_every", self.eval_every)
         _nonneg("train.eval_sequences", self.eval_sequences)
@@ -670,9 +676,32 @@ class JobConfig:
                 "[] with optimizer.offload (gradients are on the host, still scaled)",
             )
         self._validate_lsp_layout()
+        self._validate_activation_offload()
         if t.recompute == "every_k" and t.recompute_every_k > m.n_layers:
             raise ConfigError(
                 "train.recompute_every_k", t.recompute_every_k, f"<= model.n_layers={m.n_layers}"
+            )
+
+    def _validate_activation_offload(self) -> None:
+        """train.offload_activations as Megatron-Core allows --cpu-offloading-num-layers
+        (megatron/core/transformer/transformer_config.py): fewer than the model's layers, no
+        pipeline, no recomputation."""
+        n = self.train.offload_activations
+        if n == 0:
+            return
+        if n >= self.model.n_layers:
+            raise ConfigError(
+                "train.offload_activations", n, f"< model.n_layers={self.model.n_layers}"
+            )
+        if self.parallel.pp != 1:
+            raise ConfigError(
+                "parallel.pp", self.parallel.pp, "1 with train.offload_activations > 0"
+            )
+        if self.train.recompute != "none":
+            raise ConfigError(
+                "train.recompute",
+                self.train.recompute,
+                "none with train.offload_activations > 0 (offload or recompute, not both)",
             )
 
     def _validate_lsp_layout(self) -> None:

@@ -245,6 +245,11 @@ def validation_misses(ctx: Context) -> str:
         f"{r.memory_published:.1f} GiB) |"
         for r in heavy
     ]
+    lines += [
+        f"| {r.id} | fit | does not fit ({r.memory_predicted:.1f} GiB predicted) |"
+        for r in results.values()
+        if not r.fits
+    ]
     pairs = []
     for rid, r in results.items():
         if "asynctp" not in rid:
@@ -1794,6 +1799,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "decode-ridge", par.decode_ridge),
     Block("docs/planner.md", "cp-rows", par.cp_rows),
     Block("docs/planner.md", "vanilla-tp", par.vanilla_tp),
+    Block("docs/planner.md", "gb200-fsdp-memory", par.gb200_fsdp_memory),
     Block("docs/parallel.md", "init-rate", par.init_rate),
     Block("docs/planner.md", "stack-fits", par.stack_fits),
     Block("docs/planner.md", "nvlink-achieved", par.nvlink_achieved),

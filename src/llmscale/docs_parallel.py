@@ -298,6 +298,18 @@ def vanilla_tp(ctx: Context) -> str:
     return ", ".join(f"{r.id} {r.ratio:.2f}" for r in rows) + " predicted / published"
 
 
+def gb200_fsdp_memory(ctx: Context) -> str:
+    """planner.md: what Megatron-Bridge's GB200 Llama 3 70B Megatron-FSDP rows (activation
+    offload) are predicted to need, against the GPU's usable memory (`validation.runs`)."""
+    from llmscale.hardware.catalog import GiB, get_gpu
+    from llmscale.stack import MEGATRON_CORE
+
+    rows = [r for r in _validation("mbridge-") if r.id.endswith("gb200-llama3-70b-fp8-fsdp")]
+    usable = get_gpu("gb200").memory_bytes / GiB - MEGATRON_CORE.device_reserve_GiB
+    need = max(r.memory_predicted for r in rows)
+    return f"{need:.1f} GiB of the {usable:.1f} usable"
+
+
 def init_rate(ctx: Context) -> str:
     """parallel.md's limits: how fast one core draws initial values (docs/results/
     parallel-init.json, `python -m llmscale.bench.parallel_init`) and what that makes of

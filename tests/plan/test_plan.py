@@ -74,6 +74,7 @@ OTHER: dict[str, list[Any]] = {
     "cp": [2, 1],
     "sequence_parallel": [False, True],
     "zero_stage": [1, 2],
+    "offload_activations": [2, 0],
 }
 
 RESULTS: dict[str, tuple[Callable[[Plan], tuple[Any, ...]], Callable[[Plan, int], Any]]] = {
@@ -109,6 +110,10 @@ NO_OTHER_VALID = {
     ("zbv_split_backward", "pp"),  # a V holds exactly 2 chunks: other pp fail its microbatch rule
     ("zbv_split_backward", "pp_schedule"),
     ("interleaved_sp_offload", "cp"),  # optimizer offload with cp > 1: config.offload_problem
+    # activation offload: pp 1 only (Megatron-Core's rule)
+    ("pp2_fsdp_tp", "offload_activations"),
+    ("interleaved_sp_offload", "offload_activations"),
+    ("zbv_split_backward", "offload_activations"),
 }
 
 

@@ -95,6 +95,12 @@ def test_partial_fixing_searches_the_rest() -> None:
         (["--every-k", "2", "--recompute", "full"], "every_k: got 2"),
         (["--mbs", "0"], "mbs: got 0"),
         (["--tp", "1", "--sp"], "sp: got True"),
+        (["--offload-activations", "-1"], "offload_activations: got -1"),
+        (["--offload-activations", "8", "--pp", "2"], "pp: got 2; allowed: 1 with"),
+        (["--offload-activations", "8", "--recompute", "full"], "recompute: got 'full'"),
+        (["--offload-activations", "80"], "offload_activations: got 80; allowed: < the model"),
+        (["--offload-activations", "8", "--stack", "torchtitan"],
+         "train.offload_activations: got 8; allowed: 0 under --stack torchtitan"),
     ],
 )  # fmt: skip
 def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> None:
@@ -227,3 +233,29 @@ def test_a_zero_stage_without_shards_is_named() -> None:
     assert json.loads(r.stdout)["candidates"][0]["plan"]["dp_shard"] == 1
     quiet = _run("plan", "--gpus", "64", "--tp", "8", "--pp", "2", "--dp-shard", "4", "--json")
     assert "zero-stage" not in quiet.stderr
+
+
+def test_offloaded_activations_fit_a_layout_that_did_not() -> None:
+    """Megatron-Bridge's Megatron-FSDP Llama 3 70B on 64 GB300 (26.02: 20 of 80 blocks'
+    activations offloaded to the Grace memory): without offload the layout does not fit; with
+    it, it does, at the same step time (the copies hide behind NVLink-C2C's 450 GB/s), and the
+    table names the offload."""
+    layout = [
+        "plan", "--model", "llama3-70b", "--gpu", "gb300", "--gpus", "64", "--seq", "8192",
+        "--global-batch", "256", "--stack", "megatron-core", "--precision", "fp8", "--tp", "1", "--pp", "1",
+        "--recompute", "none",
+        "--dp-shard", "64", "--zero-stage", "3", "--mbs", "2", "--offload", "none", "--json",
+    ]  # fmt: skip
+    out = {}
+    for n in ("0", "20"):
+        r = _run(*layout, "--offload-activations", n)
+        out[n] = json.loads(r.stdout)["candidates"][0]
+    assert not out["0"]["fits"] and out["20"]["fits"]
+    assert out["20"]["plan"]["pp"] == 1 and out["20"]["plan"]["recompute"] == "none"
+    assert out["20"]["plan"]["offload_activations"] == 20
+    gib = {n: c["memory_bytes"]["worst_stage"]["total"] / 2**30 for n, c in out.items()}
+    assert gib["0"] - gib["20"] > 50
+    t = {n: c["step_time"]["seconds"] for n, c in out.items()}
+    assert t["20"] == pytest.approx(t["0"], rel=1e-9)
+    table = _run(*layout[:-1], "--offload-activations", "20", "--wide")
+    assert "act 20" in table.stdout

@@ -98,6 +98,14 @@ def _layouts() -> dict[str, list[str]]:
                 degree, "2", "--train.global_batch_size", "2" if tag == "cp2" else "4",
                 "--precision.mode", precision,
             ]  # fmt: skip
+    # Activation offload: the first 2 of the 6 blocks keep what they save on the host
+    # (torch's save_on_cpu); the device's saved activations are the other blocks', embedding
+    # and head.
+    for precision in ("fp32", "bf16"):
+        out[f"dprep2_offload2_{precision}_none"] = [
+            "--parallel.dp_replicate", "2", "--train.global_batch_size", "4",
+            "--train.offload_activations", "2", "--precision.mode", precision,
+        ]  # fmt: skip
     return out
 
 

@@ -490,3 +490,60 @@ def test_pipeline_outputs_kept_until_the_step_ends() -> None:
         assert buffers("last", rank) == none + last
         assert buffers("all", rank) == none + (last or m * boundary)
     assert LLMSCALE.pipeline_outputs_kept == TORCHTITAN.pipeline_outputs_kept == "none"
+
+
+def test_activation_offload_takes_the_first_blocks_off_the_device() -> None:
+    """`train.offload_activations` N: the first N blocks' saved bytes leave the device's
+    activations for the host's, under every stack that runs it (memory and time read the one
+    `RankWork.host_saved`), and a stack without it refuses it."""
+    from llmscale.plan.work import rank_work
+    from llmscale.stack import layout_problem
+
+    base = Plan(
+        model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, precision="bf16",
+        dp_shard=64, zero_stage=3,
+    )  # fmt: skip
+    off = replace(base, offload_activations=20)
+    for stack in (LLMSCALE, MEGATRON_CORE):
+        opt = memory_options(stack)
+        a, b = (estimate_memory(p, opt, validate=False).worst for p in (base, off))
+        moved = 20 * rank_work(off, 0, opt.kernels).block_saved["none"]
+        assert rank_work(off, 0, opt.kernels).host_saved == moved > 0
+        assert a.activations - b.activations == pytest.approx(moved)
+        assert b.host - a.host == pytest.approx(moved)
+    for stack in (TORCHTITAN, MEGATRON_2021):
+        refused = layout_problem(stack, recompute="none", schedule=None, pp=1, tied=False,
+                                 offload_activations=20)  # fmt: skip
+        assert refused is not None and refused[0] == "train.offload_activations"
+    assert layout_problem(MEGATRON_CORE, recompute="none", schedule=None, pp=1, tied=False,
+                          offload_activations=20) is None  # fmt: skip
+
+
+def test_activation_offload_copies_block_the_llmscale_runtime_and_hide_under_megatron() -> None:
+    """torch's save_on_cpu copies on the compute stream: both directions whole, every
+    micro-batch. TransformerEngine's offload (Megatron-Core) runs beside the compute of the
+    blocks kept on the device: only what does not fit there shows."""
+    from llmscale.plan.work import rank_work
+
+    base = Plan(
+        model=L70, seq_len=4096, micro_batch_size=1, global_batch_size=64, precision="bf16",
+        dp_shard=64, zero_stage=3,
+    )  # fmt: skip
+    t_off = estimate_step_time(
+        replace(base, offload_activations=20), H100, time_params(LLMSCALE), validate=False
+    )
+    moved = 20 * rank_work(base, 0, LLMSCALE.kernels).block_saved["none"]
+    one_way = moved / H100.host_link.bandwidth
+    assert t_off.breakdown["activation_offload"] == pytest.approx(2 * one_way * base.n_microbatches)
+    mc = time_params(MEGATRON_CORE)
+    t0 = estimate_step_time(base, H100, mc, validate=False)
+    f0, b0 = t0.stage_fwd[0], t0.stage_bwd[0]
+    kernels = MEGATRON_CORE.kernels
+    for n in (20, 70):  # behind 60 blocks' compute; behind 10, not all of it
+        t = estimate_step_time(replace(base, offload_activations=n), H100, mc, validate=False)
+        x = n * rank_work(base, 0, kernels).block_saved["none"] / H100.host_link.bandwidth
+        window = (80 - n) / 80
+        want_f, want_b = max(0.0, x - window * f0), max(0.0, x - window * b0)
+        assert t.stage_fwd[0] - f0 == pytest.approx(want_f, abs=1e-12)
+        assert t.stage_bwd[0] - b0 == pytest.approx(want_b, abs=1e-12)
+        assert (want_f + want_b == 0) == (n == 20)

@@ -110,6 +110,14 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         "--sp", action=argparse.BooleanOptionalAction, help="sequence parallelism on or off"
     )
     fix.add_argument("--offload", help=" | ".join(OFFLOAD_MODES))
+    fix.add_argument(
+        "--offload-activations",
+        type=int,
+        metavar="N",
+        help="the first N blocks keep their saved activations in host memory between forward "
+        "and backward (train.offload_activations; Megatron-Core's --cpu-offloading-num-layers); "
+        "sets --pp 1 and --recompute none (default 0: none)",
+    )
     p.set_defaults(func=_cmd_plan)
 
 

@@ -20,6 +20,7 @@ from llmscale.config import PRECISIONS, JobConfig, pipeline_chunks
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
+from llmscale.parallel.activation_offload import apply_activation_offload
 from llmscale.parallel.compile import apply_compile, compile_problem
 from llmscale.parallel.context_parallel import apply_cp
 from llmscale.parallel.data_parallel import CollectiveCounter, apply_fsdp
@@ -63,6 +64,7 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
         if dims.cp > 1:
             apply_cp(part, dims.cp_group())
         apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every_k)
+        apply_activation_offload(part, cfg.train.offload_activations)
         if cfg.train.compile:  # after TP and recompute, before FSDP's hooks (torchtitan's order)
             apply_compile(part)
         if dims.reduces_grads:  # dp x cp > 1: the cp ranks' gradients are reduced too
@@ -87,13 +89,20 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     torchao, a CUDA GPU with FP8 matmuls (compute capability 8.9 or later) and tp = 1; the
     message names what is missing.
     `train.compile` with tp > 1 off CUDA, or with cp > 1 (parallel/compile.py's
-    `compile_problem`).
+    `compile_problem`), or with `train.offload_activations` (save_on_cpu around a block).
     """
     # (cp > 1 with offload or compile: JobConfig.validate refuses them, for the dry run too.)
     if cfg.train.compile:
         why = compile_problem(cfg.parallel.tp, device)
         if why is not None:
             raise ConfigError("train.compile", True, f"false with tp > 1 here ({why})")
+        if cfg.train.offload_activations:
+            raise ConfigError(
+                "train.compile",
+                True,
+                "false with train.offload_activations > 0 (save_on_cpu's hooks are not traced "
+                "into a compiled block here)",
+            )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:

@@ -53,6 +53,10 @@ micro-batch in flight (see `inflight_units`), plus the token ids on the first st
 head's tensors and the loss's logits on the last. `transient` adds the largest short-lived
 buffer (the loss's fp32 logit gradients, or one block recomputed in backward, or FSDP's
 reduce-scatter) to the end-of-forward peak, so the peak is an upper bound.
+Activation offload (`train.offload_activations` = N, pp 1, no recompute): the first N blocks'
+saved tensors wait in host memory (`host`) between their forward and their backward, so the
+device holds the other blocks' (TransformerEngine's schedule under Megatron-Core keeps at most
+n_layers - N blocks' on the device; torch's `save_on_cpu` moves each tensor as it is saved).
 
 Allocator: PyTorch's caching allocator reserves more than it allocates (rounding, fragments);
 `allocator_overhead` (default 5%) of the allocated total is added, and `device_reserve_GiB`
@@ -517,7 +521,8 @@ def _rank_activation_bytes(plan: Plan, rank: int, opt: MemoryOptions) -> float:
     work = rank_work(plan, rank, opt.kernels)
     # With uneven chunks (interleaved), a chunk unit is taken as the rank's mean chunk.
     units = inflight_units(plan.pp_schedule, plan.pp, plan.n_microbatches, plan.chunks, rank)
-    total = units * work.blocks_saved / plan.chunks
+    # (offloaded blocks' saved tensors wait on the host: pp 1, one micro-batch in flight)
+    total = units * (work.blocks_saved - work.host_saved) / plan.chunks
     if work.embedding:
         total += embedding_inflight(plan, opt.stack) * work.embedding_saved
     torch_1f1b = opt.stack.pipeline == "torch" and plan.pp_schedule == "1f1b"
@@ -599,18 +604,19 @@ def _rank_floor(plan: Plan, rank: int, opt: MemoryOptions) -> RankPieces:
 def floor_pieces(states: RankPieces, activity: Activity) -> RankPieces:
     """A rank's pieces but the split backwards' pending gradients, from its states
     (`rank_states`) and what its micro-batches add (`rank_activity`)."""
-    acts, transient, buffers = activity
+    acts, transient, buffers, host = activity
     # (`states._replace(...)`, built directly: the search builds one per plan and rank)
     return RankPieces(
         states.params, states.grads, states.optimizer, states.working_params, acts,
-        max(states.transient, transient), states.host, states.pending_weight_grads, buffers,
+        max(states.transient, transient), states.host + host, states.pending_weight_grads,
+        buffers,
     )  # fmt: skip
 
 
 def floor_allocated(states: RankPieces, activity: Activity) -> float:
     """`floor_pieces(states, activity).allocated`, without building the record (the search
     tests tens of thousands of floors against its budget)."""
-    acts, transient, buffers = activity
+    acts, transient, buffers, _ = activity
     return _device_bytes(
         states.params, states.grads, states.optimizer, states.working_params, acts,
         max(states.transient, transient), states.pending_weight_grads, buffers,
@@ -627,11 +633,13 @@ def rank_activity(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -
 class Activity(NamedTuple):
     """What a rank's micro-batches add to its states: saved activations, the largest
     transient besides FSDP's (the loss's logit gradients, a recomputed block; 0 when none),
-    the pipeline stages' receive buffers."""
+    the pipeline stages' receive buffers, and the saved activations offloaded blocks keep in
+    host memory (`RankWork.host_saved`)."""
 
     activations: float
     transient: float
     pipeline_buffers: float
+    host: float = 0.0
 
 
 _ACTIVITY: Memo[Activity] = Memo("memory.rank_activity")
@@ -657,7 +665,8 @@ def _activity(plan: Plan, rank: int, opt: MemoryOptions) -> Activity:
         live = cp_share(plan) * act.attention_live_bytes(*args) if recomputed else 0.0
         transient = max(transient, live + ring)
     acts = _rank_activation_bytes(plan, rank, opt)  # (cached with this, on the same key)
-    return Activity(acts, transient, _pipeline_buffers(plan, rank, opt))
+    host = rank_work(plan, rank, opt.kernels).host_saved
+    return Activity(acts, transient, _pipeline_buffers(plan, rank, opt), host)
 
 
 class PipelineHeld(NamedTuple):

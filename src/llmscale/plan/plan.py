@@ -96,6 +96,8 @@ class Plan(MeshDegrees):
     global_batch_size: int = _cfg("train.global_batch_size")
     recompute: Recompute = _cfg("train.recompute", "none")
     recompute_every_k: int = _cfg("train.recompute_every_k", 2)
+    # The first blocks whose saved activations wait in host memory (`RankWork.offloaded`).
+    offload_activations: int = _cfg("train.offload_activations", 0)
     precision: Precision = _cfg("precision.mode", "bf16")
     offload: Offload = _cfg("optimizer.offload", "none")
     # offload lsp: projector rows and non-zeros per column (plan/lsp.py)
@@ -264,7 +266,7 @@ class Plan(MeshDegrees):
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
             self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
             self.pp_schedule, self.chunks, self.n_microbatches, self.lowp_weights, self.pp_layers,
-            self.cp,
+            self.cp, self.offload_activations,
         )  # fmt: skip
 
     def blocks_key(self) -> tuple[Hashable, ...]:
@@ -274,6 +276,7 @@ class Plan(MeshDegrees):
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp,
             self.sequence_parallel, self.recompute, self.recompute_every_k, self.pp,
             self.chunks, self.v_shape, self.lowp_weights, self.pp_layers, self.cp,
+            self.offload_activations,
         )  # fmt: skip
 
     def pipeline_key(self) -> tuple[Hashable, ...]:
@@ -291,7 +294,7 @@ class Plan(MeshDegrees):
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp, self.pp,
             self.chunks, self.recompute, self.recompute_every_k, self.sequence_parallel,
             self.dp_shard, self.zero_stage, self.lowp_weights, self.pp_layers, self.cp,
-            self.v_shape,
+            self.v_shape, self.offload_activations,
             # FSDP2 under a pipeline: how often the schedule gathers (stack.pipeline_gathers)
             (self.pp_schedule, self.n_microbatches) if self.fsdp and self.pp > 1 else None,
         )  # fmt: skip
@@ -327,6 +330,8 @@ class Plan(MeshDegrees):
                 continue
             if f.name.startswith("lsp_") and self.offload != "lsp":
                 continue  # settings of offload lsp only
+            if f.name == "offload_activations" and not self.offload_activations:
+                continue
             value = getattr(self, f.name)
             if f.metadata["frozen"]:
                 if not value:

@@ -76,14 +76,15 @@ def expected_runtime_metrics(
     optim = pieces.optimizer
     k = options.kernels
     # One micro-batch's saved bytes as the memory model counts them: blocks, embedding, head
-    # (a cp rank's 1/cp of each sequence).
+    # (a cp rank's 1/cp of each sequence); not those of offloaded blocks, on the host, where the
+    # measuring hooks do not see them (parallel/activation_offload.py).
     work = rank_work(plan, rank, k)
     modes = work.modes
-    saved = work.saved
+    saved = work.saved - work.host_saved
     rp = plan_rank_params(plan, rank, k)
     casts = 0.0  # autocast's weight casts that autograd keeps (working_params in the model)
     if plan.precision != "fp32" and not plan.lowp_weights:  # autocast runs
-        live_blocks = modes.get("none", 0) + modes.get("selective", 0)
+        live_blocks = modes.get("none", 0) + modes.get("selective", 0) - work.offloaded
         casts += 2.0 * live_blocks * rp.block.saved_cast_numel
         casts += 2.0 * sum(g.saved_cast_numel for g in rp.root)
     saved += casts

@@ -117,6 +117,9 @@ class SearchSpace:
     # chunks entries; () = the automatic split).
     cp: int = 1
     pp_layers: tuple[int, ...] = ()
+    # Fixed, never searched: blocks whose activations wait in host memory (pp 1, recompute none
+    # only: `report.search_report` narrows the space to them when it is set).
+    offload_activations: int = 0
 
     def fixed_degrees(self) -> dict[str, int]:
         """The degrees this space fixes, by name."""
@@ -386,6 +389,7 @@ def search(
                 global_batch_size=global_batch_size, precision=precision,
                 dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
+                offload_activations=space.offload_activations,
             )  # fmt: skip
             # Whether each offload runs the forward on low-precision weights (`_Floors`).
             lowp = [base.varied(offload=o).lowp_weights for o in pp_offloads]

@@ -110,6 +110,7 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, rank_actions
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.work import (
+    RankWork,
     block_linears,
     cp_share,
     cp_tokens,
@@ -748,7 +749,28 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
         parts["fsdp_comm"] = gather
         bwd += gather
+    if work.offloaded:
+        off_f, off_b = _activation_offload_seconds(work, cluster, tp_.stack, fwd, bwd)
+        parts["activation_offload"] = off_f + off_b
+        fwd += off_f
+        bwd += off_b
     return _RankTimes(fwd, bwd, parts, sync, wgrad)
+
+
+def _activation_offload_seconds(
+    work: RankWork, cluster: Cluster, stack: Stack, fwd: float, bwd: float
+) -> tuple[float, float]:
+    """Exposed seconds of one micro-batch's activation offload (forward) and reload
+    (backward): the offloaded blocks' saved bytes each way over the GPU's host link. Copied on
+    the compute stream (`Stack.activation_offload` "blocking": torch's save_on_cpu), all of it;
+    on a side stream ("async": TransformerEngine's schedule gives block i's offload until the
+    forward of block n - N + i and starts its reload N blocks ahead), what does not fit beside
+    the compute of the n - N blocks kept on the device (their share of `fwd` and `bwd`)."""
+    moved = work.host_saved / cluster.host_link.bandwidth
+    if stack.activation_offload != "async":
+        return moved, moved
+    window = (work.n_blocks - work.offloaded) / work.n_blocks
+    return max(0.0, moved - window * fwd), max(0.0, moved - window * bwd)
 
 
 def _tp_block_seconds(

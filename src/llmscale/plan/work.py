@@ -108,7 +108,10 @@ class RankWork:
       (what a block's forward leaves behind, whatever is later dropped);
     - embedding_saved, head_saved: the token ids and the head's and loss's saved bytes (0 on a
       rank without them);
-    - linears: one block's GEMMs (`block_linears`).
+    - linears: one block's GEMMs (`block_linears`);
+    - offloaded: how many of its blocks keep their saved activations in host memory between
+      forward and backward (`Plan.offload_activations`: the model's first blocks; recompute
+      none, so each saves `block_saved["none"]`).
     """
 
     rank: int
@@ -121,6 +124,7 @@ class RankWork:
     embedding_saved: float
     head_saved: float
     linears: tuple[BlockLinear, ...]
+    offloaded: int = 0
 
     @property
     def n_blocks(self) -> int:
@@ -135,6 +139,12 @@ class RankWork:
     def blocks_saved(self) -> float:
         """Bytes the rank's blocks save for one micro-batch."""
         return sum(n * self.block_saved[m] for m, n in self.modes.items())
+
+    @property
+    def host_saved(self) -> float:
+        """Bytes of one micro-batch's saved activations its offloaded blocks move to the host
+        (and back): off the device between their forward and their backward."""
+        return self.offloaded * self.block_saved["none"]
 
     @property
     def saved(self) -> float:
@@ -178,4 +188,5 @@ def _rank_work(plan: Plan, rank: int, kernels: act.Kernels) -> RankWork:
         embedding_saved=share * emb if embedding else 0.0,
         head_saved=share * act.head_bytes(*args) if head else 0.0,
         linears=tuple(block_linears(plan)),
+        offloaded=sum(1 for i in layers if i < plan.offload_activations),
     )

@@ -144,12 +144,16 @@ def plan_label(p: Plan, stack: Stack = LLMSCALE) -> dict[str, str]:
     if p.pp > 1 and p.pp_schedule == "zero_bubble":
         sched = f"zero_bubble v={p.pp_chunks}"
     rec = p.recompute if p.recompute != "every_k" else f"every_{p.recompute_every_k}"
+    offload = str(p.offload)
+    if p.offload_activations:  # the first N blocks' activations on the host
+        acts = f"act {p.offload_activations}"
+        offload = acts if p.offload == "none" else f"{p.offload}, {acts}"
     return {
         "tp": str(p.tp), "pp": str(p.pp),
         "dp": f"{dp} {kind}" + (f" cp{p.cp}" if p.cp > 1 else ""),  # cp ranks: inside dp
         "zero": str(p.zero_stage) if p.dp_shard > 1 else "-", "mbs": str(p.micro_batch_size),
         "recompute": rec, "schedule": sched, "sp": "y" if p.sequence_parallel else "-",
-        "offload": p.offload,
+        "offload": offload,
     }  # fmt: skip
 
 
@@ -247,7 +251,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
     fields = {k: getattr(p, k) for k in ("seq_len", "micro_batch_size", "global_batch_size",
               "recompute", "recompute_every_k", "precision", "offload", "dp_replicate",
               "dp_shard", "tp", "pp", "pp_schedule", "pp_chunks", "sequence_parallel",
-              "zero_stage", "cp")}  # fmt: skip
+              "zero_stage", "cp", "offload_activations")}  # fmt: skip
     fields["pp_layers"] = list(p.pp_layers)  # [] = the automatic split
     return {
         "plan": {"model": p.model.name, **fields},

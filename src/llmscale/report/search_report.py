@@ -110,6 +110,10 @@ def plan_report(
     its blocks under torch.compile (fused element-wise kernels)."""
     cfg = model if isinstance(model, ModelConfig) else load_model(model)
     pp_layers_check(cfg, fixed or {})
+    if space.offload_activations >= cfg.n_layers:
+        raise ConfigError(
+            "offload_activations", space.offload_activations, f"< the model's {cfg.n_layers} layers"
+        )
     cluster = Cluster.of(gpu, node=node, nic=nic)
     st = get_stack(stack)
     # A policy or schedule fixed by a flag that the stack lacks is refused; in a search it is
@@ -120,6 +124,7 @@ def plan_report(
         schedule=space.schedules[0] if len(space.schedules) == 1 else None,
         pp=1,  # a tied pipeline the stack refuses is left out of the search, with its reason
         tied=cfg.tie_embeddings,
+        offload_activations=space.offload_activations,
     )
     if refused:
         raise ConfigError(*refused)
@@ -144,7 +149,7 @@ def plan_report(
 # The flags of `llmscale plan` that fix one dimension of the search, in the order they print.
 FIXABLE = (
     "tp", "pp", "dp_shard", "dp_replicate", "cp", "mbs", "recompute", "every_k", "schedule",
-    "chunks", "pp_layers", "zero_stage", "sp", "offload",
+    "chunks", "pp_layers", "zero_stage", "sp", "offload", "offload_activations",
 )  # fmt: skip
 _DEGREES = ("tp", "pp", "dp_shard", "dp_replicate")
 
@@ -204,7 +209,29 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
         changes["sequence_parallel"] = (bool(fixed["sp"]),)
     if "offload" in fixed:
         changes["offload"] = (fixed["offload"],)
+    changes |= _activation_offload_changes(fixed)
     return replace(DEFAULT_SPACE, **changes), fixed
+
+
+def _activation_offload_changes(fixed: dict[str, Any]) -> dict[str, Any]:
+    """--offload-activations N: N >= 0; N > 0 runs with pp 1 and no recompute (the runtime's and
+    Megatron-Core's rule), which it fixes where they are not given."""
+    n = fixed.get("offload_activations")
+    if n is None:
+        return {}
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError("offload_activations", n, "an integer >= 0")
+    if n == 0:
+        return {}
+    if fixed.get("pp", 1) != 1:
+        raise ConfigError("pp", fixed["pp"], "1 with --offload-activations (no pipeline)")
+    if fixed.get("recompute", "none") != "none":
+        raise ConfigError(
+            "recompute",
+            fixed["recompute"],
+            "none with --offload-activations (offload or recompute)",
+        )
+    return {"offload_activations": n, "pp": 1, "recompute": ("none",)}
 
 
 def _schedule_changes(sched: str | None, chunks: int | None) -> dict[str, Any]:

@@ -206,6 +206,14 @@ class Stack:
     # With torch.compile on, the loss is compiled too (`Kernels.compiled_loss`); the llmscale
     # runtime compiles its blocks only (parallel/compile.py).
     compiles_loss: bool = False
+    # How the first blocks' saved activations go to host memory and back
+    # (train.offload_activations): not at all ("refuse"); each tensor copied as it is saved and
+    # as backward needs it, on the compute stream ("blocking": torch.autograd.graph.save_on_cpu,
+    # the llmscale runtime); or on a side stream behind the compute ("async": TransformerEngine's
+    # CPU offload context, Megatron-Core's --cpu-offloading-num-layers N: block i's offload is
+    # due by the forward of block n_layers - N + i and its reload starts N blocks ahead in
+    # backward, transformer_engine/pytorch/cpu_offload.py `_default_offload_sync_init`).
+    activation_offload: Literal["refuse", "blocking", "async"] = "refuse"
 
     def kernels_for(self, compiled: bool) -> Kernels:
         """The kernels this stack runs with torch.compile on (`compiled`) or off."""
@@ -312,8 +320,21 @@ def schedule_problem(stack: Stack, schedule: str) -> str | None:
     return f"{' | '.join(stack.schedules)} under --stack {stack.name}"
 
 
+def activation_offload_problem(stack: Stack, offload_activations: int) -> str | None:
+    """Why `stack` cannot offload `offload_activations` blocks' activations (None when it can)."""
+    if offload_activations and stack.activation_offload == "refuse":
+        return f"0 under --stack {stack.name} (it has no activation offload; recompute instead)"
+    return None
+
+
 def layout_problem(
-    stack: Stack, *, recompute: str | None, schedule: str | None, pp: int, tied: bool
+    stack: Stack,
+    *,
+    recompute: str | None,
+    schedule: str | None,
+    pp: int,
+    tied: bool,
+    offload_activations: int = 0,
 ) -> tuple[str, object, str] | None:
     """The first of `stack`'s refusals a layout meets, as (config key, value, what is allowed
     instead), None when it runs: the one check `plan --stack` (a recompute policy or schedule
@@ -322,6 +343,11 @@ def layout_problem(
         ("train.recompute", recompute, recompute and recompute_problem(stack, recompute)),
         ("parallel.pp", pp, tied_pipeline_problem(stack, tied, pp)),
         ("parallel.pp_schedule", schedule, schedule and schedule_problem(stack, schedule)),
+        (
+            "train.offload_activations",
+            offload_activations,
+            activation_offload_problem(stack, offload_activations),
+        ),
     )
     for key, value, problem in checks:
         if problem:
@@ -346,6 +372,7 @@ LLMSCALE = Stack(
     elementwise="llmscale",
     grad_sync_once=True,
     tied_under_pp="copy_on_last_stage",  # parallel/tied_embeddings.py
+    activation_offload="blocking",  # parallel/activation_offload.py
 )
 
 MEGATRON_2021 = Stack(
@@ -418,6 +445,7 @@ MEGATRON_CORE = Stack(
     optimizer_bytes_per_param=34.0,
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
+    activation_offload="async",  # --cpu-offloading-num-layers (TransformerEngine's context)
     # What Megatron-Core's kernels reach on the two NVL72 parts, whose datasheets give the same
     # dense peaks (GB200 and GB300 NVL72 pages: 360 PF BF16 and 720 PF FP8 with sparsity per 72
     # GPUs) while the published 8-GPU Llama 3 8B job, identical on both, runs 1.19x faster on
