@@ -509,22 +509,30 @@ def test_validation_misses_lists_the_rows_outside_the_bars(monkeypatch: pytest.M
 
     import llmscale.validation.runs as runs
 
-    def row(rid: str, ratio: float, mem: float | None = None, role: str = "validation") -> object:
+    def row(
+        rid: str,
+        ratio: float,
+        mem: float | None = None,
+        role: str = "validation",
+        fits: bool = True,
+    ) -> object:
         return SimpleNamespace(
             id=rid, role=role, ratio=ratio, memory_ratio=mem, predicted=ratio * 100.0,
-            published=100.0, memory_predicted=None if mem is None else 50.0 * mem,
-            memory_published=None if mem is None else 50.0,
+            published=100.0, memory_predicted=50.0 if mem is None else 50.0 * mem,
+            memory_published=None if mem is None else 50.0, fits=fits,
         )  # fmt: skip
 
     fake = [
         row("fast", 1.26), row("ok", 1.24, 0.86), row("heavy", 1.0, 0.84),
         row("cal", 1.5, role="calibration"), row("x-tp", 1.0), row("x-asynctp", 1.1),
+        row("tight", 1.0, fits=False),
     ]  # fmt: skip
     monkeypatch.setattr(runs, "all_results", lambda: fake)
     out = docs.validation_misses(docs.Context(measure=False))
     assert (
         "| fast | throughput | 1.260 |" in out
         and "| heavy | memory | 0.84 (42.0 / 50.0 GiB) |" in out
+        and "| tight | fit | does not fit (50.0 GiB predicted) |" in out
     )
     assert "| ok |" not in out and "| cal |" not in out
     assert "x-asynctp: 1.10 predicted, 1.00 published" in out

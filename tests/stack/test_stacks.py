@@ -149,8 +149,9 @@ def test_each_tp_collective_hides_behind_the_gemms_beside_it() -> None:
     plan = Plan(model=L8, seq_len=8192, micro_batch_size=12, global_batch_size=96, tp=8,
                 dp_shard=8, sequence_parallel=True)  # fmt: skip
     tp_ = time_params(TORCHTITAN.on(tp_overlap_gemm=True))
-    peak = H100.gpu.peak_flops("bf16")
-    (a_cols, a_rows), (m_cols, m_rows) = tp_region_gemm_seconds(plan, H100, peak, None)
+    h100 = H100.run_by(tp_.stack)  # the GEMMs at the rates torchtitan reaches on Hopper
+    peak = h100.gpu.peak_flops("bf16")
+    (a_cols, a_rows), (m_cols, m_rows) = tp_region_gemm_seconds(plan, h100, peak, None)
     assert a_cols < m_cols and a_rows < m_rows
     nbytes = 12 * 8192 * L8.dim * 2
     ag = collective("all_gather", nbytes, 8, 8, H100.fabric).seconds
@@ -174,13 +175,14 @@ def test_micro_pipelined_tp_runs_its_gemms_in_tp_row_chunks() -> None:
     plan = Plan(model=L8, seq_len=8192, micro_batch_size=1, global_batch_size=8, tp=8,
                 dp_shard=8, sequence_parallel=True, recompute="full")  # fmt: skip
     async_tp = TORCHTITAN.on(tp_overlap_gemm=True, tp_overlap_chunks=True)
-    cal, peak = H100.gpu.calibration, H100.gpu.peak_flops("bf16")
+    h100 = H100.run_by(TORCHTITAN)  # the rates torchtitan reaches on Hopper
+    cal, peak = h100.gpu.calibration, h100.gpu.peak_flops("bf16")
 
     def seconds(m: int, n: int, k: int) -> float:
         return 2.0 * m * n * k / (peak * cal.gemm_efficiency_at(m, n, k))
 
     by_hand = sum(8 * seconds(m // 8, n, k) - seconds(m, n, k) for m, n, k in block_gemms(plan))
-    split = tp_chunked_gemm_seconds(plan, H100, time_params(async_tp), peak, None)
+    split = tp_chunked_gemm_seconds(plan, h100, time_params(async_tp), peak, None)
     assert split == pytest.approx(by_hand, rel=1e-12) and split > 0
     whole = estimate_step_time(plan, H100, time_params(TORCHTITAN.on(tp_overlap_gemm=True)),
                                validate=False)  # fmt: skip
@@ -363,7 +365,10 @@ def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
 
     roles = {r["id"]: r["role"] for r in load_runs()}
     fits = [f for s in STACKS.values() for f in s.fitted]
-    assert {f.gpu for f in fits} == {"a100-80g", "h100-96g", "gb200", "gb300"}
+    assert {f.gpu for f in fits} == {"a100-80g", "h100-96g", "h100", "h200", "gb200", "gb300"}
+    # torchtitan's Hopper share: one value, on the three parts of the one die
+    hopper = {f.gpu: f.scale for f in TORCHTITAN.fitted}
+    assert set(hopper) == {"h100-96g", "h100", "h200"} and len(set(hopper.values())) == 1
     for fit in fits:
         named = [
             m for m in re.findall(r"row ([a-z0-9][a-z0-9.-]+)", fit.scale.source) if m in roles
