@@ -23,7 +23,7 @@ Modes (train.recompute):
 
 Checkpointing uses `torch.utils.checkpoint` in its non-reentrant form. A wrapped module's class
 is swapped for a generated subclass whose `forward` runs the original one under `checkpoint`
-(what `fully_shard` does), so parameter names do not change with the mode: llmscale keys
+(`parallel.class_swap`, as `fully_shard` does), so parameter names do not change with the mode: llmscale keys
 initial values, offload units, checkpoints and the planner's shapes by name, and
 `checkpoint_wrapper` would insert a level. Nothing refers back to the module either, so a model
 is freed as soon as it is dropped (a per-instance `forward` holding a bound method of its module
@@ -48,6 +48,7 @@ from torch.utils.checkpoint import (
 from llmscale.instrument.activations import note_checkpoint_kept
 from llmscale.model.config import OP_SAC_SAVED_COLLECTIVES, block_recompute, op_sac_saves_matmul
 from llmscale.model.transformer import AttentionCore, TransformerBlock
+from llmscale.parallel.class_swap import prepend_class
 from llmscale.torch_internals import sac_stored_tensors
 
 _aten = torch.ops.aten
@@ -146,9 +147,6 @@ class OpCheckpointed(Checkpointed):
     _context_fn: Any = staticmethod(op_sac_contexts)
 
 
-_SUBCLASSES: dict[tuple[type[nn.Module], type[Checkpointed]], type[nn.Module]] = {}
-
-
 def checkpoint_module(module: nn.Module, policy: type[Checkpointed] = Checkpointed) -> None:
     """Run `module`'s forward under checkpointing from now on (once; names are unchanged).
 
@@ -157,12 +155,7 @@ def checkpoint_module(module: nn.Module, policy: type[Checkpointed] = Checkpoint
         return
     if "forward" in vars(module):
         raise TypeError(f"{type(module).__name__} has a per-instance forward; cannot checkpoint")
-    cls = type(module)
-    sub = _SUBCLASSES.get((cls, policy))
-    if sub is None:
-        sub = type(f"{policy.__name__}{cls.__name__}", (policy, cls), {})
-        _SUBCLASSES[(cls, policy)] = sub
-    module.__class__ = sub
+    prepend_class(module, policy)
 
 
 def is_recomputed(module: nn.Module, mode: str, every_k: int = 2) -> bool:

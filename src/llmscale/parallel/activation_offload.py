@@ -4,10 +4,11 @@ memory between their forward and their backward (`train.offload_activations`; Me
 
 A transform `parallelize` applies to the built model, like activation checkpointing (and, as
 Megatron-Core, never with it: `JobConfig.validate` refuses recompute with offload, and a
-pipeline). Each offloaded block's class is swapped for a generated subclass whose `forward`
-runs the original one under `torch.autograd.graph.save_on_cpu`: every tensor autograd saves
-inside the block is copied to host memory (pinned, on a GPU) as it is saved, and back to the
-device when its backward needs it. The copies run on the compute stream, so the device waits
+pipeline). Each offloaded block gets `Offloaded` before its own class
+(`parallel.class_swap`), whose `forward` runs the original one under
+`torch.autograd.graph.save_on_cpu`: every tensor autograd saves inside the block is copied to
+host memory (pinned, on a GPU) as it is saved, and back to the device when its backward needs
+it. The copies run on the compute stream, so the device waits
 for them: the planner prices them whole (`Stack.activation_offload` "blocking"), where
 TransformerEngine's offload under Megatron-Core runs them on a side stream ("async").
 
@@ -24,8 +25,7 @@ import torch
 from torch import nn
 
 from llmscale.model.transformer import TransformerBlock
-
-_SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+from llmscale.parallel.class_swap import prepend_class
 
 
 class Offloaded(nn.Module):
@@ -44,11 +44,7 @@ def offload_module(module: nn.Module) -> None:
         return
     if "forward" in vars(module):
         raise TypeError(f"{type(module).__name__} has a per-instance forward; cannot offload")
-    cls = type(module)
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = _SUBCLASSES[cls] = type(f"Offloaded{cls.__name__}", (Offloaded, cls), {})
-    module.__class__ = sub
+    prepend_class(module, Offloaded)
 
 
 def apply_activation_offload(model: nn.Module, n_blocks: int) -> list[str]:

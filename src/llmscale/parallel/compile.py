@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from llmscale.model.transformer import TransformerBlock
+from llmscale.parallel.class_swap import prepend_class
 
 
 class Compiled(nn.Module):
@@ -59,19 +60,11 @@ def _compiled_forward() -> Any:
     return _COMPILED[0]
 
 
-_SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-
-
 def compile_module(module: nn.Module) -> None:
     """Run `module`'s forward compiled from now on (once; parameter names are unchanged)."""
     if isinstance(module, Compiled):
         return
-    cls = type(module)
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = type(f"Compiled{cls.__name__}", (Compiled, cls), {})
-        _SUBCLASSES[cls] = sub
-    module.__class__ = sub
+    prepend_class(module, Compiled)
 
 
 def apply_compile(model: nn.Module) -> list[str]:
