@@ -33,6 +33,11 @@ def _run(args, tmp_path):
             "precision.mode: got 'fp8'; allowed: fp32 | bf16 | fp16",
         ),
         (
+            ["train", "--precision.mode", "nvfp4"],
+            "precision.mode: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | fp8 (this runtime has "
+            "no NVFP4 training",
+        ),
+        (
             ["train", "--train.recompute", "some"],
             "none | full | selective | selective_op | every_k",
         ),
@@ -153,7 +158,7 @@ def test_train_help_lists_every_key_with_default_and_choices(capsys) -> None:
     out = capsys.readouterr().out
     for k in config_keys():
         assert f"--{k.key} " in out
-    assert '--precision.mode fp32 | bf16 | fp16 | fp8  (default "fp32")' in out
+    assert '--precision.mode fp32 | bf16 | fp16 | fp8 | nvfp4  (default "fp32")' in out
     assert (
         '--train.recompute none | full | selective | selective_op | every_k  (default "none")'
         in out

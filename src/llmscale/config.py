@@ -31,7 +31,7 @@ from llmscale.model.config import (
 from llmscale.paths import folder_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8", "nvfp4"]
 Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 LRDecay = Literal["cosine", "linear", "constant"]
@@ -91,8 +91,12 @@ def pipeline_chunks(schedule: str, pp_chunks: int) -> int:
 # torchao's float8 training: bf16 autocast whose linears run their matmuls in float8 (inputs and
 # weights cast per matmul, the bf16 tensors are what autograd saves), so its tensors are 2 bytes;
 # FP8_MATMUL_BYTES is the matmul operands' width.
-DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+DTYPE_BYTES: dict[Precision, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "nvfp4": 2}
 FP8_MATMUL_BYTES = 1
+# nvfp4 is TransformerEngine's NVFP4 recipe (NVFP4BlockScaling), which Megatron-Core runs and this
+# runtime does not: bf16 tensors, the linears' matmuls on FP4 (E2M1) operands with one E4M3 scale
+# per 16 elements (and one fp32 scale per tensor): 0.5 + 1/16 bytes per element.
+NVFP4_MATMUL_BYTES = 0.5 + 1 / 16
 
 # Token ids the byte-level data holds: the 256 bytes, then BOS, EOS and PAD (data/tokenizer.py).
 BYTE_TOKEN_IDS = 256 + 3
@@ -274,7 +278,9 @@ class PrecisionSection:
 
     mode: Precision = "fp32"
     """Autocast dtype of the forward and backward; the master weights stay fp32. fp8: bf16 with
-    float8 matmuls in the linears (torchao's float8 training; GPUs with FP8 only)."""
+    float8 matmuls in the linears (torchao's float8 training; GPUs with FP8 only). nvfp4:
+    TransformerEngine's NVFP4 recipe, plannable (`llmscale plan --stack megatron-core`) but not
+    trained by this runtime."""
     initial_scale: float = 2.0**15
     """fp16: the loss scale at the first step."""
     growth_factor: float = 2.0

@@ -18,6 +18,7 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp8": torch.bfloat16,
+    "nvfp4": torch.bfloat16,  # planned only: the runtime refuses it (check_runtime_support)
 }
 
 

@@ -53,6 +53,20 @@ def test_dense_is_half_of_sparse_and_tf32_is_listed() -> None:
     assert get_gpu("mi300x").peak_flops("fp8") == pytest.approx(2614.9e12)
 
 
+def test_fp4_peaks_are_dense_and_blackwell_only() -> None:
+    """FP4 (NVFP4) peaks: B200 and GB200 twice their FP8 (HGX B200 144 PF and GB200 NVL72
+    1,440 PF with sparsity, halved), Blackwell Ultra three times (GB300 NVL72 1,080 PF and HGX
+    B300 108 PF dense); Hopper and the AMD parts have none, and no FP4 calibration."""
+    for gpu, dense in (("b200", 9000), ("gb200", 10000), ("b300", 13500), ("gb300", 15000)):
+        assert get_gpu(gpu).peak_flops("fp4") == pytest.approx(dense * 1e12), gpu
+        assert get_gpu(gpu).calibration.fp4_gemm_efficiency is not None
+    for gpu in ("h100", "h200", "mi300x"):
+        assert "fp4" not in get_gpu(gpu).dense_TFLOPS
+        assert get_gpu(gpu).calibration.fp4_gemm_efficiency is None
+        with pytest.raises(ConfigError, match="fp4"):
+            get_gpu(gpu).peak_flops("fp4")
+
+
 def test_blackwell_ultra_nodes() -> None:
     """GB300 NVL72: 72 GPUs in one NVLink 5 domain, a ConnectX-8 (800 Gb/s) per GPU, FP8 at
     720 PF with sparsity / 72 / 2; DGX B300: 8 GPUs, 8 ConnectX-8 ports."""
@@ -227,8 +241,9 @@ def test_every_gpu_has_a_sourced_calibration(name: str) -> None:
     cal = gpu.calibration
     for f in dataclasses.fields(cal):
         num = getattr(cal, f.name)
-        if f.name == "fp8_gemm_efficiency" and "fp8" not in gpu.dense_TFLOPS:
-            assert num is None, name  # only GPUs with an FP8 peak have one
+        lowp = {"fp8_gemm_efficiency": "fp8", "fp4_gemm_efficiency": "fp4"}
+        if f.name in lowp and lowp[f.name] not in gpu.dense_TFLOPS:
+            assert num is None, name  # only GPUs with an FP8 (FP4) peak have one
             continue
         if num is None:  # measured on a device only (the runtime's ring attention)
             assert f.name == "ring_attention_efficiency", (name, f.name)

@@ -101,6 +101,10 @@ def test_partial_fixing_searches_the_rest() -> None:
         (["--offload-activations", "80"], "offload_activations: got 80; allowed: < the model"),
         (["--offload-activations", "8", "--stack", "torchtitan"],
          "train.offload_activations: got 8; allowed: 0 under --stack torchtitan"),
+        (["--precision", "nvfp4"], "precision.mode: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | "
+         "fp8 under --stack llmscale (nvfp4: --stack megatron-core)"),
+        (["--precision", "nvfp4", "--stack", "megatron-core"],
+         "precision: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | fp8 on h200 (no FP4"),
     ],
 )  # fmt: skip
 def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> None:
@@ -259,3 +263,15 @@ def test_offloaded_activations_fit_a_layout_that_did_not() -> None:
     assert t["20"] == pytest.approx(t["0"], rel=1e-9)
     table = _run(*layout[:-1], "--offload-activations", "20", "--wide")
     assert "act 20" in table.stdout
+
+
+def test_nvfp4_plans_under_megatron_core_on_blackwell() -> None:
+    """Megatron-Bridge's GB300 NVFP4 layout for Llama 3 70B: planned, and the llmscale command
+    printed for it says this runtime trains it in fp8, not nvfp4."""
+    r = _run("plan", "--model", "llama3-70b", "--gpu", "gb300", "--gpus", "64", "--seq", "8192",
+             "--global-batch", "256", "--stack", "megatron-core", "--precision", "nvfp4",
+             "--tp", "1", "--pp", "4", "--chunks", "5", "--schedule", "interleaved_1f1b",
+             "--mbs", "1", "--recompute", "none", "--dp-shard", "16", "--zero-stage", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "nvfp4: 1 plans costed, 1 fit" in r.stdout
+    assert "(which trains no nvfp4: fp8)" in r.stdout and "--precision.mode fp8" in r.stdout

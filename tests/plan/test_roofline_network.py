@@ -23,6 +23,18 @@ def test_llama2_70b_training_on_h200_is_compute_bound() -> None:
     assert r.intensity > 2.5 * r.ridge and r.bound == "compute-bound"
 
 
+def test_low_precision_training_ridges_at_the_linears_peak() -> None:
+    """fp8 and nvfp4 train their linears on the FP8 and FP4 tensor cores: the training step's
+    ridge is that peak's (GB300: 5,000 and 15,000 TFLOP/s over 8 TB/s); decoding stays bf16.
+    A GPU without the peak refuses (one ConfigError naming the dtype)."""
+    gb300 = get_gpu("gb300")
+    assert roofline.training(L70, gb300, 1, 4096, "fp8").ridge == pytest.approx(5000e12 / 8e12)
+    assert roofline.training(L70, gb300, 1, 4096, "nvfp4").ridge == pytest.approx(15000e12 / 8e12)
+    assert roofline.decode(L70, gb300, 1, 128, "nvfp4").ridge == pytest.approx(2500e12 / 8e12)
+    with pytest.raises(ConfigError, match="fp4"):
+        roofline.training(L70, H200, 1, 4096, "nvfp4")
+
+
 def test_decode_is_memory_bound_and_its_intensity_is_about_the_batch() -> None:
     r = roofline.decode(L70, H200, 1, 128)
     assert r.bound == "memory-bound"

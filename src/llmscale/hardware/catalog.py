@@ -37,8 +37,11 @@ CALIBRATION_FIELDS = (
 # (`llmscale.stack.Stack.step_overhead_ms`, `Stack.microbatch_overhead_ms`,
 # `Stack.optimizer_efficiency`, `Stack.fitted`; a device measured with the runtime:
 # `llmscale.stack.DeviceCosts`).
-# Required of a GPU with a dense FP8 peak (and only allowed then).
+# Required of a GPU with a dense FP8 peak (and only allowed then); likewise FP4.
 FP8_CALIBRATION_FIELD = "fp8_gemm_efficiency"
+FP4_CALIBRATION_FIELD = "fp4_gemm_efficiency"
+# The low-precision peaks and the calibration field each requires.
+LOWP_CALIBRATION_FIELDS = {"fp8": FP8_CALIBRATION_FIELD, "fp4": FP4_CALIBRATION_FIELD}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class Calibration:
       activations, casts, softmax/cross-entropy, the optimizer);
     - fp8_gemm_efficiency: achieved / dense FP8 peak of a large FP8 GEMM (scaled e4m3 inputs,
       bf16 output), on the same size curve; None for a GPU without FP8 tensor cores;
+    - fp4_gemm_efficiency: achieved / dense FP4 peak of a large block-scaled FP4 GEMM (NVFP4:
+      E2M1 inputs with an E4M3 scale per 16 elements, bf16 output), on the same size curve;
+      None for a GPU without FP4 tensor cores;
     - ring_attention_efficiency: achieved / fp32 dense peak of the llmscale runtime's ring
       attention blocks (parallel/context_parallel.py: fp32 matmuls, materialised scores, one
       eager op at a time) over the FLOPs they execute; None: not measured, and context
@@ -72,6 +78,7 @@ class Calibration:
     attention_efficiency: Sourced
     hbm_efficiency: Sourced
     fp8_gemm_efficiency: Sourced | None = None
+    fp4_gemm_efficiency: Sourced | None = None
     ring_attention_efficiency: Sourced | None = None
 
     def gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
@@ -86,6 +93,14 @@ class Calibration:
         if self.fp8_gemm_efficiency is None:
             raise ConfigError("calibration.fp8_gemm_efficiency", None, "a value (FP8 GPUs)")
         scale = self.fp8_gemm_efficiency.value / self.gemm_efficiency.value
+        return scale * self.gemm_efficiency_at(m, n, k)
+
+    def fp4_gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
+        """Achieved / FP4 peak for a block-scaled FP4 (m x k) @ (k x n) GEMM (the bf16 curve,
+        rescaled)."""
+        if self.fp4_gemm_efficiency is None:
+            raise ConfigError("calibration.fp4_gemm_efficiency", None, "a value (FP4 GPUs)")
+        scale = self.fp4_gemm_efficiency.value / self.gemm_efficiency.value
         return scale * self.gemm_efficiency_at(m, n, k)
 
 
@@ -128,7 +143,8 @@ class GPU:
         return tuple(self.dense_TFLOPS)
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for `dtype` (fp32 | tf32 | bf16 | fp16 | fp8 where supported)."""
+        """Dense peak FLOP/s for `dtype` (fp32 | tf32 | bf16 | fp16 | fp8 | fp4 where
+        supported)."""
         if dtype not in self.dense_TFLOPS:
             raise ConfigError("dtype", dtype, f"one of {self.name}'s: " + " | ".join(self.dtypes))
         return self.dense_TFLOPS[dtype].value * 1e12
@@ -322,19 +338,21 @@ def _lookup(kind: str, table: Mapping[str, _T], name: str) -> _T:
 def _calibration(e: Entry, table_key: str) -> Calibration:
     """A GPU's `calibration` table: every field of `Calibration`, each sourced."""
     table = e.numbers(table_key)
-    has_fp8 = "fp8" in (e.table.get("dense_TFLOPS") or {})
-    required = CALIBRATION_FIELDS + ((FP8_CALIBRATION_FIELD,) if has_fp8 else ())
+    peaks = e.table.get("dense_TFLOPS") or {}
+    lowp = tuple(f for dtype, f in LOWP_CALIBRATION_FIELDS.items() if dtype in peaks)
+    required = CALIBRATION_FIELDS + lowp
     for key in table:
         if key not in required:
             raise ConfigError(f"{e.where}.calibration.{key}", key, " | ".join(required))
     for key in required:
         if key not in table:
-            why = "a value (a GPU with an FP8 peak has one)" if key == FP8_CALIBRATION_FIELD else ""
+            dtype = next((d for d, f in LOWP_CALIBRATION_FIELDS.items() if f == key), None)
+            why = f"a value (a GPU with an {dtype.upper()} peak has one)" if dtype else ""
             raise ConfigError(
                 f"{e.where}.calibration.{key}", None, why or "a value (every GPU has one)"
             )
     shares: tuple[str, ...] = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
-    shares += (FP8_CALIBRATION_FIELD,)
+    shares += tuple(LOWP_CALIBRATION_FIELDS.values())
     for key in shares:
         if key in table and not 0 < table[key].value <= 1:
             raise ConfigError(f"{e.where}.calibration.{key}", table[key].value, "in (0, 1]")

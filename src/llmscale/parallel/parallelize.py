@@ -85,6 +85,7 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
 
     `parallel.cp > 1` runs with data, tensor (and sequence) and pipeline parallelism and
     activation checkpointing, not with optimizer offload (not built: refused).
+    `precision.mode = "nvfp4"`: not trained here (a planner precision: Megatron-Core's).
     `precision.mode = "fp8"`: torchao's float8 training (parallel/float8.py), which needs
     torchao, a CUDA GPU with FP8 matmuls (compute capability 8.9 or later) and tp = 1; the
     message names what is missing.
@@ -103,6 +104,14 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
                 "false with train.offload_activations > 0 (save_on_cpu's hooks are not traced "
                 "into a compiled block here)",
             )
+    if cfg.precision.mode == "nvfp4":
+        others = " | ".join(m for m in PRECISIONS if m != "nvfp4")
+        raise ConfigError(
+            "precision.mode",
+            "nvfp4",
+            f"{others} (this runtime has no NVFP4 training; plan TransformerEngine's NVFP4 recipe "
+            "with `llmscale plan --stack megatron-core --precision nvfp4`)",
+        )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:

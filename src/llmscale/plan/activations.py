@@ -42,7 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec
 
-from llmscale.config import DTYPE_BYTES, PRECISIONS, Precision
+from llmscale.config import (
+    DTYPE_BYTES,
+    FP8_MATMUL_BYTES,
+    NVFP4_MATMUL_BYTES,
+    PRECISIONS,
+    Precision,
+)
 from llmscale.errors import ConfigError
 from llmscale.model.config import ModelConfig, op_sac_saves_matmul
 from llmscale.plan.cache import memoize
@@ -61,6 +67,9 @@ _P = ParamSpec("_P")
 
 # What one micro-batch on one tensor-parallel rank is, as `block_tensors` and `head_tensors`
 # take it: model, micro_batch_size, seq_len, precision, tp, sequence_parallel, kernels.
+# Bytes per element of the cast a TransformerEngine linear saves for its backward
+# (`Kernels.fp8_saves_casts`), by precision.
+SAVED_CAST_BYTES: dict[str, float] = {"fp8": FP8_MATMUL_BYTES, "nvfp4": NVFP4_MATMUL_BYTES}
 SliceArgs = tuple[ModelConfig, int, int, Precision, int, bool, Kernels]
 
 
@@ -158,11 +167,16 @@ def block_tensors(
     def norm(tag: str) -> None:
         per_token.extend(norm_terms(model, tag, a, kernels))
 
-    fp8_casts = precision == "fp8" and kernels.fp8_saves_casts
+    # TransformerEngine's linears save the cast they multiplied: float8, or under nvfp4 the
+    # column-wise NVFP4 copy the weight gradient takes (4-bit values and a scale per 16).
+    cast_bytes = SAVED_CAST_BYTES.get(precision) if kernels.fp8_saves_casts else None
+    fp8_casts = cast_bytes is not None
+    cb = cast_bytes or 0.0
+    cast_name = "NVFP4" if precision == "nvfp4" else "float8"
 
     def linear_inputs(tag: str, names: tuple[str, ...]) -> None:
-        if fp8_casts:  # one float8 cast of the shared input (TransformerEngine)
-            per_token.append((f"{tag} input (float8 cast)", 1 * d, "linear_in"))
+        if fp8_casts:  # one cast of the shared input (TransformerEngine)
+            per_token.append((f"{tag} input ({cast_name} cast)", cb * d, "linear_in"))
         elif a == 4:
             per_token.append((f"{tag} input ({', '.join(names)} share it)", 4 * d, "linear_in"))
         elif norm_output_fp32(model, a, kernels):
@@ -202,7 +216,7 @@ def block_tensors(
         if mode == "none":
             per_token.append(("log-sum-exp (fp32)", 4 * heads, "tp"))
         if fp8_casts:
-            per_token.append(("wo input (float8 cast)", 1 * d, "tp"))
+            per_token.append((f"wo input ({cast_name} cast)", cb * d, "tp"))
     if kernels.dropout:
         per_token.append(("attention residual dropout mask", 1 * d, "norm"))
     norm("ffn_norm")
@@ -211,16 +225,16 @@ def block_tensors(
         per_token += [("w1 output (silu input)", a * f, "tp"), ("w3 output", a * f, "tp")]
         if not kernels.fused_swiglu:
             per_token.append(("silu output", a * f, "tp"))
-        w2_in = 1 if fp8_casts else a
+        w2_in = cb if fp8_casts else a
         per_token.append(
-            ("w2 input (silu x w3)" + (", float8" if fp8_casts else ""), w2_in * f, "tp")
+            ("w2 input (silu x w3)" + (f", {cast_name}" if fp8_casts else ""), w2_in * f, "tp")
         )
     else:
         linear_inputs("w1", ("w1",))
-        w2_in = 1 if fp8_casts else a
+        w2_in = cb if fp8_casts else a
         per_token += [
             ("w1 output (gelu input)", a * f, "tp"),
-            ("w2 input (gelu output)" + (", float8" if fp8_casts else ""), w2_in * f, "tp"),
+            ("w2 input (gelu output)" + (f", {cast_name}" if fp8_casts else ""), w2_in * f, "tp"),
         ]
     if kernels.dropout:
         per_token.append(("mlp residual dropout mask", 1 * d, "norm"))

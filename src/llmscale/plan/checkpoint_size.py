@@ -45,7 +45,7 @@ def checkpoint_bytes(cfg: JobConfig) -> int:
     """Predicted bytes of one checkpoint of `cfg`'s job (all ranks' files together)."""
     n_tensors, n_elems = param_tensors(cfg)
     offload_master = cfg.optimizer.offload != "none" and not cfg.fsdp_cpu_offload
-    low_precision = cfg.precision.mode in ("bf16", "fp16", "fp8")
+    low_precision = cfg.precision.mode in ("bf16", "fp16", "fp8", "nvfp4")
     model_bytes = 2 if offload_master and low_precision else 4
     # exp_avg, exp_avg_sq (+ the master under offload): fp32.
     optim_elem_bytes = 8 + (4 if offload_master else 0)

@@ -47,6 +47,11 @@ States (exact; `tests/plan/test_memory.py` has hand-computed cases):
 - fp8 (torchao float8 training): as bf16. torchao's float8 linears save their bf16 input and
   weight and cast both (and the output gradient) to float8 per matmul: 1-byte transients, not
   counted; FSDP2 all-gathers bf16 weights (torchao's float8 all-gather is opt-in).
+- nvfp4 (TransformerEngine's NVFP4 recipe under Megatron-Core): as bf16, the linears saving
+  their column-wise NVFP4 inputs (plan/activations.py `SAVED_CAST_BYTES`), plus the blocks'
+  quantised weights that TransformerEngine keeps from a step's first micro-batch to its last
+  (`is_first_microbatch`): a row-wise and a column-wise copy, 0.5625 B per parameter each
+  (`NVFP4_WEIGHT_COPIES`), in `working_params`.
 
 Activations: `plan/activations.py` lists the tensors of one block; a stage holds them for every
 micro-batch in flight (see `inflight_units`), plus the token ids on the first stage and the
@@ -87,7 +92,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from llmscale.config import DTYPE_BYTES, SPLIT_BACKWARD_SCHEDULES
+from llmscale.config import DTYPE_BYTES, NVFP4_MATMUL_BYTES, SPLIT_BACKWARD_SCHEDULES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, GiB
 from llmscale.model.config import BlockMode, stage_ids
@@ -566,6 +571,9 @@ def estimate_memory(
     return MemoryEstimate(plan, tuple(stages), options)
 
 
+# The NVFP4 copies of each block weight TransformerEngine keeps across a step's micro-batches:
+# the row-wise one (forward) and the column-wise one (data gradient).
+NVFP4_WEIGHT_COPIES = 2
 _STATES: Memo[RankPieces] = Memo("memory.rank_states")
 
 
@@ -574,7 +582,12 @@ def rank_states(plan: Plan, rank: int, opt: MemoryOptions = DEFAULT_OPTIONS) -> 
     transient, host; no activations), cached on the fields they read."""
 
     def compute() -> RankPieces:
-        return _states(plan, rank, plan_rank_params(plan, rank, opt.kernels, opt.stack), opt)
+        rp = plan_rank_params(plan, rank, opt.kernels, opt.stack)
+        states = _states(plan, rank, rp, opt)
+        if plan.nvfp4_matmuls:  # TransformerEngine's quantised weights, kept for the step
+            cached = NVFP4_WEIGHT_COPIES * NVFP4_MATMUL_BYTES * rp.blocks * rp.block.numel
+            states = states._replace(working_params=states.working_params + cached)
+        return states
 
     return _STATES.get((*plan.states_key(), id(opt), rank), compute, (plan.model, opt))
 

@@ -178,6 +178,12 @@ class Plan(MeshDegrees):
         return self.precision == "fp8"
 
     @property
+    def nvfp4_matmuls(self) -> bool:
+        """precision nvfp4: the blocks' linears' three matmuls on NVFP4 operands
+        (TransformerEngine's NVFP4BlockScaling), everything else as bf16."""
+        return self.precision == "nvfp4"
+
+    @property
     def fsdp_cpu_offload(self) -> bool:
         """optimizer+params under data parallelism: FSDP2's CPUOffloadPolicy holds the params."""
         return uses_fsdp_cpu_offload(self.offload, self.dp)

@@ -12,9 +12,12 @@ and bytes alike, so the ratio is the model's):
           + (fwd_passes + bwd_passes) x the activations the blocks save (plan/activations.py),
           + the head's traffic as the time model counts it (`activations.head_traffic`: the
             cross-entropy by its kernels' bytes)
+  against the peak the linears run at (`time.matmul_peak_dtype`: the FP8 peak under fp8, the
+  FP4 peak under nvfp4)
 Decode step (one new token for each of `batch` sequences with `seq` tokens of context):
   FLOPs = 2 x (matmul weights) x batch + 4 x n_layers x seq x dim x batch (QK^T and AV)
   bytes = every weight once (2 B) + the KV cache, 2 x n_layers x seq x kv_dim x 2 B per sequence
+  against the bf16 peak (fp16's, fp32's for those precisions)
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU
 from llmscale.model.config import ModelConfig
 from llmscale.plan import activations as act
-from llmscale.plan.time import DEFAULT_TIME, PEAK_DTYPE, TimeParams
+from llmscale.plan.time import (
+    DEFAULT_TIME,
+    LOWP_MATMUL_PEAK,
+    PEAK_DTYPE,
+    TimeParams,
+    matmul_peak_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ def training(
         act.head_traffic(model, batch, seq, precision, 1, False, params.kernels,
                          params.fwd_passes, params.bwd_passes)
     )  # fmt: skip
-    peak = gpu.peak_flops(PEAK_DTYPE.get(precision, params.fp32_matmul))
+    peak = gpu.peak_flops(matmul_peak_dtype(precision, params.fp32_matmul))
     return Roofline(
         f"training step, batch {batch} x seq {seq}", flops, traffic, peak, gpu.hbm_bandwidth
     )
@@ -104,7 +113,9 @@ def decode(
     flops = batch * (2.0 * matmul_weights + 4.0 * model.n_layers * seq * model.dim)
     kv_cache = 2.0 * model.n_layers * seq * model.kv_dim * 2 * batch
     traffic = 2.0 * model.num_params() + kv_cache
-    peak = gpu.peak_flops(PEAK_DTYPE.get(precision, "fp32"))
+    # bf16 weights and cache (2 B each, above): a low-precision training recipe decodes in bf16
+    dtype = "bf16" if precision in LOWP_MATMUL_PEAK else PEAK_DTYPE.get(precision, "fp32")
+    peak = gpu.peak_flops(dtype)
     return Roofline(
         f"decode, batch {batch}, context {seq}", flops, traffic, peak, gpu.hbm_bandwidth
     )

@@ -332,7 +332,7 @@ def search(
     `unfit` holds the `top` closest to fitting (each with why not), `rejected` why layouts were
     dropped before their memory was counted."""
     _check_inputs(model, gpus, seq_len, global_batch_size, precision, top)
-    tm.check_fp8(precision, cluster)
+    tm.check_matmul_precision(precision, cluster)
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
     over = 1.0 + memory_options.allocator_overhead

@@ -16,7 +16,14 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   gradient in backward, and the transposed float8 copies the backward GEMMs take; compiled,
   the linears reading one tensor cast it once); attention,
   the output projection and everything else in bf16, and MFU against the bf16 peak. A GPU
-  without an FP8 peak refuses the plan (`check_fp8`).
+  without an FP8 peak refuses the plan (`check_matmul_precision`).
+- nvfp4 (TransformerEngine's NVFP4 recipe, as Megatron-Core runs it): the blocks' linears'
+  forward, data-gradient and weight-gradient GEMMs at the GPU's FP4 dense peak and its
+  `fp4_gemm_efficiency`, plus the recipe's quantisations, memory-bound (`nvfp4_cast_bytes`:
+  a per-tensor amax, the amax of the Hadamard-transformed tensor for the weight gradient, and
+  one pass writing both the row-wise and the transformed column-wise 4-bit copies, of each
+  linear's input and output gradient; weights in 16 x 16 blocks, once per step); the rest as
+  fp8. A GPU without an FP4 peak refuses it.
 - attention core (QK^T, AV): a flash kernel executes half of the s x s products under causal
   masking, and its backward 2.5x its forward (it recomputes QK^T), at the calibrated
   flash-attention efficiency; a materialised softmax (Megatron 2021/2022, the math kernel)
@@ -87,9 +94,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES
+from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES, NVFP4_MATMUL_BYTES
 from llmscale.errors import ConfigError
-from llmscale.hardware.catalog import GPU, Calibration
+from llmscale.hardware.catalog import Calibration
 from llmscale.model.config import (
     OP_SAC_SAVED_COLLECTIVES,
     SP_GATHERED_INPUTS,
@@ -216,22 +223,37 @@ class StepTime:
 def peak_flops(cluster: Cluster, precision: str, params: TimeParams = DEFAULT_TIME) -> float:
     """The dense peak the plan's bf16/fp16/fp32 work runs at, and MFU's denominator. Under fp8
     that is the bf16 peak (only the linears run in FP8; torchtitan reports MFU on it too)."""
-    dtype = "bf16" if precision == "fp8" else PEAK_DTYPE.get(precision, params.fp32_matmul)
+    lowp = precision in LOWP_MATMUL_PEAK
+    dtype = "bf16" if lowp else PEAK_DTYPE.get(precision, params.fp32_matmul)
     return cluster.gpu.peak_flops(dtype)
 
 
-def check_fp8(precision: str, cluster: Cluster) -> None:
-    """Refuse precision fp8 on a GPU without an FP8 peak (ConfigError naming what it has)."""
+# The precisions whose linears run on narrower tensor cores, to the peak they run at.
+LOWP_MATMUL_PEAK = {"fp8": "fp8", "nvfp4": "fp4"}
+
+
+def matmul_peak_dtype(precision: str, fp32_matmul: str = "fp32") -> str:
+    """The dense peak a step's linears run at in `precision` (the roofline's ridge point):
+    FP8 or FP4 under fp8 and nvfp4, else the precision's own (`fp32_matmul` for fp32)."""
+    return LOWP_MATMUL_PEAK.get(precision) or PEAK_DTYPE.get(precision, fp32_matmul)
+
+
+def check_matmul_precision(precision: str, cluster: Cluster) -> None:
+    """Refuse precision fp8 (nvfp4) on a GPU without an FP8 (FP4) peak and its calibration
+    (ConfigError naming the precisions it has)."""
     gpu = cluster.gpu
-    if precision == "fp8" and ("fp8" not in gpu.dense_TFLOPS or not _has_fp8_calibration(gpu)):
+    peak = LOWP_MATMUL_PEAK.get(precision)
+    if peak is None:
+        return
+    efficiency = getattr(gpu.calibration, f"{peak}_gemm_efficiency")
+    if peak not in gpu.dense_TFLOPS or efficiency is None:
+        peaks = LOWP_MATMUL_PEAK.values()
+        has = [d for d in gpu.dtypes if d != "tf32" and d not in peaks]
+        has += [p for p, d in LOWP_MATMUL_PEAK.items() if d in gpu.dtypes]
         raise ConfigError(
-            "precision", "fp8", f"{' | '.join(d for d in gpu.dtypes if d != 'tf32')} on "
-            f"{gpu.name} (no FP8 tensor cores or FP8 calibration in the catalog)",
+            "precision", precision, f"{' | '.join(has)} on {gpu.name} (no {peak.upper()} tensor "
+            f"cores or {peak.upper()} calibration in the catalog)",
         )  # fmt: skip
-
-
-def _has_fp8_calibration(gpu: GPU) -> bool:
-    return gpu.calibration.fp8_gemm_efficiency is not None
 
 
 def recompute_fraction(plan: Plan) -> float:
@@ -303,13 +325,19 @@ def _tp_regions(plan: Plan) -> list[tuple[list[tuple[int, int, int]], list[tuple
     return list(regions.values())
 
 
+def tp_overlaps_gemms(plan: Plan, tp_: TimeParams) -> bool:
+    """Does the stack run this plan's TP collectives beside the GEMMs they feed
+    (`TimeParams.tp_overlap_gemm`), in the plan's precision (`Stack.tp_overlap_off_under`)?"""
+    return tp_.tp_overlap_gemm and plan.precision not in tp_.stack.tp_overlap_off_under
+
+
 def _micro_pipelined(plan: Plan, tp_: TimeParams) -> bool:
     """Does the stack run this plan's TP collectives as torch's micro-pipelined ("async") TP
     (`Stack.tp_overlap_chunks`, only under sequence parallelism at tp > 1)?"""
     return (
         plan.tp > 1
         and plan.sequence_parallel
-        and tp_.tp_overlap_gemm
+        and tp_overlaps_gemms(plan, tp_)
         and tp_.stack.tp_overlap_chunks
     )
 
@@ -339,14 +367,19 @@ def _linear_seconds(
     peak: float,
     flat: float | None,
 ) -> float:
-    """The blocks' linears (M, N, K): at the bf16/fp16/fp32 `peak`, or under fp8 (torchao's
-    float8 linears) at the GPU's FP8 peak and its own calibrated efficiency."""
+    """The blocks' linears (M, N, K): at the bf16/fp16/fp32 `peak`, under fp8 (torchao's
+    float8 linears) at the GPU's FP8 peak and its own calibrated efficiency, under nvfp4 at its
+    FP4 peak and FP4 efficiency."""
     cal = cluster.gpu.calibration
-    if not plan.fp8_matmuls:
-        return gemm_seconds(shapes, peak, cal, flat)
-    fp8_peak = cluster.gpu.peak_flops("fp8")
-    return sum(2.0 * m * n * k / (fp8_peak * cal.fp8_gemm_efficiency_at(m, n, k))
-               for m, n, k in shapes)  # fmt: skip
+    if plan.fp8_matmuls:
+        fp8_peak = cluster.gpu.peak_flops("fp8")
+        return sum(2.0 * m * n * k / (fp8_peak * cal.fp8_gemm_efficiency_at(m, n, k))
+                   for m, n, k in shapes)  # fmt: skip
+    if plan.nvfp4_matmuls:
+        fp4_peak = cluster.gpu.peak_flops("fp4")
+        return sum(2.0 * m * n * k / (fp4_peak * cal.fp4_gemm_efficiency_at(m, n, k))
+                   for m, n, k in shapes)  # fmt: skip
+    return gemm_seconds(shapes, peak, cal, flat)
 
 
 def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
@@ -373,13 +406,51 @@ def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
     return fwd, bwd
 
 
-def _fp8_cast_seconds(
+# TransformerEngine's NVFP4 quantisation of one bf16 tensor, bytes per element
+# (TransformerEngine docs/features/low_precision_training/nvfp4; Abecassis et al. 2025,
+# "Pretraining Large Language Models with NVFP4", arXiv:2509.25149): the per-tensor amax that
+# sets the fp32 second-level scale (read 2); for a tensor the weight gradient also takes (a
+# linear's input, its output gradient), the amax of its 16 x 16 random-Hadamard-transformed
+# copy (read 2); then one pass reading it (2) and writing the row-wise 1 x 16 copy and the
+# (transformed) column-wise 16 x 1 copy, each E2M1 values with an E4M3 scale per 16 elements.
+NVFP4_ACTIVATION_CAST_BYTES = 2 + 2 + 2 + 2 * NVFP4_MATMUL_BYTES
+# A weight: 16 x 16 blocks (one quantisation serves both GEMM layouts), no transform.
+NVFP4_WEIGHT_CAST_BYTES = 2 + 2 + 2 * NVFP4_MATMUL_BYTES
+
+
+def nvfp4_cast_bytes(plan: Plan) -> tuple[float, float]:
+    """HBM bytes of TransformerEngine's NVFP4 quantisations around one block's linears in one
+    micro-batch (forward, backward): forward each linear's input (a region's column-parallel
+    linears are one fused TE module in Megatron-Core, quantising their shared input once) and its
+    weight, backward its output gradient (`NVFP4_ACTIVATION_CAST_BYTES`; the column-wise copies
+    the backward GEMMs take were written in the same passes, so nothing is transposed).
+    Megatron-Core passes `is_first_microbatch` to its TransformerEngine layers, which then keep
+    the quantised weights for the step's other micro-batches: a weight's quantisation
+    (`NVFP4_WEIGHT_CAST_BYTES`) is one per step, charged here as its share per micro-batch."""
+    if not plan.nvfp4_matmuls:
+        return 0.0, 0.0
+    fwd = bwd = 0.0
+    cast: set[str] = set()
+    per_step = 1.0 / max(1, plan.n_microbatches)
+    for lin in block_linears(plan):
+        m, n, k = lin.mnk
+        shared = lin.colwise and lin.region in cast
+        if lin.colwise:
+            cast.add(lin.region)
+        x = 0 if shared else m * k
+        fwd += NVFP4_ACTIVATION_CAST_BYTES * x + NVFP4_WEIGHT_CAST_BYTES * n * k * per_step
+        bwd += NVFP4_ACTIVATION_CAST_BYTES * m * n
+    return fwd, bwd
+
+
+def _lowp_cast_seconds(
     plan: Plan, cluster: Cluster, n_blocks: int, n_redo: int, compiled: bool
 ) -> tuple[float, float]:
-    """Seconds of the float8 casts of a rank's blocks in one micro-batch (forward, backward);
-    recomputed blocks cast again in backward. The output projection stays bf16 (torchao's
-    converter skips `output` in torchtitan) and attention too."""
-    fwd, bwd = fp8_cast_bytes(plan, compiled)
+    """Seconds of the float8 (NVFP4) casts of a rank's blocks in one micro-batch (forward,
+    backward); recomputed blocks cast again in backward. The output projection stays bf16
+    (torchao's converter skips `output` in torchtitan; Megatron-Core's output layer is not a
+    TransformerEngine one) and attention too."""
+    fwd, bwd = nvfp4_cast_bytes(plan) if plan.nvfp4_matmuls else fp8_cast_bytes(plan, compiled)
     hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
     return n_blocks * fwd / hbm, (n_blocks * bwd + n_redo * fwd) / hbm
 
@@ -721,7 +792,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     cp_f, cp_b = _ring_attention_seconds(
         plan, cluster, tp_, attn_f, attn_b, n_blocks + redo_attn, n_blocks
     )
-    cast_f, cast_b = _fp8_cast_seconds(plan, cluster, n_blocks, n_full, tp_.compiled)
+    cast_f, cast_b = _lowp_cast_seconds(plan, cluster, n_blocks, n_full, tp_.compiled)
     # Per-op dispatch where the host waits for each op (a CPU): the rank's share of the
     # model's blocks, a third in forward and two thirds in backward; a recomputed block
     # dispatches its forward's ops again (full, or op-level SAC's element-wise ops and matmuls),
@@ -744,6 +815,8 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
         parts["cp_comm"] = cp_f + cp_b
     if plan.fp8_matmuls:
         parts["fp8_casts"] = cast_f + cast_b
+    if plan.nvfp4_matmuls:
+        parts["nvfp4_casts"] = cast_f + cast_b
     sync = 0.0
     if plan.fsdp_for(tp_.stack):
         gather, sync = _fsdp_exposed(plan, rank, cluster, tp_, kern, fwd, bwd, n_blocks)
@@ -816,7 +889,8 @@ def _tp_block_seconds(
     else:
         fwd = bwd = [("all_reduce", seconds("all_reduce", nbytes), 1)]
 
-    regions = tp_region_gemm_seconds(plan, cluster, peak, flat) if tp_.tp_overlap_gemm else []
+    overlaps = tp_overlaps_gemms(plan, tp_)
+    regions = tp_region_gemm_seconds(plan, cluster, peak, flat) if overlaps else []
     chunked = _micro_pipelined(plan, tp_)
     # torch's fused reduce-scatter: its reduction kernel, and which ones are fused (above)
     reduction = 0.0
@@ -828,7 +902,7 @@ def _tp_block_seconds(
 
     def exposed(parts: list[tuple[str, float, int]], kept: frozenset[str] = frozenset()) -> float:
         parts = [p for p in parts if p[0] not in kept]
-        if not tp_.tp_overlap_gemm:
+        if not overlaps:
             return TP_REGIONS_PER_BLOCK * sum(sec for _, sec, _ in parts)
         total = 0.0
         for i, gemms in enumerate(regions):
@@ -1042,7 +1116,7 @@ def estimate_step_time(
     """Seconds per optimizer step of `plan` on `cluster` (validated first unless `validate` is
     False). `ranks` limits the stages computed, the others taken as the first one's (the
     search's first and last; ignored when simulating)."""
-    check_fp8(plan.precision, cluster)
+    check_matmul_precision(plan.precision, cluster)
     if validate:
         plan.validate()
         if plan.tp > cluster.gpus_per_node:

@@ -45,14 +45,18 @@ def byte_unit(largest: float) -> tuple[str, int]:
 # ---- hardware -----------------------------------------------------------------------------
 
 
+# The dense peaks the catalog lists, in the order the tables print them.
+PEAK_COLUMNS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
+
+
 def hardware_tables(cat: Catalog) -> list[Table]:
     gpus = Table(title="Accelerators (dense peak, no sparsity)")
-    for col in ("name", "GPU", "HBM GiB", "HBM TB/s", "fp32", "tf32", "bf16", "fp16", "fp8",
+    for col in ("name", "GPU", "HBM GiB", "HBM TB/s", *PEAK_COLUMNS,
                 "ridge bf16 FLOP/B", "scale-up"):  # fmt: skip
         gpus.add_column(col, justify="left" if col in ("name", "GPU", "scale-up") else "right")
     for g in cat.gpus.values():
         tf = [f"{g.dense_TFLOPS[d].value:g}" if d in g.dense_TFLOPS else "-"
-              for d in ("fp32", "tf32", "bf16", "fp16", "fp8")]  # fmt: skip
+              for d in PEAK_COLUMNS]  # fmt: skip
         gpus.add_row(g.name, g.display, f"{g.memory_GiB.value:g}", f"{g.hbm_TBps.value:g}", *tf,
                      f"{g.ridge_point('bf16'):.0f}", g.scale_up)  # fmt: skip
     links = Table(title="Links (bandwidth each direction, per GPU or NIC port; latency = alpha)")
@@ -120,7 +124,7 @@ def compare_table(cat: Catalog, a: str, b: str) -> Table:
             ("HBM GiB", ga.memory_GiB.value, gb.memory_GiB.value),
             ("HBM TB/s", ga.hbm_TBps.value, gb.hbm_TBps.value),
         ]
-        for d in ("fp32", "tf32", "bf16", "fp16", "fp8"):
+        for d in PEAK_COLUMNS:
             if d in ga.dense_TFLOPS and d in gb.dense_TFLOPS:
                 rows.append((f"{d} TFLOP/s", ga.dense_TFLOPS[d].value, gb.dense_TFLOPS[d].value))
     for name, x, y in rows:

@@ -24,7 +24,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 from llmscale.plan.time import time_params
 from llmscale.report import report
-from llmscale.stack import get_stack, layout_problem
+from llmscale.stack import LLMSCALE, get_stack, layout_problem
 
 # How to read the table's memory columns; {unit}: the table's (report.memory_unit).
 MEMORY_LEGEND = (
@@ -79,8 +79,14 @@ class PlanReport(NamedTuple):
             if stack == "llmscale"
             else f"best layout (costed as {stack} runs it); in llmscale"
         )
+        parts = self.result.candidates[0].plan.overrides()
+        precision = str(self.inputs.get("precision", "bf16"))
+        if precision not in LLMSCALE.precisions:  # nvfp4: llmscale's nearest is fp8
+            head += f" (which trains no {precision}: fp8)"
+            parts = [p.replace(f"--precision.mode {precision}", "--precision.mode fp8")
+                     for p in parts]  # fmt: skip
         lines, line = [], f"{head}: llmscale train"
-        for part in self.result.candidates[0].plan.overrides():
+        for part in parts:
             if len(line) + len(part) + 3 > width:
                 lines.append(line + " \\")
                 line = "     "
@@ -125,6 +131,7 @@ def plan_report(
         pp=1,  # a tied pipeline the stack refuses is left out of the search, with its reason
         tied=cfg.tie_embeddings,
         offload_activations=space.offload_activations,
+        precision=precision,
     )
     if refused:
         raise ConfigError(*refused)

@@ -42,6 +42,7 @@ __all__ = [
     "recompute_problem",
     "schedule_problem",
     "param_residency",
+    "precision_problem",
     "stacks_help",
     "tied_pipeline_problem",
 ]
@@ -76,10 +77,18 @@ ASYNC_DISPATCH = Sourced(
 EXPANDABLE_SEGMENTS_OVERHEAD = 0.0
 
 
-# The calibration rates of every kernel on a part's SMs (its GEMMs, FP8 GEMMs and flash
+# The calibration rates of every kernel on a part's SMs (its GEMMs, FP8 and FP4 GEMMs and flash
 # attention), which its clocks, set by its power limit, scale alike; its HBM bandwidth is not
 # among them. What a fit on a part's clocks scales (`Fit.fields`).
-SM_RATES = ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency")
+SM_RATES = (
+    "gemm_efficiency",
+    "fp8_gemm_efficiency",
+    "fp4_gemm_efficiency",
+    "attention_efficiency",
+)
+
+# A Hopper part's (no FP4 tensor cores).
+HOPPER_SM_RATES = tuple(r for r in SM_RATES if r != "fp4_gemm_efficiency")
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,8 @@ class Stack:
     # backward's sum of several linears' input gradients) stays unfused (plan/time.py
     # `_tp_block_seconds`).
     tp_overlap_chunks: bool = False
+    # Precisions in which it runs the TP collectives without that overlap.
+    tp_overlap_off_under: tuple[str, ...] = ()
     p2p_scatter_gather: bool = False  # pipeline sends split over the TP ranks (Megatron 2021)
     optimizer_bytes_per_param: float = 28.0  # AdamW foreach, fp32: read p g m v, write p m v
     # torch.distributed.pipelining keeps a receive buffer pair per micro-batch and 1F1B holds
@@ -214,6 +225,9 @@ class Stack:
     # due by the forward of block n_layers - N + i and its reload starts N blocks ahead in
     # backward, transformer_engine/pytorch/cpu_offload.py `_default_offload_sync_init`).
     activation_offload: Literal["refuse", "blocking", "async"] = "refuse"
+    # Precisions it trains in (config.Precision): nvfp4 is TransformerEngine's NVFP4 recipe,
+    # which only Megatron-Core runs among these.
+    precisions: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 
     def kernels_for(self, compiled: bool) -> Kernels:
         """The kernels this stack runs with torch.compile on (`compiled`) or off."""
@@ -327,6 +341,15 @@ def activation_offload_problem(stack: Stack, offload_activations: int) -> str | 
     return None
 
 
+def precision_problem(stack: Stack, precision: str) -> str | None:
+    """Why `stack` cannot train in `precision` (None when it can)."""
+    if precision in stack.precisions:
+        return None
+    runs = [s.name for s in STACKS.values() if precision in s.precisions]
+    where = f" ({precision}: --stack {' | '.join(runs)})" if runs else ""
+    return f"{' | '.join(stack.precisions)} under --stack {stack.name}{where}"
+
+
 def layout_problem(
     stack: Stack,
     *,
@@ -335,11 +358,13 @@ def layout_problem(
     pp: int,
     tied: bool,
     offload_activations: int = 0,
+    precision: str | None = None,
 ) -> tuple[str, object, str] | None:
     """The first of `stack`'s refusals a layout meets, as (config key, value, what is allowed
     instead), None when it runs: the one check `plan --stack` (a recompute policy or schedule
     fixed by a flag; None: searched) and `train --dry-run --stack` apply."""
     checks: tuple[tuple[str, object, str | None], ...] = (
+        ("precision.mode", precision, precision and precision_problem(stack, precision)),
         ("train.recompute", recompute, recompute and recompute_problem(stack, recompute)),
         ("parallel.pp", pp, tied_pipeline_problem(stack, tied, pp)),
         ("parallel.pp_schedule", schedule, schedule and schedule_problem(stack, schedule)),
@@ -440,12 +465,19 @@ MEGATRON_CORE = Stack(
     elementwise="saved",  # TransformerEngine's fused norm-linear, bias-activation, RoPE
     grad_sync_once=True,
     tp_overlap_gemm=True,
+    # Megatron-Bridge's performance configurations turn TransformerEngine's TP overlap off
+    # under NVFP4, every Llama one (scripts/performance/configs/llama/llama3{,1}_llm_pretrain.py
+    # at c0b9a0003: `tp_comm_overlap = False if precision == "nvfp4"`).
+    tp_overlap_off_under=("nvfp4",),
     # bf16 distributed Adam over the shard: grad norm (read 4), Adam (read p g m v 16, write p
     # m v 12), the bf16 parameter written back (2).
     optimizer_bytes_per_param=34.0,
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
     activation_offload="async",  # --cpu-offloading-num-layers (TransformerEngine's context)
+    # --fp4-format e2m1 with fp4_recipe "nvfp4": TransformerEngine's NVFP4BlockScaling
+    # (megatron/core/transformer/transformer_config.py `fp4`, `fp4_recipe`).
+    precisions=("fp32", "bf16", "fp16", "fp8", "nvfp4"),
     # What Megatron-Core's kernels reach on the two NVL72 parts, whose datasheets give the same
     # dense peaks (GB200 and GB300 NVL72 pages: 360 PF BF16 and 720 PF FP8 with sparsity per 72
     # GPUs) while the published 8-GPU Llama 3 8B job, identical on both, runs 1.19x faster on
@@ -521,7 +553,9 @@ TORCHTITAN = Stack(
     # read as the software's, not that part's clocks: the same software on the 700 W parts runs
     # no faster per FLOP (the torchao README's 8-GPU Llama 3 8B on H100 SXM and Trainy's H200
     # rows, validation rows).
-    fitted=tuple(Fit(gpu, SM_RATES, TORCHTITAN_HOPPER) for gpu in ("h100-96g", "h100", "h200")),
+    fitted=tuple(
+        Fit(gpu, HOPPER_SM_RATES, TORCHTITAN_HOPPER) for gpu in ("h100-96g", "h100", "h200")
+    ),
 )
 
 

@@ -323,7 +323,8 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     schedule = plan.pp_schedule if plan.pp > 1 else None
     refused = layout_problem(stack, recompute=plan.recompute, schedule=schedule, pp=plan.pp,
                              tied=plan.model.tie_embeddings,
-                             offload_activations=plan.offload_activations)  # fmt: skip
+                             offload_activations=plan.offload_activations,
+                             precision=plan.precision)  # fmt: skip
     if refused:
         raise ConfigError(*refused)
     cluster = Cluster.of(gpu)

@@ -196,7 +196,8 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
     schedule = str(row.get("schedule") or ("interleaved_1f1b" if vp > 1 else "1f1b"))
     if schedule not in PP_SCHEDULES:
         raise ConfigError(f"run {row['id']}.schedule", schedule, " | ".join(PP_SCHEDULES))
-    precision: Precision = "fp8" if row.get("precision") == "fp8" else "bf16"
+    named = row.get("precision")
+    precision: Precision = named if named in ("fp8", "nvfp4") else "bf16"
     plan = Plan(
         model=model,
         seq_len=int(row["seq_len"]),
