@@ -32,6 +32,8 @@ from llmscale.paths import folder_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "nvfp4"]
+# torchao's float8 training recipes (`Float8LinearConfig.from_recipe_name`), under fp8.
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 LRDecay = Literal["cosine", "linear", "constant"]
@@ -43,6 +45,9 @@ OptimizerName = Literal["adamw"]
 ZeroStage = Literal[0, 1, 2, 3]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+FLOAT8_RECIPES: tuple[Float8Recipe, ...] = get_args(Float8Recipe)
+# The precisions this runtime trains in (nvfp4 is planned only: parallel/parallelize.py).
+RUNTIME_PRECISIONS: tuple[Precision, ...] = tuple(p for p in PRECISIONS if p != "nvfp4")
 RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)
 PP_SCHEDULES: tuple[PPSchedule, ...] = get_args(PPSchedule)
 LR_DECAYS: tuple[LRDecay, ...] = get_args(LRDecay)
@@ -281,6 +286,10 @@ class PrecisionSection:
     float8 matmuls in the linears (torchao's float8 training; GPUs with FP8 only). nvfp4:
     TransformerEngine's NVFP4 recipe, plannable (`llmscale plan --stack megatron-core`) but not
     trained by this runtime."""
+    float8_recipe: Float8Recipe = "tensorwise"
+    """fp8: torchao's float8 recipe. tensorwise: one scale per tensor (the fastest); rowwise: a
+    scale per row of each operand, all three matmuls in float8 (more accurate); rowwise_with_gw_hp:
+    rowwise, the weight gradient's matmul in bf16 (the most accurate)."""
     initial_scale: float = 2.0**15
     """fp16: the loss scale at the first step."""
     growth_factor: float = 2.0
@@ -298,6 +307,12 @@ class PrecisionSection:
 
     def validate(self) -> None:
         _choice("precision", self, "mode")
+        _choice("precision", self, "float8_recipe")
+        if self.float8_recipe != "tensorwise" and self.mode != "fp8":
+            raise ConfigError(
+                "precision.float8_recipe", self.float8_recipe, f"tensorwise with precision.mode "
+                f"{self.mode} (a float8 recipe applies to fp8)",
+            )  # fmt: skip
         for name in ("initial_scale", "min_scale", "max_scale"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"precision.{name}", getattr(self, name), "a positive number")

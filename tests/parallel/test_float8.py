@@ -90,3 +90,23 @@ def test_fp8_trains_on_a_cpu_like_bf16(cfg_factory, monkeypatch) -> None:
     assert math.isfinite(fp8_loss)
     assert fp8_loss == pytest.approx(bf16_loss, rel=0.05)
     assert fp8_loss < 0.9 * math.log(256)  # it trained: below the uniform guess's loss
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_the_recipe_picks_torchaos_scaling(recipe: str) -> None:
+    """precision.float8_recipe reaches torchao: rowwise scales each operand per row (axiswise),
+    and the linears are the same Float8Linear swap."""
+    from torchao.float8.config import ScalingGranularity  # type: ignore[import-untyped]
+
+    model = build_model(get_preset("small"), "meta")
+    assert float8.convert_to_fp8(model, recipe) == 7 * model.cfg.n_layers
+    lin = model.get_submodule("layers.0.attention.wq")
+    assert lin.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+    assert _cfg("--precision.float8_recipe", recipe).precision.float8_recipe == recipe
+
+
+def test_a_float8_recipe_needs_fp8() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*short_job(), "--precision.float8_recipe", "rowwise"])
+    assert e.value.field == "precision.float8_recipe"
+    assert "tensorwise with precision.mode fp32" in str(e.value)

@@ -143,3 +143,12 @@ def test_megatron_core_keeps_the_steps_quantised_weights() -> None:
     cached = 2 * 0.5625 * rp.blocks * rp.block.numel
     assert fp4.working_params - fp8.working_params == pytest.approx(cached)
     assert fp4.params == fp8.params and fp4.optimizer == fp8.optimizer
+
+
+def test_the_step_time_cache_knows_the_weights_are_cast_once_per_step() -> None:
+    """Two plans that differ only in their micro-batches per step: the per-micro-batch share of
+    the weights' quantisation differs, and so does the cached stage time."""
+    tp_ = time_params(MEGATRON_CORE)
+    few = estimate_step_time(_plan(global_batch_size=64), GB300, tp_)
+    many = estimate_step_time(_plan(), GB300, tp_)
+    assert few.stage_fwd[0] > many.stage_fwd[0]

@@ -50,6 +50,10 @@ BASES = {
         model=L7, seq_len=1024, micro_batch_size=1, global_batch_size=8, precision="bf16",
         tp=2, pp=2, pp_schedule="zbv", pp_chunks=2, recompute="selective",
     ),
+    "fp8_rowwise": Plan(
+        model=L7, seq_len=1024, micro_batch_size=1, global_batch_size=8, precision="fp8",
+        float8_recipe="rowwise", dp_shard=2,
+    ),
 }  # fmt: skip
 
 # Another value of each field (a list: the first that gives a valid plan is used).
@@ -75,6 +79,7 @@ OTHER: dict[str, list[Any]] = {
     "sequence_parallel": [False, True],
     "zero_stage": [1, 2],
     "offload_activations": [2, 0],
+    "float8_recipe": ["rowwise", "tensorwise"],
 }
 
 RESULTS: dict[str, tuple[Callable[[Plan], tuple[Any, ...]], Callable[[Plan, int], Any]]] = {
@@ -114,6 +119,15 @@ NO_OTHER_VALID = {
     ("pp2_fsdp_tp", "offload_activations"),
     ("interleaved_sp_offload", "offload_activations"),
     ("zbv_split_backward", "offload_activations"),
+    # a float8 recipe other than tensorwise needs fp8; fp8_rowwise is one rank of pp and tp 1
+    ("pp2_fsdp_tp", "float8_recipe"),
+    ("interleaved_sp_offload", "float8_recipe"),
+    ("one_rank", "float8_recipe"),
+    ("zbv_split_backward", "float8_recipe"),
+    ("fp8_rowwise", "precision"),
+    ("fp8_rowwise", "pp_chunks"),
+    ("fp8_rowwise", "pp_layers"),
+    ("fp8_rowwise", "sequence_parallel"),
 }
 
 

@@ -103,6 +103,10 @@ def test_partial_fixing_searches_the_rest() -> None:
          "train.offload_activations: got 8; allowed: 0 under --stack torchtitan"),
         (["--precision", "nvfp4"], "precision.mode: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | "
          "fp8 under --stack llmscale (nvfp4: --stack megatron-core)"),
+        (["--float8-recipe", "rowwise"],
+         "float8_recipe: got 'rowwise'; allowed: tensorwise with --precision bf16"),
+        (["--precision", "fp8", "--float8-recipe", "rowwise", "--stack", "megatron-core"],
+         "precision.float8_recipe: got 'rowwise'; allowed: tensorwise under --stack megatron-core"),
         (["--precision", "nvfp4", "--stack", "megatron-core"],
          "precision: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | fp8 on h200 (no FP4"),
     ],
@@ -266,12 +270,12 @@ def test_offloaded_activations_fit_a_layout_that_did_not() -> None:
 
 
 def test_nvfp4_plans_under_megatron_core_on_blackwell() -> None:
-    """Megatron-Bridge's GB300 NVFP4 layout for Llama 3 70B: planned, and the llmscale command
-    printed for it says this runtime trains it in fp8, not nvfp4."""
+    """Megatron-Bridge's GB200 NVFP4 layout for Llama 3 70B, on GB300: planned, and the llmscale
+    command printed for it says this runtime trains it in fp8, not nvfp4."""
     r = _run("plan", "--model", "llama3-70b", "--gpu", "gb300", "--gpus", "64", "--seq", "8192",
              "--global-batch", "256", "--stack", "megatron-core", "--precision", "nvfp4",
-             "--tp", "1", "--pp", "4", "--chunks", "5", "--schedule", "interleaved_1f1b",
-             "--mbs", "1", "--recompute", "none", "--dp-shard", "16", "--zero-stage", "1")  # fmt: skip
+             "--tp", "2", "--pp", "4", "--chunks", "5", "--schedule", "interleaved_1f1b",
+             "--mbs", "1", "--recompute", "none", "--dp-shard", "8", "--zero-stage", "1", "--sp")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "nvfp4: 1 plans costed, 1 fit" in r.stdout
     assert "(which trains no nvfp4: fp8)" in r.stdout and "--precision.mode fp8" in r.stdout

@@ -43,6 +43,7 @@ OTHER = {
     "offload": "none", "lsp_dim": 256, "lsp_nonzeros": 8, "dp_replicate": 4, "dp_shard": 2,
     "tp": 8, "pp": 4, "pp_schedule": "zbv", "pp_chunks": 4, "pp_layers": (10, 8, 8, 6),
     "cp": 2, "sequence_parallel": False, "zero_stage": 1, "offload_activations": 2,
+    "float8_recipe": "rowwise",
 }  # fmt: skip
 
 

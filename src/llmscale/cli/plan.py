@@ -13,12 +13,14 @@ from llmscale.cli._args import (
 )
 from llmscale.cli.schedule import SCHEDULE_ALIASES
 from llmscale.config import (
+    FLOAT8_RECIPES,
     OFFLOAD_MODES,
     PP_SCHEDULES,
     PRECISIONS,
     RECOMPUTE_MODES,
     ZERO_STAGES,
 )
+from llmscale.errors import ConfigError
 from llmscale.paths import check_image_file
 from llmscale.stack import STACK_NAMES, stacks_help
 
@@ -64,6 +66,13 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
     )
     p.add_argument("--precision", default="bf16", help=" | ".join(PRECISIONS) + " (default bf16)")
+    p.add_argument(
+        "--float8-recipe",
+        default="tensorwise",
+        help=f"with --precision fp8, torchao's float8 recipe: {' | '.join(FLOAT8_RECIPES)} "
+        "(default tensorwise; rowwise scales each row, rowwise_with_gw_hp also keeps the weight "
+        "gradient in bf16)",
+    )
     p.add_argument("--node", help="node shape (default: the GPU's; llmscale hw)")
     p.add_argument("--nic", help="NIC link (default: the node's; e.g. ib-xdr)")
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
@@ -147,6 +156,11 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.ui import console
 
     one_of("precision", args.precision, PRECISIONS)
+    one_of("float8_recipe", args.float8_recipe, FLOAT8_RECIPES)
+    if args.float8_recipe != "tensorwise" and args.precision != "fp8":
+        raise ConfigError(
+            "float8_recipe", args.float8_recipe, f"tensorwise with --precision {args.precision}"
+        )
     png = check_image_file("--png", args.png) if args.png else None
     given = {k: getattr(args, k) for k in FIXABLE}
     if given["schedule"] is not None:
@@ -160,7 +174,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     rep = plan_report(
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
         node=args.node, nic=args.nic, space=space, fixed=fixed, stack=args.stack,
-        compiled=args.compile,
+        compiled=args.compile, float8_recipe=args.float8_recipe,
     )  # fmt: skip
     why = rep.result.why_none()
     if png and rep.result.shown:

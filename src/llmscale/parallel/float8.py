@@ -1,9 +1,9 @@
 """FP8 matmuls: `precision.mode = "fp8"` through torchao's float8 training.
 
 torchao's `convert_to_float8_training` swaps each eligible `nn.Linear` for a `Float8Linear`:
-its input, weight and output gradient are scaled per tensor and cast to float8 (e4m3 forward,
-e5m2 gradients) for the three matmuls, which run on the GPU's FP8 tensor cores
-(`torch._scaled_mm`); everything else runs as under bf16 (`tensors.DTYPES["fp8"]` is bf16: the
+its input, weight and output gradient are scaled (per tensor, or per row under
+`precision.float8_recipe` rowwise) and cast to float8 for the three matmuls, which run on the
+GPU's FP8 tensor cores (`torch._scaled_mm`); everything else runs as under bf16 (`tensors.DTYPES["fp8"]` is bf16: the
 autocast and FSDP2 dtype). As torchtitan does, the output projection stays in bf16 (the loss is
 sensitive to it) and so does any linear whose dimensions are not multiples of 16 (what
 `_scaled_mm` needs). The planner prices the same split (plan/time.py: the linears at the FP8
@@ -61,15 +61,18 @@ def fp8_eligible(fqn: str, module: nn.Module) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
-def convert_to_fp8(model: nn.Module) -> int:
+def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise") -> int:
     """Swap `model`'s eligible linears for torchao's Float8Linear in place (before any
-    parallelism, on any device, meta included); the number swapped."""
+    parallelism, on any device, meta included), scaled as torchao's `recipe`
+    (`precision.float8_recipe`); the number swapped."""
     from torchao.float8 import (  # type: ignore[import-untyped]  # torchao ships no py.typed
         Float8LinearConfig,
         convert_to_float8_training,
     )
 
     convert_to_float8_training(
-        model, config=Float8LinearConfig(), module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m)
+        model,
+        config=Float8LinearConfig.from_recipe_name(recipe),
+        module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m),
     )
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())

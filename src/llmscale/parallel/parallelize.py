@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llmscale.config import PRECISIONS, JobConfig, pipeline_chunks
+from llmscale.config import RUNTIME_PRECISIONS, JobConfig, pipeline_chunks
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
@@ -49,7 +49,7 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig) -> Paral
     """Split, shard and wrap `model` for this rank; in a single process only recompute applies."""
     p = cfg.parallel
     if cfg.precision.mode == "fp8":  # before any split or sharding, as torchtitan converts
-        convert_to_fp8(model)
+        convert_to_fp8(model, cfg.precision.float8_recipe)
     if dims.pp > 1:
         parts, ids = pipeline_split(
             model, dims.pp_rank, dims.pp, p.pp_chunks, p.pp_layers, p.pp_schedule
@@ -105,7 +105,7 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
                 "into a compiled block here)",
             )
     if cfg.precision.mode == "nvfp4":
-        others = " | ".join(m for m in PRECISIONS if m != "nvfp4")
+        others = " | ".join(RUNTIME_PRECISIONS)
         raise ConfigError(
             "precision.mode",
             "nvfp4",
@@ -115,5 +115,5 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)
         if why is not None:
-            others = " | ".join(m for m in PRECISIONS if m != "fp8")
+            others = " | ".join(m for m in RUNTIME_PRECISIONS if m != "fp8")
             raise ConfigError("precision.mode", "fp8", f"{others} (fp8 training {why})")

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from llmscale.config import (
     V_SCHEDULES,
+    Float8Recipe,
     JobConfig,
     MeshDegrees,
     Offload,
@@ -99,6 +100,8 @@ class Plan(MeshDegrees):
     # The first blocks whose saved activations wait in host memory (`RankWork.offloaded`).
     offload_activations: int = _cfg("train.offload_activations", 0)
     precision: Precision = _cfg("precision.mode", "bf16")
+    # fp8: torchao's float8 recipe (plan/time.py `FLOAT8_RECIPES`' costs)
+    float8_recipe: Float8Recipe = _cfg("precision.float8_recipe", "tensorwise")
     offload: Offload = _cfg("optimizer.offload", "none")
     # offload lsp: projector rows and non-zeros per column (plan/lsp.py)
     lsp_dim: int = _cfg("optimizer.lsp_dim", 512)
@@ -300,9 +303,11 @@ class Plan(MeshDegrees):
             id(self.model), self.seq_len, self.micro_batch_size, self.precision, self.tp, self.pp,
             self.chunks, self.recompute, self.recompute_every_k, self.sequence_parallel,
             self.dp_shard, self.zero_stage, self.lowp_weights, self.pp_layers, self.cp,
-            self.v_shape, self.offload_activations,
+            self.v_shape, self.offload_activations, self.float8_recipe,
             # FSDP2 under a pipeline: how often the schedule gathers (stack.pipeline_gathers)
             (self.pp_schedule, self.n_microbatches) if self.fsdp and self.pp > 1 else None,
+            # nvfp4: the weights' quantisation is once per step, shared by its micro-batches
+            self.n_microbatches if self.nvfp4_matmuls else None,
         )  # fmt: skip
 
     # ---- conversion (generated from the fields' config keys) -------------------------------
@@ -338,6 +343,8 @@ class Plan(MeshDegrees):
                 continue  # settings of offload lsp only
             if f.name == "offload_activations" and not self.offload_activations:
                 continue
+            if f.name == "float8_recipe" and self.float8_recipe == "tensorwise":
+                continue  # the default; a setting of fp8 only
             value = getattr(self, f.name)
             if f.metadata["frozen"]:
                 if not value:

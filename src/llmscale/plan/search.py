@@ -44,10 +44,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from llmscale.config import (
+    FLOAT8_RECIPES,
     LOOP_MULTI_CHUNK_SCHEDULES,
     OFFLOAD_MODES,
     PRECISIONS,
     V_SCHEDULES,
+    Float8Recipe,
     Offload,
     PPSchedule,
     Precision,
@@ -327,11 +329,16 @@ def search(
     memory_options: mem.MemoryOptions = mem.DEFAULT_OPTIONS,
     time_params: tm.TimeParams = tm.DEFAULT_TIME,
     resimulate: int = 10,
+    float8_recipe: Float8Recipe = "tensorwise",
 ) -> SearchResult:
     """The `top` fastest plans that fit, best first. When none fits, `candidates` is empty and
     `unfit` holds the `top` closest to fitting (each with why not), `rejected` why layouts were
-    dropped before their memory was counted."""
+    dropped before their memory was counted. `float8_recipe`: torchao's, under fp8."""
     _check_inputs(model, gpus, seq_len, global_batch_size, precision, top)
+    if float8_recipe not in FLOAT8_RECIPES:
+        raise ConfigError("float8_recipe", float8_recipe, " | ".join(FLOAT8_RECIPES))
+    if float8_recipe != "tensorwise" and precision != "fp8":
+        raise ConfigError("float8_recipe", float8_recipe, f"tensorwise with precision {precision}")
     tm.check_matmul_precision(precision, cluster)
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
@@ -387,7 +394,7 @@ def search(
             base = Plan(
                 model=model, seq_len=seq_len, micro_batch_size=1,
                 global_batch_size=global_batch_size, precision=precision,
-                dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
+                float8_recipe=float8_recipe, dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
                 offload_activations=space.offload_activations,
             )  # fmt: skip

@@ -382,17 +382,79 @@ def _linear_seconds(
     return gemm_seconds(shapes, peak, cal, flat)
 
 
+@dataclass(frozen=True)
+class Float8RecipeCost:
+    """What one of torchao's float8 recipes (`precision.float8_recipe`) costs beyond the
+    per-tensor-scaled FP8 GEMM (`fp8_gemm_efficiency`): HBM bytes per element of its casts of a
+    linear's input (x), weight (w) and output gradient (go), in forward and in backward; the
+    share of that GEMM's rate its forward GEMM reaches; which backward GEMMs rescale their
+    output afterwards (read and write it, 2 + 2 B per element), and whether the weight
+    gradient's GEMM runs in bf16."""
+
+    fwd_x: float
+    fwd_w: float
+    bwd_x: float
+    bwd_w: float
+    bwd_go: float
+    fwd_gemm_share: float = 1.0
+    rescaled_backward: tuple[str, ...] = ()  # "dgrad", "wgrad"
+    wgrad_bf16: bool = False
+
+
+# torchao's rowwise GEMM (torch._scaled_mm with a scale per row of A and per column of B, fast
+# accumulation: CUTLASS's kernel on Hopper) against the per-tensor cuBLAS one: "most shapes are
+# within 90-100% of tensor-wise efficiency, but there's a long tail going down to 50%"
+# (pytorch/pytorch#147971, 2025-02-26, H100); the middle of the bulk.
+ROWWISE_GEMM_SHARE = 0.95
+# The backward GEMMs run without fast accumulation, for which torchao calls the per-tensor
+# cuBLAS GEMM with unit scales and multiplies the output by the row and column scales
+# afterwards (torchao/float8/float8_ops.py `addmm_float8_unwrapped`: "The rowwise CUTLASS-based
+# kernel is so slow without fast-accum that we'd rather use the tensorwise cuBLAS-based kernel
+# and do the scaling manually afterwards"): one more pass over each such output.
+RESCALE_BYTES = 2 + 2
+
+FLOAT8_RECIPES: dict[str, Float8RecipeCost] = {
+    # Each cast reads its bf16 tensor for the absolute maximum (2), then reads it again and
+    # writes float8 (2 + 1); forward casts input and weight, backward the output gradient, and
+    # writes the transposed float8 copies of all three that the backward GEMMs take (1 + 1).
+    "tensorwise": Float8RecipeCost(fwd_x=5, fwd_w=5, bwd_x=2, bwd_w=2, bwd_go=7),
+    # torchao's own roofline accounting of its rowwise casts (torchao/testing/training/
+    # roofline_utils.py `get_tensor_memory_traffic_ovhd_s` at 36027d8): an activation is read
+    # once, written as row-scaled float8 and as a transposed bf16 copy (2 + 1 + 2), which
+    # backward reads and casts along the other dimension (2 + 1); a weight is cast (2 + 1),
+    # transposed (2 + 2) and cast again (2 + 1).
+    "rowwise": Float8RecipeCost(
+        fwd_x=5,
+        fwd_w=3,
+        bwd_x=3,
+        bwd_w=7,
+        bwd_go=8,
+        fwd_gemm_share=ROWWISE_GEMM_SHARE,
+        rescaled_backward=("dgrad", "wgrad"),
+    ),  # fmt: skip
+    # Rowwise forward; the input gradient from the row-scaled output gradient and a per-tensor
+    # cast of the weight; the weight gradient in bf16 from the saved bf16 tensors (same source).
+    "rowwise_with_gw_hp": Float8RecipeCost(
+        fwd_x=3,
+        fwd_w=3,
+        bwd_x=0,
+        bwd_w=3,
+        bwd_go=3,
+        fwd_gemm_share=ROWWISE_GEMM_SHARE,
+        rescaled_backward=("dgrad",),
+        wgrad_bf16=True,
+    ),  # fmt: skip
+}
+
+
 def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
-    """HBM bytes of torchao's float8 casts around one block's linears (forward, backward): each
-    cast reads its bf16 tensor for the absolute maximum (2 B per element), then reads it again
-    and writes float8 (2 + 1) with the scale; forward casts each linear's input and weight,
-    backward its output gradient, and writes the transposed float8 copies of input, weight and
-    output gradient that the backward GEMMs take (read 1, write 1 per element). Run eagerly,
-    every linear casts its own input; compiled (`compiled`), the linears reading one tensor (a
-    region's column-parallel ones: wq, wk, wv; w1, w3) cast it once, as AOTAutograd's graph
-    CSE merges the identical casts."""
+    """HBM bytes of torchao's float8 casts around one block's linears (forward, backward), by
+    the plan's recipe (`FLOAT8_RECIPES`). Run eagerly, every linear casts its own input;
+    compiled (`compiled`), the linears reading one tensor (a region's column-parallel ones: wq,
+    wk, wv; w1, w3) cast it once, as AOTAutograd's graph CSE merges the identical casts."""
     if not plan.fp8_matmuls:
         return 0.0, 0.0
+    cost = FLOAT8_RECIPES[plan.float8_recipe]
     fwd = bwd = 0.0
     cast: set[str] = set()  # regions whose shared column-parallel input is cast already
     for lin in block_linears(plan):
@@ -401,9 +463,35 @@ def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
         if lin.colwise:
             cast.add(lin.region)
         x, w, go = (0 if shared else m * k), n * k, m * n
-        fwd += 5.0 * (x + w)
-        bwd += 5.0 * go + 2.0 * (x + w + go)
+        fwd += cost.fwd_x * x + cost.fwd_w * w
+        bwd += cost.bwd_go * go + cost.bwd_x * x + cost.bwd_w * w
     return fwd, bwd
+
+
+def block_gemm_seconds(
+    plan: Plan,
+    shapes: list[tuple[int, int, int]],
+    cluster: Cluster,
+    peak: float,
+    flat: float | None,
+) -> tuple[float, float, float]:
+    """One block's linears as (forward, input-gradient, weight-gradient) GEMM seconds: the same
+    shapes three times, except under a float8 recipe other than tensorwise
+    (`FLOAT8_RECIPES`: a slower forward GEMM, backward outputs rescaled in a pass of their own,
+    a bf16 weight gradient)."""
+    base = _linear_seconds(plan, shapes, cluster, peak, flat)
+    if not plan.fp8_matmuls or plan.float8_recipe == "tensorwise":
+        return base, base, base
+    cost = FLOAT8_RECIPES[plan.float8_recipe]
+    hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
+    dgrad_out = RESCALE_BYTES * sum(m * k for m, _, k in shapes) / hbm
+    wgrad_out = RESCALE_BYTES * sum(n * k for _, n, k in shapes) / hbm
+    dgrad = base + (dgrad_out if "dgrad" in cost.rescaled_backward else 0.0)
+    if cost.wgrad_bf16:
+        wgrad = gemm_seconds(shapes, peak, cluster.gpu.calibration, flat)
+    else:
+        wgrad = base + (wgrad_out if "wgrad" in cost.rescaled_backward else 0.0)
+    return base / cost.fwd_gemm_share, dgrad, wgrad
 
 
 # TransformerEngine's NVFP4 quantisation of one bf16 tensor, bytes per element
@@ -710,8 +798,8 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     peak = peak_flops(cluster, plan.precision, tp_)
     work = rank_work(plan, rank, tp_.kernels)  # what the memory model folds too
     n_blocks, n_full = work.n_blocks, work.n_full
-    # GEMMs of one block (forward; backward is twice, the same shapes transposed).
-    gemm_block = _linear_seconds(plan, work.gemms, cluster, peak, flat)
+    # GEMMs of one block (forward; backward the same shapes transposed, twice).
+    gemm_block, dgrad_block, wgrad_block = block_gemm_seconds(plan, work.gemms, cluster, peak, flat)
     # Attention core (QK^T, AV): a flash kernel skips the masked half under causal masking and
     # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
     # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
@@ -730,15 +818,16 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     # Micro-pipelined TP: the forward's and the input gradients' GEMMs in tp row chunks.
     split = tp_chunked_gemm_seconds(plan, cluster, tp_, peak, flat)
     mat_f = n_blocks * (gemm_block + split + attn_f)
-    mat_b = n_blocks * (2 * gemm_block + split + attn_b) + n_full * (gemm_block + split + attn_f)
+    mat_b = n_blocks * (dgrad_block + wgrad_block + split + attn_b)
+    mat_b += n_full * (gemm_block + split + attn_f)
     # Op-level selective checkpointing (selective_op: torchtitan's op policy).
     op_sac = plan.recompute == "selective_op"
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
         redo = [g for i, g in enumerate(work.gemms) if not op_sac_saves_matmul(i)]
-        mat_b += n_blocks * _linear_seconds(plan, redo, cluster, peak, flat)
+        mat_b += n_blocks * block_gemm_seconds(plan, redo, cluster, peak, flat)[0]
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
-    wgrad = n_blocks * gemm_block  # one of the two backward GEMMs per linear
+    wgrad = n_blocks * wgrad_block  # one of the two backward GEMMs per linear
     if work.head:
         vocab_div = tp if kern.splits_vocab(m, tp) else 1
         head_mnk = (cp_tokens(plan), m.vocab_size // vocab_div, m.dim)

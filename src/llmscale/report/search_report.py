@@ -14,6 +14,7 @@ from llmscale.config import (
     RECOMPUTE_MODES,
     V_SCHEDULES,
     ZERO_STAGES,
+    Float8Recipe,
     Precision,
     load_model,
 )
@@ -55,9 +56,11 @@ class PlanReport(NamedTuple):
         """Two lines (each under 100 columns for the catalog's names): the question, the counts."""
         i, res = self.inputs, self.result
         fixed = ", ".join(f"{k}={v}" for k, v in i.get("fixed", {}).items())
+        f8 = i.get("float8_recipe", "tensorwise")
+        recipe = f" {f8}" if i["precision"] == "fp8" and f8 != "tensorwise" else ""
         lines = [
             f"{i['model']} on {i['gpus']} x {res.cluster.gpu.display} ({i['node']}, {i['nic']})",
-            f"seq {i['seq']}, global batch {i['global_batch']}, {i['precision']}: "
+            f"seq {i['seq']}, global batch {i['global_batch']}, {i['precision']}{recipe}: "
             f"{res.evaluated:,} plans costed, {res.feasible:,} fit, {res.seconds:.2f} s",
         ]
         if fixed:
@@ -108,6 +111,7 @@ def plan_report(
     fixed: dict[str, Any] | None = None,
     stack: str = "llmscale",
     compiled: bool = False,
+    float8_recipe: Float8Recipe = "tensorwise",
 ) -> PlanReport:
     """Search the layouts of `model` (a shape, or a spec `config.load_model` reads: preset
     NAME, FILE.toml or a Hugging Face DIR) on `gpus` x `gpu` within `space`; keep the `top`
@@ -132,6 +136,7 @@ def plan_report(
         tied=cfg.tie_embeddings,
         offload_activations=space.offload_activations,
         precision=precision,
+        float8_recipe=float8_recipe,
     )
     if refused:
         raise ConfigError(*refused)
@@ -144,11 +149,13 @@ def plan_report(
     res = search(
         cfg, gpus, cluster, seq, global_batch, precision, top, space=space,
         memory_options=options, time_params=time_params(st, compiled=compiled),
+        float8_recipe=float8_recipe,
     )  # fmt: skip
     inputs = {
         "model": model if isinstance(model, str) else cfg.name, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
         "stack": stack, "compiled": compiled, "fixed": fixed or {},
+        "float8_recipe": float8_recipe,
     }  # fmt: skip
     return PlanReport(res, inputs)
 

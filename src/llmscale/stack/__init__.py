@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from llmscale.config import RUNTIME_PRECISIONS
 from llmscale.errors import ConfigError
 from llmscale.hardware.spec import Sourced
 from llmscale.stack.kernels import MEGATRON_2021 as MEGATRON_2021_KERNELS
@@ -42,6 +43,7 @@ __all__ = [
     "recompute_problem",
     "schedule_problem",
     "param_residency",
+    "float8_recipe_problem",
     "precision_problem",
     "stacks_help",
     "tied_pipeline_problem",
@@ -228,6 +230,10 @@ class Stack:
     # Precisions it trains in (config.Precision): nvfp4 is TransformerEngine's NVFP4 recipe,
     # which only Megatron-Core runs among these.
     precisions: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
+    # Float8 recipes it runs under fp8 (config.Float8Recipe): torchao's three where it trains
+    # with torchao's float8 linears; per-tensor scaling only where TransformerEngine's current
+    # scaling is its fp8 (its other recipes, MXFP8 and 128 x 128 blocks, are not torchao's).
+    float8_recipes: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
     def kernels_for(self, compiled: bool) -> Kernels:
         """The kernels this stack runs with torch.compile on (`compiled`) or off."""
@@ -350,6 +356,13 @@ def precision_problem(stack: Stack, precision: str) -> str | None:
     return f"{' | '.join(stack.precisions)} under --stack {stack.name}{where}"
 
 
+def float8_recipe_problem(stack: Stack, recipe: str) -> str | None:
+    """Why `stack` cannot run torchao's float8 `recipe` (None when it can)."""
+    if recipe in stack.float8_recipes:
+        return None
+    return f"{' | '.join(stack.float8_recipes)} under --stack {stack.name}"
+
+
 def layout_problem(
     stack: Stack,
     *,
@@ -359,12 +372,18 @@ def layout_problem(
     tied: bool,
     offload_activations: int = 0,
     precision: str | None = None,
+    float8_recipe: str | None = None,
 ) -> tuple[str, object, str] | None:
     """The first of `stack`'s refusals a layout meets, as (config key, value, what is allowed
     instead), None when it runs: the one check `plan --stack` (a recompute policy or schedule
     fixed by a flag; None: searched) and `train --dry-run --stack` apply."""
     checks: tuple[tuple[str, object, str | None], ...] = (
         ("precision.mode", precision, precision and precision_problem(stack, precision)),
+        (
+            "precision.float8_recipe",
+            float8_recipe,
+            float8_recipe and float8_recipe_problem(stack, float8_recipe),
+        ),
         ("train.recompute", recompute, recompute and recompute_problem(stack, recompute)),
         ("parallel.pp", pp, tied_pipeline_problem(stack, tied, pp)),
         ("parallel.pp_schedule", schedule, schedule and schedule_problem(stack, schedule)),
@@ -398,6 +417,7 @@ LLMSCALE = Stack(
     grad_sync_once=True,
     tied_under_pp="copy_on_last_stage",  # parallel/tied_embeddings.py
     activation_offload="blocking",  # parallel/activation_offload.py
+    precisions=RUNTIME_PRECISIONS,  # parallel/parallelize.py refuses the others
 )
 
 MEGATRON_2021 = Stack(
@@ -420,6 +440,7 @@ MEGATRON_2021 = Stack(
     optimizer_bytes_per_param=46.0,
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
+    float8_recipes=("tensorwise",),
     fitted=(
         Fit(
             "a100-80g",
@@ -478,6 +499,7 @@ MEGATRON_CORE = Stack(
     # --fp4-format e2m1 with fp4_recipe "nvfp4": TransformerEngine's NVFP4BlockScaling
     # (megatron/core/transformer/transformer_config.py `fp4`, `fp4_recipe`).
     precisions=("fp32", "bf16", "fp16", "fp8", "nvfp4"),
+    float8_recipes=("tensorwise",),  # TransformerEngine's current scaling (fp8_cs)
     # What Megatron-Core's kernels reach on the two NVL72 parts, whose datasheets give the same
     # dense peaks (GB200 and GB300 NVL72 pages: 360 PF BF16 and 720 PF FP8 with sparsity per 72
     # GPUs) while the published 8-GPU Llama 3 8B job, identical on both, runs 1.19x faster on

@@ -324,7 +324,8 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     refused = layout_problem(stack, recompute=plan.recompute, schedule=schedule, pp=plan.pp,
                              tied=plan.model.tie_embeddings,
                              offload_activations=plan.offload_activations,
-                             precision=plan.precision)  # fmt: skip
+                             precision=plan.precision,
+                             float8_recipe=plan.float8_recipe)  # fmt: skip
     if refused:
         raise ConfigError(*refused)
     cluster = Cluster.of(gpu)

@@ -216,6 +216,7 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
         pp_chunks=vp,
         sequence_parallel=bool(row.get("sp", tp > 1)),
         offload_activations=int(row.get("offload_activations", 0)),
+        float8_recipe=row.get("float8_recipe", "tensorwise"),
     )
     for fact in row_facts(row):
         stack = fact.apply(stack, row)
@@ -229,6 +230,7 @@ def _layout(plan: Plan, stack: Stack) -> str:
         dp += f" (FSDP over dp_shard x cp: {shards})"
     v = f" v{plan.chunks}" if plan.chunks > 1 else ""
     cp = f" cp{plan.cp}" if plan.cp > 1 else ""
+    recipe = f" {plan.float8_recipe}" if plan.float8_recipe != "tensorwise" else ""
     off = (
         f", {plan.offload_activations} blocks' activations offloaded"
         if plan.offload_activations
@@ -236,7 +238,8 @@ def _layout(plan: Plan, stack: Stack) -> str:
     )
     return (
         f"t{plan.tp} p{plan.pp}{v}{cp} {dp}, mbs {plan.micro_batch_size}, "
-        f"gbs {plan.global_batch_size}, seq {plan.seq_len}, {plan.recompute}, {plan.precision}{off}"
+        f"gbs {plan.global_batch_size}, seq {plan.seq_len}, {plan.recompute}, {plan.precision}"
+        f"{recipe}{off}"
     )
 
 
