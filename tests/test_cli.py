@@ -38,6 +38,11 @@ def _run(args, tmp_path):
             "no NVFP4 training",
         ),
         (
+            ["train", "--dry-run", "--precision.mode", "nvfp4"],
+            "precision.mode: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | fp8 under --stack "
+            "llmscale (nvfp4: --stack megatron-core)",
+        ),
+        (
             ["train", "--train.recompute", "some"],
             "none | full | selective | selective_op | every_k",
         ),

@@ -247,11 +247,14 @@ def check_matmul_precision(precision: str, cluster: Cluster) -> None:
         return
     efficiency = getattr(gpu.calibration, f"{peak}_gemm_efficiency")
     if peak not in gpu.dense_TFLOPS or efficiency is None:
-        peaks = LOWP_MATMUL_PEAK.values()
-        has = [d for d in gpu.dtypes if d != "tf32" and d not in peaks]
-        has += [p for p, d in LOWP_MATMUL_PEAK.items() if d in gpu.dtypes]
+        has = [p for p in ("fp32", "bf16", "fp16") if PEAK_DTYPE.get(p, "fp32") in gpu.dtypes]
+        has += [
+            p for p, d in LOWP_MATMUL_PEAK.items()
+            if d in gpu.dtypes and getattr(gpu.calibration, f"{d}_gemm_efficiency") is not None
+        ]  # fmt: skip
+        allowed = " | ".join(has) if has else f"a GPU with {peak.upper()} tensor cores"
         raise ConfigError(
-            "precision", precision, f"{' | '.join(has)} on {gpu.name} (no {peak.upper()} tensor "
+            "precision", precision, f"{allowed} on {gpu.name} (no {peak.upper()} tensor "
             f"cores or {peak.upper()} calibration in the catalog)",
         )  # fmt: skip
 
