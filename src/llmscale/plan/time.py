@@ -222,7 +222,8 @@ class StepTime:
 
 def peak_flops(cluster: Cluster, precision: str, params: TimeParams = DEFAULT_TIME) -> float:
     """The dense peak the plan's bf16/fp16/fp32 work runs at, and MFU's denominator. Under fp8
-    that is the bf16 peak (only the linears run in FP8; torchtitan reports MFU on it too)."""
+    and nvfp4 that is the bf16 peak (only the linears run in FP8 or FP4; torchtitan and
+    Megatron-Bridge report MFU and model TFLOP/s on it too)."""
     lowp = precision in LOWP_MATMUL_PEAK
     dtype = "bf16" if lowp else PEAK_DTYPE.get(precision, params.fp32_matmul)
     return cluster.gpu.peak_flops(dtype)
@@ -374,15 +375,12 @@ def _linear_seconds(
     float8 linears) at the GPU's FP8 peak and its own calibrated efficiency, under nvfp4 at its
     FP4 peak and FP4 efficiency."""
     cal = cluster.gpu.calibration
-    if plan.fp8_matmuls:
-        fp8_peak = cluster.gpu.peak_flops("fp8")
-        return sum(2.0 * m * n * k / (fp8_peak * cal.fp8_gemm_efficiency_at(m, n, k))
-                   for m, n, k in shapes)  # fmt: skip
-    if plan.nvfp4_matmuls:
-        fp4_peak = cluster.gpu.peak_flops("fp4")
-        return sum(2.0 * m * n * k / (fp4_peak * cal.fp4_gemm_efficiency_at(m, n, k))
-                   for m, n, k in shapes)  # fmt: skip
-    return gemm_seconds(shapes, peak, cal, flat)
+    lowp = LOWP_MATMUL_PEAK.get(plan.precision)
+    if lowp is None:
+        return gemm_seconds(shapes, peak, cal, flat)
+    lowp_peak = cluster.gpu.peak_flops(lowp)
+    share = cal.fp8_gemm_efficiency_at if lowp == "fp8" else cal.fp4_gemm_efficiency_at
+    return sum(2.0 * m * n * k / (lowp_peak * share(m, n, k)) for m, n, k in shapes)
 
 
 @dataclass(frozen=True)
