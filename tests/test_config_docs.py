@@ -74,7 +74,8 @@ def test_choices_come_from_the_field_types() -> None:
     assert by_key["job.device"].choices == config.DEVICES
     assert by_key["job.memory_check"].choices == config.MEMORY_CHECKS
     assert by_key["optimizer.offload_kernel"].choices == ("fused", "exact")
-    assert by_key["model.mlp"].choices == ("swiglu", "gelu")
+    assert by_key["model.mlp"].choices == ("swiglu", "gelu", "relu2")
+    assert by_key["precision.float8_recipe"].choices == config.FLOAT8_RECIPES
     assert by_key["parallel.zero_stage"].choices == (0, 1, 2, 3)
     # A string-valued field that is not a free-form name or path is a Literal.
     free = {"name", "run_dir", "path", "glob", "folder", "published_source", "init_from", "dataset"}

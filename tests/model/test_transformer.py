@@ -71,3 +71,19 @@ def test_residual_output_projections_are_scaled_down() -> None:
     wq = m.layers["0"].attention.wq.weight.std().item()
     wo = m.layers["0"].attention.wo.weight.std().item()
     assert abs(wo / wq - (2 * cfg.n_layers) ** -0.5) < 0.05
+
+
+def test_squared_relu_ffn_is_relu_squared_between_two_matrices() -> None:
+    """mlp = "relu2" (Nemotron-4's): w2(relu(w1 x)^2), two matrices, as many parameters as a
+    GELU FFN of the same width."""
+
+    from llmscale.model.config import ModelConfig
+    from llmscale.model.transformer import FeedForward
+
+    cfg = ModelConfig(dim=16, ffn_dim=32, mlp="relu2", bias=False)
+    ffn = FeedForward(cfg)
+    assert ffn.w3 is None and not cfg.gated
+    x = torch.randn(2, 3, 16)
+    assert torch.equal(ffn(x), ffn.w2(F.relu(ffn.w1(x)) ** 2))
+    gelu = ModelConfig(dim=16, ffn_dim=32, mlp="gelu", bias=False)
+    assert cfg.mlp_params() == gelu.mlp_params()

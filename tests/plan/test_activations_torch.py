@@ -40,6 +40,11 @@ GPT = ModelConfig(
     bias=True,
     tie_embeddings=True,
 )
+# Nemotron-4's kind: squared ReLU, layernorm, rotary positions, untied, no biases.
+RELU2 = ModelConfig(
+    dim=48, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=264, max_seq_len=16,
+    norm="layernorm", mlp="relu2", bias=False,
+)  # fmt: skip
 B, S = 3, 10
 
 
@@ -85,7 +90,7 @@ def predicted(
     return total
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT, RELU2], ids=["llama", "gpt", "relu2"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "selective_op", "every_k", "full"])
 def test_saved_bytes_equal_autograd(cfg: ModelConfig, precision: str, recompute: str) -> None:

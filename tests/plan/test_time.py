@@ -336,3 +336,28 @@ def test_lsp_offload_prices_its_own_bytes_and_host_adam() -> None:
     # Llama-2 7B's 4096-wide matrices at d = 512: an eighth of the bytes and far less host work
     assert t_lsp.breakdown["optimizer"] < t_zero.breakdown["optimizer"] / 8
     assert t_lsp.breakdown["matmul"] == t_zero.breakdown["matmul"]  # projections not priced
+
+
+def test_squared_relu_moves_two_element_wise_passes() -> None:
+    """The runtime's squared ReLU is two eager ops (relu, square: 2a each per FFN element)
+    where GELU is one (2a); compiled, both are one fused pass."""
+    from llmscale.model.config import ModelConfig
+    from llmscale.plan.time import compiled_block_bytes, runtime_eager_block_parts
+    from llmscale.stack.kernels import RUNTIME
+
+    shape = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256,
+                        vocab_size=300, max_seq_len=32, norm="layernorm", bias=False)  # fmt: skip
+    plans = {
+        mlp: Plan(
+            model=shape.with_overrides(mlp=mlp),
+            seq_len=32,
+            micro_batch_size=2,
+            global_batch_size=2,
+            precision="bf16",
+        )  # fmt: skip
+        for mlp in ("gelu", "relu2")
+    }
+    eager = {k: runtime_eager_block_parts(p, RUNTIME)[0] for k, p in plans.items()}
+    assert eager["relu2"] - eager["gelu"] == 2 * 2 * 256 * 2 * 32
+    fused = {k: compiled_block_bytes(p, RUNTIME) for k, p in plans.items()}
+    assert fused["relu2"] == fused["gelu"]

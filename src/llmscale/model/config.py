@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple, get_args
 from llmscale.errors import ConfigError
 
 Norm = Literal["rmsnorm", "layernorm"]
-Mlp = Literal["swiglu", "gelu"]
+Mlp = Literal["swiglu", "gelu", "relu2"]
 PosEmb = Literal["rope", "learned"]
 RopeScaling = Literal["none", "linear", "llama3"]
 
@@ -65,7 +65,8 @@ class ModelConfig:
     norm: Norm = "rmsnorm"
     """Normalisation before attention, before the FFN and at the output."""
     mlp: Mlp = "swiglu"
-    """Feed-forward network: gated SwiGLU (three matrices) or GELU (two)."""
+    """Feed-forward network: gated SwiGLU (three matrices), GELU (two) or squared ReLU (two,
+    relu(x)^2: Primer, So et al. 2021; Nemotron-4)."""
     pos_emb: PosEmb = "rope"
     """Positions: rotary embeddings in attention, or a learned table added to the input."""
     bias: bool = False
@@ -158,7 +159,7 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        """SwiGLU has three FFN matrices (gate, up, down); GELU has two."""
+        """SwiGLU has three FFN matrices (gate, up, down); GELU and squared ReLU have two."""
         return self.mlp == "swiglu"
 
     # ---- parameter counts (exact, matching model/transformer.py) ----------------------------

@@ -123,7 +123,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gated = cfg.gated
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)  # gate (SwiGLU) or fc (GELU)
+        self.squared_relu = cfg.mlp == "relu2"
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)  # gate (SwiGLU) or fc
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)  # down / proj
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.gated else None  # up
 
@@ -131,6 +132,8 @@ class FeedForward(nn.Module):
         y: torch.Tensor
         if self.w3 is not None:
             y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        elif self.squared_relu:
+            y = self.w2(F.relu(self.w1(x)).square())
         else:
             y = self.w2(F.gelu(self.w1(x), approximate="tanh"))
         return y

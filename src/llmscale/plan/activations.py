@@ -20,7 +20,8 @@ what each op's backward keeps (checked against `saved_tensors_hooks` in tests/pl
   kernel, which keeps the scaled q, repeated k and v, and one s x s matrix (the softmax's
   output).
 - SwiGLU keeps w1's output (silu input), silu's output, w3's output and their product (w2's
-  input); GELU keeps its input and its output.
+  input); GELU keeps its input and its output; squared ReLU its relu's output (which the
+  square reads) and its output.
 - No dropout, so no masks.
 - Recompute modes (`BLOCK_MODES`): selective keeps the checkpointed attention core's inputs
   instead of what it saves; full keeps the block input; selective_op (torchtitan's op-level
@@ -232,9 +233,14 @@ def block_tensors(
     else:
         linear_inputs("w1", ("w1",))
         w2_in = cb if fp8_casts else a
+        act_in, act_out = (
+            ("relu output (square input)", "squared relu output")
+            if model.mlp == "relu2"
+            else ("w1 output (gelu input)", "gelu output")
+        )
         per_token += [
-            ("w1 output (gelu input)", a * f, "tp"),
-            ("w2 input (gelu output)" + (f", {cast_name}" if fp8_casts else ""), w2_in * f, "tp"),
+            (act_in, a * f, "tp"),
+            (f"w2 input ({act_out})" + (f", {cast_name}" if fp8_casts else ""), w2_in * f, "tp"),
         ]
     if kernels.dropout:
         per_token.append(("mlp residual dropout mask", 1 * d, "norm"))

@@ -685,7 +685,8 @@ def eager_block_bytes(plan: Plan) -> float:
     - RoPE on q and k as complex products in fp32: cast (2, 4), multiply (4, 4), cast back
       (4, 2): 20 bytes per element;
     - repeat_kv (GQA) copies k and v to n_heads: 2 read per kv element, 2 written per q element;
-    - SwiGLU: silu (2, 2) and the product (4, 2): 10 bytes per element of the FFN width;
+    - SwiGLU: silu (2, 2) and the product (4, 2): 10 bytes per element of the FFN width (GELU
+      6; squared ReLU: relu (2, 2) and the square (2, 2), 8);
     - two residual adds: (4, 2) each, per element of d.
     Backward moves about twice that (read the saved input and the gradient, write a gradient).
     """
@@ -694,7 +695,7 @@ def eager_block_bytes(plan: Plan) -> float:
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
     per_token: float = 2 * 36 * d + 2 * 6 * d  # norms and residual adds (replicated over tp)
     per_token += (20 * (d + kv) + 2 * (d + kv) * (2 if kv < d else 0)) / tp
-    per_token += (10 if m.gated else 6) * f / tp
+    per_token += {"swiglu": 10, "gelu": 6, "relu2": 8}[m.mlp] * f / tp
     return per_token * tokens
 
 
@@ -711,7 +712,8 @@ def runtime_eager_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
       half-size views, then a stack: 36 bytes per element; in bf16/fp16 also the upcast and the
       cast back, 2 (4 + a);
     - the attention output's transpose-and-reshape copy: 2a per element of d;
-    - SwiGLU: silu (2a) and the product (3a) per element of the FFN width; GELU 2a;
+    - SwiGLU: silu (2a) and the product (3a) per element of the FFN width; GELU 2a; squared
+      ReLU: relu (2a) and the square (2a);
     - two residual adds: a fp32 stream plus a low-precision branch, 2r + a per element of d.
     Tensor-parallel ranks hold 1/tp of the heads and of the FFN width; norms and residual adds
     are split too under sequence parallelism.
@@ -738,7 +740,7 @@ def runtime_eager_block_parts(plan: Plan, kernels: act.Kernels) -> tuple[float, 
     if m.pos_emb == "rope":
         split += (36 + (2 * (4 + a) if a < 4 else 0)) * (d + kv) / tp
     split += 2 * a * d / tp  # attention output copy
-    split += (5 if m.gated else 2) * a * f / tp
+    split += {"swiglu": 5, "gelu": 2, "relu2": 4}[m.mlp] * a * f / tp
     weights = 0.0
     if a < 4 and not kernels.lowp_weights:  # autocast's weight casts
         block_params = sum(fan_in * fan_out for _, fan_in, fan_out in m.block_matmuls()) / tp
@@ -759,8 +761,8 @@ def compiled_block_bytes(plan: Plan, kernels: act.Kernels) -> float:
     - the second residual add: reads r + a, writes r;
     - RoPE on q and k: reads and writes them once, 2a per element; the attention output's
       copy, 2a per element of d;
-    - SwiGLU: reads both branches, writes the product, 3a per element of the FFN width (GELU:
-      2a);
+    - SwiGLU: reads both branches, writes the product, 3a per element of the FFN width (GELU
+      and squared ReLU: 2a);
     - the weights' autocast casts as eager (they are the weights' bytes, whatever the fusion).
     Tensor-parallel and sequence-parallel splits as in `runtime_eager_block_bytes`.
     """

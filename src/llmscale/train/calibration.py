@@ -240,7 +240,12 @@ def _elementwise_seconds(
         if rope is not None:
             outs += [apply_rope(q, rope), apply_rope(k, rope)]
         h1 = x + attn_out.transpose(1, 2).reshape(b, s, -1)
-        ff = F.silu(up[0]) * up[1] if model.gated else F.gelu(up[0], approximate="tanh")
+        if model.gated:
+            ff = F.silu(up[0]) * up[1]
+        elif model.mlp == "relu2":
+            ff = F.relu(up[0]).square()
+        else:
+            ff = F.gelu(up[0], approximate="tanh")
         outs += [ff, h1 + branch]
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
