@@ -88,20 +88,25 @@ class Calibration:
         d: float = math.cbrt(float(m) * float(n) * float(k))
         return self.gemm_efficiency.value * d / (d + self.gemm_half_dim.value)
 
+    def lowp_gemm_efficiency(self, dtype: str) -> Sourced | None:
+        """The calibrated share of the FP8 or FP4 (`dtype`) dense peak; None without one."""
+        share: Sourced | None = getattr(self, LOWP_CALIBRATION_FIELDS[dtype])
+        return share
+
+    def lowp_gemm_efficiency_at(self, dtype: str, m: float, n: float, k: float) -> float:
+        """Achieved / FP8 or FP4 (`dtype`) peak for a low-precision (m x k) @ (k x n) GEMM (the
+        bf16 curve, rescaled)."""
+        share = self.lowp_gemm_efficiency(dtype)
+        if share is None:
+            raise ConfigError(
+                f"calibration.{LOWP_CALIBRATION_FIELDS[dtype]}", None,
+                f"a value ({dtype.upper()} GPUs)",
+            )  # fmt: skip
+        return share.value / self.gemm_efficiency.value * self.gemm_efficiency_at(m, n, k)
+
     def fp8_gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
         """Achieved / FP8 peak for an FP8 (m x k) @ (k x n) GEMM (the bf16 curve, rescaled)."""
-        if self.fp8_gemm_efficiency is None:
-            raise ConfigError("calibration.fp8_gemm_efficiency", None, "a value (FP8 GPUs)")
-        scale = self.fp8_gemm_efficiency.value / self.gemm_efficiency.value
-        return scale * self.gemm_efficiency_at(m, n, k)
-
-    def fp4_gemm_efficiency_at(self, m: float, n: float, k: float) -> float:
-        """Achieved / FP4 peak for a block-scaled FP4 (m x k) @ (k x n) GEMM (the bf16 curve,
-        rescaled)."""
-        if self.fp4_gemm_efficiency is None:
-            raise ConfigError("calibration.fp4_gemm_efficiency", None, "a value (FP4 GPUs)")
-        scale = self.fp4_gemm_efficiency.value / self.gemm_efficiency.value
-        return scale * self.gemm_efficiency_at(m, n, k)
+        return self.lowp_gemm_efficiency_at("fp8", m, n, k)
 
 
 _PEAK = "a measured rate: the peaks themselves are what this device achieved"

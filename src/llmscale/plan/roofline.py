@@ -29,13 +29,7 @@ from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU
 from llmscale.model.config import ModelConfig
 from llmscale.plan import activations as act
-from llmscale.plan.time import (
-    DEFAULT_TIME,
-    LOWP_MATMUL_PEAK,
-    PEAK_DTYPE,
-    TimeParams,
-    matmul_peak_dtype,
-)
+from llmscale.plan.time import DEFAULT_TIME, TimeParams, matmul_peak_dtype, work_peak_dtype
 
 
 @dataclass(frozen=True)
@@ -114,8 +108,7 @@ def decode(
     kv_cache = 2.0 * model.n_layers * seq * model.kv_dim * 2 * batch
     traffic = 2.0 * model.num_params() + kv_cache
     # bf16 weights and cache (2 B each, above): a low-precision training recipe decodes in bf16
-    dtype = "bf16" if precision in LOWP_MATMUL_PEAK else PEAK_DTYPE.get(precision, "fp32")
-    peak = gpu.peak_flops(dtype)
+    peak = gpu.peak_flops(work_peak_dtype(precision))
     return Roofline(
         f"decode, batch {batch}, context {seq}", flops, traffic, peak, gpu.hbm_bandwidth
     )

@@ -92,6 +92,7 @@ dense peak of the precision's dtype; HFU counts recomputation too.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES, NVFP4_MATMUL_BYTES
@@ -224,9 +225,13 @@ def peak_flops(cluster: Cluster, precision: str, params: TimeParams = DEFAULT_TI
     """The dense peak the plan's bf16/fp16/fp32 work runs at, and MFU's denominator. Under fp8
     and nvfp4 that is the bf16 peak (only the linears run in FP8 or FP4; torchtitan and
     Megatron-Bridge report MFU and model TFLOP/s on it too)."""
-    lowp = precision in LOWP_MATMUL_PEAK
-    dtype = "bf16" if lowp else PEAK_DTYPE.get(precision, params.fp32_matmul)
-    return cluster.gpu.peak_flops(dtype)
+    return cluster.gpu.peak_flops(work_peak_dtype(precision, params.fp32_matmul))
+
+
+def work_peak_dtype(precision: str, fp32_matmul: str = "fp32") -> str:
+    """The dense peak everything but the low-precision linears runs at in `precision`: bf16
+    under fp8 and nvfp4, else the precision's own (`fp32_matmul` for fp32)."""
+    return "bf16" if precision in LOWP_MATMUL_PEAK else PEAK_DTYPE.get(precision, fp32_matmul)
 
 
 # The precisions whose linears run on narrower tensor cores, to the peak they run at.
@@ -246,12 +251,12 @@ def check_matmul_precision(precision: str, cluster: Cluster) -> None:
     peak = LOWP_MATMUL_PEAK.get(precision)
     if peak is None:
         return
-    efficiency = getattr(gpu.calibration, f"{peak}_gemm_efficiency")
-    if peak not in gpu.dense_TFLOPS or efficiency is None:
+    cal = gpu.calibration
+    if peak not in gpu.dense_TFLOPS or cal.lowp_gemm_efficiency(peak) is None:
         has = [p for p in ("fp32", "bf16", "fp16") if PEAK_DTYPE.get(p, "fp32") in gpu.dtypes]
         has += [
             p for p, d in LOWP_MATMUL_PEAK.items()
-            if d in gpu.dtypes and getattr(gpu.calibration, f"{d}_gemm_efficiency") is not None
+            if d in gpu.dtypes and cal.lowp_gemm_efficiency(d) is not None
         ]  # fmt: skip
         allowed = " | ".join(has) if has else f"a GPU with {peak.upper()} tensor cores"
         raise ConfigError(
@@ -379,8 +384,8 @@ def _linear_seconds(
     if lowp is None:
         return gemm_seconds(shapes, peak, cal, flat)
     lowp_peak = cluster.gpu.peak_flops(lowp)
-    share = cal.fp8_gemm_efficiency_at if lowp == "fp8" else cal.fp4_gemm_efficiency_at
-    return sum(2.0 * m * n * k / (lowp_peak * share(m, n, k)) for m, n, k in shapes)
+    return sum(2.0 * m * n * k / (lowp_peak * cal.lowp_gemm_efficiency_at(lowp, m, n, k))
+               for m, n, k in shapes)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -457,16 +462,23 @@ def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
         return 0.0, 0.0
     cost = FLOAT8_RECIPES[plan.float8_recipe]
     fwd = bwd = 0.0
-    cast: set[str] = set()  # regions whose shared column-parallel input is cast already
-    for lin in block_linears(plan):
-        m, n, k = lin.mnk
-        shared = compiled and lin.colwise and lin.region in cast
-        if lin.colwise:
-            cast.add(lin.region)
-        x, w, go = (0 if shared else m * k), n * k, m * n
+    for x, w, go in _cast_operands(plan, share_inputs=compiled):
         fwd += cost.fwd_x * x + cost.fwd_w * w
         bwd += cost.bwd_go * go + cost.bwd_x * x + cost.bwd_w * w
     return fwd, bwd
+
+
+def _cast_operands(plan: Plan, share_inputs: bool) -> Iterator[tuple[int, int, int]]:
+    """Elements of each block linear's input, weight and output gradient that a low-precision
+    recipe casts. With `share_inputs`, the column-parallel linears of one region (wq, wk, wv;
+    w1, w3), which read one tensor, cast it once: the later ones count no input."""
+    cast: set[str] = set()  # regions whose shared column-parallel input is cast already
+    for lin in block_linears(plan):
+        m, n, k = lin.mnk
+        shared = share_inputs and lin.colwise and lin.region in cast
+        if lin.colwise:
+            cast.add(lin.region)
+        yield (0 if shared else m * k), n * k, m * n
 
 
 def block_gemm_seconds(
@@ -519,16 +531,10 @@ def nvfp4_cast_bytes(plan: Plan) -> tuple[float, float]:
     if not plan.nvfp4_matmuls:
         return 0.0, 0.0
     fwd = bwd = 0.0
-    cast: set[str] = set()
     per_step = 1.0 / max(1, plan.n_microbatches)
-    for lin in block_linears(plan):
-        m, n, k = lin.mnk
-        shared = lin.colwise and lin.region in cast
-        if lin.colwise:
-            cast.add(lin.region)
-        x = 0 if shared else m * k
-        fwd += NVFP4_ACTIVATION_CAST_BYTES * x + NVFP4_WEIGHT_CAST_BYTES * n * k * per_step
-        bwd += NVFP4_ACTIVATION_CAST_BYTES * m * n
+    for x, w, go in _cast_operands(plan, share_inputs=True):
+        fwd += NVFP4_ACTIVATION_CAST_BYTES * x + NVFP4_WEIGHT_CAST_BYTES * w * per_step
+        bwd += NVFP4_ACTIVATION_CAST_BYTES * go
     return fwd, bwd
 
 
@@ -676,6 +682,13 @@ def _loss_comm_seconds(plan: Plan, rank: int, cluster: Cluster, kern: act.Kernel
     return collective("all_gather", logits, tp, tp, cluster.fabric).seconds
 
 
+# The FFN activation's element-wise traffic per element of the FFN width, forward, by
+# `ModelConfig.mlp`: torchtitan's eager ops in bytes (`eager_block_bytes`), and the llmscale
+# runtime's eager ops in multiples of the activation dtype (`runtime_eager_block_parts`).
+EAGER_FFN_BYTES = {"swiglu": 10, "gelu": 6, "relu2": 8}
+RUNTIME_FFN_PASSES = {"swiglu": 5, "gelu": 2, "relu2": 4}
+
+
 def eager_block_bytes(plan: Plan) -> float:
     """HBM bytes one block's element-wise kernels move in forward on one rank, run eagerly
     (one kernel per op, bf16 activations, as torchtitan's Llama without torch.compile):
@@ -695,7 +708,7 @@ def eager_block_bytes(plan: Plan) -> float:
     d, kv, f = m.dim, m.kv_dim, m.ffn_dim
     per_token: float = 2 * 36 * d + 2 * 6 * d  # norms and residual adds (replicated over tp)
     per_token += (20 * (d + kv) + 2 * (d + kv) * (2 if kv < d else 0)) / tp
-    per_token += {"swiglu": 10, "gelu": 6, "relu2": 8}[m.mlp] * f / tp
+    per_token += EAGER_FFN_BYTES[m.mlp] * f / tp
     return per_token * tokens
 
 
@@ -740,7 +753,7 @@ def runtime_eager_block_parts(plan: Plan, kernels: act.Kernels) -> tuple[float, 
     if m.pos_emb == "rope":
         split += (36 + (2 * (4 + a) if a < 4 else 0)) * (d + kv) / tp
     split += 2 * a * d / tp  # attention output copy
-    split += {"swiglu": 5, "gelu": 2, "relu2": 4}[m.mlp] * a * f / tp
+    split += RUNTIME_FFN_PASSES[m.mlp] * a * f / tp
     weights = 0.0
     if a < 4 and not kernels.lowp_weights:  # autocast's weight casts
         block_params = sum(fan_in * fan_out for _, fan_in, fan_out in m.block_matmuls()) / tp
