@@ -46,6 +46,17 @@ ZeroStage = Literal[0, 1, 2, 3]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 FLOAT8_RECIPES: tuple[Float8Recipe, ...] = get_args(Float8Recipe)
+
+
+def float8_recipe_needs_fp8(mode: str, recipe: str, mode_name: str) -> str | None:
+    """What a float8 recipe other than tensorwise (the default) needs: precision fp8. None when
+    `recipe` applies, else what is allowed, naming the precision as `mode_name` does (a config
+    key, a flag)."""
+    if recipe == "tensorwise" or mode == "fp8":
+        return None
+    return f"tensorwise with {mode_name} {mode}"
+
+
 # The precisions this runtime trains in (nvfp4 is planned only: parallel/parallelize.py).
 RUNTIME_PRECISIONS: tuple[Precision, ...] = tuple(p for p in PRECISIONS if p != "nvfp4")
 RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)
@@ -308,10 +319,11 @@ class PrecisionSection:
     def validate(self) -> None:
         _choice("precision", self, "mode")
         _choice("precision", self, "float8_recipe")
-        if self.float8_recipe != "tensorwise" and self.mode != "fp8":
+        needs = float8_recipe_needs_fp8(self.mode, self.float8_recipe, "precision.mode")
+        if needs:
             raise ConfigError(
-                "precision.float8_recipe", self.float8_recipe, f"tensorwise with precision.mode "
-                f"{self.mode} (a float8 recipe applies to fp8)",
+                "precision.float8_recipe", self.float8_recipe,
+                f"{needs} (a float8 recipe applies to fp8)",
             )  # fmt: skip
         for name in ("initial_scale", "min_scale", "max_scale"):
             if not getattr(self, name) > 0:

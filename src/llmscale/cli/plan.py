@@ -19,6 +19,7 @@ from llmscale.config import (
     PRECISIONS,
     RECOMPUTE_MODES,
     ZERO_STAGES,
+    float8_recipe_needs_fp8,
 )
 from llmscale.errors import ConfigError
 from llmscale.paths import check_image_file
@@ -157,10 +158,9 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     one_of("precision", args.precision, PRECISIONS)
     one_of("float8_recipe", args.float8_recipe, FLOAT8_RECIPES)
-    if args.float8_recipe != "tensorwise" and args.precision != "fp8":
-        raise ConfigError(
-            "float8_recipe", args.float8_recipe, f"tensorwise with --precision {args.precision}"
-        )
+    needs = float8_recipe_needs_fp8(args.precision, args.float8_recipe, "--precision")
+    if needs:
+        raise ConfigError("float8_recipe", args.float8_recipe, needs)
     png = check_image_file("--png", args.png) if args.png else None
     given = {k: getattr(args, k) for k in FIXABLE}
     if given["schedule"] is not None:

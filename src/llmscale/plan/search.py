@@ -54,6 +54,7 @@ from llmscale.config import (
     PPSchedule,
     Precision,
     Recompute,
+    float8_recipe_needs_fp8,
     microbatch_rule,
     offload_problem,
 )
@@ -337,8 +338,9 @@ def search(
     _check_inputs(model, gpus, seq_len, global_batch_size, precision, top)
     if float8_recipe not in FLOAT8_RECIPES:
         raise ConfigError("float8_recipe", float8_recipe, " | ".join(FLOAT8_RECIPES))
-    if float8_recipe != "tensorwise" and precision != "fp8":
-        raise ConfigError("float8_recipe", float8_recipe, f"tensorwise with precision {precision}")
+    needs = float8_recipe_needs_fp8(precision, float8_recipe, "precision")
+    if needs:
+        raise ConfigError("float8_recipe", float8_recipe, needs)
     tm.check_matmul_precision(precision, cluster)
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB

@@ -82,14 +82,12 @@ class PlanReport(NamedTuple):
             if stack == "llmscale"
             else f"best layout (costed as {stack} runs it); in llmscale"
         )
-        parts = self.result.candidates[0].plan.overrides()
-        precision = str(self.inputs.get("precision", "bf16"))
-        if precision not in LLMSCALE.precisions:  # nvfp4: llmscale's nearest is fp8
-            head += f" (which trains no {precision}: fp8)"
-            parts = [p.replace(f"--precision.mode {precision}", "--precision.mode fp8")
-                     for p in parts]  # fmt: skip
+        plan = self.result.candidates[0].plan
+        if plan.precision not in LLMSCALE.precisions:  # nvfp4: llmscale's nearest is fp8
+            head += f" (which trains no {plan.precision}: fp8)"
+            plan = replace(plan, precision="fp8")
         lines, line = [], f"{head}: llmscale train"
-        for part in parts:
+        for part in plan.overrides():
             if len(line) + len(part) + 3 > width:
                 lines.append(line + " \\")
                 line = "     "
