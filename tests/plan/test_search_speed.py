@@ -232,8 +232,92 @@ def test_time_floor_skips_only_plans_never_shown(
     assert len(all_timed) == full.feasible > len(few_timed) > 0  # some plans were skipped
     assert all(floor <= seconds for floor, seconds in all_timed)
     assert sum(floor < seconds for floor, seconds in all_timed) > 0  # a floor, not the estimate
-    assert (pruned.evaluated, pruned.feasible) == (full.evaluated, full.feasible)
+    # knob loops left uncosted: fewer plans costed, and of them fewer fit
+    assert pruned.evaluated < full.evaluated and pruned.feasible < full.feasible
     assert [(c.plan, c.time, c.memory.total) for c in pruned.candidates] == [
         (c.plan, c.time, c.memory.total) for c in full.candidates
     ]
     assert len(full.candidates) == 5
+
+
+@pytest.mark.parametrize("stack", ["llmscale", "torchtitan", "megatron-core", "megatron-2021"])
+@pytest.mark.parametrize(
+    ("name", "gpus", "gpu", "seq", "batch"),
+    [("llama2-70b", 32, "h200", 4096, 256), ("llama3-8b", 16, "h100", 8192, 64)],
+)
+def test_time_pruning_keeps_every_shown_plan(
+    monkeypatch: pytest.MonkeyPatch,
+    stack: str,
+    name: str,
+    gpus: int,
+    gpu: str,
+    seq: int,
+    batch: int,
+) -> None:
+    # Each stack's search shows the same plans, times and memory with the time floors on (a
+    # plan's, and a knob loop's: `search._slower_than`) as with them off, having costed fewer.
+    from llmscale.plan import cache
+    from llmscale.plan import search as sr
+    from llmscale.report.search_report import plan_report
+
+    runs = {}
+    for prune in (False, True):
+        monkeypatch.setattr(sr, "PRUNE_BY_TIME_FLOOR", prune)
+        cache.clear_all()
+        runs[prune] = plan_report(name, gpus, gpu, seq, batch, top=10, stack=stack).result
+    full, pruned = runs[False], runs[True]
+    assert [(c.plan, c.time, c.memory.total) for c in pruned.candidates] == [
+        (c.plan, c.time, c.memory.total) for c in full.candidates
+    ]
+    assert len(full.candidates) == 10
+    assert pruned.evaluated < full.evaluated
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "pp", "dp", "mbs", "batch", "recompute"),
+    [
+        ("llama2-7b", 1, 4, 2, 1, 16, "none"),
+        ("llama2-7b", 2, 2, 2, 2, 64, "selective"),
+        ("llama3-8b", 1, 8, 1, 1, 32, "full"),
+        ("llama2-70b", 4, 4, 2, 1, 64, "none"),
+    ],
+)
+@pytest.mark.parametrize("stack", ["llmscale", "torchtitan"])
+def test_gpipe_is_no_faster_nor_lighter_than_1f1b(
+    name: str, tp: int, pp: int, dp: int, mbs: int, batch: int, recompute: str, stack: str
+) -> None:
+    # search.DOMINATED_BY: with the same knobs GPipe takes 1F1B's step time and holds no less
+    # on any rank (1F1B needs m >= pp), so the search tries it only where 1F1B cannot run.
+    from llmscale.plan import memory as mem
+    from llmscale.plan import search as sr
+    from llmscale.plan import time as tm
+    from llmscale.plan.cluster import Cluster
+    from llmscale.plan.time import time_params
+    from llmscale.stack import get_stack
+
+    st = get_stack(stack)
+    if "gpipe" not in st.schedules or recompute not in st.recompute:
+        pytest.skip(f"{stack} runs no gpipe or {recompute}")
+    cluster, opt, tparams = Cluster.of("h100"), mem.memory_options(st), time_params(st)
+    one = Plan(
+        model=get_preset(name), seq_len=4096, micro_batch_size=mbs, global_batch_size=batch,
+        tp=tp, pp=pp, dp_shard=dp, recompute=recompute, pp_schedule="1f1b",  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert one.n_microbatches >= pp
+    g = dataclasses.replace(one, pp_schedule="gpipe")
+    a, b = mem.estimate_memory(one, opt), mem.estimate_memory(g, opt)
+    for ra, rb in zip(a.per_rank, b.per_rank, strict=True):
+        assert rb.total >= ra.total
+    assert b.total > a.total  # all m micro-batches in flight
+    for simulate in (False, True):
+        ta = tm.estimate_step_time(one, cluster, tparams, simulate=simulate).seconds
+        tb = tm.estimate_step_time(g, cluster, tparams, simulate=simulate).seconds
+        assert tb == pytest.approx(ta, rel=1e-9)
+    # the search shows 1F1B's plan where it runs, GPipe only where it cannot (m < pp)
+    space = sr.SearchSpace(tp=tp, pp=pp, dp_shard=dp, micro_batch_sizes=(mbs,))
+    res = sr.search(one.model, tp * pp * dp, cluster, 4096, batch, space=space,
+                    memory_options=opt, time_params=tparams)  # fmt: skip
+    assert res.shown and all(c.plan.pp_schedule != "gpipe" for c in res.shown)
+    few = sr.search(one.model, tp * pp * dp, cluster, 4096, dp * mbs * (pp - 1), space=space,
+                    memory_options=opt, time_params=tparams)  # fmt: skip
+    assert few.shown and all(c.plan.pp_schedule == "gpipe" for c in few.shown)

@@ -31,8 +31,11 @@ cached. In the inner loop a layout's plans differ only in recompute, ZeRO stage 
 once per (ZeRO stage, offload), and its activity, once per (recompute, low-precision weights),
 and builds a plan (`Plan.varied`) only for those it does not rule out; a plan that fits is
 timed in full only while its step-time floor (`tm.step_time_floor`) can beat the
-`max(top, resimulate)` fastest so far (`PRUNE_BY_TIME_FLOOR`); the simulator re-times the shown
-plans without a timeline, from the graphs it keeps (plan/schedule.py `simulate`).
+`max(top, resimulate)` fastest so far (`PRUNE_BY_TIME_FLOOR`), and the rest of a knob loop is
+left uncosted once the floor of its fastest setting left cannot (`_slower_than`); GPipe is tried
+only where 1F1B cannot run (`DOMINATED_BY`); the simulator re-times the shown plans without a
+timeline, from the graphs it keeps (plan/schedule.py `simulate`). `evaluated` counts the plans
+whose memory was costed, `feasible` those of them that fit.
 """
 
 from __future__ import annotations
@@ -263,6 +266,14 @@ def _tp_rule(
     return None
 
 
+# Schedules never faster nor lighter than another that runs the same micro-batches: tried only
+# where that one cannot run or is not searched. GPipe takes 1F1B's time with the same knobs (the
+# closed form's bubble is the same; the simulator agrees to rounding) and holds all m
+# micro-batches' activations and logits where 1F1B holds at most pp - rank <= m (1F1B needs
+# m >= pp); their states, buffers and transients are the same (tests/plan/test_search_speed.py).
+DOMINATED_BY: dict[str, str] = {"gpipe": "1f1b"}
+
+
 def _schedules(
     model: ModelConfig, pp: int, microbatches: int, space: SearchSpace
 ) -> Iterator[tuple[PPSchedule, int]]:
@@ -270,8 +281,9 @@ def _schedules(
         # One stage runs every schedule alike: keep a fixed schedule's name, else 1f1b.
         yield (space.schedules[0] if len(space.schedules) == 1 else "1f1b"), 1
         return
-    for s in space.schedules:
-        if microbatch_rule(s, pp, microbatches) is not None:  # config's rule, the runtime's
+    runs = [s for s in space.schedules if microbatch_rule(s, pp, microbatches) is None]
+    for s in runs:  # (`microbatch_rule`: config's rule, the runtime's)
+        if DOMINATED_BY.get(s) in runs:
             continue
         if s in LOOP_MULTI_CHUNK_SCHEDULES:
             # Chunk counts that split the layers evenly when there are any (an uneven chunk
@@ -450,8 +462,13 @@ def search(
                             layout_activity.setdefault((sp, mbs, sched, v), {}), lowp,
                         )  # fmt: skip
                         # Time grows with each knob (recompute level, ZeRO stage, offload level)
-                        # and memory shrinks: skip a setting once one at least as fast fits.
+                        # and memory shrinks: skip a setting once one at least as fast fits; and
+                        # skip the rest, uncosted, once the floor of the fastest left is past
+                        # the plans kept (`_slower_than`, tested at the first setting whose
+                        # memory floor fits: counted as maybe fitting, so larger micro-batches
+                        # are still tried).
                         fits: list[tuple[int, int, int]] = []
+                        checked = False
                         for ri, rec in enumerate(recs):
                             if rec not in useful:
                                 continue
@@ -466,6 +483,14 @@ def search(
                                 floor = floors.pieces(ri, zi, oi)
                                 if floor is None:
                                     continue  # as worst_total would find, without the plan
+                                if not checked and len(kept) == keep and PRUNE_BY_TIME_FLOOR:
+                                    checked = True
+                                    if _slower_than(
+                                        -kept[0], floors, ri, levels, useful, placed[where],
+                                        cluster, time_params,
+                                    ):  # fmt: skip
+                                        fit_any = True
+                                        break
                                 plan = floors.plan(ri, zi, oi)
                                 total = mem.worst_total(
                                     plan, memory_options, ends, budget, known=floor
@@ -488,6 +513,9 @@ def search(
                                         heapq.heappush(kept, -t.seconds)
                                     elif t.seconds < -kept[0]:
                                         heapq.heapreplace(kept, -t.seconds)
+                            else:
+                                continue
+                            break  # the rest of this knob loop is slower than those kept
                         fit_any = fit_any or bool(fits)
                     if not fit_any:
                         break  # a bigger micro-batch needs more memory still
@@ -651,6 +679,34 @@ def _closest(
         why = fit_reason(est, cluster, opt)
         out.append(Candidate(plan, est, t, fits=why is None, why=why))
     return tuple(out)
+
+
+def _slower_than(
+    bar: float,
+    floors: _Floors,
+    ri: int,
+    levels: list[int],
+    useful: set[str],
+    placed: list[tuple[int, int]],
+    cluster: Cluster,
+    time_params: tm.TimeParams,
+) -> bool:
+    """Is every setting of `floors`' knob loop from recompute `ri` on slower than `bar`? The
+    fastest left run `ri`'s recompute level (each mode of it from `ri` on, among `useful`) at
+    the fewest ZeRO gathers `placed` holds; their step-time floors (`tm.step_time_floor`; one
+    per low-precision-weights setting of `placed`'s offloads, the one field of offload the
+    stage times read) past `bar` put every later setting's past it, time growing with each
+    knob."""
+    zi = min(z for z, _ in placed)
+    by_lowp = {floors.lowp[oi]: oi for _, oi in placed}
+    return all(
+        tm.step_time_floor(
+            floors.plan(rj, zi, oi), cluster, time_params, floors.ranks, past=bar
+        ) > bar
+        for rj, rec in enumerate(floors.recs)
+        if rj >= ri and rec in useful and levels[rj] == levels[ri]
+        for oi in by_lowp.values()
+    )  # fmt: skip
 
 
 class _Floors:

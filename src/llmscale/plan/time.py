@@ -95,7 +95,12 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES, NVFP4_MATMUL_BYTES
+from llmscale.config import (
+    DTYPE_BYTES,
+    FP8_MATMUL_BYTES,
+    NVFP4_MATMUL_BYTES,
+    SPLIT_BACKWARD_SCHEDULES,
+)
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import Calibration
 from llmscale.model.config import (
@@ -1192,22 +1197,45 @@ def step_time_floor(
     past: float = math.inf,
 ) -> float:
     """No more than `estimate_step_time(plan, cluster, params, ranks=ranks).seconds` (not
-    simulated; overlap shares in [0, 1]), from its stage times alone: the micro-batches'
-    forward and backward on the slowest of `ranks`, its `pipe` before the bubble; every other
-    part of the step adds seconds >= 0. Ranks are taken in turn, the last first (the head's,
-    most often the slowest), and once the floor of those taken is past `past` it is returned
-    without the others' stage times. The search skips the
-    rest of a plan's estimate where this is past the plans it keeps
+    simulated; overlap shares in [0, 1]): the stack's fixed per-step cost and the pipeline's
+    closed form, the micro-batches' forward and backward on the slowest of `ranks` with its
+    bubble (the split-backward schedules' from that rank's costs, once every rank is timed);
+    every other part of the step adds seconds >= 0. Ranks are taken in turn, the last first
+    (the head's, most often the slowest), and once the floor of those taken is past `past` it
+    is returned without the others' stage times. The search skips the rest of a plan's
+    estimate, and the rest of a knob loop, where this is past the plans it keeps
     (tests/plan/test_search_speed.py holds the two together)."""
     cluster = cluster.run_by(params.stack)
-    n_mb = plan.n_microbatches
-    floor = 0.0
+    n_mb, p = plan.n_microbatches, plan.pp
+    idle = _idle_slots(plan.pp_schedule, p, plan.chunks) if p > 1 else 0.0
+    slots = n_mb + (idle or 0.0)
+    fixed = _fixed_seconds(params)
+    floor = fixed
+    timed: dict[int, _RankTimes] = {}
     for r in reversed(ranks):
-        st = _rank_times(plan, r, cluster, params)
-        floor = max(floor, n_mb * (st.fwd + st.bwd))
+        st = timed[r] = _rank_times(plan, r, cluster, params)
+        floor = max(floor, fixed + slots * (st.fwd + st.bwd))
         if floor > past:
-            break
+            return floor
+    if idle is None:  # a split-backward schedule's bubble, from the slowest rank as estimated
+        slow = max((timed[r] for r in sorted(ranks)), key=lambda st: st.fwd + st.bwd)
+        gap = bubble_time(plan.pp_schedule, p, plan.chunks, slow.fwd, slow.bwd, slow.wgrad)
+        floor = max(floor, fixed + n_mb * (slow.fwd + slow.bwd) + (gap or 0.0))
     return floor
+
+
+def _idle_slots(schedule: str, pp: int, chunks: int) -> float | None:
+    """Idle slots (one micro-batch's forward and backward each) per rank of the schedules
+    whose bubble is a ratio of counts: pp - 1 for GPipe and 1F1B, (pp - 1) / v interleaved;
+    None for the split-backward ones (`schedule.bubble_time`)."""
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    return (pp - 1) / chunks if schedule == "interleaved_1f1b" else float(pp - 1)
+
+
+def _fixed_seconds(params: TimeParams) -> float:
+    """The stack's fixed per-step cost (0 when `params.step_overhead` is off)."""
+    return params.stack.step_overhead_ms.value * 1e-3 if params.step_overhead else 0.0
 
 
 def estimate_step_time(
@@ -1260,8 +1288,7 @@ def estimate_step_time(
     else:
         idle = bubble_time(plan.pp_schedule, p, v, slow.fwd, slow.bwd, slow.wgrad)
         if idle is None:  # GPipe, 1F1B, interleaved 1F1B: slots of one forward and backward
-            extra = (p - 1) if plan.pp_schedule != "interleaved_1f1b" else (p - 1) / v
-            idle = extra * t
+            idle = (_idle_slots(plan.pp_schedule, p, v) or 0.0) * t
         pipe = n_mb * t + idle
         bubble = idle / pipe
         hops = p * v - 1 - (1 if plan.v_shape else 0)  # the V's bottom stays on its rank
@@ -1332,8 +1359,7 @@ def estimate_step_time(
             opt += max(0.0, upload - tparams.offload_overlap * pipe)
     breakdown["optimizer"] = opt
     # The stack's (on a device measured with the runtime, as measured there: `Stack.on_device`).
-    overhead = tparams.stack.step_overhead_ms
-    fixed = overhead.value * 1e-3 if tparams.step_overhead else 0.0
+    fixed = _fixed_seconds(tparams)
     breakdown["fixed"] = fixed
     seconds = pipe + p2p_total + dp_sync + opt + fixed
     tokens = plan.tokens_per_step
