@@ -388,7 +388,9 @@ def test_fitted_values_are_the_stacks_and_name_a_calibration_row() -> None:
     meg = a100.run_by(MEGATRON_2021).gpu.calibration.gemm_efficiency.value
     assert meg == pytest.approx(0.7 * 1.03) and a100.run_by(TORCHTITAN) is a100
     # Megatron-Core's factors on the two NVL72 parts of equal datasheet peaks, on them only
-    for gpu, scale in (("gb200", 0.95), ("gb300", 1.19)):
+    nvl72 = {f.gpu: f.scale.value for f in MEGATRON_CORE.fitted}
+    assert set(nvl72) == {"gb200", "gb300"} and nvl72["gb300"] > 1 > nvl72["gb200"]
+    for gpu, scale in nvl72.items():
         nvl = Cluster.of(gpu)
         assert nvl.gpu.calibration.fp8_gemm_efficiency is not None
         got = nvl.run_by(MEGATRON_CORE).gpu.calibration.fp8_gemm_efficiency

@@ -92,7 +92,12 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from llmscale.config import DTYPE_BYTES, NVFP4_MATMUL_BYTES, SPLIT_BACKWARD_SCHEDULES
+from llmscale.config import (
+    DTYPE_BYTES,
+    FP8_MATMUL_BYTES,
+    NVFP4_MATMUL_BYTES,
+    SPLIT_BACKWARD_SCHEDULES,
+)
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GPU, GiB
 from llmscale.model.config import BlockMode, stage_ids
@@ -325,6 +330,7 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
     low = plan.precision != "fp32"
     counters = 4.0 * rp.tensors  # AdamW's fp32 `step` per tensor (on the CPU)
     grads_held: float | None = None  # FSDP2 + PP: unsharded gradients until the step's end
+    weights_shard, grad_bytes = 0.0, 4.0  # besides the fp32 shard; per element of the shard
     fsdp = plan.fsdp_for(opt.stack)
     if fsdp:
         shard = float(rp.shard_numel)
@@ -334,8 +340,15 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         blocks_live = rp.blocks if res.stage_unsharded else min(opt.prefetch_blocks, rp.blocks)
         if res.grads_unsharded:
             grads_held = held_grads(plan, rank, rp, opt.stack)
-        unsharded: float = pb * (blocks_live * rp.block.numel + rp.root_numel)
+        unsharded: float = model_weight_bytes(plan, rp, opt.stack, blocks_live)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
+        if opt.stack.sharding == "megatron" and res.gathers_per_microbatch and low:
+            # Megatron-FSDP (optim_grads_params) shards its model-dtype weights beside the
+            # fp32 main weights (megatron_fsdp/param_and_grad_buffer.py: model_weight_buffer,
+            # main_weight_buffer) and its gradients in the main-gradient dtype
+            # (main_grad_buffer: fp32 only with grad_reduce_in_fp32).
+            weights_shard = model_weight_bytes(plan, rp, opt.stack, rp.blocks) * shard / rp.numel
+            grad_bytes = float(opt.stack.main_grad_bytes)
     elif plan.fsdp_cpu_offload or (
         plan.offload == "none" and plan.dp * plan.cp > 1 and opt.stack.sharding == "llmscale"
     ):
@@ -354,8 +367,11 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         unsharded = 2.0 * rp.autocast_numel if low else 0.0  # autocast's cast weights
         rs_transient = 0.0
     if plan.offload == "none":
-        grads = 4 * shard if grads_held is None else grads_held
-        return RankPieces(4 * shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient, 0.0)
+        grads = grad_bytes * shard if grads_held is None else grads_held
+        return RankPieces(
+            4 * shard + weights_shard, grads, 8 * shard + counters, unsharded, 0.0, rs_transient,
+            0.0,
+        )  # fmt: skip
     if plan.offload == "lsp":
         return lsp_pieces(plan, max(rs_transient, pb * rp.block.numel), unsharded if fsdp else 0.0)
     host = 12 * shard + counters
@@ -396,6 +412,17 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
         transient=max(rs_transient, grads_in_flight),
         host=host + (pb * shard if low else 0),
     )
+
+
+def model_weight_bytes(plan: Plan, rp: RankParams, stack: Stack, blocks: int) -> float:
+    """Bytes of `blocks` of `rp`'s blocks, and of its embedding and head, in the dtype the
+    stack computes with: the working precision, the block linears' weights in FP8 where the
+    stack keeps FP8 parameters (`Stack.fp8_params`; norms, embedding and head stay bf16)."""
+    pb = DTYPE_BYTES[plan.precision]
+    block = pb * rp.block.numel
+    if stack.fp8_params and plan.fp8_matmuls:
+        block -= (pb - FP8_MATMUL_BYTES) * rp.block.saved_cast_numel
+    return blocks * block + pb * rp.root_numel
 
 
 def held_grads(plan: Plan, rank: int, rp: RankParams, stack: Stack) -> float:

@@ -117,7 +117,7 @@ from llmscale.plan.cache import Memo, memoize, memoize_values
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.collectives import collective
 from llmscale.plan.lsp import host_adam_numel
-from llmscale.plan.memory import plan_rank_params
+from llmscale.plan.memory import model_weight_bytes, plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
 from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, rank_actions
@@ -458,18 +458,27 @@ FLOAT8_RECIPES: dict[str, Float8RecipeCost] = {
 }
 
 
-def fp8_cast_bytes(plan: Plan, compiled: bool = False) -> tuple[float, float]:
+# A weight kept in FP8 (`Stack.fp8_params`) is not cast per micro-batch; backward reads it
+# and writes its transposed FP8 copy for the input-gradient GEMM (1 + 1 B per element).
+FP8_PARAM_TRANSPOSE_BYTES = 1 + 1
+
+
+def fp8_cast_bytes(
+    plan: Plan, compiled: bool = False, fp8_params: bool = False
+) -> tuple[float, float]:
     """HBM bytes of torchao's float8 casts around one block's linears (forward, backward), by
     the plan's recipe (`FLOAT8_RECIPES`). Run eagerly, every linear casts its own input;
     compiled (`compiled`), the linears reading one tensor (a region's column-parallel ones: wq,
-    wk, wv; w1, w3) cast it once, as AOTAutograd's graph CSE merges the identical casts."""
+    wk, wv; w1, w3) cast it once, as AOTAutograd's graph CSE merges the identical casts. With
+    `fp8_params` (`Stack.fp8_params`) the weights are FP8 already: only their transposes."""
     if not plan.fp8_matmuls:
         return 0.0, 0.0
     cost = FLOAT8_RECIPES[plan.float8_recipe]
+    fwd_w, bwd_w = (0.0, FP8_PARAM_TRANSPOSE_BYTES) if fp8_params else (cost.fwd_w, cost.bwd_w)
     fwd = bwd = 0.0
     for x, w, go in _cast_operands(plan, share_inputs=compiled):
-        fwd += cost.fwd_x * x + cost.fwd_w * w
-        bwd += cost.bwd_go * go + cost.bwd_x * x + cost.bwd_w * w
+        fwd += cost.fwd_x * x + fwd_w * w
+        bwd += cost.bwd_go * go + cost.bwd_x * x + bwd_w * w
     return fwd, bwd
 
 
@@ -544,13 +553,16 @@ def nvfp4_cast_bytes(plan: Plan) -> tuple[float, float]:
 
 
 def _lowp_cast_seconds(
-    plan: Plan, cluster: Cluster, n_blocks: int, n_redo: int, compiled: bool
+    plan: Plan, cluster: Cluster, n_blocks: int, n_redo: int, tp_: TimeParams
 ) -> tuple[float, float]:
     """Seconds of the float8 (NVFP4) casts of a rank's blocks in one micro-batch (forward,
     backward); recomputed blocks cast again in backward. The output projection stays bf16
     (torchao's converter skips `output` in torchtitan; Megatron-Core's output layer is not a
     TransformerEngine one) and attention too."""
-    fwd, bwd = nvfp4_cast_bytes(plan) if plan.nvfp4_matmuls else fp8_cast_bytes(plan, compiled)
+    if plan.nvfp4_matmuls:
+        fwd, bwd = nvfp4_cast_bytes(plan)
+    else:
+        fwd, bwd = fp8_cast_bytes(plan, tp_.compiled, tp_.stack.fp8_params)
     hbm = cluster.gpu.hbm_bandwidth * cluster.gpu.calibration.hbm_efficiency.value
     return n_blocks * fwd / hbm, (n_blocks * bwd + n_redo * fwd) / hbm
 
@@ -902,7 +914,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     cp_f, cp_b = _ring_attention_seconds(
         plan, cluster, tp_, attn_f, attn_b, n_blocks + redo_attn, n_blocks
     )
-    cast_f, cast_b = _lowp_cast_seconds(plan, cluster, n_blocks, n_full, tp_.compiled)
+    cast_f, cast_b = _lowp_cast_seconds(plan, cluster, n_blocks, n_full, tp_)
     # Per-op dispatch where the host waits for each op (a CPU): the rank's share of the
     # model's blocks, a third in forward and two thirds in backward; a recomputed block
     # dispatches its forward's ops again (full, or op-level SAC's element-wise ops and matmuls),
@@ -1066,7 +1078,6 @@ def _fsdp_exposed(
     under zero 3, and more than once under zero 1 and 2 where 4 or more chunks evict stages.
     Returns (per micro-batch, per step)."""
     rp = plan_rank_params(plan, rank, kern, tp_.stack)
-    pb = DTYPE_BYTES[plan.precision]
     shards = plan.fsdp_shards_for(tp_.stack)  # dp_shard x cp
     per_node = _per_node(shards, plan.tp, cluster.gpus_per_node)
     units = max(1, n_blocks)
@@ -1075,7 +1086,7 @@ def _fsdp_exposed(
     def cost(op: str, nbytes: float) -> float:
         return collective(op, nbytes, shards, per_node, cluster.fabric).seconds
 
-    ag = cost("all_gather", pb * unit_numel)
+    ag = cost("all_gather", model_weight_bytes(plan, rp, tp_.stack, rp.blocks) / units)
     rs = cost("reduce_scatter", tp_.stack.main_grad_bytes * unit_numel)
     eta = tp_.dp_overlap
     c_f, c_b = fwd / units, bwd / units

@@ -194,6 +194,12 @@ class Stack:
     # Bytes per parameter of the gradients accumulated unsharded until the step's reduce (fp32
     # main gradients; 2 where a stack reduces in bf16: Megatron's grad_reduce_in_fp32 = False).
     main_grad_bytes: int = 4
+    # Under fp8, the block linears' weights kept in FP8 (1 B) between steps: Megatron's
+    # --fp8-param-gather (TransformerEngine's fp8_model_init), which Megatron-Bridge's FP8
+    # recipes set (src/megatron/bridge/training/mixed_precision.py: delayed, current-scaling and
+    # MXFP8; not NVFP4). Gathered in FP8 and quantised once per step from the fp32 main
+    # weights: no weight cast per micro-batch, a transpose of the FP8 weight for backward.
+    fp8_params: bool = False
     # The caching allocator's share over what is allocated (fragmentation of its fixed-size
     # segments; a run with expandable segments: `EXPANDABLE_SEGMENTS_OVERHEAD`).
     allocator_overhead: float = 0.05
@@ -511,7 +517,7 @@ MEGATRON_CORE = Stack(
             "gb200",
             SM_RATES,
             Sourced(
-                0.95,
+                0.94,
                 "fitted on row mbridge-2511-gb200-llama3-8b-fp8 (Megatron-Bridge performance "
                 "summary, 25.11, DGX-GB200, Llama 3 8B on 8 GPUs, FP8-CS, 31,508 tokens/s/GPU; "
                 "the calibration row of validation/data/runs.toml)",
@@ -521,7 +527,7 @@ MEGATRON_CORE = Stack(
             "gb300",
             SM_RATES,
             Sourced(
-                1.19,
+                1.17,
                 "fitted on row mbridge-2511-gb300-llama3-8b-fp8 (Megatron-Bridge performance "
                 "summary, 25.11, DGX-GB300, Llama 3 8B on 8 GPUs, FP8-CS, 37,556 tokens/s/GPU; "
                 "the calibration row of validation/data/runs.toml)",

@@ -153,6 +153,10 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
         lambda s, r: s.on(compiles_loss=False),
     ),
+    RowFact(  # Megatron-Bridge's FP8 recipes: FP8 parameters
+        lambda r: bool(r.get("fp8_param_gather")), lambda r: "FP8 parameters",
+        lambda s, r: s.on(fp8_params=True),
+    ),
     RowFact(  # Megatron's bf16 main gradients
         lambda r: r.get("grad_reduce_in_fp32") is False, lambda r: "bf16 gradient reduce",
         lambda s, r: s.on(main_grad_bytes=2),
