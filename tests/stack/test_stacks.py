@@ -554,3 +554,16 @@ def test_activation_offload_copies_block_the_llmscale_runtime_and_hide_under_meg
         assert t.stage_fwd[0] - f0 == pytest.approx(want_f, abs=1e-12)
         assert t.stage_bwd[0] - b0 == pytest.approx(want_b, abs=1e-12)
         assert (want_f + want_b == 0) == (n == 20)
+
+
+def test_precision_help_says_which_stacks_run_each() -> None:
+    # `plan --precision`'s help, generated from the stacks: nvfp4 under megatron-core only
+    from llmscale.config import PRECISIONS
+    from llmscale.stack import precision_help
+
+    text = precision_help(PRECISIONS)
+    assert text.startswith(" | ".join(PRECISIONS) + " (default bf16;")
+    assert "nvfp4: TransformerEngine's NVFP4 recipe" in text
+    assert text.endswith("under --stack megatron-core)")
+    for stack in STACKS.values():
+        assert ("fp8" in stack.precisions) == (stack.name in text.split("nvfp4:")[0])

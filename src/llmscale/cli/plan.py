@@ -23,7 +23,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.paths import check_image_file
-from llmscale.stack import STACK_NAMES, stacks_help
+from llmscale.stack import STACK_NAMES, precision_help, stacks_help
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -66,7 +66,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument(
         "--global-batch", type=int, default=1024, help="sequences per step (default 1024)"
     )
-    p.add_argument("--precision", default="bf16", help=" | ".join(PRECISIONS) + " (default bf16)")
+    p.add_argument("--precision", default="bf16", help=precision_help(PRECISIONS))
     p.add_argument(
         "--float8-recipe",
         default="tensorwise",

@@ -602,3 +602,24 @@ def get_stack(name: str) -> Stack:
 def stacks_help() -> str:
     """`--stack`'s help: every stack's one line."""
     return "; ".join(f"{s.name}: {s.summary}" for s in STACKS.values())
+
+
+# What each training precision is, for `--precision`'s help (which stacks run each is read from
+# `Stack.precisions`).
+PRECISION_MEANINGS = {
+    "fp8": "FP8 linears (torchao's float8, or TransformerEngine's current scaling under "
+    "megatron-core)",
+    "nvfp4": "TransformerEngine's NVFP4 recipe, on a GPU with an FP4 peak (llmscale hw)",
+}
+
+
+def precision_help(precisions: tuple[str, ...]) -> str:
+    """`--precision`'s help: the choices, and for each one not every stack runs, what it is
+    and which stacks run it."""
+    notes = []
+    for p in precisions:
+        runs = [s.name for s in STACKS.values() if p in s.precisions]
+        if len(runs) < len(STACKS) or p in PRECISION_MEANINGS:
+            what = PRECISION_MEANINGS.get(p, p)
+            notes.append(f"{p}: {what}, under --stack {' | '.join(runs)}")
+    return f"{' | '.join(precisions)} (default bf16; " + "; ".join(notes) + ")"
