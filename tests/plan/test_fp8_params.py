@@ -68,6 +68,13 @@ def test_megatron_fsdp_shards_its_model_weights_beside_the_main_ones(main_grad_b
         assert st.params == pytest.approx(4 * shard + weights)
         assert st.grads == pytest.approx(main_grad_bytes * shard)
         assert st.working_params == pytest.approx(mem.model_weight_bytes(plan, rp, stack, 2))
+    # optim_grads (zero 2): gradients sharded in the main-gradient dtype, weights replicated
+    stack = MEGATRON_CORE.on(main_grad_bytes=main_grad_bytes)
+    plan = _plan(zero_stage=2)
+    rp = _rp(plan)
+    st = mem.rank_states(plan, 0, mem.memory_options(stack))
+    assert (st.params, st.grads) == (4 * rp.shard_numel, main_grad_bytes * rp.shard_numel)
+    assert st.working_params == 2 * rp.numel
     # FSDP2 (llmscale): the fp32 shard is the parameter; fp32 gradient shards
     plan = _plan()
     st = mem.rank_states(plan, 0, mem.memory_options(LLMSCALE))

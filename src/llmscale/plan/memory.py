@@ -342,13 +342,15 @@ def _states(plan: Plan, rank: int, rp: RankParams, opt: MemoryOptions) -> RankPi
             grads_held = held_grads(plan, rank, rp, opt.stack)
         unsharded: float = model_weight_bytes(plan, rp, opt.stack, blocks_live)
         rs_transient: float = (pb + 4) * rp.block.numel if low else 4 * rp.block.numel
-        if opt.stack.sharding == "megatron" and res.gathers_per_microbatch and low:
-            # Megatron-FSDP (optim_grads_params) shards its model-dtype weights beside the
-            # fp32 main weights (megatron_fsdp/param_and_grad_buffer.py: model_weight_buffer,
-            # main_weight_buffer) and its gradients in the main-gradient dtype
-            # (main_grad_buffer: fp32 only with grad_reduce_in_fp32).
-            weights_shard = model_weight_bytes(plan, rp, opt.stack, rp.blocks) * shard / rp.numel
+        if opt.stack.sharding == "megatron" and low:
+            # Megatron-FSDP shards its gradients in the main-gradient dtype (main_grad_buffer:
+            # fp32 only with grad_reduce_in_fp32) and, sharding the parameters too
+            # (optim_grads_params), its model-dtype weights beside the fp32 main weights
+            # (megatron_fsdp/param_and_grad_buffer.py: model_weight_buffer, main_weight_buffer)
             grad_bytes = float(opt.stack.main_grad_bytes)
+            if res.gathers_per_microbatch:
+                weights = model_weight_bytes(plan, rp, opt.stack, rp.blocks)
+                weights_shard = weights * shard / rp.numel
     elif plan.fsdp_cpu_offload or (
         plan.offload == "none" and plan.dp * plan.cp > 1 and opt.stack.sharding == "llmscale"
     ):
