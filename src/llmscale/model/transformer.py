@@ -119,23 +119,28 @@ class Attention(nn.Module):
         return y
 
 
+def ffn_activation(mlp: str, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
+    """The FFN's element-wise ops between its linears, by `ModelConfig.mlp`, on w1's output
+    `h1` (and, SwiGLU, w3's `h3`): what the block runs and the calibration times."""
+    if mlp == "swiglu":
+        assert h3 is not None
+        return F.silu(h1) * h3
+    if mlp == "relu2":
+        return F.relu(h1).square()
+    return F.gelu(h1, approximate="tanh")
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gated = cfg.gated
-        self.squared_relu = cfg.mlp == "relu2"
+        self.mlp = cfg.mlp
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)  # gate (SwiGLU) or fc
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)  # down / proj
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.gated else None  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor
-        if self.w3 is not None:
-            y = self.w2(F.silu(self.w1(x)) * self.w3(x))
-        elif self.squared_relu:
-            y = self.w2(F.relu(self.w1(x)).square())
-        else:
-            y = self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        h3 = self.w3(x) if self.w3 is not None else None
+        y: torch.Tensor = self.w2(ffn_activation(self.mlp, self.w1(x), h3))
         return y
 
 

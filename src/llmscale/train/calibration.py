@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 
 from llmscale.config import OptimizerSection, Precision
 from llmscale.errors import ConfigError
@@ -62,6 +61,7 @@ from llmscale.model.transformer import (
     apply_rope,
     build_model,
     build_norm,
+    ffn_activation,
     rope_tables,
 )
 from llmscale.parallel.context_parallel import ring_attention
@@ -240,12 +240,7 @@ def _elementwise_seconds(
         if rope is not None:
             outs += [apply_rope(q, rope), apply_rope(k, rope)]
         h1 = x + attn_out.transpose(1, 2).reshape(b, s, -1)
-        if model.gated:
-            ff = F.silu(up[0]) * up[1]
-        elif model.mlp == "relu2":
-            ff = F.relu(up[0]).square()
-        else:
-            ff = F.gelu(up[0], approximate="tanh")
+        ff = ffn_activation(model.mlp, up[0], up[1] if model.gated else None)
         outs += [ff, h1 + branch]
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
