@@ -476,12 +476,22 @@ def bubble_fraction(
     (the papers' assumption) with m >= 2p (docs/schedule.md has the figures).
     """
     _validate(schedule, pp, microbatches, chunks)
+    slots = idle_slots(schedule, pp, chunks)
+    if slots is not None:
+        return slots / (microbatches + slots)
     idle = bubble_time(schedule, pp, chunks, t_fwd, t_bwd, t_w)
-    if idle is None:
-        v = chunks if schedule == "interleaved_1f1b" else 1
-        return (pp - 1) / (v * microbatches + pp - 1)
+    assert idle is not None  # a split-backward schedule
     work = microbatches * (t_fwd + t_bwd)
     return idle / (idle + work)
+
+
+def idle_slots(schedule: str, pp: int, chunks: int) -> float | None:
+    """Idle slots per rank, each one micro-batch's forward and backward, of the schedules whose
+    bubble is a ratio of counts (`bubble_fraction`): pp - 1 for GPipe and 1F1B, (pp - 1) / v
+    interleaved; None for the split-backward ones, whose idle time `bubble_time` gives."""
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    return (pp - 1) / chunks if schedule == "interleaved_1f1b" else float(pp - 1)
 
 
 def default_t_w(t_bwd: float) -> float:

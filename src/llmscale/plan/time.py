@@ -95,12 +95,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from llmscale.config import (
-    DTYPE_BYTES,
-    FP8_MATMUL_BYTES,
-    NVFP4_MATMUL_BYTES,
-    SPLIT_BACKWARD_SCHEDULES,
-)
+from llmscale.config import DTYPE_BYTES, FP8_MATMUL_BYTES, NVFP4_MATMUL_BYTES
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import Calibration
 from llmscale.model.config import (
@@ -120,7 +115,12 @@ from llmscale.plan.lsp import host_adam_numel
 from llmscale.plan.memory import model_weight_bytes, plan_rank_params
 from llmscale.plan.offload_traffic import offload_traffic
 from llmscale.plan.plan import Plan
-from llmscale.plan.schedule import MAX_STAGE_MICROBATCHES, bubble_time, rank_actions
+from llmscale.plan.schedule import (
+    MAX_STAGE_MICROBATCHES,
+    bubble_time,
+    idle_slots,
+    rank_actions,
+)
 from llmscale.plan.schedule import simulate as simulate_schedule
 from llmscale.plan.work import (
     RankWork,
@@ -1218,7 +1218,7 @@ def step_time_floor(
     (tests/plan/test_search_speed.py holds the two together)."""
     cluster = cluster.run_by(params.stack)
     n_mb, p = plan.n_microbatches, plan.pp
-    idle = _idle_slots(plan.pp_schedule, p, plan.chunks) if p > 1 else 0.0
+    idle = idle_slots(plan.pp_schedule, p, plan.chunks) if p > 1 else 0.0
     slots = n_mb + (idle or 0.0)
     fixed = _fixed_seconds(params)
     floor = fixed
@@ -1233,15 +1233,6 @@ def step_time_floor(
         gap = bubble_time(plan.pp_schedule, p, plan.chunks, slow.fwd, slow.bwd, slow.wgrad)
         floor = max(floor, fixed + n_mb * (slow.fwd + slow.bwd) + (gap or 0.0))
     return floor
-
-
-def _idle_slots(schedule: str, pp: int, chunks: int) -> float | None:
-    """Idle slots (one micro-batch's forward and backward each) per rank of the schedules
-    whose bubble is a ratio of counts: pp - 1 for GPipe and 1F1B, (pp - 1) / v interleaved;
-    None for the split-backward ones (`schedule.bubble_time`)."""
-    if schedule in SPLIT_BACKWARD_SCHEDULES:
-        return None
-    return (pp - 1) / chunks if schedule == "interleaved_1f1b" else float(pp - 1)
 
 
 def _fixed_seconds(params: TimeParams) -> float:
@@ -1299,7 +1290,7 @@ def estimate_step_time(
     else:
         idle = bubble_time(plan.pp_schedule, p, v, slow.fwd, slow.bwd, slow.wgrad)
         if idle is None:  # GPipe, 1F1B, interleaved 1F1B: slots of one forward and backward
-            idle = (_idle_slots(plan.pp_schedule, p, v) or 0.0) * t
+            idle = (idle_slots(plan.pp_schedule, p, v) or 0.0) * t
         pipe = n_mb * t + idle
         bubble = idle / pipe
         hops = p * v - 1 - (1 if plan.v_shape else 0)  # the V's bottom stays on its rank
