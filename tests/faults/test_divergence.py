@@ -260,3 +260,48 @@ def test_second_ctrl_c_stops_at_once(cfg_factory, fault_row, capfd):
         f"second: {type(e.value).__name__}",
     )
     assert first == signal.SIGINT and "Ctrl-C again" in notice
+
+
+def test_a_forwarded_ctrl_c_is_not_a_second_one(
+    cfg_factory, fault_row, capfd, monkeypatch, tmp_path
+):
+    """Under `llmscale train --nproc-per-node N` one Ctrl-C reaches a worker twice, directly
+    and forwarded by the launcher, which counts each copy it forwards before sending it
+    (launch.FORWARDED_SIGINTS_ENV): the copy is never taken for a second Ctrl-C, however late
+    it comes (a backward pass or a save delays a worker's handler by seconds on a loaded
+    machine); a second direct one stops at once."""
+    from llmscale.train.launch import FORWARDED_SIGINTS_ENV
+    from llmscale.train.trainer import Trainer
+
+    count = tmp_path / "forwarded"
+    count.write_bytes(b"")
+    t = Trainer(cfg_factory(run="ctrl-c-launcher"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv(FORWARDED_SIGINTS_ENV, str(count))
+    previous = t._install_signal_handlers()
+
+    def sigint() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in the main thread, between bytecodes
+
+    try:
+        sigint()  # the Ctrl-C, directly
+        t._stop_time -= 60  # a minute later, as far as a time window could tell
+        count.write_bytes(b"1")  # the launcher counts its copy, then forwards it
+        sigint()
+        forwarded_was_ignored = t._stop_signal == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt) as e:
+            sigint()  # Ctrl-C again
+    finally:
+        t._restore_signal_handlers(previous)
+    notice = capfd.readouterr().err.strip()
+    fault_row(
+        fault="one Ctrl-C reaching a worker twice (direct, and forwarded 60 s later), then a "
+        "second Ctrl-C",
+        command="llmscale train --nproc-per-node 2 ..., then Ctrl-C, Ctrl-C",
+        expected="the forwarded copy ignored; the second Ctrl-C stops at once",
+        observed=f"forwarded copy ignored: {forwarded_was_ignored}; second: "
+        f"{type(e.value).__name__}; notice {notice!r}",
+    )
+    assert forwarded_was_ignored
+    assert "Ctrl-C again to stop at once" in notice  # no waiting time to state

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,16 +30,72 @@ if TYPE_CHECKING:
 
 # One signal delivered to the launcher and to its workers together (a terminal's process group,
 # a scheduler signalling every process of a job step) reaches each worker twice: directly and
-# forwarded by the launcher. A worker takes a repeat within this many seconds as the same one:
-# the agent forwards it only once its monitor loop has woken and it has begun shutting the
-# workers down, which on a loaded machine (the test suite on two shared cores) took over 2 s.
+# forwarded by the launcher. This launcher counts each SIGINT it forwards in a file named by
+# $LLMSCALE_FORWARDED_SIGINTS (one byte each, written before the copy is sent), so a worker
+# tells a second Ctrl-C from a forwarded copy of the first (`direct_sigints`). Under another
+# launcher (torchrun), a worker takes a repeat within SAME_SIGNAL_SECONDS as the same one: the
+# agent forwards it only once its monitor loop has woken and it has begun shutting the workers
+# down, and the worker's handler runs only between Python bytecodes (not inside a backward
+# pass or a save), so on a loaded machine the two can be seconds apart.
 SAME_SIGNAL_SECONDS = 5.0
+FORWARDED_SIGINTS_ENV = "LLMSCALE_FORWARDED_SIGINTS"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def under_launcher() -> bool:
     """This process is a worker of torch's elastic agent (this launcher, or torchrun)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def direct_sigints(received: int) -> int | None:
+    """Of the `received` SIGINTs a worker of this launcher has seen, how many came directly
+    rather than forwarded by the launcher; None under another launcher or none (no count)."""
+    path = os.environ.get(FORWARDED_SIGINTS_ENV)
+    if not path or not under_launcher():
+        return None
+    try:
+        forwarded = os.stat(path).st_size
+    except OSError:  # the launcher is gone, and with it the count
+        return None
+    return received - forwarded
+
+
+@contextmanager
+def _counted_sigint_forwarding() -> Iterator[None]:
+    """The launcher's SIGINT handler for the launch: the first SIGINT is counted in a file the
+    workers read (`direct_sigints`), then handed to the agent as its own handler would
+    (SignalException: it forwards the signal to the workers and waits for them to save and
+    stop). Later ones are left to the workers: a terminal's Ctrl-C reaches them directly."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    fd, path = tempfile.mkstemp(prefix="llmscale-sigint-")
+    os.close(fd)
+    saved_env = os.environ.get(FORWARDED_SIGINTS_ENV)
+    forwarded = [0]
+
+    def handler(signum: int, frame: Any) -> None:
+        if forwarded[0]:
+            return
+        forwarded[0] += 1
+        with open(path, "ab") as f:
+            f.write(b"1")
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGINT)
+
+    os.environ[FORWARDED_SIGINTS_ENV] = path
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: the agent registers no handler either
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        if saved_env is None:
+            os.environ.pop(FORWARDED_SIGINTS_ENV, None)
+        else:
+            os.environ[FORWARDED_SIGINTS_ENV] = saved_env
+        Path(path).unlink(missing_ok=True)
 
 
 def die_with_launcher() -> bool:
@@ -199,9 +256,11 @@ def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
+        # The agent's own handlers: SIGINT is `_counted_sigint_forwarding`'s.
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
     try:
-        with _quiet_agent():
+        with _quiet_agent(), _counted_sigint_forwarding():
             elastic_launch(config, sys.executable)("-m", "llmscale", *argv)
     except ChildFailedError as e:
         exits = {r: WorkerExit(f.exitcode, f.timestamp) for r, f in e.failures.items()}

@@ -63,6 +63,7 @@ from llmscale.train.fault_injection import maybe_inject
 from llmscale.train.launch import (
     SAME_SIGNAL_SECONDS,
     die_with_launcher,
+    direct_sigints,
     mark_claimed,
     restart_attempt,
     resume_own_run,
@@ -692,22 +693,33 @@ class Trainer:
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM/SIGINT finish the current step, write a checkpoint, then stop (exit 143 or
         130: `fit` raises JobStopped). A second SIGINT (Ctrl-C again) stops at once, without
-        the checkpoint (KeyboardInterrupt: exit 130); under a launcher, not one within
-        SAME_SIGNAL_SECONDS of the first (the same Ctrl-C, delivered directly and forwarded)."""
+        the checkpoint (KeyboardInterrupt: exit 130). Under a launcher one Ctrl-C can arrive
+        twice (sent to every process of the job and forwarded by the launcher): this project's
+        launcher counts the copies it forwards (`launch.direct_sigints`); under another, a
+        repeat within SAME_SIGNAL_SECONDS of the first is taken as the same one."""
 
-        again = f"after {SAME_SIGNAL_SECONDS:g} s " if under_launcher() else ""
+        counted = direct_sigints(0) is not None
+        again = f"after {SAME_SIGNAL_SECONDS:g} s " if under_launcher() and not counted else ""
         notice = (
             "\nSIGINT: stopping after this step with a checkpoint "
             f"(Ctrl-C again {again}to stop at once, without one)\n"
         ).encode()
+        sigints = [0]  # SIGINTs seen, direct or forwarded
 
         def handler(signum: int, frame: Any) -> None:
             heartbeat.note_signal(signum)  # a collective failing now: the launcher stops us
             now = time.monotonic()
+            if signum == signal.SIGINT:
+                sigints[0] += 1
             if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-                # Under a launcher, one Ctrl-C can arrive twice: sent to every process of the
-                # job (a terminal's process group, a scheduler) and forwarded by the launcher.
-                if not (under_launcher() and now - self._stop_time < SAME_SIGNAL_SECONDS):
+                direct = direct_sigints(sigints[0])
+                if direct is not None:
+                    again_now = direct >= 2
+                else:
+                    again_now = not (
+                        under_launcher() and now - self._stop_time < SAME_SIGNAL_SECONDS
+                    )
+                if again_now:
                     raise KeyboardInterrupt
                 return
             self._stop_signal, self._stop_time = signum, now
