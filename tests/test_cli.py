@@ -234,6 +234,21 @@ def test_a_lost_peer_is_reported_by_the_rank_it_names(rank, monkeypatch, capsys)
     assert ("stopped answering" in err) == (rank == "1")
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_peer_interrupted_stops_every_rank_quietly(rank, monkeypatch, capsys) -> None:
+    """A peer stopped at once by a second Ctrl-C: this rank exits 130 and prints nothing."""
+    from llmscale.parallel.heartbeat import PeerInterrupted
+    from llmscale.train import trainer
+
+    def interrupted(cfg):
+        raise PeerInterrupted([2])
+
+    monkeypatch.setattr(trainer, "run_training", interrupted)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", *FAST]) == 130
+    assert capsys.readouterr().err == ""
+
+
 def test_worker_argv_drops_the_launcher_flags() -> None:
     from llmscale.train.launch import worker_argv
 

@@ -179,6 +179,30 @@ def test_the_monitor_thread_reports_a_rank_silent_past_the_timeout() -> None:
     assert 1.0 <= took <= 1.0 + 4 * interval_for(1.0) + 1.0
 
 
+def test_a_rank_stopped_at_once_by_ctrl_c_takes_its_peers_along(monkeypatch) -> None:
+    """A second Ctrl-C stops its rank at once (`stop(interrupted=True)`); a peer that missed
+    it (two signals pending at once merge) leaves too, exit 130 and silent, both from its
+    monitor thread and when its collective fails, instead of naming the rank as lost."""
+    from llmscale.parallel import heartbeat
+    from llmscale.parallel.heartbeat import INTERRUPTED, PeerInterrupted, peer_lost
+
+    left = threading.Event()
+    store = dist.HashStore()
+    peer = Heartbeat(store, 0, 2, 1.0, on_lost=lambda e: None, on_interrupted=left.set).start()
+    stopped = Heartbeat(store, 1, 2, 1.0).start()
+    try:
+        stopped.stop(finished=False, interrupted=True)
+        assert peer.read()[1] >= INTERRUPTED
+        assert left.wait(timeout=10)  # within an interval, not after the 1 s timeout + 2
+        assert peer.interrupted_ranks() == [1] and peer.silent_ranks(window=0.6) == []
+        monkeypatch.setattr(heartbeat, "_current", peer)
+        err = peer_lost(RuntimeError("Connection closed by peer"))
+    finally:
+        peer.stop()
+    assert isinstance(err, PeerInterrupted) and err.code == ExitCode.SIGINT
+    assert err.reporter_rank == -1  # nobody prints: the interrupted rank said why
+
+
 def test_peer_errors_are_recognised() -> None:
     timed_out = RuntimeError(
         "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"

@@ -26,6 +26,11 @@ the trainer's handler took during the loop), so that only the ranks that died on
 named, by the survivors and by the launcher (train/launch.py `job_outcome`), which would
 otherwise also name every rank it had just stopped.
 
+A rank stopped at once by a second Ctrl-C adds `INTERRUPTED` instead (`stop(interrupted=True)`):
+its peers, which may have missed that Ctrl-C (two signals pending at once merge into one) and
+now wait for it inside a collective, leave at once with its exit code 130 and print nothing
+(the interrupted rank said why), instead of naming it as lost.
+
 Staleness is measured on the reader's own clock (when it last saw a counter change), so the
 hosts' clocks need not agree. A rank that finishes its run adds `DONE` to its counter, so that a
 rank leaving early is never taken for a lost one. Counters are created with the store's atomic
@@ -50,6 +55,7 @@ from llmscale.errors import ExitCode, JobStopped
 
 KEY = "heartbeat/{rank}"
 DONE = 10**12  # added to a counter when its rank finished: never stale again
+INTERRUPTED = 10**15  # added when its rank stopped at once on a second Ctrl-C: peers leave too
 
 
 def interval_for(timeout_seconds: float) -> float:
@@ -67,6 +73,17 @@ class PeerLost(JobStopped):
         self.reporter_rank = reporter_rank
 
 
+class PeerInterrupted(JobStopped):
+    """A peer stopped at once on a second Ctrl-C (`INTERRUPTED`): this rank stops too, exit
+    130, and prints nothing (`reporter_rank` -1: no rank; the interrupted one said why)."""
+
+    reporter_rank = -1
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"stopped at once with rank(s) {ranks} (Ctrl-C again)", ExitCode.SIGINT)
+        self.ranks = ranks
+
+
 class Heartbeat:
     """This rank's heartbeat thread and its view of every rank's counter."""
 
@@ -78,6 +95,7 @@ class Heartbeat:
         timeout_seconds: float,
         on_lost: Callable[[PeerLost], None] | None = None,
         monitor_after: float | None = None,
+        on_interrupted: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -89,6 +107,7 @@ class Heartbeat:
             timeout_seconds + 2 * self.interval if monitor_after is None else monitor_after
         )
         self.on_lost = on_lost if on_lost is not None else _exit_lost
+        self.on_interrupted = on_interrupted if on_interrupted is not None else _exit_interrupted
         self.keys = [KEY.format(rank=r) for r in range(world_size)]
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -103,15 +122,16 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self, finished: bool = True) -> None:
-        """End the thread; `finished` marks this rank as done (never stale for the others)."""
+    def stop(self, finished: bool = True, interrupted: bool = False) -> None:
+        """End the thread; `finished` marks this rank as done (never stale for the others),
+        `interrupted` as stopped at once by a second Ctrl-C (the others leave too)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
-        if finished:
+        if finished or interrupted:
             # Failing, the store's host is gone: nobody is left to ask.
             with contextlib.suppress(Exception):
-                self.store.add(self.keys[self.rank], DONE)
+                self.store.add(self.keys[self.rank], INTERRUPTED if interrupted else DONE)
 
     def pause_monitor(self) -> None:
         """The main thread handles a failure itself (`peer_lost`): the thread only beats."""
@@ -128,6 +148,9 @@ class Heartbeat:
                 lost = self._stale(self.monitor_after)
             except Exception:
                 continue  # a store hiccup; the collectives' own timeouts still apply
+            if self.interrupted_ranks():
+                self.on_interrupted()
+                return
             if lost:
                 with self._lock:
                     if not self._monitoring:
@@ -159,6 +182,14 @@ class Heartbeat:
             r
             for r, (count, since) in sorted(self._seen.items())
             if r != self.rank and count < DONE and now - since > older_than
+        ]
+
+    def interrupted_ranks(self) -> list[int]:
+        """Other ranks stopped at once by a second Ctrl-C, as last read (`INTERRUPTED`)."""
+        return [
+            r
+            for r, (count, _) in sorted(self._seen.items())
+            if r != self.rank and count >= INTERRUPTED
         ]
 
     def silent_ranks(self, window: float | None = None) -> list[int]:
@@ -201,6 +232,12 @@ def _exit_lost(e: PeerLost) -> None:
         sys.stderr.write(f"llmscale train: {e}\n")
         sys.stderr.flush()
     os._exit(int(e.code))
+
+
+def _exit_interrupted() -> None:
+    """The thread's way out when a peer stopped at once on a second Ctrl-C: that rank printed
+    why; this one leaves with the same code, now (its main thread may wait on that peer)."""
+    os._exit(int(ExitCode.SIGINT))
 
 
 # ---- the process's heartbeat (started by init_distributed) -----------------------------------
@@ -250,10 +287,10 @@ def start(
     return _current
 
 
-def stop(finished: bool = True) -> None:
+def stop(finished: bool = True, interrupted: bool = False) -> None:
     global _current, _previous_sigterm
     if _current is not None:
-        _current.stop(finished)
+        _current.stop(finished, interrupted)
         _current = None
     if _previous_sigterm is not None:
         with contextlib.suppress(ValueError):
@@ -292,9 +329,10 @@ def is_peer_error(exc: BaseException) -> bool:
     return False
 
 
-def peer_lost(exc: BaseException) -> PeerLost | None:
+def peer_lost(exc: BaseException) -> PeerLost | PeerInterrupted | None:
     """The `PeerLost` error to raise for `exc`, when it is a collective's failure under a
-    running heartbeat; None otherwise (the exception is not about a peer)."""
+    running heartbeat (`PeerInterrupted` when a peer stopped at once on a second Ctrl-C);
+    None otherwise (the exception is not about a peer)."""
     hb = _current
     if hb is None or isinstance(exc, JobStopped) or not is_peer_error(exc):
         return None
@@ -303,6 +341,8 @@ def peer_lost(exc: BaseException) -> PeerLost | None:
     hb.pause_monitor()
     try:
         lost = hb.silent_ranks()
+        if hb.interrupted_ranks():  # a peer stopped at once on Ctrl-C: so does this rank
+            return PeerInterrupted(hb.interrupted_ranks())
     except Exception:
         return PeerLost(
             "the rendezvous store stopped answering (the launcher on the first node is gone?) "

@@ -817,7 +817,8 @@ def run_training(cfg: JobConfig) -> TrainResult:
         # A collective that timed out or lost a peer: name the ranks that stopped answering.
         lost = heartbeat.peer_lost(e) if started_here else None
         if started_here and dist.is_initialized():
-            heartbeat.stop(finished=False)
+            # A second Ctrl-C: the peers, which may not have had it, leave at once too.
+            heartbeat.stop(finished=False, interrupted=isinstance(e, KeyboardInterrupt))
             dist.destroy_process_group()  # no barrier: the other ranks may be gone
         if lost is not None:
             raise lost from None
