@@ -305,3 +305,41 @@ def test_a_forwarded_ctrl_c_is_not_a_second_one(
     )
     assert forwarded_was_ignored
     assert "Ctrl-C again to stop at once" in notice  # no waiting time to state
+
+
+def test_a_forwarded_copy_during_teardown_is_not_a_second_ctrl_c(
+    cfg_factory, monkeypatch, tmp_path
+):
+    """Under a launcher, a rank that stops on a Ctrl-C keeps its handlers past `fit`: the
+    launcher's forwarded copy can come while the rank tears down (a barrier, the process
+    group), where the default handler would take it for a second Ctrl-C ("interrupted", no
+    "stopped by SIGINT" line: the launcher faults' test C failed so in CI)."""
+    from llmscale.errors import JobStopped
+    from llmscale.train.launch import FORWARDED_SIGINTS_ENV
+    from llmscale.train.trainer import Trainer
+
+    count = tmp_path / "forwarded"
+    count.write_bytes(b"")
+    t = Trainer(cfg_factory("--train.steps", "3", run="ctrl-c-teardown"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv(FORWARDED_SIGINTS_ENV, str(count))
+    step = t.train_step
+
+    def ctrl_c_in_step_1() -> dict:
+        row = step()
+        if t.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, directly
+            time.sleep(0.01)
+        return row
+
+    monkeypatch.setattr(t, "train_step", ctrl_c_in_step_1)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(JobStopped) as stopped:
+            t.fit()
+        count.write_bytes(b"1")  # the launcher counts its copy, then forwards it
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # no KeyboardInterrupt: the copy is known for one
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stopped.value.code == 130 and "stopped by SIGINT after step 1" in str(stopped.value)

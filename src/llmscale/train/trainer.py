@@ -644,7 +644,12 @@ class Trainer:
                     writer.write({"kind": "eval", "step": self.step, "val_loss": result.val_loss})
             self._write_offload_timelines()
         finally:
-            self._restore_signal_handlers(previous)
+            if not (self._stop_signal and under_launcher()):
+                # Stopping on a signal under a launcher, the handlers stay: the signal's
+                # forwarded copy can still come while this rank tears down (a barrier, the
+                # process group), which they know for a copy; the default handlers would take
+                # it for a second Ctrl-C, or die of a repeated SIGTERM before saying why.
+                self._restore_signal_handlers(previous)
             writer.close()
             result.steps_done = self.step
             reporter.finish(result)
