@@ -219,3 +219,35 @@ def test_zero_2_is_searched_where_it_differs_from_1() -> None:
     for plan in twos:
         assert estimate_memory(replace(plan, zero_stage=1)).total > budget
         assert estimate_memory(plan).total <= budget
+
+
+def test_activation_offload_is_searched_with_the_fewest_blocks_that_fit() -> None:
+    # Megatron-Bridge's Llama 3 70B on 64 GB200 (26.02, FP8): Megatron-FSDP, no recompute, the
+    # first 40 blocks' activations offloaded. The search finds that kind of plan, each with the
+    # fewest offloaded blocks that fit: one fewer does not.
+    from llmscale.plan import memory as mem
+    from llmscale.report.search_report import fixed_space, plan_report
+    from llmscale.stack import get_stack
+
+    res = plan_report("llama3-70b", 64, "gb200", 8192, 256, "fp8", stack="megatron-core").result
+    offloaded_best = res.candidates[0].time.seconds
+    offloaded = [c.plan for c in res.candidates if c.plan.offload_activations]
+    assert offloaded and res.candidates[0].plan.offload_activations
+    opt = mem.memory_options(get_stack("megatron-core"))
+    budget = Cluster.of("gb200").gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    for p in offloaded:
+        assert p.pp == 1 and p.recompute == "none"
+        p.validate()
+        one_fewer = replace(p, offload_activations=p.offload_activations - 1)
+        assert mem.worst_total(one_fewer, opt, (0,)) > budget >= mem.worst_total(p, opt, (0,))
+    # --offload-activations 0 turns it off; a stack that cannot offload activations
+    # (torchtitan) is never offered it.
+    space, fixed = fixed_space(64, {"offload_activations": 0})
+    off = plan_report(
+        "llama3-70b", 64, "gb200", 8192, 256, "fp8", space=space, fixed=fixed,
+        stack="megatron-core",
+    ).result  # fmt: skip
+    tt = plan_report("llama3-70b", 64, "gb200", 8192, 256, "fp8", stack="torchtitan").result
+    for res in (off, tt):
+        assert res.candidates and not any(c.plan.offload_activations for c in res.candidates)
+    assert off.candidates[0].time.seconds > offloaded_best

@@ -39,8 +39,8 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         help="search parallel layouts: the fastest plans that fit, with memory and step time",
         description=(
             "Enumerate tp x pp x dp (replicated, FSDP-sharded or hybrid) with micro-batch size, "
-            "recompute mode, ZeRO stage, pipeline schedule and chunks, sequence parallelism and "
-            "offload; keep those whose divisibility holds (tp <= GPUs per node and divides the "
+            "recompute mode, ZeRO stage, pipeline schedule and chunks, sequence parallelism, "
+            "optimizer offload and activation offload (the fewest blocks that fit); keep those whose divisibility holds (tp <= GPUs per node and divides the "
             "heads, kv heads and ffn_dim; pp divides the layers; the global batch divides by "
             "micro-batch x dp) and whose fullest GPU fits; rank by predicted step time. Memory "
             "is per GPU (docs/memory-model.md), time from plan/time.py (docs/planner.md). "
@@ -126,7 +126,9 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         metavar="N",
         help="the first N blocks keep their saved activations in host memory between forward "
         "and backward (train.offload_activations; Megatron-Core's --cpu-offloading-num-layers); "
-        "sets --pp 1 and --recompute none (default 0: none)",
+        "sets --pp 1 and --recompute none; 0: none. Default: searched where the stack offloads "
+        "activations (llmscale, megatron-core): a plan without a pipeline or recompute that does "
+        "not fit is tried with the fewest blocks offloaded that make it fit",
     )
     p.set_defaults(func=_cmd_plan)
 

@@ -69,7 +69,14 @@ from llmscale.plan import time as tm
 from llmscale.plan.cache import memoize
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.plan import Plan
-from llmscale.stack import LLMSCALE, Residency, Stack, param_residency, tied_pipeline_problem
+from llmscale.stack import (
+    LLMSCALE,
+    Residency,
+    Stack,
+    activation_offload_problem,
+    param_residency,
+    tied_pipeline_problem,
+)
 
 MULTI_CHUNK = LOOP_MULTI_CHUNK_SCHEDULES + V_SCHEDULES  # schedules that need pp > 1
 
@@ -123,9 +130,12 @@ class SearchSpace:
     # chunks entries; () = the automatic split).
     cp: int = 1
     pp_layers: tuple[int, ...] = ()
-    # Fixed, never searched: blocks whose activations wait in host memory (pp 1, recompute none
-    # only: `report.search_report` narrows the space to them when it is set).
+    # Blocks whose activations wait in host memory (pp 1, recompute none only:
+    # `report.search_report` narrows the space to them when it is set); 0 with
+    # `search_offload_activations`: the fewest that make a plan fit where it does not
+    # (`_fewest_offloaded`), 0 without: none.
     offload_activations: int = 0
+    search_offload_activations: bool = True
 
     def fixed_degrees(self) -> dict[str, int]:
         """The degrees this space fixes, by name."""
@@ -378,6 +388,37 @@ def search(
         rejected[f"offload with cp {space.cp}: {why}"] = None
     offloads = [o for o in offloads if not problems[o]]
     layouts = _layouts(model, gpus, cluster, space, rejected, time_params.stack)
+
+    def slower_than_kept(plan: Plan, ends: tuple[int, ...]) -> bool:
+        """Whether `plan`'s step-time floor is past the `keep` fastest plans found so far."""
+        return (
+            len(kept) == keep and PRUNE_BY_TIME_FLOOR
+            and tm.step_time_floor(plan, cluster, time_params, ends, past=-kept[0]) > -kept[0]
+        )  # fmt: skip
+
+    def cost(plan: Plan, total: float, ends: tuple[int, ...]) -> bool:
+        """Time a plan that fits and keep it; False (left untimed) when it cannot be among the
+        `keep` fastest."""
+        if slower_than_kept(plan, ends):
+            return False
+        t = tm.estimate_step_time(plan, cluster, time_params, ranks=ends, validate=False)
+        found.append((t.seconds, total, plan))
+        if len(kept) < keep:
+            heapq.heappush(kept, -t.seconds)
+        elif t.seconds < -kept[0]:
+            heapq.heapreplace(kept, -t.seconds)
+        return True
+
+    # Activation offload (train.offload_activations), searched where no count is fixed: a plan
+    # without a pipeline or recomputation that does not fit is tried with the fewest first
+    # blocks whose activations wait in host memory that make it fit (`_fewest_offloaded`).
+    offload_acts = (
+        space.offload_activations == 0
+        and space.search_offload_activations
+        and "none" in recs
+        and model.n_layers > 1
+        and activation_offload_problem(time_params.stack, 1) is None
+    )
     if space.cp > 1 and seq_len % (2 * space.cp):  # load-balanced ring attention's rule
         rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None
         layouts = iter(())
@@ -468,6 +509,7 @@ def search(
                         # memory floor fits: counted as maybe fitting, so larger micro-batches
                         # are still tried).
                         fits: list[tuple[int, int, int]] = []
+                        offloaded: list[Plan] = []  # recompute none over budget: `offload_acts`
                         checked = False
                         for ri, rec in enumerate(recs):
                             if rec not in useful:
@@ -481,8 +523,10 @@ def search(
                                     continue
                                 evaluated += 1
                                 floor = floors.pieces(ri, zi, oi)
-                                if floor is None:
-                                    continue  # as worst_total would find, without the plan
+                                if floor is None:  # as worst_total would find, without the plan
+                                    if offload_acts and pp == 1 and rec == "none":
+                                        offloaded.append(floors.plan(ri, zi, oi))
+                                    continue
                                 if not checked and len(kept) == keep and PRUNE_BY_TIME_FLOOR:
                                     checked = True
                                     if _slower_than(
@@ -495,28 +539,25 @@ def search(
                                 total = mem.worst_total(
                                     plan, memory_options, ends, budget, known=floor
                                 )
+                                if total > budget and offload_acts and pp == 1 and rec == "none":
+                                    offloaded.append(plan)
                                 if total <= budget:
                                     fits.append((ri, zi, oi))
-                                    if (
-                                        len(kept) == keep and PRUNE_BY_TIME_FLOOR
-                                        and tm.step_time_floor(
-                                            plan, cluster, time_params, ends, past=-kept[0]
-                                        ) > -kept[0]
-                                    ):  # fmt: skip
-                                        untimed += 1  # not among the `keep` fastest
-                                        continue
-                                    t = tm.estimate_step_time(
-                                        plan, cluster, time_params, ranks=ends, validate=False
-                                    )
-                                    found.append((t.seconds, total, plan))
-                                    if len(kept) < keep:
-                                        heapq.heappush(kept, -t.seconds)
-                                    elif t.seconds < -kept[0]:
-                                        heapq.heapreplace(kept, -t.seconds)
+                                    untimed += not cost(plan, total, ends)
                             else:
                                 continue
                             break  # the rest of this knob loop is slower than those kept
                         fit_any = fit_any or bool(fits)
+                        for plan in offloaded:
+                            # Offloading adds copies to the plan's time: its floor bounds it.
+                            if slower_than_kept(plan, ends):
+                                continue
+                            hit = _fewest_offloaded(
+                                plan, ends, memory_options, budget, host_per_gpu
+                            )  # fmt: skip
+                            if hit is not None:
+                                fit_any = True
+                                untimed += not cost(*hit, ends)
                     if not fit_any:
                         break  # a bigger micro-batch needs more memory still
                 if not divides:
@@ -792,6 +833,33 @@ def _fitting_states(
         for oi, off in enumerate(offloads)
         if not _states_exceed(base.varied(zero_stage=zero, offload=off), ends, opt, budget, host)
     ]
+
+
+def _fewest_offloaded(
+    plan: Plan, ends: tuple[int, ...], opt: mem.MemoryOptions, budget: float, host: float
+) -> tuple[Plan, float] | None:
+    """`plan` (no pipeline, no recomputation, over `budget`) with the fewest first blocks whose
+    saved activations wait in host memory (train.offload_activations; Megatron-Core's
+    --cpu-offloading-num-layers) that fit the GPU and the node's host memory, and its memory;
+    None when no count below the model's layers does. The GPU's memory falls and the copies
+    grow with the count, so the fewest that fits is the fastest (found by bisection)."""
+
+    def total(n: int) -> float:
+        return mem.worst_total(plan.varied(offload_activations=n), opt, ends, budget)
+
+    lo, hi = 1, plan.model.n_layers - 1
+    if total(hi) > budget:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if total(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = plan.varied(offload_activations=lo)
+    if max(mem.rank_pieces(best, r, opt).host for r in ends) > host:
+        return None  # more blocks offloaded need more host memory still
+    return best, total(lo)
 
 
 def _states_exceed(

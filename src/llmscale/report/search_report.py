@@ -227,14 +227,15 @@ def fixed_space(gpus: int, given: dict[str, Any]) -> tuple[SearchSpace, dict[str
 
 def _activation_offload_changes(fixed: dict[str, Any]) -> dict[str, Any]:
     """--offload-activations N: N >= 0; N > 0 runs with pp 1 and no recompute (the runtime's and
-    Megatron-Core's rule), which it fixes where they are not given."""
+    Megatron-Core's rule), which it fixes where they are not given; 0: no activation offload
+    (not given, the search tries the fewest blocks that make a plan fit)."""
     n = fixed.get("offload_activations")
     if n is None:
         return {}
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ConfigError("offload_activations", n, "an integer >= 0")
     if n == 0:
-        return {}
+        return {"search_offload_activations": False}
     if fixed.get("pp", 1) != 1:
         raise ConfigError("pp", fixed["pp"], "1 with --offload-activations (no pipeline)")
     if fixed.get("recompute", "none") != "none":
