@@ -243,7 +243,11 @@ def test_time_floor_skips_only_plans_never_shown(
 @pytest.mark.parametrize("stack", ["llmscale", "torchtitan", "megatron-core", "megatron-2021"])
 @pytest.mark.parametrize(
     ("name", "gpus", "gpu", "seq", "batch"),
-    [("llama2-70b", 32, "h200", 4096, 256), ("llama3-8b", 16, "h100", 8192, 64)],
+    [
+        ("llama2-70b", 32, "h200", 4096, 256),
+        ("llama3-8b", 16, "h100", 8192, 64),
+        ("llama3-70b", 64, "gb200", 8192, 256),  # activation offload ranks high (llmscale, mcore)
+    ],
 )
 def test_time_pruning_keeps_every_shown_plan(
     monkeypatch: pytest.MonkeyPatch,
