@@ -644,12 +644,14 @@ class Trainer:
                     writer.write({"kind": "eval", "step": self.step, "val_loss": result.val_loss})
             self._write_offload_timelines()
         finally:
-            if not (self._stop_signal and under_launcher()):
-                # Stopping on a signal under a launcher, the handlers stay: the signal's
+            if self._stop_signal and under_launcher():
+                # Stopping on a signal under a launcher, the SIGINT handler stays: a Ctrl-C's
                 # forwarded copy can still come while this rank tears down (a barrier, the
-                # process group), which they know for a copy; the default handlers would take
-                # it for a second Ctrl-C, or die of a repeated SIGTERM before saying why.
-                self._restore_signal_handlers(previous)
+                # process group), which it knows for a copy, where the default handler would
+                # take it for a second Ctrl-C. SIGTERM's goes back to the heartbeat's `_leave`
+                # (the launcher stops a survivor with it when a peer died).
+                previous.pop(signal.SIGINT, None)
+            self._restore_signal_handlers(previous)
             writer.close()
             result.steps_done = self.step
             reporter.finish(result)
