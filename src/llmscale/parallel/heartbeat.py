@@ -341,8 +341,9 @@ def peer_lost(exc: BaseException) -> PeerLost | PeerInterrupted | None:
     hb.pause_monitor()
     try:
         lost = hb.silent_ranks()
-        if hb.interrupted_ranks():  # a peer stopped at once on Ctrl-C: so does this rank
-            return PeerInterrupted(hb.interrupted_ranks())
+        interrupted = hb.interrupted_ranks()
+        if interrupted:  # a peer stopped at once on Ctrl-C: so does this rank
+            return PeerInterrupted(interrupted)
     except Exception:
         return PeerLost(
             "the rendezvous store stopped answering (the launcher on the first node is gone?) "

@@ -427,6 +427,7 @@ def search(
         # rank), for every dp split of this layout (`_Floors`).
         layout_activity: dict[tuple[bool, int, str, int], dict[tuple[int, bool, int], mem.Activity]] = {}  # fmt: skip
         ends = _costed_ranks(model, pp, space)
+        try_offload = offload_acts and pp == 1  # activation offload: no pipeline
         # The runtime's offload rule per layout (a tied model's last-stage copy under pp).
         pp_offloads = []
         for o in offloads:
@@ -524,7 +525,7 @@ def search(
                                 evaluated += 1
                                 floor = floors.pieces(ri, zi, oi)
                                 if floor is None:  # as worst_total would find, without the plan
-                                    if offload_acts and pp == 1 and rec == "none":
+                                    if try_offload and rec == "none":
                                         offloaded.append(floors.plan(ri, zi, oi))
                                     continue
                                 if not checked and len(kept) == keep and PRUNE_BY_TIME_FLOOR:
@@ -539,7 +540,7 @@ def search(
                                 total = mem.worst_total(
                                     plan, memory_options, ends, budget, known=floor
                                 )
-                                if total > budget and offload_acts and pp == 1 and rec == "none":
+                                if total > budget and try_offload and rec == "none":
                                     offloaded.append(plan)
                                 if total <= budget:
                                     fits.append((ri, zi, oi))

@@ -60,6 +60,23 @@ def direct_sigints(received: int) -> int | None:
     return received - forwarded
 
 
+def second_ctrl_c(received: int, since_first: float) -> bool:
+    """Whether a worker's `received`-th SIGINT, `since_first` seconds after the one that asked
+    for a stop, is a second Ctrl-C rather than a copy of the first: counted under this
+    launcher (a second direct one, `direct_sigints`), timed under another (none within
+    SAME_SIGNAL_SECONDS), always without a launcher."""
+    direct = direct_sigints(received)
+    if direct is not None:
+        return direct >= 2
+    return not (under_launcher() and since_first < SAME_SIGNAL_SECONDS)
+
+
+def ctrl_c_again_wait() -> str:
+    """What the stop notice says to wait before a second Ctrl-C counts ("" when nothing)."""
+    timed = under_launcher() and direct_sigints(0) is None
+    return f"after {SAME_SIGNAL_SECONDS:g} s " if timed else ""
+
+
 @contextmanager
 def _counted_sigint_forwarding() -> Iterator[None]:
     """The launcher's SIGINT handler for the launch: the first SIGINT is counted in a file the

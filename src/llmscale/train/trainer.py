@@ -61,12 +61,12 @@ from llmscale.train.divergence import DivergenceGuard, all_finite
 from llmscale.train.evaluation import local_eval_rows, token_loss_sum
 from llmscale.train.fault_injection import maybe_inject
 from llmscale.train.launch import (
-    SAME_SIGNAL_SECONDS,
+    ctrl_c_again_wait,
     die_with_launcher,
-    direct_sigints,
     mark_claimed,
     restart_attempt,
     resume_own_run,
+    second_ctrl_c,
     under_launcher,
 )
 from llmscale.train.memcheck import check_memory
@@ -702,11 +702,10 @@ class Trainer:
         130: `fit` raises JobStopped). A second SIGINT (Ctrl-C again) stops at once, without
         the checkpoint (KeyboardInterrupt: exit 130). Under a launcher one Ctrl-C can arrive
         twice (sent to every process of the job and forwarded by the launcher): this project's
-        launcher counts the copies it forwards (`launch.direct_sigints`); under another, a
-        repeat within SAME_SIGNAL_SECONDS of the first is taken as the same one."""
+        launcher counts the copies it forwards; under another, a repeat within a few seconds of
+        the first is taken as the same one (`launch.second_ctrl_c`)."""
 
-        counted = direct_sigints(0) is not None
-        again = f"after {SAME_SIGNAL_SECONDS:g} s " if under_launcher() and not counted else ""
+        again = ctrl_c_again_wait()
         notice = (
             "\nSIGINT: stopping after this step with a checkpoint "
             f"(Ctrl-C again {again}to stop at once, without one)\n"
@@ -719,14 +718,7 @@ class Trainer:
             if signum == signal.SIGINT:
                 sigints[0] += 1
             if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-                direct = direct_sigints(sigints[0])
-                if direct is not None:
-                    again_now = direct >= 2
-                else:
-                    again_now = not (
-                        under_launcher() and now - self._stop_time < SAME_SIGNAL_SECONDS
-                    )
-                if again_now:
+                if second_ctrl_c(sigints[0], now - self._stop_time):
                     raise KeyboardInterrupt
                 return
             self._stop_signal, self._stop_time = signum, now
