@@ -19,7 +19,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -77,6 +77,27 @@ def ctrl_c_again_wait() -> str:
     return f"after {SAME_SIGNAL_SECONDS:g} s " if timed else ""
 
 
+_COUNT_PREFIX = "llmscale-sigint-"  # the count file's name: this prefix, the launcher's pid, -
+
+
+def _remove_stale_counts(directory: Path) -> None:
+    """Delete the count files in `directory` that launchers no longer running left there (a
+    launcher killed with SIGKILL cannot remove its own)."""
+    for path in directory.glob(f"{_COUNT_PREFIX}*-*"):
+        pid = path.name[len(_COUNT_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that launcher is still running
+        except ProcessLookupError:
+            pass
+        except OSError:  # another user's process: alive
+            continue
+        with suppress(OSError):  # another user's file, or removed meanwhile
+            path.unlink()
+
+
 @contextmanager
 def _counted_sigint_forwarding() -> Iterator[None]:
     """The launcher's SIGINT handler for the launch: the first SIGINT is counted in a file the
@@ -85,7 +106,8 @@ def _counted_sigint_forwarding() -> Iterator[None]:
     stop). Later ones are left to the workers: a terminal's Ctrl-C reaches them directly."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    fd, path = tempfile.mkstemp(prefix="llmscale-sigint-")
+    _remove_stale_counts(Path(tempfile.gettempdir()))
+    fd, path = tempfile.mkstemp(prefix=f"{_COUNT_PREFIX}{os.getpid()}-")
     os.close(fd)
     saved_env = os.environ.get(FORWARDED_SIGINTS_ENV)
     forwarded = [0]
