@@ -122,6 +122,34 @@ def test_a_stack_refuses_a_recompute_policy_it_cannot_run() -> None:
     assert _run(*base, "--recompute", "selective_op").returncode == 0
 
 
+def test_a_stack_runs_only_its_own_optimizer_offload() -> None:
+    """Each stack plans only the optimizer offload it runs (`Stack.offloads`): torchtitan's CPU
+    offload is FSDP2's CPUOffloadPolicy ("optimizer+params"), Megatron-Core's the hybrid-device
+    optimizer ("optimizer"); a mode fixed by a flag that the stack lacks is one line naming its
+    own, and the search leaves it out."""
+    base = ["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--seq", "8192",
+            "--global-batch", "512", "--json", "--top", "20"]  # fmt: skip
+    for stack, lacks, own in (
+        ("torchtitan", "optimizer", "--training.enable_cpu_offload"),
+        ("megatron-core", "optimizer+params", "--optimizer-cpu-offload"),
+        ("megatron-2021", "optimizer", "none under --stack megatron-2021"),
+    ):
+        r = _run(*base, "--stack", stack, "--offload", lacks)
+        assert r.returncode == 2 and own in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    runs = {"torchtitan": {"none", "optimizer+params"}, "megatron-core": {"none", "optimizer"}}
+    for stack, allowed in runs.items():
+        r = _run(*base, "--stack", stack)
+        assert r.returncode == 0, r.stderr
+        seen = {c["plan"]["offload"] for c in json.loads(r.stdout)["candidates"]}
+        assert seen <= allowed, (stack, seen)
+    job = ["train", "--model.name", "llama3-8b", "--parallel.dp_shard", "8",
+           "--optimizer.offload", "optimizer", "--train.global_batch_size", "64",
+           "--data.seq_len", "4096", "--dry-run", "--gpu", "h100", "--stack", "torchtitan"]  # fmt: skip
+    r = _run(*job)
+    assert r.returncode == 2 and "optimizer.offload" in r.stderr, r.stderr
+
+
 def test_train_dry_run_and_bench_take_a_stack() -> None:
     """`train --dry-run --gpu NAME --stack NAME` predicts the job under that stack's rules; a
     policy the stack lacks is one line; `train` itself runs llmscale only; `bench --what

@@ -14,7 +14,6 @@ from llmscale.cli._args import (
 from llmscale.cli.schedule import SCHEDULE_ALIASES
 from llmscale.config import (
     FLOAT8_RECIPES,
-    OFFLOAD_MODES,
     PP_SCHEDULES,
     PRECISIONS,
     RECOMPUTE_MODES,
@@ -23,7 +22,7 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.paths import check_image_file
-from llmscale.stack import STACK_NAMES, precision_help, stacks_help
+from llmscale.stack import STACK_NAMES, offload_help, precision_help, stacks_help
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -119,7 +118,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     fix.add_argument(
         "--sp", action=argparse.BooleanOptionalAction, help="sequence parallelism on or off"
     )
-    fix.add_argument("--offload", help=" | ".join(OFFLOAD_MODES))
+    fix.add_argument("--offload", help=offload_help())
     fix.add_argument(
         "--offload-activations",
         type=int,

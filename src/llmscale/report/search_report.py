@@ -27,20 +27,23 @@ from llmscale.plan.time import time_params
 from llmscale.report import report
 from llmscale.stack import LLMSCALE, get_stack, layout_problem
 
-# How to read the table's memory columns; {unit}: the table's (report.memory_unit).
+# How to read the table's memory columns; {unit}: the table's (report.memory_unit), {over}: the
+# stack's allocator overhead (`Stack.allocator_overhead`).
 MEMORY_LEGEND = (
     "memory columns are the fullest GPU, {unit}: states = params + grads + optimizer;\n"
-    "working = bf16 weight copies or FSDP-unsharded params; transient includes the allocator's 5%"
+    "working = bf16 weight copies or FSDP-unsharded params; transient includes the allocator's "
+    "{over}"
 )
 NARROW_LEGEND = (
-    "{unit}: the fullest GPU, with the allocator's 5%; ! = does not fit; --wide shows its parts"
+    "{unit}: the fullest GPU, with the allocator's {over}; ! = does not fit; --wide shows its parts"
 )
 
 
 def memory_legend(result: SearchResult, wide: bool) -> str:
     """The legend under `report.search_table(result, wide)`, in its unit."""
     unit, _ = report.memory_unit(result)
-    return (MEMORY_LEGEND if wide else NARROW_LEGEND).format(unit=unit)
+    over = f"{result.stack.allocator_overhead:.1%}".replace(".0%", "%")
+    return (MEMORY_LEGEND if wide else NARROW_LEGEND).format(unit=unit, over=over)
 
 
 class PlanReport(NamedTuple):
@@ -135,6 +138,7 @@ def plan_report(
         offload_activations=space.offload_activations,
         precision=precision,
         float8_recipe=float8_recipe,
+        offload=space.offload[0] if len(space.offload) == 1 else None,
     )
     if refused:
         raise ConfigError(*refused)
@@ -142,6 +146,7 @@ def plan_report(
         space,
         recompute=tuple(r for r in space.recompute if r in st.recompute),
         schedules=tuple(s for s in space.schedules if s in st.schedules),
+        offload=tuple(o for o in space.offload if o in st.offloads),
     )
     options = mem.memory_options(st, compiled=compiled)
     res = search(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from llmscale.config import RUNTIME_PRECISIONS
+from llmscale.config import OFFLOAD_MODES, RUNTIME_PRECISIONS, Offload
 from llmscale.errors import ConfigError
 from llmscale.hardware.spec import Sourced
 from llmscale.stack.kernels import MEGATRON_2021 as MEGATRON_2021_KERNELS
@@ -233,6 +233,10 @@ class Stack:
     # due by the forward of block n_layers - N + i and its reload starts N blocks ahead in
     # backward, transformer_engine/pytorch/cpu_offload.py `_default_offload_sync_init`).
     activation_offload: Literal["refuse", "blocking", "async"] = "refuse"
+    # The optimizer offload modes (optimizer.offload: config.Offload) it runs, and what a user
+    # of the stack sets for them; others are refused (`offload_problem`).
+    offloads: tuple[Offload, ...] = ("none",)
+    offload_flags: str = ""
     # Precisions it trains in (config.Precision): nvfp4 is TransformerEngine's NVFP4 recipe,
     # which only Megatron-Core runs among these.
     precisions: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
@@ -353,6 +357,14 @@ def activation_offload_problem(stack: Stack, offload_activations: int) -> str | 
     return None
 
 
+def offload_problem(stack: Stack, offload: str) -> str | None:
+    """Why `stack` cannot run optimizer offload mode `offload` (None when it can)."""
+    if offload in stack.offloads:
+        return None
+    how = f" ({stack.offload_flags})" if stack.offload_flags else ""
+    return f"{' | '.join(stack.offloads)} under --stack {stack.name}{how}"
+
+
 def precision_problem(stack: Stack, precision: str) -> str | None:
     """Why `stack` cannot train in `precision` (None when it can)."""
     if precision in stack.precisions:
@@ -379,6 +391,7 @@ def layout_problem(
     offload_activations: int = 0,
     precision: str | None = None,
     float8_recipe: str | None = None,
+    offload: str | None = None,
 ) -> tuple[str, object, str] | None:
     """The first of `stack`'s refusals a layout meets, as (config key, value, what is allowed
     instead), None when it runs: the one check `plan --stack` (a recompute policy or schedule
@@ -398,6 +411,7 @@ def layout_problem(
             offload_activations,
             activation_offload_problem(stack, offload_activations),
         ),
+        ("optimizer.offload", offload, offload and offload_problem(stack, offload)),
     )
     for key, value, problem in checks:
         if problem:
@@ -423,6 +437,7 @@ LLMSCALE = Stack(
     grad_sync_once=True,
     tied_under_pp="copy_on_last_stage",  # parallel/tied_embeddings.py
     activation_offload="blocking",  # parallel/activation_offload.py
+    offloads=OFFLOAD_MODES,  # offload/ (docs/offload.md)
     precisions=RUNTIME_PRECISIONS,  # parallel/parallelize.py refuses the others
 )
 
@@ -502,6 +517,12 @@ MEGATRON_CORE = Stack(
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
     activation_offload="async",  # --cpu-offloading-num-layers (TransformerEngine's context)
+    # Megatron-Core's hybrid-device optimizer: the distributed optimizer's states and step on the
+    # host, gradients down and parameters up each step (megatron/core/optimizer/cpu_offloading/,
+    # Megatron-LM 60007c93d3, 2025-02-14): ZeRO-Offload's "optimizer".
+    offloads=("none", "optimizer"),
+    offload_flags="optimizer: --optimizer-cpu-offload --optimizer-offload-fraction 1.0 "
+    "--use-precision-aware-optimizer",
     # --fp4-format e2m1 with fp4_recipe "nvfp4": TransformerEngine's NVFP4BlockScaling
     # (megatron/core/transformer/transformer_config.py `fp4`, `fp4_recipe`).
     precisions=("fp32", "bf16", "fp16", "fp8", "nvfp4"),
@@ -589,6 +610,11 @@ TORCHTITAN = Stack(
     # default of the 2024 torchtitan's experimental.context_parallel_rotate_method).
     cp_rotate="allgather",
     allocator_overhead=TORCHTITAN_RESERVED.value,
+    # training.enable_cpu_offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and
+    # optimizer states on the host, the step there: torchtitan distributed/fsdp.py apply_fsdp),
+    # which the llmscale runtime runs as "optimizer+params" under data parallelism.
+    offloads=("none", "optimizer+params"),
+    offload_flags="optimizer+params: --training.enable_cpu_offload",
     # One factor for every kernel torchtitan runs on a Hopper die's SMs (its cuBLAS GEMMs, FP8
     # GEMMs and SDPA flash attention; HBM bandwidth is each part's own figure): the share of
     # the catalog's assumed Hopper rates torchtitan reaches. Fitted on the 500 W H100 96GB, and
@@ -616,6 +642,12 @@ def get_stack(name: str) -> Stack:
 def stacks_help() -> str:
     """`--stack`'s help: every stack's one line."""
     return "; ".join(f"{s.name}: {s.summary}" for s in STACKS.values())
+
+
+def offload_help() -> str:
+    """`--offload`'s help: the modes, and which stacks run each (`Stack.offloads`)."""
+    runs = "; ".join(f"{s.name}: {' | '.join(s.offloads)}" for s in STACKS.values())
+    return f"optimizer offload: {' | '.join(OFFLOAD_MODES)} (by stack, {runs})"
 
 
 # What each training precision is, for `--precision`'s help (which stacks run each is read from

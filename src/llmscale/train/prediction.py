@@ -329,7 +329,8 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
                              tied=plan.model.tie_embeddings,
                              offload_activations=plan.offload_activations,
                              precision=plan.precision,
-                             float8_recipe=plan.float8_recipe)  # fmt: skip
+                             float8_recipe=plan.float8_recipe,
+                             offload=plan.offload)  # fmt: skip
     if refused:
         raise ConfigError(*refused)
     cluster = Cluster.of(gpu)
