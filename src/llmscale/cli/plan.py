@@ -39,7 +39,8 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         description=(
             "Enumerate tp x pp x dp (replicated, FSDP-sharded or hybrid) with micro-batch size, "
             "recompute mode, ZeRO stage, pipeline schedule and chunks, sequence parallelism, "
-            "optimizer offload and activation offload (the fewest blocks that fit); keep those whose divisibility holds (tp <= GPUs per node and divides the "
+            "optimizer offload and activation offload (the fewest blocks that fit); keep those "
+            "whose divisibility holds (tp <= GPUs per node and divides the "
             "heads, kv heads and ffn_dim; pp divides the layers; the global batch divides by "
             "micro-batch x dp) and whose fullest GPU fits; rank by predicted step time. Memory "
             "is per GPU (docs/memory-model.md), time from plan/time.py (docs/planner.md). "

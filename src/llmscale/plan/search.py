@@ -849,18 +849,20 @@ def _fewest_offloaded(
         return mem.worst_total(plan.varied(offload_activations=n), opt, ends, budget)
 
     lo, hi = 1, plan.model.n_layers - 1
-    if total(hi) > budget:
+    hi_total = total(hi)  # the memory at `hi`, the fewest known to fit
+    if hi_total > budget:
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        if total(mid) <= budget:
-            hi = mid
+        mid_total = total(mid)
+        if mid_total <= budget:
+            hi, hi_total = mid, mid_total
         else:
             lo = mid + 1
-    best = plan.varied(offload_activations=lo)
+    best = plan.varied(offload_activations=hi)
     if max(mem.rank_pieces(best, r, opt).host for r in ends) > host:
         return None  # more blocks offloaded need more host memory still
-    return best, total(lo)
+    return best, hi_total
 
 
 def _states_exceed(
