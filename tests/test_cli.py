@@ -43,6 +43,16 @@ def _run(args, tmp_path):
             "llmscale (nvfp4: --stack megatron-core)",
         ),
         (
+            ["train", "--precision.mode", "fp8", "--precision.float8_recipe", "mxfp8"],
+            "precision.float8_recipe: got 'mxfp8'; allowed: tensorwise | rowwise | "
+            "rowwise_with_gw_hp (this runtime has no MXFP8 training",
+        ),
+        (
+            ["train", "--dry-run", "--precision.mode", "fp8", "--precision.float8_recipe", "mxfp8"],
+            "precision.float8_recipe: got 'mxfp8'; allowed: tensorwise | rowwise | "
+            "rowwise_with_gw_hp under --stack llmscale (mxfp8: --stack megatron-core)",
+        ),
+        (
             ["train", "--train.recompute", "some"],
             "none | full | selective | selective_op | every_k",
         ),

@@ -33,7 +33,7 @@ from llmscale.paths import folder_problem
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "nvfp4"]
 # torchao's float8 training recipes (`Float8LinearConfig.from_recipe_name`), under fp8.
-Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]
 Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 LRDecay = Literal["cosine", "linear", "constant"]
@@ -46,6 +46,9 @@ ZeroStage = Literal[0, 1, 2, 3]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 FLOAT8_RECIPES: tuple[Float8Recipe, ...] = get_args(Float8Recipe)
+# The float8 recipes this runtime trains with: torchao's (mxfp8, TransformerEngine's MXFP8 block
+# scaling, is planned only: parallel/parallelize.py).
+RUNTIME_FLOAT8_RECIPES: tuple[Float8Recipe, ...] = tuple(r for r in FLOAT8_RECIPES if r != "mxfp8")
 
 
 def float8_recipe_needs_fp8(mode: str, recipe: str, mode_name: str) -> str | None:
@@ -300,7 +303,9 @@ class PrecisionSection:
     float8_recipe: Float8Recipe = "tensorwise"
     """fp8: torchao's float8 recipe. tensorwise: one scale per tensor (the fastest); rowwise: a
     scale per row of each operand, all three matmuls in float8 (more accurate); rowwise_with_gw_hp:
-    rowwise, the weight gradient's matmul in bf16 (the most accurate)."""
+    rowwise, the weight gradient's matmul in bf16 (the most accurate). mxfp8: TransformerEngine's
+    MXFP8 block scaling (an E8M0 scale per 32 elements, Blackwell), plannable (`llmscale plan
+    --stack megatron-core`) but not trained by this runtime."""
     initial_scale: float = 2.0**15
     """fp16: the loss scale at the first step."""
     growth_factor: float = 2.0

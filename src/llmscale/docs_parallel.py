@@ -346,6 +346,8 @@ def stack_fits(ctx: Context) -> str:
         for fit in stack.fitted:
             gpu = default_catalog().gpu(fit.gpu).display
             parts.append(f"{stack.name} on {gpu} at {fit.scale.value:g}x ({', '.join(fit.fields)})")
+        for recipe, share in stack.float8_gemm_shares:
+            parts.append(f"{stack.name}'s {recipe} GEMMs at {share.value:g}x the FP8 GEMM's rate")
     return f"`Stack.step_overhead_ms`: {STEP_OVERHEAD.value:g} ms, an assumption; fitted: " + (
         "; ".join(parts) if parts else "none"
     )

@@ -106,7 +106,7 @@ def test_partial_fixing_searches_the_rest() -> None:
         (["--float8-recipe", "rowwise"],
          "float8_recipe: got 'rowwise'; allowed: tensorwise with --precision bf16"),
         (["--precision", "fp8", "--float8-recipe", "rowwise", "--stack", "megatron-core"],
-         "precision.float8_recipe: got 'rowwise'; allowed: tensorwise under --stack megatron-core"),
+         "precision.float8_recipe: got 'rowwise'; allowed: tensorwise | mxfp8 under --stack megatron-core"),
         (["--precision", "nvfp4", "--stack", "megatron-core"],
          "precision: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | fp8 on h200 (no FP4"),
     ],

@@ -69,6 +69,11 @@ def calibration_lines() -> list[str]:
                 f"| {gpu.display} under --stack {stack.name} (fitted) | x "
                 f"{', '.join(fit.fields)} | {fit.scale.value:g} | {fit.scale.source} |"
             )
+        for recipe, share in stack.float8_gemm_shares:
+            out.append(
+                f"| a block-scaled FP8 GPU under --stack {stack.name} (fitted) | {recipe} GEMM "
+                f"share of the FP8 one | {share.value:g} | {share.source} |"
+            )
         over = stack.step_overhead_ms
         out.append(f"| any GPU under --stack {stack.name} | step_overhead_ms | {over.value:g} | "
                    f"{over.source} |")  # fmt: skip

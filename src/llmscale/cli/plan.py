@@ -22,7 +22,13 @@ from llmscale.config import (
 )
 from llmscale.errors import ConfigError
 from llmscale.paths import check_image_file
-from llmscale.stack import STACK_NAMES, offload_help, precision_help, stacks_help
+from llmscale.stack import (
+    STACK_NAMES,
+    float8_recipe_help,
+    offload_help,
+    precision_help,
+    stacks_help,
+)
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -70,9 +76,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument(
         "--float8-recipe",
         default="tensorwise",
-        help=f"with --precision fp8, torchao's float8 recipe: {' | '.join(FLOAT8_RECIPES)} "
-        "(default tensorwise; rowwise scales each row, rowwise_with_gw_hp also keeps the weight "
-        "gradient in bf16)",
+        help=float8_recipe_help(),
     )
     p.add_argument("--node", help="node shape (default: the GPU's; llmscale hw)")
     p.add_argument("--nic", help="NIC link (default: the node's; e.g. ib-xdr)")

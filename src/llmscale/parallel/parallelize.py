@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llmscale.config import RUNTIME_PRECISIONS, JobConfig, pipeline_chunks
+from llmscale.config import RUNTIME_FLOAT8_RECIPES, RUNTIME_PRECISIONS, JobConfig, pipeline_chunks
 from llmscale.errors import ConfigError
 from llmscale.model.transformer import Transformer
 from llmscale.parallel.activation_checkpoint import apply_recompute
@@ -111,6 +111,14 @@ def check_runtime_support(cfg: JobConfig, device: torch.device) -> None:
             "nvfp4",
             f"{others} (this runtime has no NVFP4 training; plan TransformerEngine's NVFP4 recipe "
             "with `llmscale plan --stack megatron-core --precision nvfp4`)",
+        )
+    if cfg.precision.mode == "fp8" and cfg.precision.float8_recipe == "mxfp8":
+        raise ConfigError(
+            "precision.float8_recipe",
+            "mxfp8",
+            f"{' | '.join(RUNTIME_FLOAT8_RECIPES)} (this runtime has no MXFP8 training; plan "
+            "TransformerEngine's MXFP8 recipe with `llmscale plan --stack megatron-core "
+            "--precision fp8 --float8-recipe mxfp8`)",
         )
     if cfg.precision.mode == "fp8":
         why = fp8_problem(cfg, device)

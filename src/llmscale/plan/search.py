@@ -356,14 +356,14 @@ def search(
 ) -> SearchResult:
     """The `top` fastest plans that fit, best first. When none fits, `candidates` is empty and
     `unfit` holds the `top` closest to fitting (each with why not), `rejected` why layouts were
-    dropped before their memory was counted. `float8_recipe`: torchao's, under fp8."""
+    dropped before their memory was counted. `float8_recipe`: the stack's, under fp8."""
     _check_inputs(model, gpus, seq_len, global_batch_size, precision, top)
     if float8_recipe not in FLOAT8_RECIPES:
         raise ConfigError("float8_recipe", float8_recipe, " | ".join(FLOAT8_RECIPES))
     needs = float8_recipe_needs_fp8(precision, float8_recipe, "precision")
     if needs:
         raise ConfigError("float8_recipe", float8_recipe, needs)
-    tm.check_matmul_precision(precision, cluster)
+    tm.check_matmul_precision(precision, cluster, float8_recipe)
     start = time.perf_counter()
     budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
     over = 1.0 + memory_options.allocator_overhead

@@ -249,13 +249,22 @@ def matmul_peak_dtype(precision: str, fp32_matmul: str = "fp32") -> str:
     return LOWP_MATMUL_PEAK.get(precision) or PEAK_DTYPE.get(precision, fp32_matmul)
 
 
-def check_matmul_precision(precision: str, cluster: Cluster) -> None:
+def check_matmul_precision(
+    precision: str, cluster: Cluster, float8_recipe: str = "tensorwise"
+) -> None:
     """Refuse precision fp8 (nvfp4) on a GPU without an FP8 (FP4) peak and its calibration
-    (ConfigError naming the precisions it has)."""
+    (ConfigError naming the precisions it has), and a block-scaled float8 recipe (mxfp8) on a
+    GPU without block-scaled tensor cores (those of the parts with an FP4 peak)."""
     gpu = cluster.gpu
     peak = LOWP_MATMUL_PEAK.get(precision)
     if peak is None:
         return
+    cost = FLOAT8_RECIPES.get(float8_recipe)
+    if precision == "fp8" and cost is not None and cost.block_scaled and "fp4" not in gpu.dtypes:
+        raise ConfigError(
+            "float8_recipe", float8_recipe, f"a recipe without block scales on {gpu.name} (its "
+            "tensor cores take none: MXFP8 runs on the parts with an FP4 peak, llmscale hw)",
+        )  # fmt: skip
     cal = gpu.calibration
     if peak not in gpu.dense_TFLOPS or cal.lowp_gemm_efficiency(peak) is None:
         has = [p for p in ("fp32", "bf16", "fp16") if PEAK_DTYPE.get(p, "fp32") in gpu.dtypes]
@@ -393,6 +402,11 @@ def _linear_seconds(
                for m, n, k in shapes)  # fmt: skip
 
 
+# A weight kept in FP8 (`Stack.fp8_params`) is not cast per micro-batch; backward reads it
+# and writes its transposed FP8 copy for the input-gradient GEMM (1 + 1 B per element).
+FP8_PARAM_TRANSPOSE_BYTES = 1 + 1
+
+
 @dataclass(frozen=True)
 class Float8RecipeCost:
     """What one of torchao's float8 recipes (`precision.float8_recipe`) costs beyond the
@@ -410,6 +424,12 @@ class Float8RecipeCost:
     fwd_gemm_share: float = 1.0
     rescaled_backward: tuple[str, ...] = ()  # "dgrad", "wgrad"
     wgrad_bf16: bool = False
+    # Backward's bytes per element of a weight kept in float8 between steps
+    # (`Stack.fp8_params`): the transposed copy the input-gradient GEMM takes.
+    fp8_param_bwd: float = FP8_PARAM_TRANSPOSE_BYTES
+    # Its operands carry block scales, which only block-scaled tensor cores take (Blackwell's:
+    # a GPU with an FP4 peak).
+    block_scaled: bool = False
 
 
 # torchao's rowwise GEMM (torch._scaled_mm with a scale per row of A and per column of B, fast
@@ -423,6 +443,12 @@ ROWWISE_GEMM_SHARE = 0.95
 # kernel is so slow without fast-accum that we'd rather use the tensorwise cuBLAS-based kernel
 # and do the scaling manually afterwards"): one more pass over each such output.
 RESCALE_BYTES = 2 + 2
+
+# TransformerEngine's MXFP8 quantisation of one bf16 tensor (MXFP8Quantizer with row-wise and
+# column-wise usage; the OCP MX v1.0 spec's MXFP8: E4M3 values with an E8M0 scale per 32
+# elements), bytes per element: one pass reading it (2) and writing both copies, 1 x 32 blocks
+# along the rows and 32 x 1 along the columns (1 + 1/32 each). Block scales need no amax pass.
+MXFP8_CAST_BYTES = 2 + 2 * (1 + 1 / 32)
 
 FLOAT8_RECIPES: dict[str, Float8RecipeCost] = {
     # Each cast reads its bf16 tensor for the absolute maximum (2), then reads it again and
@@ -455,12 +481,21 @@ FLOAT8_RECIPES: dict[str, Float8RecipeCost] = {
         rescaled_backward=("dgrad",),
         wgrad_bf16=True,
     ),  # fmt: skip
+    # TransformerEngine's MXFP8 block scaling: forward quantises each linear's input and weight
+    # into both copies at once (`MXFP8_CAST_BYTES`), backward the output gradient; the
+    # column-wise copies the backward GEMMs take were written then, so nothing is cast or
+    # transposed again, an FP8 weight included (it holds both). Its GEMMs' share of the FP8
+    # rate is the stack's (`Stack.float8_gemm_shares`).
+    "mxfp8": Float8RecipeCost(
+        fwd_x=MXFP8_CAST_BYTES,
+        fwd_w=MXFP8_CAST_BYTES,
+        bwd_x=0,
+        bwd_w=0,
+        bwd_go=MXFP8_CAST_BYTES,
+        fp8_param_bwd=0,
+        block_scaled=True,
+    ),  # fmt: skip
 }
-
-
-# A weight kept in FP8 (`Stack.fp8_params`) is not cast per micro-batch; backward reads it
-# and writes its transposed FP8 copy for the input-gradient GEMM (1 + 1 B per element).
-FP8_PARAM_TRANSPOSE_BYTES = 1 + 1
 
 
 def fp8_cast_bytes(
@@ -470,11 +505,13 @@ def fp8_cast_bytes(
     the plan's recipe (`FLOAT8_RECIPES`). Run eagerly, every linear casts its own input;
     compiled (`compiled`), the linears reading one tensor (a region's column-parallel ones: wq,
     wk, wv; w1, w3) cast it once, as AOTAutograd's graph CSE merges the identical casts. With
-    `fp8_params` (`Stack.fp8_params`) the weights are FP8 already: only their transposes."""
+    `fp8_params` (`Stack.fp8_params`) the weights are FP8 already: no cast per micro-batch,
+    backward reading each and writing its transposed FP8 copy where the recipe needs one
+    (`Float8RecipeCost.fp8_param_bwd`)."""
     if not plan.fp8_matmuls:
         return 0.0, 0.0
     cost = FLOAT8_RECIPES[plan.float8_recipe]
-    fwd_w, bwd_w = (0.0, FP8_PARAM_TRANSPOSE_BYTES) if fp8_params else (cost.fwd_w, cost.bwd_w)
+    fwd_w, bwd_w = (0.0, cost.fp8_param_bwd) if fp8_params else (cost.fwd_w, cost.bwd_w)
     fwd = bwd = 0.0
     for x, w, go in _cast_operands(plan, share_inputs=compiled):
         fwd += cost.fwd_x * x + fwd_w * w
@@ -501,12 +538,16 @@ def block_gemm_seconds(
     cluster: Cluster,
     peak: float,
     flat: float | None,
+    share: float = 1.0,
 ) -> tuple[float, float, float]:
     """One block's linears as (forward, input-gradient, weight-gradient) GEMM seconds: the same
     shapes three times, except under a float8 recipe other than tensorwise
     (`FLOAT8_RECIPES`: a slower forward GEMM, backward outputs rescaled in a pass of their own,
-    a bf16 weight gradient)."""
+    a bf16 weight gradient). `share`: of the FP8 GEMM's rate, what the stack's GEMMs of the
+    plan's recipe reach (`Stack.float8_gemm_share`)."""
     base = _linear_seconds(plan, shapes, cluster, peak, flat)
+    if plan.fp8_matmuls:
+        base /= share
     if not plan.fp8_matmuls or plan.float8_recipe == "tensorwise":
         return base, base, base
     cost = FLOAT8_RECIPES[plan.float8_recipe]
@@ -832,7 +873,10 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     work = rank_work(plan, rank, tp_.kernels)  # what the memory model folds too
     n_blocks, n_full = work.n_blocks, work.n_full
     # GEMMs of one block (forward; backward the same shapes transposed, twice).
-    gemm_block, dgrad_block, wgrad_block = block_gemm_seconds(plan, work.gemms, cluster, peak, flat)
+    share = tp_.stack.float8_gemm_share(plan.float8_recipe)
+    gemm_block, dgrad_block, wgrad_block = block_gemm_seconds(
+        plan, work.gemms, cluster, peak, flat, share
+    )
     # Attention core (QK^T, AV): a flash kernel skips the masked half under causal masking and
     # its backward recomputes QK^T (2.5x the forward's FLOPs, as FlashAttention-2 counts it); a
     # materialised softmax computes all of s x s as batched GEMMs (backward 2x).
@@ -857,7 +901,7 @@ def _compute_rank_times(plan: Plan, rank: int, cluster: Cluster, tp_: TimeParams
     op_sac = plan.recompute == "selective_op"
     if op_sac:  # the matmuls whose outputs were not saved run again (every other one)
         redo = [g for i, g in enumerate(work.gemms) if not op_sac_saves_matmul(i)]
-        mat_b += n_blocks * block_gemm_seconds(plan, redo, cluster, peak, flat)[0]
+        mat_b += n_blocks * block_gemm_seconds(plan, redo, cluster, peak, flat, share)[0]
     elif plan.recompute == "selective":
         mat_b += n_blocks * attn_f
     wgrad = n_blocks * wgrad_block  # one of the two backward GEMMs per linear
@@ -1251,7 +1295,7 @@ def estimate_step_time(
     """Seconds per optimizer step of `plan` on `cluster` (validated first unless `validate` is
     False). `ranks` limits the stages computed, the others taken as the first one's (the
     search's first and last; ignored when simulating)."""
-    check_matmul_precision(plan.precision, cluster)
+    check_matmul_precision(plan.precision, cluster, plan.float8_recipe)
     if validate:
         plan.validate()
         if plan.tp > cluster.gpus_per_node:

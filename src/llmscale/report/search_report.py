@@ -89,6 +89,9 @@ class PlanReport(NamedTuple):
         if plan.precision not in LLMSCALE.precisions:  # nvfp4: llmscale's nearest is fp8
             head += f" (which trains no {plan.precision}: fp8)"
             plan = replace(plan, precision="fp8")
+        elif plan.fp8_matmuls and plan.float8_recipe not in LLMSCALE.float8_recipes:
+            head += f" (which trains no {plan.float8_recipe}: tensorwise)"  # mxfp8
+            plan = replace(plan, float8_recipe="tensorwise")
         lines, line = [], f"{head}: llmscale train"
         for part in plan.overrides():
             if len(line) + len(part) + 3 > width:

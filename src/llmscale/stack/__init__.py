@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from llmscale.config import OFFLOAD_MODES, RUNTIME_PRECISIONS, Offload
+from llmscale.config import OFFLOAD_MODES, RUNTIME_FLOAT8_RECIPES, RUNTIME_PRECISIONS, Offload
 from llmscale.errors import ConfigError
 from llmscale.hardware.spec import Sourced
 from llmscale.stack.kernels import MEGATRON_2021 as MEGATRON_2021_KERNELS
@@ -43,6 +43,7 @@ __all__ = [
     "recompute_problem",
     "schedule_problem",
     "param_residency",
+    "float8_recipe_help",
     "float8_recipe_problem",
     "precision_problem",
     "stacks_help",
@@ -241,9 +242,19 @@ class Stack:
     # which only Megatron-Core runs among these.
     precisions: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
     # Float8 recipes it runs under fp8 (config.Float8Recipe): torchao's three where it trains
-    # with torchao's float8 linears; per-tensor scaling only where TransformerEngine's current
-    # scaling is its fp8 (its other recipes, MXFP8 and 128 x 128 blocks, are not torchao's).
-    float8_recipes: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    # with torchao's float8 linears; TransformerEngine's current scaling ("tensorwise") and MXFP8
+    # block scaling ("mxfp8") where TransformerEngine's are its fp8 (its 128 x 128 blocks are
+    # not modelled).
+    float8_recipes: tuple[str, ...] = RUNTIME_FLOAT8_RECIPES
+    # The share of the per-tensor-scaled FP8 GEMM's rate (the GPU's `fp8_gemm_efficiency`) that
+    # its GEMMs of a block-scaled float8 recipe reach, by recipe (plan/time.py
+    # `block_gemm_seconds`): fitted on its published runs; a recipe not named runs at the FP8
+    # GEMM's rate (torchao's rowwise GEMM has its own, measured share: `ROWWISE_GEMM_SHARE`).
+    float8_gemm_shares: tuple[tuple[str, Sourced], ...] = ()
+
+    def float8_gemm_share(self, recipe: str) -> float:
+        """The share of the FP8 GEMM's rate this stack's GEMMs of float8 `recipe` reach."""
+        return next((share.value for r, share in self.float8_gemm_shares if r == recipe), 1.0)
 
     def kernels_for(self, compiled: bool) -> Kernels:
         """The kernels this stack runs with torch.compile on (`compiled`) or off."""
@@ -375,10 +386,12 @@ def precision_problem(stack: Stack, precision: str) -> str | None:
 
 
 def float8_recipe_problem(stack: Stack, recipe: str) -> str | None:
-    """Why `stack` cannot run torchao's float8 `recipe` (None when it can)."""
+    """Why `stack` cannot run float8 `recipe` (None when it can)."""
     if recipe in stack.float8_recipes:
         return None
-    return f"{' | '.join(stack.float8_recipes)} under --stack {stack.name}"
+    runs = [s.name for s in STACKS.values() if recipe in s.float8_recipes]
+    where = f" ({recipe}: --stack {' | '.join(runs)})" if runs else ""
+    return f"{' | '.join(stack.float8_recipes)} under --stack {stack.name}{where}"
 
 
 def layout_problem(
@@ -477,6 +490,20 @@ MEGATRON_2021 = Stack(
     ),
 )
 
+# What TransformerEngine's MXFP8 GEMMs (cuBLAS's block-scaled FP8 GEMM, an E8M0 scale per 32
+# elements of each operand) reach of its per-tensor-scaled FP8 GEMM's rate under Megatron-Core:
+# one share for the Blackwell parts, fitted on the FP8-MX figures that Megatron-Bridge's 25.11
+# summary prints beside the FP8-CS ones of the same 8-GPU Llama 3 8B job (its casts are
+# priced apart: plan/time.py `MXFP8_CAST_BYTES`).
+MEGATRON_CORE_MXFP8 = Sourced(
+    0.83,
+    "fitted on rows mbridge-2511-gb200-llama3-8b-mxfp8 and mbridge-2511-gb300-llama3-8b-mxfp8 "
+    "(Megatron-Bridge performance summary, 25.11, Llama 3 8B on 8 GPUs, FP8-MX 29,789 and 36,108 "
+    "tokens/s/GPU beside FP8-CS 31,508 and 37,556; the calibration rows of "
+    "validation/data/runs.toml): the share that puts both within 1%; it carries whatever MXFP8 "
+    "costs beyond its quantisation passes (the block-scaled GEMM itself, its scales' layout)",
+)
+
 MEGATRON_CORE = Stack(
     name="megatron-core",
     summary="Megatron-Core / NeMo 2 as run today: flash attention, no dropout, bf16, "
@@ -526,7 +553,10 @@ MEGATRON_CORE = Stack(
     # --fp4-format e2m1 with fp4_recipe "nvfp4": TransformerEngine's NVFP4BlockScaling
     # (megatron/core/transformer/transformer_config.py `fp4`, `fp4_recipe`).
     precisions=("fp32", "bf16", "fp16", "fp8", "nvfp4"),
-    float8_recipes=("tensorwise",),  # TransformerEngine's current scaling (fp8_cs)
+    # TransformerEngine's current scaling (fp8_cs) and MXFP8 block scaling (fp8_mx:
+    # Megatron-Bridge scripts/performance/utils/precision.py, MXFP8BlockScaling on Blackwell).
+    float8_recipes=("tensorwise", "mxfp8"),
+    float8_gemm_shares=(("mxfp8", MEGATRON_CORE_MXFP8),),
     # What Megatron-Core's kernels reach on the two NVL72 parts, whose datasheets give the same
     # dense peaks (GB200 and GB300 NVL72 pages: 360 PF BF16 and 720 PF FP8 with sparsity per 72
     # GPUs) while the published 8-GPU Llama 3 8B job, identical on both, runs 1.19x faster on
@@ -648,6 +678,18 @@ def offload_help() -> str:
     """`--offload`'s help: the modes, and which stacks run each (`Stack.offloads`)."""
     runs = "; ".join(f"{s.name}: {' | '.join(s.offloads)}" for s in STACKS.values())
     return f"optimizer offload: {' | '.join(OFFLOAD_MODES)} (by stack, {runs})"
+
+
+def float8_recipe_help() -> str:
+    """`--float8-recipe`'s help: the recipes, what each is, and which stacks run each
+    (`Stack.float8_recipes`)."""
+    runs = "; ".join(f"{s.name}: {' | '.join(s.float8_recipes)}" for s in STACKS.values())
+    return (
+        "with --precision fp8, the float8 recipe (default tensorwise, one scale per tensor; "
+        "torchao's rowwise scales each row, rowwise_with_gw_hp also keeps the weight gradient in "
+        "bf16; mxfp8 is TransformerEngine's MXFP8 block scaling, on a GPU with an FP4 peak). By "
+        f"stack: {runs}"
+    )
 
 
 # What each training precision is, for `--precision`'s help (which stacks run each is read from

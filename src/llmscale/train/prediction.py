@@ -262,9 +262,11 @@ def dry_run_lines(
             raise ValueError("dry_run_lines: another stack needs a catalog gpu")
         return _other_stack_lines(cfg, gpu, get_stack(stack))
     cfg.validate()
-    refused = layout_problem(LLMSCALE, recompute=None, schedule=None, pp=1, tied=False,
-                             precision=cfg.precision.mode)  # fmt: skip
-    if refused:  # nvfp4: no machine runs it in llmscale, so no dry run of it either
+    refused = layout_problem(
+        LLMSCALE, recompute=None, schedule=None, pp=1, tied=False,
+        precision=cfg.precision.mode, float8_recipe=cfg.precision.float8_recipe,
+    )  # fmt: skip
+    if refused:  # nvfp4, mxfp8: no machine runs them in llmscale, so no dry run of them either
         raise ConfigError(*refused)
     if gpu is not None:
         hardware = catalog_hardware(gpu)
