@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from llmscale.errors import ConfigError
+from llmscale.stack import ALLOCATOR_OVERHEAD
 from llmscale.validation.runs import RUNS, all_results, load_runs, run_plan, summarise
 
 RESULTS = all_results()
@@ -94,11 +95,12 @@ def test_a_run_with_expandable_segments_reserves_what_it_allocates() -> None:
 
     row = {r["id"]: r for r in load_runs()}["mbridge-2511-gb200-llama31-405b-fp8"]
     plan, stack, _ = run_plan(row)
-    assert stack.allocator_overhead == 0.0
+    assert stack.allocator_overhead.value == 0.0
     ran = estimate_memory(plan, memory_options(stack), validate=False)
-    fixed = estimate_memory(plan, memory_options(stack.on(allocator_overhead=0.05)), validate=False)
+    fixed = estimate_memory(plan, memory_options(stack.on(allocator_overhead=ALLOCATOR_OVERHEAD)),
+                            validate=False)  # fmt: skip
     assert ran.worst.allocator == 0.0 and ran.fits(get_gpu("gb200"))
-    assert fixed.worst.allocator == pytest.approx(0.05 * ran.worst.total)
+    assert fixed.worst.allocator == pytest.approx(ALLOCATOR_OVERHEAD.value * ran.worst.total)
 
 
 def test_a_row_is_driven_as_the_cli_drives_it() -> None:

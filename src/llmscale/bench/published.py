@@ -77,9 +77,10 @@ def calibration_lines() -> list[str]:
         over = stack.step_overhead_ms
         out.append(f"| any GPU under --stack {stack.name} | step_overhead_ms | {over.value:g} | "
                    f"{over.source} |")  # fmt: skip
-    res = TORCHTITAN_RESERVED
-    out.append(f"| any GPU under --stack torchtitan (fitted) | allocator_overhead | {res.value:g} | "
-               f"{res.source} |")  # fmt: skip
+        alloc = stack.allocator_overhead
+        fitted = " (fitted)" if alloc.source.startswith("fitted") else ""
+        out.append(f"| any GPU under --stack {stack.name}{fitted} | allocator_overhead | "
+                   f"{alloc.value:g} | {alloc.source} |")  # fmt: skip
     return out
 
 

@@ -154,7 +154,7 @@ class MemoryOptions:
     measured device's kernels). Build one with `memory_options(stack)`."""
 
     kernels: act.Kernels = act.RUNTIME
-    allocator_overhead: float = LLMSCALE.allocator_overhead
+    allocator_overhead: float = LLMSCALE.allocator_overhead.value
     device_reserve_GiB: float = LLMSCALE.device_reserve_GiB
     prefetch_blocks: int = LLMSCALE.prefetch_blocks
     stack: Stack = LLMSCALE
@@ -167,7 +167,7 @@ def memory_options(
     `compiled`: under torch.compile, which some stacks extend to the loss)."""
     return MemoryOptions(
         kernels=stack.kernels_for(compiled) if kernels is None else kernels,
-        allocator_overhead=stack.allocator_overhead,
+        allocator_overhead=stack.allocator_overhead.value,
         device_reserve_GiB=stack.device_reserve_GiB,
         prefetch_blocks=stack.prefetch_blocks,
         stack=stack,

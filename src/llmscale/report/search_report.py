@@ -42,7 +42,7 @@ NARROW_LEGEND = (
 def memory_legend(result: SearchResult, wide: bool) -> str:
     """The legend under `report.search_table(result, wide)`, in its unit."""
     unit, _ = report.memory_unit(result)
-    over = f"{100 * result.stack.allocator_overhead:g}%"
+    over = f"{100 * result.stack.allocator_overhead.value:g}%"
     return (MEMORY_LEGEND if wide else NARROW_LEGEND).format(unit=unit, over=over)
 
 

@@ -77,7 +77,20 @@ ASYNC_DISPATCH = Sourced(
 # per stream that grows and shrinks, so blocks of different sizes no longer strand the rest of
 # fixed-size segments (PyTorch "CUDA semantics", optimizing memory usage); what it reserves
 # beyond what is allocated is page rounding (2 MiB pages), taken as none.
-EXPANDABLE_SEGMENTS_OVERHEAD = 0.0
+EXPANDABLE_SEGMENTS_OVERHEAD = Sourced(
+    0.0,
+    "PyTorch 'CUDA semantics', optimizing memory usage: with expandable segments the caching "
+    "allocator maps pages into one growing segment per stream; page rounding (2 MiB) taken as "
+    "none",
+)
+
+# What a caching allocator without expandable segments holds beyond what is allocated.
+ALLOCATOR_OVERHEAD = Sourced(
+    0.05,
+    "assumption: the caching allocator's fixed-size segments strand part of what they reserve "
+    "when blocks of different sizes come and go (no published Megatron-Core run gives its "
+    "reserved memory)",
+)
 
 
 # The calibration rates of every kernel on a part's SMs (its GEMMs, FP8 and FP4 GEMMs and flash
@@ -203,7 +216,7 @@ class Stack:
     fp8_params: bool = False
     # The caching allocator's share over what is allocated (fragmentation of its fixed-size
     # segments; a run with expandable segments: `EXPANDABLE_SEGMENTS_OVERHEAD`).
-    allocator_overhead: float = 0.05
+    allocator_overhead: Sourced = ALLOCATOR_OVERHEAD
     device_reserve_GiB: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
     prefetch_blocks: int = 2  # FSDP units unsharded at once under reshard-after-forward
     # FSDP2 wraps the model whenever dp_shard x cp > 1, sharding over the flattened dp_shard_cp
@@ -639,7 +652,7 @@ TORCHTITAN = Stack(
     # torch's context_parallel: ALL_GATHER is `_cp_options.rotate_method`'s default (and the
     # default of the 2024 torchtitan's experimental.context_parallel_rotate_method).
     cp_rotate="allgather",
-    allocator_overhead=TORCHTITAN_RESERVED.value,
+    allocator_overhead=TORCHTITAN_RESERVED,
     # training.enable_cpu_offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and
     # optimizer states on the host, the step there: torchtitan distributed/fsdp.py apply_fsdp),
     # which the llmscale runtime runs as "optimizer+params" under data parallelism.
