@@ -16,7 +16,11 @@ through `time_params(stack)`). Per micro-batch and pipeline rank (one GPU of the
   gradient in backward, and the transposed float8 copies the backward GEMMs take; compiled,
   the linears reading one tensor cast it once); attention,
   the output projection and everything else in bf16, and MFU against the bf16 peak. A GPU
-  without an FP8 peak refuses the plan (`check_matmul_precision`).
+  without an FP8 peak refuses the plan (`check_matmul_precision`). The other float8 recipes
+  (`FLOAT8_RECIPES`) add their own: torchao's rowwise ones a slower forward GEMM and rescaled
+  backward outputs; TransformerEngine's MXFP8 one quantisation pass per operand into both
+  copies and its GEMMs at the stack's share of the FP8 rate (`Stack.float8_gemm_shares`), on
+  block-scaled tensor cores only.
 - nvfp4 (TransformerEngine's NVFP4 recipe, as Megatron-Core runs it): the blocks' linears'
   forward, data-gradient and weight-gradient GEMMs at the GPU's FP4 dense peak and its
   `fp4_gemm_efficiency`, plus the recipe's quantisations, memory-bound (`nvfp4_cast_bytes`:
@@ -409,12 +413,12 @@ FP8_PARAM_TRANSPOSE_BYTES = 1 + 1
 
 @dataclass(frozen=True)
 class Float8RecipeCost:
-    """What one of torchao's float8 recipes (`precision.float8_recipe`) costs beyond the
-    per-tensor-scaled FP8 GEMM (`fp8_gemm_efficiency`): HBM bytes per element of its casts of a
-    linear's input (x), weight (w) and output gradient (go), in forward and in backward; the
-    share of that GEMM's rate its forward GEMM reaches; which backward GEMMs rescale their
-    output afterwards (read and write it, 2 + 2 B per element), and whether the weight
-    gradient's GEMM runs in bf16."""
+    """What one float8 recipe (`precision.float8_recipe`: torchao's three, TransformerEngine's
+    MXFP8) costs beyond the per-tensor-scaled FP8 GEMM (`fp8_gemm_efficiency`): HBM bytes per
+    element of its casts of a linear's input (x), weight (w) and output gradient (go), in
+    forward and in backward; the share of that GEMM's rate its forward GEMM reaches; which
+    backward GEMMs rescale their output afterwards (read and write it, 2 + 2 B per element),
+    and whether the weight gradient's GEMM runs in bf16."""
 
     fwd_x: float
     fwd_w: float
