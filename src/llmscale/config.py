@@ -32,7 +32,8 @@ from llmscale.paths import folder_problem
 
 # Every choice a job can make, once. Validation, `--help`, the planner and the docs read these.
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "nvfp4"]
-# torchao's float8 training recipes (`Float8LinearConfig.from_recipe_name`), under fp8.
+# Float8 recipes under fp8: torchao's (`Float8LinearConfig.from_recipe_name`), which this runtime
+# trains with, and TransformerEngine's MXFP8 block scaling ("mxfp8"), which it plans only.
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]
 Recompute = Literal["none", "full", "selective", "selective_op", "every_k"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
