@@ -100,7 +100,9 @@ def markdown(rows: list[Published]) -> str:
         "A100's large-GEMM efficiency on Narayanan et al. Table 1 row 10; the H100 96GB's, and",
         "the share torchtitan's caching allocator reserves over the allocated peak, on",
         "torchtitan's 8-GPU row (those two rows are therefore not predictions; every other row",
-        "is). The rows and their sources: `src/llmscale/validation/data/published.toml`.",
+        "is). The rows and their sources: `src/llmscale/validation/data/published.toml`. The",
+        "values fitted on today's stacks' runs (the section after this table) are fitted on its",
+        "`calibration` rows only; every fitted value is listed with its row under Calibration.",
         "",
         f"{len(rows)} rows; ratio range {min(ratios):.3f} .. {max(ratios):.3f}; "
         f"{len(rows) - len(misses)} within 10%.",
