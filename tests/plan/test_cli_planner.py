@@ -204,3 +204,25 @@ def test_plan_infer_roofline_and_dry_run_take_a_model_file_or_folder(tmp_path) -
     r = _run("plan", "--model", str(bad), "--gpus", "8")
     assert r.returncode == 2 and "vocab_size" in r.stderr and len(r.stderr.splitlines()) == 1
     assert "FILE.toml" in _run("plan", "--help").stdout
+
+
+def test_the_headline_names_the_values_fitted_on_published_runs() -> None:
+    """A plan priced with values fitted on published runs says which (`stack.fitted_note`): the
+    stack's factor on that GPU and its block-scaled recipe's GEMM share; a plan priced with the
+    catalog's rates alone says nothing of the kind."""
+    from llmscale.stack import LLMSCALE, MEGATRON_CORE, MEGATRON_CORE_MXFP8, fitted_note
+
+    note = fitted_note(MEGATRON_CORE, "gb200", "fp8", "mxfp8")
+    fit = next(f for f in MEGATRON_CORE.fitted if f.gpu == "gb200")
+    assert note is not None and f"SM rates x{fit.scale.value:g}" in note
+    assert f"mxfp8 GEMMs x{MEGATRON_CORE_MXFP8.value:g}" in note
+    assert "mxfp8" not in (fitted_note(MEGATRON_CORE, "gb200", "fp8", "tensorwise") or "")
+    assert fitted_note(MEGATRON_CORE, "h100", "fp8", "tensorwise") is None
+    assert fitted_note(LLMSCALE, "gb200", "bf16", "tensorwise") is None
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch",
+            "128", "--top", "1"]  # fmt: skip
+    r = _run(*base, "--gpu", "gb200", "--stack", "megatron-core", "--precision", "fp8",
+             "--float8-recipe", "mxfp8")  # fmt: skip
+    assert r.returncode == 0 and "fitted to published runs: megatron-core on gb200" in r.stdout
+    r = _run(*base, "--gpu", "h100")
+    assert r.returncode == 0 and "fitted to published runs" not in r.stdout

@@ -25,7 +25,7 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 from llmscale.plan.time import time_params
 from llmscale.report import report
-from llmscale.stack import LLMSCALE, get_stack, layout_problem
+from llmscale.stack import LLMSCALE, fitted_note, get_stack, layout_problem
 
 # How to read the table's memory columns; {unit}: the table's (report.memory_unit), {over}: the
 # stack's allocator overhead (`Stack.allocator_overhead`).
@@ -68,6 +68,9 @@ class PlanReport(NamedTuple):
         ]
         if fixed:
             lines += textwrap.wrap("fixed: " + fixed, 100, subsequent_indent="       ")
+        fitted = fitted_note(res.stack, res.cluster.gpu.name, i["precision"], f8)
+        if fitted:
+            lines += textwrap.wrap(fitted, 100, subsequent_indent="       ", break_on_hyphens=False)
         return "\n".join(lines)
 
     def unfit_lines(self) -> list[str]:

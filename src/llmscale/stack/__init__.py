@@ -43,6 +43,7 @@ __all__ = [
     "recompute_problem",
     "schedule_problem",
     "param_residency",
+    "fitted_note",
     "float8_recipe_help",
     "float8_recipe_problem",
     "precision_problem",
@@ -691,6 +692,27 @@ def offload_help() -> str:
     """`--offload`'s help: the modes, and which stacks run each (`Stack.offloads`)."""
     runs = "; ".join(f"{s.name}: {' | '.join(s.offloads)}" for s in STACKS.values())
     return f"optimizer offload: {' | '.join(OFFLOAD_MODES)} (by stack, {runs})"
+
+
+def fitted_note(stack: Stack, gpu: str, precision: str, float8_recipe: str) -> str | None:
+    """One line naming the values fitted on published runs that price a plan of `stack` on GPU
+    `gpu` (`Stack.fitted`, `Stack.float8_gemm_shares`), None when none does."""
+    parts = []
+    for fit in stack.fitted:
+        if fit.gpu == gpu:
+            what = (
+                "SM rates" if fit.fields in (SM_RATES, HOPPER_SM_RATES) else ", ".join(fit.fields)
+            )
+            parts.append(f"{what} x{fit.scale.value:g}")
+    if precision == "fp8" and float8_recipe in dict(stack.float8_gemm_shares):
+        parts.append(f"{float8_recipe} GEMMs x{stack.float8_gemm_share(float8_recipe):g}")
+    if not parts:
+        return None
+    return (
+        f"fitted to published runs: {stack.name} on {gpu}, "
+        + "; ".join(parts)
+        + (" (docs/planner-validation.md)")
+    )
 
 
 def float8_recipe_help() -> str:
