@@ -226,3 +226,7 @@ def test_the_headline_names_the_values_fitted_on_published_runs() -> None:
     assert r.returncode == 0 and "fitted to published runs: megatron-core on gb200" in r.stdout
     r = _run(*base, "--gpu", "h100")
     assert r.returncode == 0 and "fitted to published runs" not in r.stdout
+    job = ["train", "--dry-run", "--gpu", "gb200", "--stack", "megatron-core", "--model.name",
+           "llama3-8b", "--parallel.dp_shard", "8", "--train.global_batch_size", "64"]  # fmt: skip
+    r = _run(*job)
+    assert r.returncode == 0 and "fitted to published runs: megatron-core on gb200" in r.stdout

@@ -56,6 +56,7 @@ from llmscale.report.report import byte_unit
 from llmscale.stack import (
     LLMSCALE,
     Stack,
+    fitted_note,
     get_stack,
     layout_problem,
 )
@@ -342,6 +343,7 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
     step = estimate_step_time(plan, cluster, time_params(stack, compiled=cfg.train.compile),
                               validate=False)  # fmt: skip
     g = cluster.gpu
+    fitted = fitted_note(stack, g.name, plan.precision, plan.float8_recipe)
     return [
         f"dry run under --stack {stack.name} ({stack.summary}): {cfg.job.name}, model "
         f"{plan.model.name}, {plan.world_size} rank(s): pp {plan.pp} x dp_replicate "
@@ -349,6 +351,7 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
         *memory_table(memory, plan.world_size // plan.pp),
         fit_line(memory, g),
         step_line(step),
+        *([fitted] if fitted else []),
     ]
 
 
