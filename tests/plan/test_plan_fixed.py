@@ -109,6 +109,10 @@ def test_partial_fixing_searches_the_rest() -> None:
          "precision.float8_recipe: got 'rowwise'; allowed: tensorwise | mxfp8 under --stack megatron-core"),
         (["--precision", "nvfp4", "--stack", "megatron-core"],
          "precision: got 'nvfp4'; allowed: fp32 | bf16 | fp16 | fp8 on h200 (no FP4"),
+        (["--precision", "mxfp8"],
+         "(mxfp8 is a float8 recipe: --precision fp8 --float8-recipe mxfp8)"),
+        (["--precision", "fp8", "--float8-recipe", "mxfp8", "--stack", "megatron-core"],
+         "float8_recipe: got 'mxfp8'; allowed: a recipe without block scales on h200"),
     ],
 )  # fmt: skip
 def test_bad_fixed_values_exit_2_with_one_line(args: list[str], needle: str) -> None:

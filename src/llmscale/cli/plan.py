@@ -162,6 +162,11 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from llmscale.report.search_report import FIXABLE, fixed_space, plan_report
     from llmscale.ui import console
 
+    if args.precision in FLOAT8_RECIPES and args.precision != "tensorwise":  # mxfp8, rowwise
+        raise ConfigError(
+            "precision", args.precision, f"{' | '.join(PRECISIONS)} ({args.precision} is a float8 "
+            f"recipe: --precision fp8 --float8-recipe {args.precision})",
+        )  # fmt: skip
     one_of("precision", args.precision, PRECISIONS)
     one_of("float8_recipe", args.float8_recipe, FLOAT8_RECIPES)
     needs = float8_recipe_needs_fp8(args.precision, args.float8_recipe, "--precision")

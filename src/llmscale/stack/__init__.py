@@ -730,8 +730,8 @@ def float8_recipe_help() -> str:
 # What each training precision is, for `--precision`'s help (which stacks run each is read from
 # `Stack.precisions`).
 PRECISION_MEANINGS = {
-    "fp8": "FP8 linears (torchao's float8, or TransformerEngine's current scaling under "
-    "megatron-core)",
+    "fp8": "FP8 linears (torchao's float8, or TransformerEngine's under megatron-core; "
+    "--float8-recipe picks the scaling, mxfp8 among them)",
     "nvfp4": "TransformerEngine's NVFP4 recipe, on a GPU with an FP4 peak (llmscale hw)",
 }
 
