@@ -1802,6 +1802,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "gb200-fsdp-memory", par.gb200_fsdp_memory),
     Block("docs/parallel.md", "init-rate", par.init_rate),
     Block("docs/planner.md", "stack-fits", par.stack_fits),
+    Block("docs/planner.md", "fitted-note", par.fitted_note_example),
     Block("docs/planner.md", "nvlink-achieved", par.nvlink_achieved),
     Block("docs/planner.md", "run-counts", par.run_counts),
     Block("docs/planner.md", "time-defaults", par.time_defaults),

@@ -353,6 +353,16 @@ def stack_fits(ctx: Context) -> str:
     )
 
 
+def fitted_note_example(ctx: Context) -> str:
+    """planner.md: the line a plan priced with fitted values prints (megatron-core, MXFP8 on
+    GB200), from `stack.fitted_note`."""
+    from llmscale.stack import MEGATRON_CORE, fitted_note
+
+    note = fitted_note(MEGATRON_CORE, "gb200", "fp8", "mxfp8")
+    assert note is not None
+    return f"`{note.split(' (docs/')[0]}`"
+
+
 def nvlink_achieved(ctx: Context) -> str:
     """planner.md: what NCCL's topology model reaches on NVLink 4 (`achieved_GBps`) against the
     datasheet, per link and per GPU, from the link catalog."""
