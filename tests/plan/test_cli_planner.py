@@ -224,8 +224,15 @@ def test_the_headline_names_the_values_fitted_on_published_runs() -> None:
     r = _run(*base, "--gpu", "gb200", "--stack", "megatron-core", "--precision", "fp8",
              "--float8-recipe", "mxfp8")  # fmt: skip
     assert r.returncode == 0 and "fitted to published runs: megatron-core on gb200" in r.stdout
+    r = _run(*base, "--gpu", "gb200", "--stack", "megatron-core", "--precision", "fp8",
+             "--float8-recipe", "mxfp8", "--json")  # fmt: skip
+    fitted = {f["scales"]: f for f in json.loads(r.stdout)["fitted"]}
+    assert fitted["SM rates"]["value"] == fit.scale.value
+    assert fitted["mxfp8 GEMMs"]["source"] == MEGATRON_CORE_MXFP8.source
     r = _run(*base, "--gpu", "h100")
     assert r.returncode == 0 and "fitted to published runs" not in r.stdout
+    r = _run(*base, "--gpu", "h100", "--json")
+    assert json.loads(r.stdout)["fitted"] == []
     job = ["train", "--dry-run", "--gpu", "gb200", "--stack", "megatron-core", "--model.name",
            "llama3-8b", "--parallel.dp_shard", "8", "--train.global_batch_size", "64"]  # fmt: skip
     r = _run(*job)

@@ -14,7 +14,7 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.predict import plan_collectives
 from llmscale.plan.roofline import Roofline
 from llmscale.plan.search import Candidate, SearchResult
-from llmscale.stack import LLMSCALE, Stack
+from llmscale.stack import LLMSCALE, Stack, fitted_values
 
 # The memory parts every table and picture shows: RankMemory's own breakdown, in its order.
 MEMORY_PARTS = tuple(
@@ -281,10 +281,14 @@ def _collectives(c: Candidate, stack: str) -> dict[str, Any]:
 
 
 def search_json(result: SearchResult, inputs: dict[str, Any]) -> dict[str, Any]:
+    fitted = fitted_values(result.stack, result.cluster.gpu.name, inputs.get("precision", ""),
+                           inputs.get("float8_recipe", "tensorwise"))  # fmt: skip
     return {
         "inputs": inputs,
         "search": {"evaluated": result.evaluated, "feasible": result.feasible,
                    "seconds": result.seconds},
+        "fitted": [{"scales": what, "value": num.value, "source": num.source}
+                   for what, num in fitted],
         "candidates": [
             {**candidate_json(c), **_collectives(c, inputs.get("stack", "llmscale"))}
             for c in result.shown

@@ -44,6 +44,7 @@ __all__ = [
     "schedule_problem",
     "param_residency",
     "fitted_note",
+    "fitted_values",
     "float8_recipe_help",
     "float8_recipe_problem",
     "precision_problem",
@@ -694,18 +695,29 @@ def offload_help() -> str:
     return f"optimizer offload: {' | '.join(OFFLOAD_MODES)} (by stack, {runs})"
 
 
-def fitted_note(stack: Stack, gpu: str, precision: str, float8_recipe: str) -> str | None:
-    """One line naming the values fitted on published runs that price a plan of `stack` on GPU
-    `gpu` (`Stack.fitted`, `Stack.float8_gemm_shares`), None when none does."""
-    parts = []
+def fitted_values(
+    stack: Stack, gpu: str, precision: str, float8_recipe: str
+) -> list[tuple[str, Sourced]]:
+    """The values fitted on published runs that price a plan of `stack` on GPU `gpu`, each as
+    (what it scales, the value with its source): the stack's factors on that GPU
+    (`Stack.fitted`) and, under fp8, its recipe's GEMM share (`Stack.float8_gemm_shares`)."""
+    out = []
     for fit in stack.fitted:
         if fit.gpu == gpu:
             what = (
                 "SM rates" if fit.fields in (SM_RATES, HOPPER_SM_RATES) else ", ".join(fit.fields)
             )
-            parts.append(f"{what} x{fit.scale.value:g}")
-    if precision == "fp8" and float8_recipe in dict(stack.float8_gemm_shares):
-        parts.append(f"{float8_recipe} GEMMs x{stack.float8_gemm_share(float8_recipe):g}")
+            out.append((what, fit.scale))
+    shares = dict(stack.float8_gemm_shares)
+    if precision == "fp8" and float8_recipe in shares:
+        out.append((f"{float8_recipe} GEMMs", shares[float8_recipe]))
+    return out
+
+
+def fitted_note(stack: Stack, gpu: str, precision: str, float8_recipe: str) -> str | None:
+    """One line naming `fitted_values`, None when there are none."""
+    parts = [f"{what} x{num.value:g}" for what, num in fitted_values(stack, gpu, precision,
+                                                                     float8_recipe)]  # fmt: skip
     if not parts:
         return None
     return (
