@@ -358,9 +358,9 @@ def fitted_note_example(ctx: Context) -> str:
     GB200), from `stack.fitted_note`."""
     from llmscale.stack import MEGATRON_CORE, fitted_note
 
-    note = fitted_note(MEGATRON_CORE, "gb200", "fp8", "mxfp8")
+    note = fitted_note(MEGATRON_CORE, "gb200", "fp8", "mxfp8", page=False)
     assert note is not None
-    return f"`{note.split(' (docs/')[0]}`"
+    return f"`{note}`"
 
 
 def nvlink_achieved(ctx: Context) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from llmscale.hardware.catalog import default_catalog
-from llmscale.stack import STACKS, TORCHTITAN_RESERVED
+from llmscale.stack import STACKS
 from llmscale.ui import console
 from llmscale.validation.published import Row as Published
 from llmscale.validation.published import all_rows
@@ -135,7 +135,7 @@ def markdown(rows: list[Published]) -> str:
         "  they peak (interleaving holds 1 + (p - 1)/(p v) times a stage's share).",
         "- torchtitan memory: the planner's memory model under `--stack torchtitan` (FSDP2",
         "  resharding after forward, op-level SAC as `selective_op`), its allocated peak x "
-        f"{1 + TORCHTITAN_RESERVED.value:.3f}",
+        f"{1 + STACKS['torchtitan'].allocator_overhead.value:.3f}",
         "  for the caching allocator (torchtitan logs reserved memory; the share fitted on the",
         "  8-GPU row, Calibration below).",
         "",

@@ -714,17 +714,21 @@ def fitted_values(
     return out
 
 
-def fitted_note(stack: Stack, gpu: str, precision: str, float8_recipe: str) -> str | None:
-    """One line naming `fitted_values`, None when there are none."""
+# Where a user reads the fitted values with their rows (`fitted_note`'s pointer).
+FITTED_VALUES_PAGE = "docs/planner-validation.md"
+
+
+def fitted_note(
+    stack: Stack, gpu: str, precision: str, float8_recipe: str, page: bool = True
+) -> str | None:
+    """One line naming `fitted_values` (and, with `page`, where they are listed), None when
+    there are none."""
     parts = [f"{what} x{num.value:g}" for what, num in fitted_values(stack, gpu, precision,
                                                                      float8_recipe)]  # fmt: skip
     if not parts:
         return None
-    return (
-        f"fitted to published runs: {stack.name} on {gpu}, "
-        + "; ".join(parts)
-        + (" (docs/planner-validation.md)")
-    )
+    where = f" ({FITTED_VALUES_PAGE})" if page else ""
+    return f"fitted to published runs: {stack.name} on {gpu}, " + "; ".join(parts) + where
 
 
 def float8_recipe_help() -> str:
