@@ -66,6 +66,13 @@ def test_rows_are_finite_and_the_orders_match(bench) -> None:
         assert row.predicted is not None and math.isfinite(row.predicted) and row.predicted > 0
     bubbles = [r for r in res.rows if r.quantity == "bubble (simulator)"]
     assert all(0 < r.measured < 100 and r.note.startswith("order = simulator") for r in bubbles)
+    # Each bubble is quoted with its spread over the timed steps (half their interquartile
+    # range), which `llmscale claims` weighs a verdict against.
+    for c in CONFIGS:
+        steps = [100 * st.bubble_fraction for st in analyse(opts, c).stats]
+        row = next(r for r in bubbles if r.config == c.label)
+        assert row.spread == pytest.approx((max(steps) - min(steps)) / 4)  # 2 steps: (q3-q1)/2
+        assert row.to_dict()["spread"] == row.spread
     closed = {r.config: r.predicted for r in res.rows if r.quantity == "bubble (closed form)"}
     assert closed["pp=2 1f1b m=4"] == pytest.approx(100 / 5)  # (p-1)/(m+p-1)
     assert closed["pp=2 interleaved v=2 m=2"] == pytest.approx(100 / 5)  # (p-1)/(vm+p-1)

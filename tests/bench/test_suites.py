@@ -150,6 +150,9 @@ def test_finetune_compares_the_modes_from_the_same_weights(opts) -> None:
     moved = {r.config: r for r in res.rows if r.quantity == "bytes moved per step"}
     assert moved["none"].measured == 0
     assert moved["optimizer"].measured == moved["optimizer"].predicted > 0
+    # The overlapped step times are medians of interleaved rounds, each quoted with its spread.
+    timed = [r for r in res.rows if r.suite == "finetune-time" and "median" in r.quantity]
+    assert timed and all(r.spread is not None and 0 <= r.spread < r.measured for r in timed)
     assert res.figures[0].read_bytes()[:4] == b"\x89PNG"
 
 

@@ -165,6 +165,90 @@ def test_rule_verdicts() -> None:
     assert "caveat: b: 2 is not within 50% of 1" in claims.Rule((ok,), (bad,)).why()
 
 
+def test_a_figure_within_its_spread_of_the_bar_is_a_caveat_either_side() -> None:
+    """A measurement that another run could put on the other side of the bar neither holds
+    nor fails: it is a caveat, whichever side this run fell on."""
+    over = claims.Check("m", 1.02, 1.0, "at most", fmt="x{:.2f}", spread=0.05)
+    under = claims.Check("m", 0.98, 1.0, "at most", fmt="x{:.2f}", spread=0.05)
+    clear = claims.Check("m", 1.2, 1.0, "at most", fmt="x{:.2f}", spread=0.05)
+    assert over.passes() is False and over.in_noise()
+    assert under.passes() is True and under.in_noise()
+    assert not clear.in_noise()
+    assert claims.Rule((over,)).verdict() == "holds with a caveat"
+    assert claims.Rule((under,)).verdict() == "holds with a caveat"
+    assert claims.Rule((clear,)).verdict() == "does not hold here"
+    assert claims.Rule((claims.Check("m", 1.02, 1.0, "at most"),)).verdict() == (
+        "does not hold here"
+    )  # no spread recorded: as before
+    assert "x1.02 is not at most x1.00, within its run-to-run spread (+/- 0.05)" in over.text()
+    # "within": either end of the tolerance is a bar.
+    edge = claims.Check("w", 1.29, 1.0, tolerance=0.3, spread=0.02)
+    assert edge.bars() == pytest.approx((0.7, 1.3)) and edge.in_noise()
+    assert claims.Check("w", 1.0, 1.0, tolerance=0.3, spread=0.02).in_noise() is False
+
+
+def _with_bubbles(ratio: float, spread: float) -> dict:
+    """results.json with the pp 4 interleaved bubble at `ratio` x 1F1B's, both quoted with a
+    relative spread of `spread` / 2 (so the ratio's is about `spread`)."""
+    d = json.loads(RESULTS.read_text())
+    bubble = {r["config"]: r for r in d["pipeline"]["rows"] if "simulator" in r["quantity"]}
+    f1b, intl = bubble["pp=4 1f1b m=8"], bubble["pp=4 interleaved v=2 m=8"]
+    intl["measured"] = ratio * f1b["measured"]
+    for r in (f1b, intl):
+        r["spread"] = r["measured"] * spread / 2
+    return d
+
+
+@pytest.mark.parametrize(
+    "ratio, spread, verdict",
+    [
+        (1.02, 0.05, "holds with a caveat"),  # over the bar, within the spread: a caveat
+        (0.98, 0.05, "holds with a caveat"),  # under the bar, within the spread: the same
+        (1.02, 0.01, "does not hold here"),  # over it by more than the spread
+        (0.70, 0.05, "holds"),  # clear of both bars (1.0, and 0.8 for "significantly")
+    ],
+)
+def test_interleaved_verdict_weighs_the_measured_spread(
+    tmp_path: Path, ratio: float, spread: float, verdict: str
+) -> None:
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_with_bubbles(ratio, spread)))
+    row = next(r for r in claims.check_claims(path) if "interleaved pipeline" in r.claim)
+    assert row.verdict == verdict, row.why
+    assert ("run-to-run spread" in row.why) == (verdict == "holds with a caveat")
+
+
+def test_offload_overlap_verdict_weighs_the_step_times_spread(tmp_path: Path) -> None:
+    """The hidden share is a difference of two medians: their spreads add, over the transfer
+    time; near the 80% bar that makes the verdict a caveat instead of a coin toss."""
+    d = json.loads(RESULTS.read_text())
+    moved = next(
+        r for r in d["finetune"]["rows"]
+        if r["config"] == "lsp" and r["quantity"] == "bytes moved per step"
+    )  # fmt: skip
+    transfer = moved["measured"] / 0.1e9
+    rows = {
+        r["config"]: r for r in d["finetune"]["rows"]
+        if r.get("suite") == "finetune-time" and r["quantity"] == "step time (median)"
+    }  # fmt: skip
+    native = rows["lsp @ native"]
+    rows["lsp @ 0.1 GB/s"]["measured"] = native["measured"] + 0.21 * transfer  # 79% hidden
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(d))
+    by_spread = {}
+    for spread in (None, 0.01 * transfer):
+        for r in rows.values():
+            r["spread"] = spread
+        path.write_text(json.dumps(d))
+        row = next(r for r in claims.check_claims(path) if "LSP-Offload" in r.claim)
+        by_spread[spread] = row
+    assert by_spread[None].verdict == "does not hold here"
+    assert by_spread[0.01 * transfer].verdict == "holds with a caveat"
+    assert "79.0% is not at least 80.0%, within its run-to-run spread (+/- 2.0%)" in (
+        by_spread[0.01 * transfer].why
+    )
+
+
 def test_same_verdicts_from_any_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,7 +47,7 @@ import torch
 
 from llmscale.bench.memory import memory_options
 from llmscale.bench.offload import interleaved_blocks, simulate_link
-from llmscale.bench.report import Row, SuiteResult, print_suite
+from llmscale.bench.report import Row, SuiteResult, half_iqr, print_suite
 from llmscale.bench.runner import BenchOptions, png_path
 from llmscale.config import OFFLOAD_MODES, JobConfig
 from llmscale.plan.predict import expected_runtime_metrics
@@ -141,8 +141,11 @@ def _time_modes(
             if mode == "none" and g != links_gbps[0]:
                 continue  # (one row: no link)
             res.rows.append(
-                Row("finetune-time", f"{mode} @ {link}", "step time (median)", "s", med[key])
-            )
+                Row(
+                    "finetune-time", f"{mode} @ {link}", "step time (median)", "s", med[key],
+                    spread=half_iqr(wall[key]),
+                )
+            )  # fmt: skip
             res.rows.append(
                 Row("finetune-time", f"{mode} @ {link}", "CPU time per step", "s", cpu_med[key])
             )

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmscale.bench.report import Row, SuiteResult
+from llmscale.bench.report import Row, SuiteResult, half_iqr
 from llmscale.bench.runner import BenchOptions, png_path
 from llmscale.config import SPLIT_BACKWARD_SCHEDULES, pipeline_chunks, to_toml
 from llmscale.instrument.pipeline import FILE_NAME
@@ -117,6 +117,11 @@ class Measured:
         return statistics.median(s.bubble_fraction for s in self.stats)
 
     @property
+    def bubble_spread(self) -> float | None:
+        """Half the interquartile range of the steps' bubbles (`half_iqr`)."""
+        return half_iqr([s.bubble_fraction for s in self.stats])
+
+    @property
     def makespan(self) -> float:
         return statistics.median(s.makespan for s in self.stats)
 
@@ -139,12 +144,13 @@ def run(opts: BenchOptions, configs: tuple[PipeConfig, ...] = CONFIGS) -> SuiteR
         c = m.cfg
         order = "order = simulator" if m.order_ok else f"order differs: {m.order_diff}"
         order += f"; {100 * m.slack:.1f}% idle with inputs ready"
+        spread = None if m.bubble_spread is None else 100 * m.bubble_spread
         res.rows += [
             Row(SUITE, c.label, "bubble (simulator)", "%", 100 * m.bubble,
-                100 * m.sim.bubble_fraction, order),
+                100 * m.sim.bubble_fraction, order, spread),
             Row(SUITE, c.label, "bubble (closed form)", "%", 100 * m.bubble,
                 100 * bubble_fraction(c.schedule, c.pp, c.microbatches, c.chunks),
-                "equal stages, free p2p"),
+                "equal stages, free p2p", spread),
             Row(SUITE, c.label, "makespan", "s", m.makespan, m.sim.makespan,
                 f"median of {len(m.stats)} steps"),
             Row(SUITE, c.label, "activations in flight, stage 0", "B", m.peak_bytes,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ class Row:
     measured: float
     predicted: float | None = None
     note: str = ""
+    # How far `measured` moves from run to run: half the interquartile range of the samples
+    # it is the median of (`half_iqr`), in its unit; None where `measured` is not a median of samples.
+    spread: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -32,10 +37,24 @@ class Row:
             return None
         return self.predicted / self.measured
 
+    def measured_text(self) -> str:
+        """`measured` in its unit, with its spread where one was recorded ("38.3% +/- 0.4%")."""
+        text = fmt(self.measured, self.unit)
+        return text if self.spread is None else f"{text} +/- {fmt(self.spread, self.unit)}"
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ratio"] = self.ratio
         return d
+
+
+def half_iqr(samples: Sequence[float]) -> float | None:
+    """Half the interquartile range of `samples` (None for fewer than two): the spread a
+    median of them is quoted with, robust to the odd slow step a shared host adds."""
+    if len(samples) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / 2
 
 
 @dataclass
@@ -85,7 +104,7 @@ def print_suite(result: SuiteResult) -> None:
                 r.config,
                 r.quantity,
                 fmt(r.predicted, r.unit),
-                fmt(r.measured, r.unit),
+                r.measured_text(),
                 fmt_ratio(r.ratio),
                 r.note,
             )
@@ -114,7 +133,7 @@ def markdown(results: list[SuiteResult], header: str = "", base: Path | None = N
                 "|---|---|---:|---:|---:|---|",
             ]
             lines += [
-                f"| {r.config} | {r.quantity} | {fmt(r.predicted, r.unit)} | {fmt(r.measured, r.unit)} | {fmt_ratio(r.ratio)} | {r.note} |"
+                f"| {r.config} | {r.quantity} | {fmt(r.predicted, r.unit)} | {r.measured_text()} | {fmt_ratio(r.ratio)} | {r.note} |"
                 for r in res.rows
             ]
             lines.append("")

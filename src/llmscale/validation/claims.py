@@ -16,7 +16,8 @@ verdict follows from them alone:
 - `restates its source`: the figure is the catalog's copy of the very source that states the
   claim (nothing independent to check it against); its arithmetic still has to agree;
 - `holds with a caveat`: the claim's checks pass but a condition check fails or is unmeasured
-  (the why says which, with its figure);
+  (the why says which, with its figure), or a measured figure lies within its run-to-run
+  spread of the bar, so that another run could land on either side (`Check.in_noise`);
 - `holds`: every check passes.
 
 A row's `why` is its checks written out (figure, comparison, published value, outcome) followed
@@ -63,7 +64,9 @@ class Check:
     """One figure llmscale computes, compared with the value the claim publishes (or implies).
 
     `within`: |figure / published - 1| <= tolerance; `at least` / `at most`: figure >= / <=
-    published. A figure of None was not measured (results.json lacks it)."""
+    published. A figure of None was not measured (results.json lacks it). `spread`: how far a
+    measured figure moves from run to run (half the interquartile range of the samples behind
+    it, bench/report.py `half_iqr`, carried through the arithmetic), in the figure's unit."""
 
     name: str
     figure: float | None
@@ -71,6 +74,23 @@ class Check:
     compare: Compare = "within"
     tolerance: float = 0.0
     fmt: str = "{:.3g}"
+    spread: float | None = None
+
+    def bars(self) -> tuple[float, ...]:
+        """Where the outcome flips: the published value, or both ends of the tolerance."""
+        if self.compare != "within":
+            return (self.published,)
+        if self.published == 0:
+            return (-self.tolerance, self.tolerance)
+        return (self.published * (1 - self.tolerance), self.published * (1 + self.tolerance))
+
+    def in_noise(self) -> bool:
+        """Whether a bar lies within the figure's run-to-run spread: the outcome is then one
+        run's draw, not the mechanism's."""
+        f, s = self.figure, self.spread
+        if f is None or s is None or math.isnan(f) or self.fmt == YES_NO:
+            return False
+        return any(abs(f - bar) <= s for bar in self.bars())
 
     def passes(self) -> bool | None:
         f = self.figure
@@ -95,7 +115,11 @@ class Check:
             how = f"within {self.tolerance:.0%} of" if self.tolerance else "equal to"
         else:
             how = self.compare
-        return f"{self.name}: {fig} {'is' if ok else 'is not'} {how} {pub}"
+        out = f"{self.name}: {fig} {'is' if ok else 'is not'} {how} {pub}"
+        if self.in_noise():
+            spread = self.fmt.format(self.spread).lstrip("x")
+            out += f", within its run-to-run spread (+/- {spread}) of the bar"
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -104,7 +128,9 @@ class Check:
             "published": self.published,
             "compare": self.compare,
             "tolerance": self.tolerance,
+            "spread": self.spread,
             "passes": self.passes(),
+            "in_noise": self.in_noise(),
         }
 
 
@@ -119,14 +145,18 @@ class Rule:
     restates: bool = False
 
     def verdict(self) -> str:
+        """A claim check failing outside its spread fails the claim; one within its spread of
+        the bar, passing or not, is a caveat (another run could flip it)."""
         got = [c.passes() for c in self.claim]
-        if any(ok is False for ok in got):
+        if any(ok is False and not c.in_noise() for ok, c in zip(got, self.claim, strict=True)):
             return FAILS
         if all(ok is None for ok in got):
             return NOT_MEASURED_VERDICT
         if self.restates:
             return RESTATES
-        if any(ok is None for ok in got) or any(c.passes() is not True for c in self.conditions):
+        if any(ok is None for ok in got) or any(c.in_noise() for c in self.claim):
+            return CAVEAT
+        if any(c.passes() is not True for c in self.conditions):
             return CAVEAT
         return HOLDS
 
@@ -267,6 +297,21 @@ def _last_change(root: Path, paths: list[str]) -> tuple[datetime.datetime, str] 
     if len(out) != 2:
         return None
     return datetime.datetime.fromisoformat(out[0]), out[1]
+
+
+def _spread(row: dict[str, Any]) -> float | None:
+    """A results.json row's run-to-run spread (bench/report.py `Row.spread`), if recorded."""
+    x = row.get("spread")
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _summed_spread(rows: tuple[dict[str, Any], ...], scale: float) -> float | None:
+    """The spread of a sum or difference of rows' figures, divided by `scale`: their spreads
+    added (a bound, not a quadrature: the runs share one host's load); None if one lacks it."""
+    spreads = [_spread(r) for r in rows]
+    if any(x is None for x in spreads):
+        return None
+    return sum(x for x in spreads if x is not None) / scale
 
 
 def _pct(x: float) -> str:
@@ -828,12 +873,15 @@ def zero_offload(cat: Catalog, res: Results) -> list[Claim]:
     t_rows = res.suite_rows("finetune-time", "step time (median)")
     moved = res.rows("finetune", "bytes moved per step").get("lsp")
     hidden: float | None = None
+    hidden_spread: float | None = None
     # A CPU host has no separate device: "GPU compute" and the copies share its cores.
     on_cpu = any("on cpu" in n for n in (res.suite("finetune") or {}).get("notes", []))
     if moved and "lsp @ native" in t_rows and "lsp @ 0.1 GB/s" in t_rows:
+        slow, native = t_rows["lsp @ 0.1 GB/s"], t_rows["lsp @ native"]
         transfer = moved["measured"] / 0.1e9
-        slower = t_rows["lsp @ 0.1 GB/s"]["measured"] - t_rows["lsp @ native"]["measured"]
+        slower = slow["measured"] - native["measured"]
         hidden = 1 - max(slower, 0.0) / transfer
+        hidden_spread = _summed_spread((slow, native), transfer)
         fig = (
             f"lsp at a simulated 0.1 GB/s: {moved['measured'] / 1e6:.2f} MB a step = "
             f"{1e3 * transfer:.0f} ms of transfers, step {1e3 * slower:+.0f} ms vs native: "
@@ -848,7 +896,16 @@ def zero_offload(cat: Catalog, res: Results) -> list[Claim]:
         "llmscale bench --what finetune (make results); llmscale plot --timeline",
         fig,
         Rule(
-            (Check("share of the transfer time hidden", hidden, 0.8, "at least", fmt="{:.1%}"),),
+            (
+                Check(
+                    "share of the transfer time hidden",
+                    hidden,
+                    0.8,
+                    "at least",
+                    fmt="{:.1%}",
+                    spread=hidden_spread,
+                ),
+            ),
             (
                 Check(
                     "measured on an accelerator rather than a CPU host",
@@ -873,8 +930,12 @@ def interleaved(cat: Catalog, res: Results) -> Claim:
     rows = res.rows("pipeline", "bubble (simulator)")
     meas_1f1b, meas_intl = rows.get("pp=4 1f1b m=8"), rows.get("pp=4 interleaved v=2 m=8")
     measured: float | None = None
+    spread: float | None = None
     if meas_1f1b and meas_intl:
         measured = meas_intl["measured"] / meas_1f1b["measured"]
+        s_intl, s_1f1b = _spread(meas_intl), _spread(meas_1f1b)
+        if s_intl is not None and s_1f1b is not None:  # relative spreads add under a ratio
+            spread = measured * (s_intl / meas_intl["measured"] + s_1f1b / meas_1f1b["measured"])
         meas = (
             f"; measured on 2 CPU cores: 1F1B {meas_1f1b['measured']:.1f}%, interleaved "
             f"{meas_intl['measured']:.1f}% ({res.when('pipeline')})"
@@ -892,7 +953,14 @@ def interleaved(cat: Catalog, res: Results) -> Claim:
         Rule(
             (
                 Check("simulated bubble, interleaved / 1F1B", intl / f1b, 0.8, "at most", fmt=x),
-                Check("measured bubble, interleaved / 1F1B", measured, 1.0, "at most", fmt=x),
+                Check(
+                    "measured bubble, interleaved / 1F1B",
+                    measured,
+                    1.0,
+                    "at most",
+                    fmt=x,
+                    spread=spread,
+                ),
             ),
             (
                 Check(
@@ -901,6 +969,7 @@ def interleaved(cat: Catalog, res: Results) -> Claim:
                     0.8,
                     "at most",
                     fmt=x,
+                    spread=spread,
                 ),
             ),
         ),  # fmt: skip
@@ -1013,9 +1082,11 @@ def to_markdown(rows: list[Claim], results: Path | str = "docs/results/results.j
         "[docs/inference.md](inference.md)), or read from "
         f"`{results}` (what `make results` measured, with when). Each verdict follows from "
         "the row's checks, written out in its why: `holds` when all pass, `holds with a caveat` "
-        "when a condition fails or is unmeasured, `does not hold here` when a check of the claim "
-        "fails, `not measured` when its figures are all unmeasured, `restates its source` when "
-        "the figure is the catalog's copy of the claim's own source.",
+        "when a condition fails or is unmeasured or a measured figure lies within its "
+        "run-to-run spread of the bar (where results.json records one), `does not hold here` "
+        "when a check of the claim fails beyond that spread, `not measured` when its figures "
+        "are all unmeasured, `restates its source` when the figure is the catalog's copy of the "
+        "claim's own source.",
         "",
         f"{len(rows)} claims: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + ".",
         "",
