@@ -159,7 +159,7 @@ def n_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> in
     return global_batch_size // (micro_batch_size * dp)
 
 
-def offload_problem(offload: str, cp: int, pp: int, tied: bool) -> str | None:
+def offload_layout_problem(offload: str, cp: int, pp: int, tied: bool) -> str | None:
     """What optimizer.offload must be instead for this layout (None when it can run): the
     runtime's one rule, read by `train`, `train --dry-run` and the planner's search."""
     if offload in ("none", "lsp"):  # lsp: its own layout rule (_validate_lsp_layout)
@@ -690,7 +690,7 @@ class JobConfig:
                 self.data.seq_len,
                 f"a multiple of 2 x parallel.cp = {2 * p.cp} (load-balanced ring attention)",
             )
-        why = offload_problem(self.optimizer.offload, p.cp, p.pp, m.tie_embeddings)
+        why = offload_layout_problem(self.optimizer.offload, p.cp, p.pp, m.tie_embeddings)
         if why is not None:
             raise ConfigError("optimizer.offload", self.optimizer.offload, why)
         if t.compile and p.cp > 1:

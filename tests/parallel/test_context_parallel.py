@@ -157,8 +157,8 @@ def test_positions_hook_places_tokens_at_their_absolute_positions(pos_emb) -> No
 
 @pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
 def test_cp_with_optimizer_offload_is_refused_in_one_line(offload) -> None:
-    # Refused when the config is read (config.offload_problem), so `train --dry-run` and the
-    # planner's search refuse it too (PL26).
+    # Refused when the config is read (config.offload_layout_problem), so `train --dry-run`
+    # and the planner's search refuse it too (PL26).
     with pytest.raises(ConfigError) as e:
         load_config(None, [*BASE, *CP2, "--optimizer.offload", offload])
     assert e.value.field == "optimizer.offload"

@@ -114,7 +114,8 @@ NO_OTHER_VALID = {
     ("one_rank", "sequence_parallel"),
     ("zbv_split_backward", "pp"),  # a V holds exactly 2 chunks: other pp fail its microbatch rule
     ("zbv_split_backward", "pp_schedule"),
-    ("interleaved_sp_offload", "cp"),  # optimizer offload with cp > 1: config.offload_problem
+    # optimizer offload with cp > 1: config.offload_layout_problem
+    ("interleaved_sp_offload", "cp"),
     # activation offload: pp 1 only (Megatron-Core's rule)
     ("pp2_fsdp_tp", "offload_activations"),
     ("interleaved_sp_offload", "offload_activations"),

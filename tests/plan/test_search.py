@@ -172,14 +172,15 @@ def test_405b_over_pp_16_x_8_chunks_puts_the_embedding_and_the_head_alone() -> N
 
 def test_the_search_refuses_what_the_runtime_refuses() -> None:
     """cp > 1 with optimizer offload: `train`, `train --dry-run` and the search read one rule
-    (config.offload_problem); the search says why it dropped those plans."""
-    from llmscale.config import offload_problem
+    (config.offload_layout_problem); the search says why it dropped those plans."""
+    from llmscale.config import offload_layout_problem
 
     space = SearchSpace(cp=2, offload=("optimizer",))
     res = search(L70, 64, H200, 4096, 1024, top=3, space=space)
     assert not res.candidates
     assert any("offload with cp 2" in r for r in res.rejected)
-    assert offload_problem("optimizer", 2, 1, False) and not offload_problem("none", 2, 1, False)
+    assert offload_layout_problem("optimizer", 2, 1, False)
+    assert not offload_layout_problem("none", 2, 1, False)
 
 
 def test_a_tied_pipeline_is_searched_without_optimizer_offload() -> None:

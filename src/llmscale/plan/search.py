@@ -59,7 +59,7 @@ from llmscale.config import (
     Recompute,
     float8_recipe_needs_fp8,
     microbatch_rule,
-    offload_problem,
+    offload_layout_problem,
 )
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
@@ -383,7 +383,7 @@ def search(
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     levels = [RECOMPUTE_LEVEL[r] for r in recs]
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
-    problems = {o: offload_problem(o, space.cp, 1, False) for o in offloads}
+    problems = {o: offload_layout_problem(o, space.cp, 1, False) for o in offloads}
     for why in dict.fromkeys(p for p in problems.values() if p):
         rejected[f"offload with cp {space.cp}: {why}"] = None
     offloads = [o for o in offloads if not problems[o]]
@@ -431,7 +431,7 @@ def search(
         # The runtime's offload rule per layout (a tied model's last-stage copy under pp).
         pp_offloads = []
         for o in offloads:
-            if refusal := offload_problem(o, space.cp, pp, model.tie_embeddings):
+            if refusal := offload_layout_problem(o, space.cp, pp, model.tie_embeddings):
                 rejected[f"offload {o} with pp {pp}: {refusal}"] = None
             else:
                 pp_offloads.append(o)
