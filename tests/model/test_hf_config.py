@@ -68,6 +68,24 @@ def test_gpt2_config_parses_to_the_gpt2_preset() -> None:
     assert from_hf_config(hf).num_params() == get_preset("gpt2-124m").published_params
 
 
+def test_mistral_without_a_window_is_a_llama_shape_and_with_one_is_refused() -> None:
+    """Mistral-7B-v0.3's config.json as published: transformers' MistralModel is LlamaModel
+    with a sliding window, here none (null), so the shape is a Llama one, exactly."""
+    mistral = {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32768,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False,
+    }  # fmt: skip
+    cfg = from_hf_config(mistral)
+    assert cfg == from_hf_config({**mistral, "model_type": "llama"})
+    assert cfg.num_params() == 7_248_023_552  # Mistral-7B-v0.3's safetensors hold 7.25B
+    with pytest.raises(ConfigError) as e:  # Mistral-7B-v0.1: a 4,096-token window
+        from_hf_config({**mistral, "sliding_window": 4096}, "--model", "DIR")
+    assert "sliding_window null (got 4096)" in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

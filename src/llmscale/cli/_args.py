@@ -81,8 +81,8 @@ MODEL_HELP = (
     "the model: a preset NAME (llmscale models), a FILE.toml holding a [model] table (with "
     "`name`: that preset, its other keys overriding its shape; without: a custom shape, "
     "vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim and max_seq_len required, the "
-    "rest defaulted), or a Hugging Face DIR holding config.json (Llama or GPT-2 style; "
-    "rope_scaling / rope_parameters read)"
+    "rest defaulted), or a Hugging Face DIR holding config.json (model_type llama, gpt2, or "
+    "mistral without a sliding window; rope_scaling / rope_parameters read)"
 )
 
 

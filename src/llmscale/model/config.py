@@ -690,7 +690,9 @@ def hf_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 def from_hf_config(
     hf: dict[str, Any], field: str = "model", source: str = "config.json"
 ) -> ModelConfig:
-    """The llmscale shape of a Hugging Face config.json (Llama, or GPT-2 for the planner).
+    """The llmscale shape of a Hugging Face config.json: Llama; for the planner also GPT-2, and
+    Mistral without a sliding window (then a Llama block exactly: transformers' MistralModel
+    differs from LlamaModel only in the window).
 
     Reads RoPE from `rope_parameters` (transformers 5, `rope_theta` inside it) or from the older
     `rope_scaling` plus a top-level `rope_theta`: rope_type default, linear or llama3. Anything
@@ -737,8 +739,16 @@ def from_hf_config(
             tie_embeddings=True,
             **_FAMILIES["gpt"],
         )
-    if model_type != "llama":
-        raise bad("a Llama folder (config.json model_type 'llama')")
+    if model_type == "mistral" and hf.get("sliding_window") is not None:
+        raise bad(
+            f"config.json sliding_window null (got {hf['sliding_window']!r}): llmscale's "
+            "attention is full causal"
+        )
+    if model_type not in ("llama", "mistral"):
+        raise bad(
+            "a Llama folder (config.json model_type 'llama'; for planning also 'gpt2', or "
+            "'mistral' without a sliding window)"
+        )
     need("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     need("num_attention_heads")
     dim = number("hidden_size", hf["hidden_size"], int)
