@@ -181,6 +181,11 @@ def test_a_figure_within_its_spread_of_the_bar_is_a_caveat_either_side() -> None
         "does not hold here"
     )  # no spread recorded: as before
     assert "x1.02 is not at most x1.00, within its run-to-run spread (+/- 0.05)" in over.text()
+    # A condition within its spread of its bar is a caveat too, passing or not.
+    assert claims.Rule((claims.Check("ok", 1.0, 1.0),), (under,)).verdict() == (
+        "holds with a caveat"
+    )
+    assert claims.Rule((claims.Check("ok", 1.0, 1.0),), (under,)).why().startswith("caveat: m")
     # "within": either end of the tolerance is a bar.
     edge = claims.Check("w", 1.29, 1.0, tolerance=0.3, spread=0.02)
     assert edge.bars() == pytest.approx((0.7, 1.3)) and edge.in_noise()

@@ -145,8 +145,9 @@ class Rule:
     restates: bool = False
 
     def verdict(self) -> str:
-        """A claim check failing outside its spread fails the claim; one within its spread of
-        the bar, passing or not, is a caveat (another run could flip it)."""
+        """A claim check failing outside its spread fails the claim; a check (of the claim or a
+        condition) within its spread of the bar, passing or not, is a caveat (another run could
+        flip it)."""
         got = [c.passes() for c in self.claim]
         if any(ok is False and not c.in_noise() for ok, c in zip(got, self.claim, strict=True)):
             return FAILS
@@ -156,17 +157,17 @@ class Rule:
             return RESTATES
         if any(ok is None for ok in got) or any(c.in_noise() for c in self.claim):
             return CAVEAT
-        if any(c.passes() is not True for c in self.conditions):
+        if any(c.passes() is not True or c.in_noise() for c in self.conditions):
             return CAVEAT
         return HOLDS
 
     def why(self) -> str:
         """The checks written out: the caveats first when the verdict has one."""
-        failing = [c for c in self.conditions if c.passes() is not True]
+        failing = [c for c in self.conditions if c.passes() is not True or c.in_noise()]
         parts = [c.text() for c in self.claim]
         if failing:
             parts = [f"caveat: {c.text()}" for c in failing] + parts
-        parts += [c.text() for c in self.conditions if c.passes() is True]
+        parts += [c.text() for c in self.conditions if c not in failing]
         return "; ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
