@@ -87,6 +87,21 @@ def test_mistral_without_a_window_is_a_llama_shape_and_with_one_is_refused() -> 
 
 
 @pytest.mark.parametrize(
+    "experts",
+    [
+        {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+        {"model_type": "qwen3_moe", "num_experts": 128},
+        {"model_type": "deepseek_v3", "n_routed_experts": 256},
+    ],
+)
+def test_a_mixture_of_experts_is_refused_by_its_expert_count(experts: dict) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_hf_config({**LLAMA_32_1B, **experts}, "--model", "DIR")
+    key = next(k for k in experts if "expert" in k and "per_tok" not in k)
+    assert f"config.json {key} = {experts[key]}: a mixture of experts" in str(e.value)
+
+
+@pytest.mark.parametrize(
     ("change", "named"),
     [
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),

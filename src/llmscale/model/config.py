@@ -676,6 +676,11 @@ HF_ROPE_TYPE_KEYS: dict[RopeScaling, tuple[str, ...]] = {
 }
 
 
+# The config.json keys that make a Hugging Face model a mixture of experts (Mixtral's,
+# Qwen-MoE's and DeepSeek's expert counts): refused by name rather than as an unknown type.
+HF_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 def hf_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     """`cfg`'s RoPE as transformers' `rope_parameters` (rope_type "default" for unscaled)."""
     out: dict[str, Any] = {
@@ -738,6 +743,12 @@ def from_hf_config(
             init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
             tie_embeddings=True,
             **_FAMILIES["gpt"],
+        )
+    experts = next((k for k in HF_EXPERT_KEYS if hf.get(k)), None)
+    if experts is not None:
+        raise bad(
+            f"a dense model (config.json {experts} = {hf[experts]!r}: a mixture of experts, "
+            "which llmscale does not model)"
         )
     if model_type == "mistral" and hf.get("sliding_window") is not None:
         raise bad(
