@@ -145,6 +145,21 @@ def test_a_126_layer_model_interleaves_over_pp_16_without_pp_layers() -> None:
     assert res.candidates[0].time.seconds < one.time.seconds
 
 
+def test_a_pp_layers_split_of_several_stages_is_never_tried_on_one_stage() -> None:
+    """--pp-layers 40,40 --chunks 2 on 128 GPUs: pp 1 passed the divisibility check (1 divides
+    2) and reached the memory model, which raised; now pp 1 is rejected with its reason and
+    pp 2 (40 and 40 layers, one chunk) is what a free pp finds."""
+    from llmscale.report.search_report import fixed_space
+
+    model, cluster = get_preset("llama3-70b"), Cluster.of("a100-80g")
+    space, _ = fixed_space(128, {"pp_layers": "40,40", "chunks": 2})
+    res = search(model, 128, cluster, 4096, 1024, top=1, space=space)
+    assert res.candidates == () and "pp 1 runs one stage" in (res.why_none() or "")
+    space, _ = fixed_space(128, {"pp_layers": "40,40"})
+    res = search(model, 128, cluster, 4096, 1024, top=1, space=space)
+    assert res.candidates and res.candidates[0].plan.pp == 2, res.why_none()
+
+
 def test_405b_over_pp_16_x_8_chunks_puts_the_embedding_and_the_head_alone() -> None:
     """Megatron-Bridge's Llama 3.1 405B on 256 GB200 (26.02, MXFP8: tp 4, pp 16, vp 8) runs 128
     stages for 126 layers: its recipe counts the embedding and the loss as a layer each
