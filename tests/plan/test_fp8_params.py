@@ -25,6 +25,8 @@ from llmscale.validation.runs import load_runs, run_plan
 
 L70 = get_preset("llama3-70b")
 FP8_PARAMS = MEGATRON_CORE.on(fp8_params=True)
+# Megatron-Core keeps FP8 weights by default (Megatron-Bridge's FP8 recipes); without them:
+BF16_WEIGHTS = MEGATRON_CORE.on(fp8_params=False)
 
 
 def _plan(precision: str = "fp8", zero_stage: int = 3, **kw: object) -> Plan:
@@ -41,7 +43,7 @@ def _rp(plan: Plan) -> RankParams:
 def test_model_weight_bytes_keeps_the_linears_weights_in_fp8() -> None:
     plan = _plan()
     rp = _rp(plan)
-    bf16 = mem.model_weight_bytes(plan, rp, MEGATRON_CORE, rp.blocks)
+    bf16 = mem.model_weight_bytes(plan, rp, BF16_WEIGHTS, rp.blocks)
     fp8 = mem.model_weight_bytes(plan, rp, FP8_PARAMS, rp.blocks)
     assert bf16 == 2 * rp.numel
     # one byte less per block linear weight; norms, embedding and head stay bf16
@@ -50,7 +52,7 @@ def test_model_weight_bytes_keeps_the_linears_weights_in_fp8() -> None:
     # only under fp8: bf16 training keeps bf16 weights whatever the stack says
     b = _plan("bf16")
     assert mem.model_weight_bytes(b, _rp(b), FP8_PARAMS, 3) == mem.model_weight_bytes(
-        b, _rp(b), MEGATRON_CORE, 3
+        b, _rp(b), BF16_WEIGHTS, 3
     )
 
 
@@ -58,7 +60,7 @@ def test_model_weight_bytes_keeps_the_linears_weights_in_fp8() -> None:
 def test_megatron_fsdp_shards_its_model_weights_beside_the_main_ones(main_grad_bytes: int) -> None:
     # optim_grads_params: fp32 main shard + model-dtype shard; gradients sharded in the main
     # gradient dtype; two blocks and the root gathered (model dtype)
-    for stack in (MEGATRON_CORE, FP8_PARAMS):
+    for stack in (BF16_WEIGHTS, FP8_PARAMS):
         stack = stack.on(main_grad_bytes=main_grad_bytes)
         plan = _plan()
         rp = _rp(plan)
@@ -69,7 +71,7 @@ def test_megatron_fsdp_shards_its_model_weights_beside_the_main_ones(main_grad_b
         assert st.grads == pytest.approx(main_grad_bytes * shard)
         assert st.working_params == pytest.approx(mem.model_weight_bytes(plan, rp, stack, 2))
     # optim_grads (zero 2): gradients sharded in the main-gradient dtype, weights replicated
-    stack = MEGATRON_CORE.on(main_grad_bytes=main_grad_bytes)
+    stack = BF16_WEIGHTS.on(main_grad_bytes=main_grad_bytes)
     plan = _plan(zero_stage=2)
     rp = _rp(plan)
     st = mem.rank_states(plan, 0, mem.memory_options(stack))
@@ -86,7 +88,7 @@ def test_the_distributed_optimizer_keeps_fp8_weights() -> None:
     # ZeRO-1 (Megatron's distributed optimizer): the whole rank's model weights stay gathered
     plan = _plan(zero_stage=1)
     rp = _rp(plan)
-    a = mem.rank_states(plan, 0, mem.memory_options(MEGATRON_CORE))
+    a = mem.rank_states(plan, 0, mem.memory_options(BF16_WEIGHTS))
     b = mem.rank_states(plan, 0, mem.memory_options(FP8_PARAMS))
     assert a.working_params == 2 * rp.numel
     assert a.working_params - b.working_params == rp.blocks * rp.block.saved_cast_numel
@@ -107,14 +109,14 @@ def test_fp8_params_cast_no_weight_only_transpose_it() -> None:
 def test_fp8_params_make_a_step_faster_and_its_gathers_smaller() -> None:
     h100 = Cluster.of("h100")
     plan = _plan()
-    a = estimate_step_time(plan, h100, time_params(MEGATRON_CORE))
+    a = estimate_step_time(plan, h100, time_params(BF16_WEIGHTS))
     b = estimate_step_time(plan, h100, time_params(FP8_PARAMS))
     assert b.breakdown["fp8_casts"] < a.breakdown["fp8_casts"]
     assert b.breakdown["fsdp_comm"] < a.breakdown["fsdp_comm"]  # FP8 all-gathers
     assert b.seconds < a.seconds
     bf16 = replace(plan, precision="bf16")
     assert estimate_step_time(bf16, h100, time_params(FP8_PARAMS)).seconds == pytest.approx(
-        estimate_step_time(bf16, h100, time_params(MEGATRON_CORE)).seconds
+        estimate_step_time(bf16, h100, time_params(BF16_WEIGHTS)).seconds
     )
 
 
@@ -126,4 +128,5 @@ def test_every_megatron_bridge_fp8_row_runs_fp8_params() -> None:
             continue
         _, stack, _ = run_plan(row)
         bridge_fp8 = row["id"].startswith("mbridge-") and row["precision"] == "fp8"
-        assert stack.fp8_params == bridge_fp8, row["id"]
+        # (the stack's default is on; it acts under fp8 only)
+        assert (stack.fp8_params and row["precision"] == "fp8") == bridge_fp8, row["id"]

@@ -92,3 +92,34 @@ def add_model_arg(p: argparse.ArgumentParser, default: str | None, **kwargs: Any
     more = f" (default {default})" if default else ""
     p.add_argument("--model", default=default, metavar="NAME|FILE|DIR", help=MODEL_HELP + more,
                    **kwargs)  # fmt: skip
+
+
+def add_stack_option_args(p: argparse.ArgumentParser) -> None:
+    """The stack settings (`llmscale.stack.options`) as flags: --NAME, and --no-NAME where the
+    setting can be turned off; unset, the stack's own default. Each one's help names the stacks
+    that have it."""
+    from llmscale.stack.options import STACK_OPTIONS
+
+    group = p.add_argument_group(
+        "the stack's own settings (default: as the stack runs by default; refused under a "
+        "stack that has no such setting)"
+    )
+    for o in STACK_OPTIONS:
+        action: Any = argparse.BooleanOptionalAction if o.when_off is not None else "store_const"
+        extra: dict[str, Any] = {} if o.when_off is not None else {"const": True}
+        group.add_argument(
+            f"--{o.name}",
+            dest=f"stack_option_{o.dest}",
+            action=action,
+            default=None,
+            help=f"{o.what} ({', '.join(o.stacks)}): {o.help}",
+            **extra,
+        )
+
+
+def stack_options_given(args: argparse.Namespace) -> dict[str, bool]:
+    """The stack settings given on the command line, by name (unset ones left out)."""
+    from llmscale.stack.options import STACK_OPTIONS
+
+    given = {o.name: getattr(args, f"stack_option_{o.dest}", None) for o in STACK_OPTIONS}
+    return {k: bool(v) for k, v in given.items() if v is not None}

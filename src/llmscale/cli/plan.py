@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 from llmscale.cli._args import (
     Parser,
     add_model_arg,
+    add_stack_option_args,
     one_of,
+    stack_options_given,
 )
 from llmscale.cli.schedule import SCHEDULE_ALIASES
 from llmscale.config import (
@@ -97,6 +99,7 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         action="store_true",
         help="the blocks compiled with torch.compile (train.compile): fused element-wise kernels",
     )
+    add_stack_option_args(p)
     fix = p.add_argument_group("fix a dimension (default: searched)")
     for flag, name in (
         ("--tp", "tensor-parallel degree"),
@@ -186,6 +189,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         args.model, args.gpus, args.gpu, args.seq, args.global_batch, args.precision, args.top,
         node=args.node, nic=args.nic, space=space, fixed=fixed, stack=args.stack,
         compiled=args.compile, float8_recipe=args.float8_recipe,
+        stack_options=stack_options_given(args),
     )  # fmt: skip
     why = rep.result.why_none()
     if png and rep.result.shown:

@@ -9,7 +9,9 @@ from llmscale.cli._args import (
     EpilogAsWritten,
     Parser,
     add_model_arg,
+    add_stack_option_args,
     config_keys_help,
+    stack_options_given,
 )
 from llmscale.errors import ConfigError, UsageError
 from llmscale.stack import STACK_NAMES, stacks_help
@@ -65,6 +67,7 @@ def _add_train(sub: argparse._SubParsersAction[Parser]) -> None:
         help="with --dry-run and --gpu: predict the job as another training stack would run it "
         f"(default llmscale, this runtime; train itself runs llmscale). {stacks_help()}",
     )
+    add_stack_option_args(p)
     p.add_argument(
         "--nproc-per-node",
         type=int,
@@ -119,6 +122,16 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError(
             f"--stack {args.stack} only applies with --dry-run --gpu NAME (train runs llmscale)"
         )
+    stack_options = stack_options_given(args)
+    if stack_options:
+        from llmscale.stack.options import options_text, validate_options
+
+        if not args.dry_run or args.gpu is None:
+            raise UsageError(
+                f"{options_text(stack_options)} only applies with --dry-run --gpu NAME --stack "
+                "NAME (the stack's own settings; train runs llmscale)"
+            )
+        validate_options(args.stack, stack_options)
     if args.model_spec is not None and not args.dry_run:
         raise UsageError(
             "--model only applies with --dry-run (train takes --model.name or [model])"
@@ -157,7 +170,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = with_source_model(cfg)  # checkpoint.init_from: predict for the source's shape
         out = console()
         device = None if args.gpu else resolve_device(cfg.job.device)
-        for line in dry_run_lines(cfg, device, args.gpu, args.stack):
+        for line in dry_run_lines(cfg, device, args.gpu, args.stack, stack_options):
             out.print(line, markup=False)
         return 0
     run_training(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, searc
 from llmscale.plan.time import time_params
 from llmscale.report import report
 from llmscale.stack import LLMSCALE, fitted_note, get_stack, layout_problem
+from llmscale.stack.options import options_text, with_options
 
 # How to read the table's memory columns; {unit}: the table's (report.memory_unit), {over}: the
 # stack's allocator overhead (`Stack.allocator_overhead`).
@@ -68,6 +70,9 @@ class PlanReport(NamedTuple):
         ]
         if fixed:
             lines += textwrap.wrap("fixed: " + fixed, 100, subsequent_indent="       ")
+        settings = options_text(i.get("stack_options", {}))
+        if settings:
+            lines.append(f"{i['stack']} settings: {settings}")
         fitted = fitted_note(res.stack, res.cluster.gpu.name, i["precision"], f8)
         if fitted:
             lines += textwrap.wrap(fitted, 100, subsequent_indent="       ", break_on_hyphens=False)
@@ -119,12 +124,14 @@ def plan_report(
     stack: str = "llmscale",
     compiled: bool = False,
     float8_recipe: Float8Recipe = "tensorwise",
+    stack_options: Mapping[str, bool] | None = None,
 ) -> PlanReport:
     """Search the layouts of `model` (a shape, or a spec `config.load_model` reads: preset
     NAME, FILE.toml or a Hugging Face DIR) on `gpus` x `gpu` within `space`; keep the `top`
     fastest that fit (or the closest, flagged). `fixed` names the flags that narrowed `space`;
     `stack` the training stack whose kernels, gathers and overlaps are modelled; `compiled`
-    its blocks under torch.compile (fused element-wise kernels)."""
+    its blocks under torch.compile (fused element-wise kernels); `stack_options` the stack's
+    own settings given (`llmscale.stack.options`: name -> on or off)."""
     cfg = model if isinstance(model, ModelConfig) else load_model(model)
     pp_layers_check(cfg, fixed or {})
     if space.offload_activations >= cfg.n_layers:
@@ -132,7 +139,7 @@ def plan_report(
             "offload_activations", space.offload_activations, f"< the model's {cfg.n_layers} layers"
         )
     cluster = Cluster.of(gpu, node=node, nic=nic)
-    st = get_stack(stack)
+    st = with_options(get_stack(stack), stack_options or {})
     # A policy or schedule fixed by a flag that the stack lacks is refused; in a search it is
     # left out.
     refused = layout_problem(
@@ -164,7 +171,7 @@ def plan_report(
         "model": model if isinstance(model, str) else cfg.name, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
         "stack": stack, "compiled": compiled, "fixed": fixed or {},
-        "float8_recipe": float8_recipe,
+        "float8_recipe": float8_recipe, "stack_options": dict(stack_options or {}),
     }  # fmt: skip
     return PlanReport(res, inputs)
 

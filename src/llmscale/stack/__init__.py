@@ -553,6 +553,11 @@ MEGATRON_CORE = Stack(
     # under NVFP4, every Llama one (scripts/performance/configs/llama/llama3{,1}_llm_pretrain.py
     # at c0b9a0003: `tp_comm_overlap = False if precision == "nvfp4"`).
     tp_overlap_off_under=("nvfp4",),
+    # Megatron-Bridge's FP8 recipes set fp8_param_gather (src/megatron/bridge/training/
+    # mixed_precision.py: bf16_with_fp8_current_scaling_mixed, bf16_with_mxfp8_mixed, the
+    # delayed-scaling ones), so a plan under fp8 keeps FP8 weights unless told otherwise
+    # (`plan --no-fp8-param-gather`, llmscale.stack.options; NeMo 1's runs: fp8_params False).
+    fp8_params=True,
     # bf16 distributed Adam over the shard: grad norm (read 4), Adam (read p g m v 16, write p
     # m v 12), the bf16 parameter written back (2).
     optimizer_bytes_per_param=34.0,

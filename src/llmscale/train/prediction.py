@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from llmscale.stack import (
     get_stack,
     layout_problem,
 )
+from llmscale.stack.options import with_options
 from llmscale.train.calibration import cached_cluster
 from llmscale.train.memcheck import check_memory
 
@@ -252,16 +254,21 @@ BREAKDOWN = (
 
 
 def dry_run_lines(
-    cfg: JobConfig, device: torch.device | None, gpu: str | None = None, stack: str = "llmscale"
+    cfg: JobConfig,
+    device: torch.device | None,
+    gpu: str | None = None,
+    stack: str = "llmscale",
+    stack_options: Mapping[str, bool] | None = None,
 ) -> list[str]:
     """What `llmscale train --dry-run` prints: the layout, each pipeline rank's memory and the
     predicted step, for catalog `gpu` or, without one, this machine's `device`. No process
     group, no model: a layout of any world size is predicted as the config gives it. `stack`:
-    the job as another training stack would run it (on a catalog `gpu`)."""
-    if stack != "llmscale":
+    the job as another training stack would run it (on a catalog `gpu`), with its own settings
+    `stack_options` (`llmscale.stack.options`)."""
+    if stack != "llmscale" or stack_options:
         if gpu is None:
             raise ValueError("dry_run_lines: another stack needs a catalog gpu")
-        return _other_stack_lines(cfg, gpu, get_stack(stack))
+        return _other_stack_lines(cfg, gpu, with_options(get_stack(stack), stack_options or {}))
     cfg.validate()
     refused = layout_problem(
         LLMSCALE, recompute=None, schedule=None, pp=1, tied=False,

@@ -30,8 +30,9 @@ from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.time import estimate_step_time, time_params
-from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, PipelineOutputsKept, Stack
+from llmscale.stack import STACKS, PipelineOutputsKept, Stack
 from llmscale.stack.kernels import LOSS_KERNELS
+from llmscale.stack.options import OPTIONS_BY_NAME
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
 ROLES = ("calibration", "validation")
@@ -143,7 +144,7 @@ class RowFact(NamedTuple):
 ROW_FACTS: tuple[RowFact, ...] = (
     RowFact(  # torchtitan's micro-pipelined TP collectives
         lambda r: bool(r.get("async_tp")), lambda r: "async TP",
-        lambda s, r: s.on(tp_overlap_gemm=True, tp_overlap_chunks=True),
+        lambda s, r: OPTIONS_BY_NAME["async-tp"].apply(s, True),
     ),
     RowFact(  # torchtitan runs through 2025-06: K, V repeated before SDPA
         lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
@@ -153,13 +154,14 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
         lambda s, r: s.on(compiles_loss=False),
     ),
-    RowFact(  # Megatron-Bridge's FP8 recipes: FP8 parameters
-        lambda r: bool(r.get("fp8_param_gather")), lambda r: "FP8 parameters",
-        lambda s, r: s.on(fp8_params=True),
+    RowFact(  # Megatron-Bridge's FP8 recipes: FP8 parameters (NeMo 1's runs: none)
+        lambda r: "fp8_param_gather" in r,
+        lambda r: "FP8 parameters" if r["fp8_param_gather"] else "no FP8 parameters",
+        lambda s, r: OPTIONS_BY_NAME["fp8-param-gather"].apply(s, bool(r["fp8_param_gather"])),
     ),
     RowFact(  # Megatron's bf16 main gradients
         lambda r: r.get("grad_reduce_in_fp32") is False, lambda r: "bf16 gradient reduce",
-        lambda s, r: s.on(main_grad_bytes=2),
+        lambda s, r: OPTIONS_BY_NAME["grad-reduce-in-bf16"].apply(s, True),
     ),
     RowFact(  # torch's pipelining of the run's date
         lambda r: "pipeline_outputs_kept" in r,
@@ -172,7 +174,7 @@ ROW_FACTS: tuple[RowFact, ...] = (
     ),
     RowFact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         lambda r: bool(r.get("expandable_segments")), lambda r: "expandable segments",
-        lambda s, r: s.on(allocator_overhead=EXPANDABLE_SEGMENTS_OVERHEAD),
+        lambda s, r: OPTIONS_BY_NAME["expandable-segments"].apply(s, True),
     ),
 )  # fmt: skip
 

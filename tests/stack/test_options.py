@@ -1,0 +1,95 @@
+"""A stack's own settings (`llmscale.stack.options`): one definition for the command line and for
+the facts a published run states, so the command a user types for a run predicts what the
+validation page shows for it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmscale.cli import main
+from llmscale.errors import ConfigError
+from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, MEGATRON_CORE, STACKS, TORCHTITAN
+from llmscale.stack.options import OPTIONS_BY_NAME, STACK_OPTIONS, options_text, with_options
+from llmscale.validation.runs import evaluate, load_runs
+
+
+def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -> None:
+    assert MEGATRON_CORE.fp8_params  # Megatron-Bridge's FP8 recipes: on unless told
+    off = with_options(MEGATRON_CORE, {"fp8-param-gather": False, "grad-reduce-in-bf16": True})
+    assert (off.fp8_params, off.main_grad_bytes) == (False, 2)
+    tt = with_options(TORCHTITAN, {"async-tp": True, "expandable-segments": True})
+    assert tt.tp_overlap_gemm and tt.tp_overlap_chunks
+    assert tt.allocator_overhead == EXPANDABLE_SEGMENTS_OVERHEAD
+    assert with_options(TORCHTITAN, {}) == TORCHTITAN
+    for o in STACK_OPTIONS:
+        assert set(o.stacks) <= set(STACKS), o.name
+        for name in set(STACKS) - set(o.stacks):
+            with pytest.raises(ConfigError) as e:
+                o.apply(STACKS[name], True)
+            assert f"--{o.name}: got '--stack {name}'" in str(e.value)
+    with pytest.raises(ConfigError, match="--no-expandable-segments"):
+        OPTIONS_BY_NAME["expandable-segments"].apply(TORCHTITAN, False)
+    assert options_text({"async-tp": True, "fp8-param-gather": False}) == (
+        "--async-tp --no-fp8-param-gather"
+    )
+
+
+def _plan_argv(row: dict) -> list[str]:
+    """`llmscale plan` with a published row's layout fixed and its facts as the stack's flags."""
+    flags = {"fp8_param_gather": "fp8-param-gather", "expandable_segments": "expandable-segments",
+             "async_tp": "async-tp"}  # fmt: skip
+    argv = [
+        "plan", "--model", row["model"], "--gpu", row["gpu"], "--gpus", str(row["gpus"]),
+        "--seq", str(row["seq_len"]), "--global-batch", str(row["global_batch"]),
+        "--precision", row["precision"], "--stack", row["stack"],
+        "--tp", str(row["tp"]), "--pp", str(row["pp"]), "--cp", str(row["cp"]),
+        "--dp-shard", str(row["dp"]), "--dp-replicate", "1", "--zero-stage", "1",
+        "--mbs", str(row["micro_batch"]), "--recompute", row["recompute"],
+        "--schedule", row["schedule"], "--chunks", str(row["vp"]), "--sp", "--json", "--top", "1",
+    ]  # fmt: skip
+    for key, name in flags.items():
+        if key in row:
+            argv.append(f"--{'' if row[key] else 'no-'}{name}")
+    if row.get("grad_reduce_in_fp32") is False:
+        argv.append("--grad-reduce-in-bf16")
+    return argv
+
+
+@pytest.mark.parametrize(
+    "run_id", ["mbridge-2602-gb200-llama31-405b-fp8", "mbridge-2602-gb300-llama31-405b-fp8"]
+)
+def test_the_command_for_a_published_run_predicts_what_the_validation_page_shows(
+    run_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FP8 parameters, bf16 gradient reduction and expandable segments, typed as flags: the same
+    tokens/s and memory as the row; without the two flags that are off by default, GiB more."""
+    row = next(r for r in load_runs() if r["id"] == run_id)
+    want = evaluate(row)
+    argv = _plan_argv(row)
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert got["step_time"]["tokens_per_s"] / row["gpus"] == pytest.approx(want.predicted, 1e-9)
+    gib = got["memory_bytes"]["worst_stage"]["total"] / 2**30
+    assert gib == pytest.approx(want.memory_predicted, 1e-9) and got["fits"] == want.fits
+    bare = [a for a in argv if a not in ("--grad-reduce-in-bf16", "--expandable-segments")]
+    main(bare)
+    more = json.loads(capsys.readouterr().out)
+    worst = more["candidates"][0]["memory_bytes"]["worst_stage"]["total"] / 2**30
+    assert worst > gib + 5  # fp32 main gradients and the allocator's 5% share
+
+
+def test_plan_and_dry_run_name_and_refuse_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = capsys.readouterr().out
+    for o in STACK_OPTIONS:
+        assert f"--{o.name}" in text
+    assert "--no-fp8-param-gather" in text and "--no-expandable-segments" not in text
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--async-tp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmscale plan: error: --async-tp: got '--stack llmscale'")
+    assert len(err.splitlines()) == 1
+    assert main(["train", "--dry-run", "--model.name", "tiny", "--grad-reduce-in-bf16"]) == 2
+    assert "only applies with --dry-run --gpu NAME --stack NAME" in capsys.readouterr().err
