@@ -8,7 +8,14 @@ import pytest
 
 from llmscale.errors import ConfigError
 from llmscale.stack import ALLOCATOR_OVERHEAD
-from llmscale.validation.runs import RUNS, all_results, load_runs, run_plan, summarise
+from llmscale.validation.runs import (
+    RUNS,
+    all_results,
+    load_runs,
+    plan_command,
+    run_plan,
+    summarise,
+)
 
 RESULTS = all_results()
 # Published layouts the planner still predicts not to fit, each with why (docs/planner.md): the
@@ -117,6 +124,33 @@ def test_a_row_is_driven_as_the_cli_drives_it() -> None:
         "selective_op",
         True,
     )
+
+
+def test_each_rows_command_prints_its_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    """The validation page's command for a row, typed as it is, gives the row's tokens/s per
+    GPU, memory and fit (the CLI and the page read one definition of each setting)."""
+    import json
+    import shlex
+
+    from llmscale.cli import main
+
+    by_id = {r.id: r for r in RESULTS}
+    typed = 0
+    for row in load_runs():
+        cmd = plan_command(row)
+        if cmd is None:
+            continue
+        argv = shlex.split(cmd)[1:] + ["--json", "--top", "1"]
+        assert main(argv) == 0, cmd
+        got = json.loads(capsys.readouterr().out)["candidates"][0]
+        want, gpus = by_id[row["id"]], int(row["gpus"])
+        if "tokens_per_s_per_gpu" in row:
+            assert got["step_time"]["tokens_per_s"] / gpus == pytest.approx(want.predicted, 1e-9)
+        gib = got["memory_bytes"]["worst_stage"]["total"] / 2**30
+        assert gib == pytest.approx(want.memory_predicted, 1e-9), cmd
+        assert got["fits"] == want.fits, cmd
+        typed += 1
+    assert typed >= 25  # every Megatron-Bridge row
 
 
 def test_a_row_fact_with_an_unknown_value_is_refused() -> None:

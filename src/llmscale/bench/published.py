@@ -22,7 +22,7 @@ from llmscale.stack import STACKS
 from llmscale.ui import console
 from llmscale.validation.published import Row as Published
 from llmscale.validation.published import all_rows
-from llmscale.validation.runs import RunResult, all_results, summarise
+from llmscale.validation.runs import RunResult, all_results, load_runs, plan_command, summarise
 
 if TYPE_CHECKING:
     from llmscale.bench.report import SuiteResult
@@ -168,6 +168,8 @@ def runs_markdown(results: list[RunResult]) -> list[str]:
         "",
         "Published runs of Megatron-Core (Megatron-LM README, NeMo, Megatron-Bridge) and",
         "torchtitan, each driven as `llmscale plan --stack NAME` with the published layout fixed",
+        "and timed as it times a plan it shows (a pipeline re-timed by the schedule simulator",
+        "where its ops are few enough: `plan.search.simulated`)",
         "(`src/llmscale/validation/runs.py`; rows, sources and what each source leaves unsaid in",
         "`src/llmscale/validation/data/runs.toml` and `runs_sources.md`). Errors are over",
         "`validation` rows only (no value was fitted on them). Throughput as the source gives it.",
@@ -184,6 +186,19 @@ def runs_markdown(results: list[RunResult]) -> list[str]:
     ]
     for r in results:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in _run_cells(r)) + " |")
+    commands = [(r["id"], plan_command(r)) for r in load_runs()]
+    lines += [
+        "",
+        "### The command for each row",
+        "",
+        "Typed as it is, each prints the row's prediction above (`llmscale plan` with the layout",
+        "fixed, the stack and the settings the row's facts state: `llmscale.stack.options`;",
+        "tests/validation/test_runs.py runs every one). Rows whose model is a custom shape, or",
+        "that state a fact of older software no setting gives (K and V repeated, the loss run",
+        "eager, stage outputs kept, a loss kernel), are left out.",
+        "",
+    ]
+    lines += [f"- {rid}: `{cmd}`" for rid, cmd in commands if cmd is not None]
     return lines
 
 

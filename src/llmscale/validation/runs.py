@@ -29,6 +29,7 @@ from llmscale.model.config import ModelConfig, get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
+from llmscale.plan.search import simulated
 from llmscale.plan.time import estimate_step_time, time_params
 from llmscale.stack import STACKS, PipelineOutputsKept, Stack
 from llmscale.stack.kernels import LOSS_KERNELS
@@ -133,18 +134,20 @@ def _loss_kernel(stack: Stack, row: dict[str, Any]) -> Stack:
 
 class RowFact(NamedTuple):
     """A fact of a run's software at its date that a row may state (with its source in a
-    comment): whether the row states it, its label on the validation page, and what it changes
-    in the row's stack."""
+    comment): whether the row states it, its label on the validation page, what it changes in
+    the row's stack, and the `llmscale plan` flag that states it (a stack setting,
+    `llmscale.stack.options`; None for a fact of older software that no setting gives)."""
 
     stated: Callable[[dict[str, Any]], bool]
     label: Callable[[dict[str, Any]], str]
     apply: Callable[[Stack, dict[str, Any]], Stack]
+    flag: Callable[[dict[str, Any]], str] | None = None
 
 
 ROW_FACTS: tuple[RowFact, ...] = (
     RowFact(  # torchtitan's micro-pipelined TP collectives
         lambda r: bool(r.get("async_tp")), lambda r: "async TP",
-        lambda s, r: OPTIONS_BY_NAME["async-tp"].apply(s, True),
+        lambda s, r: OPTIONS_BY_NAME["async-tp"].apply(s, True), lambda r: "--async-tp",
     ),
     RowFact(  # torchtitan runs through 2025-06: K, V repeated before SDPA
         lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
@@ -158,10 +161,12 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: "fp8_param_gather" in r,
         lambda r: "FP8 parameters" if r["fp8_param_gather"] else "no FP8 parameters",
         lambda s, r: OPTIONS_BY_NAME["fp8-param-gather"].apply(s, bool(r["fp8_param_gather"])),
+        lambda r: "--fp8-param-gather" if r["fp8_param_gather"] else "--no-fp8-param-gather",
     ),
     RowFact(  # Megatron's bf16 main gradients
         lambda r: r.get("grad_reduce_in_fp32") is False, lambda r: "bf16 gradient reduce",
         lambda s, r: OPTIONS_BY_NAME["grad-reduce-in-bf16"].apply(s, True),
+        lambda r: "--grad-reduce-in-bf16",
     ),
     RowFact(  # torch's pipelining of the run's date
         lambda r: "pipeline_outputs_kept" in r,
@@ -175,6 +180,7 @@ ROW_FACTS: tuple[RowFact, ...] = (
     RowFact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         lambda r: bool(r.get("expandable_segments")), lambda r: "expandable segments",
         lambda s, r: OPTIONS_BY_NAME["expandable-segments"].apply(s, True),
+        lambda r: "--expandable-segments",
     ),
 )  # fmt: skip
 
@@ -229,6 +235,44 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
     return plan, stack, bool(row.get("compile"))
 
 
+def plan_command(row: dict[str, Any]) -> str | None:
+    """The `llmscale plan` command that predicts this row as the validation page does: its
+    layout fixed, its stack and the settings its facts state (`RowFact.flag`). None where the
+    row's model is a custom shape (no preset to name), or it states a fact of older software
+    that no setting gives (K and V repeated, the loss run eager, stage outputs kept, a loss
+    kernel)."""
+    facts = row_facts(row)
+    if row["stack"] not in STACKS or not isinstance(row["model"], str):
+        return None
+    if any(f.flag is None for f in facts):
+        return None
+    plan, stack, compiled = run_plan(row)
+    parts = [
+        f"llmscale plan --model {row['model']} --gpu {row['gpu']} --gpus {plan.world_size}",
+        f"--seq {plan.seq_len} --global-batch {plan.global_batch_size}",
+        f"--precision {plan.precision} --stack {stack.name}",
+    ]
+    if plan.float8_recipe != "tensorwise":
+        parts.append(f"--float8-recipe {plan.float8_recipe}")
+    if compiled:
+        parts.append("--compile")
+    parts.append(
+        f"--tp {plan.tp} --pp {plan.pp} --cp {plan.cp} --dp-shard {plan.dp_shard} "
+        f"--dp-replicate {plan.dp_replicate} --zero-stage {plan.zero_stage} "
+        f"--mbs {plan.micro_batch_size}"
+    )
+    if plan.recompute == "every_k":
+        parts.append(f"--every-k {plan.recompute_every_k}")
+    else:
+        parts.append(f"--recompute {plan.recompute}")
+    parts.append(f"--schedule {plan.pp_schedule} --chunks {plan.pp_chunks}")
+    parts.append("--sp" if plan.sequence_parallel else "--no-sp")
+    if plan.offload_activations:
+        parts.append(f"--offload-activations {plan.offload_activations}")
+    parts += [f.flag(row) for f in facts if f.flag is not None]
+    return " ".join(parts)
+
+
 def _layout(plan: Plan, stack: Stack) -> str:
     shards = plan.fsdp_shards_for(stack)
     dp = f"dp_shard {plan.dp_shard} zero {plan.zero_stage}" if shards > 1 else f"dp {plan.dp}"
@@ -253,7 +297,12 @@ def evaluate(row: dict[str, Any]) -> RunResult:
     """One row's prediction, as `llmscale plan --stack ... <layout>` makes it."""
     plan, stack, compiled = run_plan(row)
     cluster = Cluster.of(str(row["gpu"]))
-    step = estimate_step_time(plan, cluster, time_params(stack, compiled=compiled), validate=False)
+    # As `llmscale plan` times a plan it shows: a pipeline's step re-timed by the schedule
+    # simulator where its ops are few enough (`plan.search.simulated`), else the closed form.
+    step = estimate_step_time(
+        plan, cluster, time_params(stack, compiled=compiled), simulate=simulated(plan),
+        validate=False,
+    )  # fmt: skip
     mem = estimate_memory(plan, memory_options(stack, compiled=compiled), validate=False)
     world = plan.world_size
     if "tokens_per_s_per_gpu" in row:
