@@ -28,7 +28,7 @@ class Row:
     predicted: float | None = None
     note: str = ""
     # How far `measured` moves from run to run: half the interquartile range of the samples
-    # it is the median of (`half_iqr`), in its unit; None where `measured` is not a median of samples.
+    # it is the median of (`half_iqr`), in its unit; None where it is not such a median.
     spread: float | None = None
 
     @property

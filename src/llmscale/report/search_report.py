@@ -168,7 +168,8 @@ def plan_report(
         float8_recipe=float8_recipe,
     )  # fmt: skip
     inputs = {
-        "model": model if isinstance(model, str) else cfg.name, "gpu": gpu, "gpus": gpus, "seq": seq, "global_batch": global_batch,
+        "model": model if isinstance(model, str) else cfg.name, "gpu": gpu, "gpus": gpus,
+        "seq": seq, "global_batch": global_batch,
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
         "stack": stack, "compiled": compiled, "fixed": fixed or {},
         "float8_recipe": float8_recipe, "stack_options": dict(stack_options or {}),

@@ -53,8 +53,9 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
         "fp8-param-gather",
         ("megatron-core",),
         "Megatron's --fp8-param-gather",
-        "under --precision fp8 the block linears' weights kept in FP8 between steps (TransformerEngine's fp8_model_init), gathered in FP8, no weight "
-        "cast per micro-batch. On by default, as Megatron-Bridge's FP8 recipes set it "
+        "under --precision fp8 the block linears' weights kept in FP8 between steps "
+        "(TransformerEngine's fp8_model_init), gathered in FP8, no weight cast per "
+        "micro-batch. On by default, as Megatron-Bridge's FP8 recipes set it "
         "(training/mixed_precision.py: current scaling, MXFP8, delayed); --no-fp8-param-gather "
         "for NeMo 1 runs (cfg fp8_params, default False)",
         {"fp8_params": True},
@@ -74,8 +75,8 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
         "async-tp",
         ("torchtitan",),
         "torchtitan's parallelism.enable_async_tensor_parallel",
-        "torch's micro-pipelined TP (with --compile and sequence parallelism), each TP collective overlapped with its "
-        "GEMM's chunks",
+        "torch's micro-pipelined TP (with --compile and sequence parallelism), each TP "
+        "collective overlapped with its GEMM's chunks",
         {"tp_overlap_gemm": True, "tp_overlap_chunks": True},
         {"tp_overlap_gemm": False, "tp_overlap_chunks": False},
     ),
