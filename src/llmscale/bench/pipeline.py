@@ -144,7 +144,8 @@ def run(opts: BenchOptions, configs: tuple[PipeConfig, ...] = CONFIGS) -> SuiteR
         c = m.cfg
         order = "order = simulator" if m.order_ok else f"order differs: {m.order_diff}"
         order += f"; {100 * m.slack:.1f}% idle with inputs ready"
-        spread = None if m.bubble_spread is None else 100 * m.bubble_spread
+        bubble_spread = m.bubble_spread
+        spread = None if bubble_spread is None else 100 * bubble_spread
         res.rows += [
             Row(SUITE, c.label, "bubble (simulator)", "%", 100 * m.bubble,
                 100 * m.sim.bubble_fraction, order, spread),

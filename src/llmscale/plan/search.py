@@ -251,10 +251,8 @@ def _layouts(
             elif space.pp_layers and len(space.pp_layers) % pp:
                 rejected[f"pp {pp} does not divide the {len(space.pp_layers)} pp_layers"] = None
             elif space.pp_layers and pp == 1 and len(space.pp_layers) > 1:
-                n = len(space.pp_layers)
-                rejected[f"pp 1 runs one stage (chunks need pp > 1), not the {n} of pp_layers"] = (
-                    None
-                )
+                why = f"not the {len(space.pp_layers)} of pp_layers"
+                rejected[f"pp 1 runs one stage (chunks need pp > 1), {why}"] = None
             elif tied := tied_pipeline_problem(stack, model.tie_embeddings, pp):
                 rejected[f"pp {pp}: {tied} ({model.name})"] = None
             elif pp == 1 and len(space.schedules) == 1 and space.schedules[0] in MULTI_CHUNK:

@@ -33,7 +33,7 @@ from llmscale.plan.search import simulated
 from llmscale.plan.time import estimate_step_time, time_params
 from llmscale.stack import STACKS, PipelineOutputsKept, Stack
 from llmscale.stack.kernels import LOSS_KERNELS
-from llmscale.stack.options import OPTIONS_BY_NAME
+from llmscale.stack.options import OPTIONS_BY_NAME, options_text
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
 ROLES = ("calibration", "validation")
@@ -144,10 +144,24 @@ class RowFact(NamedTuple):
     flag: Callable[[dict[str, Any]], str] | None = None
 
 
+def _setting_fact(
+    name: str,
+    stated: Callable[[dict[str, Any]], bool],
+    label: Callable[[dict[str, Any]], str],
+    on: Callable[[dict[str, Any]], bool],
+) -> RowFact:
+    """A fact that is a stack setting (`llmscale.stack.options` NAME): the stack takes it as
+    that setting, on or off as `on` reads the row, and the command line types it as its flag."""
+    option = OPTIONS_BY_NAME[name]
+    return RowFact(
+        stated, label,
+        lambda s, r: option.apply(s, on(r)), lambda r: options_text({name: on(r)}),
+    )  # fmt: skip
+
+
 ROW_FACTS: tuple[RowFact, ...] = (
-    RowFact(  # torchtitan's micro-pipelined TP collectives
-        lambda r: bool(r.get("async_tp")), lambda r: "async TP",
-        lambda s, r: OPTIONS_BY_NAME["async-tp"].apply(s, True), lambda r: "--async-tp",
+    _setting_fact(  # torchtitan's micro-pipelined TP collectives
+        "async-tp", lambda r: bool(r.get("async_tp")), lambda r: "async TP", lambda r: True,
     ),
     RowFact(  # torchtitan runs through 2025-06: K, V repeated before SDPA
         lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
@@ -157,16 +171,14 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
         lambda s, r: s.on(compiles_loss=False),
     ),
-    RowFact(  # Megatron-Bridge's FP8 recipes: FP8 parameters (NeMo 1's runs: none)
-        lambda r: "fp8_param_gather" in r,
+    _setting_fact(  # Megatron-Bridge's FP8 recipes: FP8 parameters (NeMo 1's runs: none)
+        "fp8-param-gather", lambda r: "fp8_param_gather" in r,
         lambda r: "FP8 parameters" if r["fp8_param_gather"] else "no FP8 parameters",
-        lambda s, r: OPTIONS_BY_NAME["fp8-param-gather"].apply(s, bool(r["fp8_param_gather"])),
-        lambda r: "--fp8-param-gather" if r["fp8_param_gather"] else "--no-fp8-param-gather",
+        lambda r: bool(r["fp8_param_gather"]),
     ),
-    RowFact(  # Megatron's bf16 main gradients
-        lambda r: r.get("grad_reduce_in_fp32") is False, lambda r: "bf16 gradient reduce",
-        lambda s, r: OPTIONS_BY_NAME["grad-reduce-in-bf16"].apply(s, True),
-        lambda r: "--grad-reduce-in-bf16",
+    _setting_fact(  # Megatron's bf16 main gradients
+        "grad-reduce-in-bf16", lambda r: r.get("grad_reduce_in_fp32") is False,
+        lambda r: "bf16 gradient reduce", lambda r: True,
     ),
     RowFact(  # torch's pipelining of the run's date
         lambda r: "pipeline_outputs_kept" in r,
@@ -177,10 +189,9 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: f"cross-entropy: {LOSS_KERNEL_LABELS.get(r['loss_kernel'], r['loss_kernel'])}",
         _loss_kernel,
     ),
-    RowFact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
-        lambda r: bool(r.get("expandable_segments")), lambda r: "expandable segments",
-        lambda s, r: OPTIONS_BY_NAME["expandable-segments"].apply(s, True),
-        lambda r: "--expandable-segments",
+    _setting_fact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
+        "expandable-segments", lambda r: bool(r.get("expandable_segments")),
+        lambda r: "expandable segments", lambda r: True,
     ),
 )  # fmt: skip
 
