@@ -11,14 +11,28 @@ import pytest
 from llmscale.cli import main
 from llmscale.errors import ConfigError
 from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, MEGATRON_CORE, STACKS, TORCHTITAN
-from llmscale.stack.options import OPTIONS_BY_NAME, STACK_OPTIONS, options_text, with_options
+from llmscale.stack.options import (
+    OPTIONS_BY_NAME,
+    STACK_OPTIONS,
+    in_effect,
+    options_text,
+    with_options,
+)
 from llmscale.validation.runs import evaluate, load_runs
 
 
 def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -> None:
-    assert MEGATRON_CORE.fp8_params  # Megatron-Bridge's FP8 recipes: on unless told
-    off = with_options(MEGATRON_CORE, {"fp8-param-gather": False, "grad-reduce-in-bf16": True})
-    assert (off.fp8_params, off.main_grad_bytes) == (False, 2)
+    # Megatron-Bridge's FP8 recipes and performance scripts: both on unless told
+    assert (MEGATRON_CORE.fp8_params, MEGATRON_CORE.main_grad_bytes) == (True, 2)
+    off = with_options(MEGATRON_CORE, {"fp8-param-gather": False, "grad-reduce-in-bf16": False})
+    assert (off.fp8_params, off.main_grad_bytes) == (False, 4)
+    assert in_effect(off) == {
+        "fp8-param-gather": False,
+        "grad-reduce-in-bf16": False,
+        "expandable-segments": False,
+    }
+    assert in_effect(MEGATRON_CORE)["grad-reduce-in-bf16"]
+    assert in_effect(STACKS["llmscale"]) == {}
     tt = with_options(TORCHTITAN, {"async-tp": True, "expandable-segments": True})
     assert tt.tp_overlap_gemm and tt.tp_overlap_chunks
     assert tt.allocator_overhead == EXPANDABLE_SEGMENTS_OVERHEAD
@@ -34,12 +48,15 @@ def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -
     assert options_text({"async-tp": True, "fp8-param-gather": False}) == (
         "--async-tp --no-fp8-param-gather"
     )
+    # a setting that cannot be turned off is not typed as --no-NAME when it is off
+    assert options_text({"expandable-segments": False, "async-tp": False}) == "--no-async-tp"
 
 
 def _plan_argv(row: dict) -> list[str]:
     """`llmscale plan` with a published row's layout fixed and its facts as the stack's flags."""
     flags = {"fp8_param_gather": "fp8-param-gather", "expandable_segments": "expandable-segments",
              "async_tp": "async-tp"}  # fmt: skip
+    fp32 = row.get("grad_reduce_in_fp32")
     argv = [
         "plan", "--model", row["model"], "--gpu", row["gpu"], "--gpus", str(row["gpus"]),
         "--seq", str(row["seq_len"]), "--global-batch", str(row["global_batch"]),
@@ -52,8 +69,8 @@ def _plan_argv(row: dict) -> list[str]:
     for key, name in flags.items():
         if key in row:
             argv.append(f"--{'' if row[key] else 'no-'}{name}")
-    if row.get("grad_reduce_in_fp32") is False:
-        argv.append("--grad-reduce-in-bf16")
+    if fp32 is not None:
+        argv.append(f"--{'no-' if fp32 else ''}grad-reduce-in-bf16")
     return argv
 
 
@@ -64,7 +81,8 @@ def test_the_command_for_a_published_run_predicts_what_the_validation_page_shows
     run_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """FP8 parameters, bf16 gradient reduction and expandable segments, typed as flags: the same
-    tokens/s and memory as the row; without the two flags that are off by default, GiB more."""
+    tokens/s and memory as the row; with fp32 main gradients and the caching allocator's share
+    (Megatron-LM's defaults), GiB more."""
     row = next(r for r in load_runs() if r["id"] == run_id)
     want = evaluate(row)
     argv = _plan_argv(row)
@@ -74,7 +92,7 @@ def test_the_command_for_a_published_run_predicts_what_the_validation_page_shows
     gib = got["memory_bytes"]["worst_stage"]["total"] / 2**30
     assert gib == pytest.approx(want.memory_predicted, 1e-9) and got["fits"] == want.fits
     bare = [a for a in argv if a not in ("--grad-reduce-in-bf16", "--expandable-segments")]
-    main(bare)
+    main([*bare, "--no-grad-reduce-in-bf16"])
     more = json.loads(capsys.readouterr().out)
     worst = more["candidates"][0]["memory_bytes"]["worst_stage"]["total"] / 2**30
     assert worst > gib + 5  # fp32 main gradients and the allocator's 5% share
@@ -93,3 +111,22 @@ def test_plan_and_dry_run_name_and_refuse_the_settings(capsys: pytest.CaptureFix
     assert len(err.splitlines()) == 1
     assert main(["train", "--dry-run", "--model.name", "tiny", "--grad-reduce-in-bf16"]) == 2
     assert "only applies with --dry-run --gpu NAME --stack NAME" in capsys.readouterr().err
+
+
+def test_a_plan_names_the_settings_it_assumes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The headline and --json name every setting of the stack as the plans assume it, defaults
+    included; those given on the command line stay apart in inputs.stack_options."""
+    base = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--top", "1"]
+    assert main([*base, "--stack", "megatron-core"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-core settings: --fp8-param-gather --grad-reduce-in-bf16\n" in out
+    assert main([*base, "--stack", "megatron-core", "--no-grad-reduce-in-bf16", "--json"]) == 0
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["stack_options"] == {"grad-reduce-in-bf16": False}
+    assert inputs["stack_settings"] == {
+        "fp8-param-gather": True,
+        "grad-reduce-in-bf16": False,
+        "expandable-segments": False,
+    }
+    assert main(base) == 0  # the llmscale runtime has no such settings: no line
+    assert "settings:" not in capsys.readouterr().out

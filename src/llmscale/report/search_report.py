@@ -27,7 +27,7 @@ from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, searc
 from llmscale.plan.time import time_params
 from llmscale.report import report
 from llmscale.stack import LLMSCALE, fitted_note, get_stack, layout_problem
-from llmscale.stack.options import options_text, with_options
+from llmscale.stack.options import in_effect, options_text, with_options
 
 # How to read the table's memory columns; {unit}: the table's (report.memory_unit), {over}: the
 # stack's allocator overhead (`Stack.allocator_overhead`).
@@ -70,7 +70,7 @@ class PlanReport(NamedTuple):
         ]
         if fixed:
             lines += textwrap.wrap("fixed: " + fixed, 100, subsequent_indent="       ")
-        settings = options_text(i.get("stack_options", {}))
+        settings = options_text(i.get("stack_settings", {}))
         if settings:
             lines.append(f"{i['stack']} settings: {settings}")
         fitted = fitted_note(res.stack, res.cluster.gpu.name, i["precision"], f8)
@@ -173,6 +173,8 @@ def plan_report(
         "precision": precision, "node": cluster.node.name, "nic": cluster.fabric.inter.name,
         "stack": stack, "compiled": compiled, "fixed": fixed or {},
         "float8_recipe": float8_recipe, "stack_options": dict(stack_options or {}),
+        # every setting of the stack as the plans assume it: its defaults and those given
+        "stack_settings": in_effect(st),
     }  # fmt: skip
     return PlanReport(res, inputs)
 

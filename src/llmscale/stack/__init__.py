@@ -558,6 +558,14 @@ MEGATRON_CORE = Stack(
     # delayed-scaling ones), so a plan under fp8 keeps FP8 weights unless told otherwise
     # (`plan --no-fp8-param-gather`, llmscale.stack.options; NeMo 1's runs: fp8_params False).
     fp8_params=True,
+    # Gradients accumulated and reduced in bf16, as NVIDIA's published configurations run:
+    # Megatron-Bridge's performance scripts (scripts/performance/configs/llama/
+    # llama3{,1}_llm_pretrain.py set_llama3{,1}_common_configs: grad_reduce_in_fp32 = False) and
+    # NeMo 1's performance launcher scripts (+training.model.optim.grad_sync_dtype=bf16). The
+    # library default is fp32 main gradients (Megatron-LM forces them under --bf16 unless
+    # --grad-reduce-in-bf16; Megatron-Bridge's recipes, NeMo 1's base configs): `plan
+    # --no-grad-reduce-in-bf16` (llmscale.stack.options), a row fact of runs that ran so.
+    main_grad_bytes=2,
     # bf16 distributed Adam over the shard: grad norm (read 4), Adam (read p g m v 16, write p
     # m v 12), the bf16 parameter written back (2).
     optimizer_bytes_per_param=34.0,

@@ -66,8 +66,10 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
         ("megatron-core",),
         "Megatron's --grad-reduce-in-bf16",
         "gradients accumulated and reduced in bf16, 2 B per parameter instead of fp32 main "
-        "gradients (Megatron-Bridge's grad_reduce_in_fp32 False, as its performance scripts "
-        "set for Llama; Megatron-LM reduces in fp32 under bf16 unless told)",
+        "gradients. On by default, as NVIDIA's published configurations run (Megatron-Bridge's "
+        "performance scripts: grad_reduce_in_fp32 False; NeMo 1's launcher: grad_sync_dtype "
+        "bf16); --no-grad-reduce-in-bf16 for the library default (Megatron-LM under --bf16, "
+        "Megatron-Bridge's recipes, NeMo 1's base configs: fp32 main gradients)",
         {"main_grad_bytes": 2},
         {"main_grad_bytes": 4},
     ),
@@ -100,9 +102,24 @@ def with_options(stack: Stack, given: Mapping[str, bool | None]) -> Stack:
     return stack
 
 
+def in_effect(stack: Stack) -> dict[str, bool]:
+    """Each setting `stack` has, on or off as the stack stands (its defaults, with whatever
+    was given applied): on where the stack's fields are those the setting sets."""
+    return {
+        o.name: all(getattr(stack, k) == v for k, v in o.when_on.items())
+        for o in STACK_OPTIONS
+        if stack.name in o.stacks
+    }
+
+
 def options_text(given: Mapping[str, bool | None]) -> str:
-    """The given settings as flags ("--fp8-param-gather --no-async-tp"; "" for none)."""
-    return " ".join(f"--{'' if on else 'no-'}{n}" for n, on in given.items() if on is not None)
+    """The settings as flags ("--fp8-param-gather --no-async-tp"; "" for none); one off that
+    has no --no-NAME flag (it cannot be turned off, only left unset) is left out."""
+    return " ".join(
+        f"--{'' if on else 'no-'}{n}"
+        for n, on in given.items()
+        if on or (on is False and OPTIONS_BY_NAME[n].when_off is not None)
+    )
 
 
 def validate_options(stack_name: str, given: Mapping[str, bool | None]) -> None:

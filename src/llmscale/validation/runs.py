@@ -176,9 +176,10 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: "FP8 parameters" if r["fp8_param_gather"] else "no FP8 parameters",
         lambda r: bool(r["fp8_param_gather"]),
     ),
-    _setting_fact(  # Megatron's bf16 main gradients
-        "grad-reduce-in-bf16", lambda r: r.get("grad_reduce_in_fp32") is False,
-        lambda r: "bf16 gradient reduce", lambda r: True,
+    _setting_fact(  # Megatron's main gradients: bf16 (the performance scripts) or fp32
+        "grad-reduce-in-bf16", lambda r: "grad_reduce_in_fp32" in r,
+        lambda r: "fp32 gradient reduce" if r["grad_reduce_in_fp32"] else "bf16 gradient reduce",
+        lambda r: not r["grad_reduce_in_fp32"],
     ),
     RowFact(  # torch's pipelining of the run's date
         lambda r: "pipeline_outputs_kept" in r,
