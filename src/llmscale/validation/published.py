@@ -2,7 +2,9 @@
 
 The rows live in `validation/data/published.toml` (each with its source). Every prediction uses the
 catalog's calibration of the GPU it ran on (one per GPU: hardware/data/gpus.toml) and the
-stack that ran it (`llmscale.stack`), nothing per row:
+stack that ran it (`llmscale.stack`), nothing per row; a pipeline is timed as `llmscale plan`
+times the plans it shows (re-timed by the schedule simulator where its ops are few enough,
+`plan.search.simulated`):
 
 - Narayanan et al. 2021, Table 1 and Korthikanti et al. 2022, Table 5 / Fig. 1: Megatron-LM on
   DGX A100 80GB (stack "megatron-2021": fp16, dropout, materialised softmax, vocabulary-parallel
@@ -26,6 +28,7 @@ from llmscale.model.config import ModelConfig, get_preset
 from llmscale.plan.cluster import Cluster
 from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
+from llmscale.plan.search import simulated
 from llmscale.plan.time import TimeParams, estimate_step_time, time_params
 from llmscale.stack import MEGATRON_2021, TORCHTITAN
 
@@ -118,7 +121,7 @@ def narayanan_2021(
             pp=pp,
             pp_schedule=_schedule(str(assume.get("pp_schedule", "1f1b"))),
         )
-        step = estimate_step_time(plan, cluster, params)
+        step = estimate_step_time(plan, cluster, params, simulate=simulated(plan))
         flops = narayanan_flops(int(row["batch"]), int(row["layers"]), int(row["hidden"]))
         predicted = flops / (step.seconds * gpus) / 1e12
         out.append(
@@ -203,7 +206,9 @@ def korthikanti_2022(path: str | Path = DATA) -> list[Row]:
             ("selective", True, "sp_selective_s", "iteration s, SP + selective"),
         ):
             plan = korthikanti_plan(row, recompute, sp)
-            step = estimate_step_time(plan, cluster, params, validate=False)
+            step = estimate_step_time(
+                plan, cluster, params, validate=False, simulate=simulated(plan)
+            )
             out.append(Row(case, _layout(plan), what, float(row[key]), step.seconds, src))
         full = korthikanti_plan(row, "none", False)
         # Fig. 1 counts the transformer layers' states (18 B x 12 l h^2 / (t p)): a middle
@@ -247,7 +252,7 @@ def torchtitan_2024(path: str | Path = DATA) -> list[Row]:
         plan = torchtitan_plan(row)
         case, src = f"Llama 3.1 8B, {row['gpus']} GPUs", str(row["source"])
         layout = f"FSDP {plan.dp_shard}, local batch {plan.micro_batch_size}, seq {plan.seq_len}"
-        step = estimate_step_time(plan, cluster, params, validate=False)
+        step = estimate_step_time(plan, cluster, params, validate=False, simulate=simulated(plan))
         tps = plan.micro_batch_size * plan.seq_len / step.seconds
         out.append(Row(case, layout, "tokens/s per GPU", float(row["tokens_per_s_per_gpu"]),
                        tps, src))  # fmt: skip
