@@ -1053,7 +1053,8 @@ def memory_selective_op(ctx: Context) -> str:
 
 PRESET_ROWS = (
     ("tiny", "small"), ("gpt2-124m",), ("llama3.2-1b",), ("llama2-7b", "llama2-13b", "llama2-70b"),
-    ("llama3-8b", "llama3-70b"), ("llama3-405b",), ("gpt3-175b",),
+    ("llama3-8b", "llama3-70b"), ("llama3-405b",), ("llama3.1-8b", "llama3.1-70b"),
+    ("llama3.1-405b",), ("gpt3-175b",),
 )  # fmt: skip
 
 

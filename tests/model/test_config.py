@@ -72,3 +72,18 @@ def test_meta_model_allocates_nothing() -> None:
     m = build_model(get_preset("llama3-405b"), "meta")
     assert all(p.device.type == "meta" for p in m.parameters())
     assert isinstance(next(m.parameters()), torch.nn.Parameter)
+
+
+def test_llama31_presets_are_llama3_shapes_with_a_128k_context() -> None:
+    """Llama 3.1's config.json: Llama 3's shape, max_position_embeddings 131072, rope_type
+    "llama3" with factor 8; a planning command asked for more context than llama3-8b's names
+    the Llama 3.1 preset."""
+    for size in ("8b", "70b", "405b"):
+        base, long = get_preset(f"llama3-{size}"), get_preset(f"llama3.1-{size}")
+        assert long.shape_key() == base.shape_key()
+        assert long.num_params() == base.num_params()
+        assert (long.max_seq_len, long.rope_scaling, long.rope_factor) == (131072, "llama3", 8.0)
+        assert (long.rope_original_max_seq_len, long.rope_theta) == (8192, base.rope_theta)
+    said = get_preset("llama3-8b").seq_len_allowed()
+    assert "--model llama3.1-8b (131,072 tokens)" in said
+    assert "--model llama3" not in get_preset("llama2-7b").seq_len_allowed()

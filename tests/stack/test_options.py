@@ -5,6 +5,7 @@ validation page shows for it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -130,3 +131,16 @@ def test_a_plan_names_the_settings_it_assumes(capsys: pytest.CaptureFixture[str]
     }
     assert main(base) == 0  # the llmscale runtime has no such settings: no line
     assert "settings:" not in capsys.readouterr().out
+
+
+def test_torchtitans_older_software_is_typed_as_settings() -> None:
+    """K and V repeated before attention (torchtitan until 2026-01-27) and the loss run eager
+    (torchtitan of 2024-12): settings of the torchtitan stack, off / on by default as
+    torchtitan runs today, refused under another stack."""
+    assert not TORCHTITAN.kernels.repeat_kv and TORCHTITAN.compiles_loss
+    old = with_options(TORCHTITAN, {"repeat-kv": True, "compile-loss": False})
+    assert old.kernels.repeat_kv and not old.compiles_loss
+    assert old.kernels == replace(TORCHTITAN.kernels, repeat_kv=True)  # nothing else moved
+    assert in_effect(old) | {"repeat-kv": False, "compile-loss": True} == in_effect(TORCHTITAN)
+    with pytest.raises(ConfigError, match="--repeat-kv: got '--stack megatron-core'"):
+        with_options(MEGATRON_CORE, {"repeat-kv": True})

@@ -306,10 +306,25 @@ class ModelConfig:
     def seq_len_allowed(self) -> str:
         """What a planning command accepts as a sequence length for this model, and how to plan
         a longer context (a preset's max_seq_len is its released context)."""
+        longer = [
+            n
+            for n, p in PRESETS.items()
+            if p.max_seq_len > self.max_seq_len and p.shape_key() == self.shape_key()
+        ]
+        twin = (
+            f"--model {longer[0]} ({PRESETS[longer[0]].max_seq_len:,} tokens), or "
+            if longer
+            else ""
+        )
         return (
-            f"<= model.max_seq_len={self.max_seq_len} (a longer context: --model FILE.toml "
+            f"<= model.max_seq_len={self.max_seq_len} (a longer context: {twin}--model FILE.toml "
             f'whose [model] table has name = "{self.name}" and max_seq_len = N)'
         )
+
+    def shape_key(self) -> tuple[Any, ...]:
+        """What sizes the model's work, whatever its context length and positions' scaling."""
+        return (self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads,
+                self.ffn_dim, self.norm, self.mlp, self.pos_emb, self.bias, self.tie_embeddings)  # fmt: skip
 
     def with_overrides(self, **overrides: Any) -> ModelConfig:
         known = {f.name for f in fields(self)}
@@ -633,6 +648,28 @@ def _preset(
 
 
 PRESETS: dict[str, ModelConfig] = {row[0]: _preset(*row) for row in _SHAPES}
+
+# Llama 3.1: Llama 3's shapes with a 128K context, RoPE scaled by rope_type "llama3" (factor 8,
+# low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192, and
+# max_position_embeddings 131072 in the config.json of meta-llama/Llama-3.1-8B and -70B). The
+# published runs at 32K-256K tokens (torchtitan's context-parallel tables) are of these.
+for _size in ("8b", "70b", "405b"):
+    _base = PRESETS[f"llama3-{_size}"]
+    PRESETS[f"llama3.1-{_size}"] = replace(
+        _base,
+        name=f"llama3.1-{_size}",
+        max_seq_len=131072,
+        rope_scaling="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_seq_len=8192,
+        published_source=(
+            _HF.format(f"meta-llama/Llama-3.1-{_size.upper()}") + ", the same shape as Llama 3"
+            if _size != "405b"
+            else _base.published_source
+        ),
+    )
 
 
 def model_overrides(model: ModelConfig) -> list[str]:

@@ -9,7 +9,7 @@ user types for it. A flag given under a stack that has no such setting is refuse
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmscale.errors import ConfigError
@@ -20,7 +20,8 @@ from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, Stack
 class StackOption:
     """One setting: its flag (without "--"), the stacks that have it, what the software calls
     it, what it does, and the Stack fields it sets when on and, where the flag can also be
-    turned off (`--no-NAME`), when off. Unset, a stack keeps its own default."""
+    turned off (`--no-NAME`), when off (a field of the stack's kernels as "kernels.NAME").
+    Unset, a stack keeps its own default."""
 
     name: str
     stacks: tuple[str, ...]
@@ -45,7 +46,25 @@ class StackOption:
         changes = self.when_on if on else self.when_off
         if changes is None:
             raise ConfigError(f"--no-{self.name}", "given", f"--{self.name} or nothing")
-        return stack.on(**changes)
+        own = {k: v for k, v in changes.items() if not k.startswith(KERNELS)}
+        kern = {k[len(KERNELS) :]: v for k, v in changes.items() if k.startswith(KERNELS)}
+        if kern:
+            own["kernels"] = replace(stack.kernels, **kern)
+        return stack.on(**own)
+
+    def is_on(self, stack: Stack) -> bool:
+        """Whether `stack`'s fields are those this setting sets when on."""
+        return all(_field(stack, k) == v for k, v in self.when_on.items())
+
+
+KERNELS = "kernels."
+
+
+def _field(stack: Stack, key: str) -> Any:
+    """A Stack field by name, or a field of its kernels as "kernels.NAME"."""
+    if key.startswith(KERNELS):
+        return getattr(stack.kernels, key[len(KERNELS) :])
+    return getattr(stack, key)
 
 
 STACK_OPTIONS: tuple[StackOption, ...] = (
@@ -83,6 +102,26 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
         {"tp_overlap_gemm": False, "tp_overlap_chunks": False},
     ),
     StackOption(
+        "repeat-kv",
+        ("torchtitan",),
+        "torchtitan's Llama before 2026-01-27 (repeat_kv ahead of SDPA)",
+        "K and V copied to every query head before attention, as torchtitan's Llama did "
+        "until 'GQA without kv repeats' (ff0829c1, 2026-01-27): the copies' traffic, and under "
+        "--cp the ring passing the repeated heads. Off by default (torchtitan today)",
+        {"kernels.repeat_kv": True},
+        {"kernels.repeat_kv": False},
+    ),
+    StackOption(
+        "compile-loss",
+        ("torchtitan",),
+        'torchtitan\'s compile.components including "loss"',
+        "with --compile, the loss compiled with the blocks: no fp32 copy of the logits kept "
+        "(on by default, as torchtitan compiles it today; --no-compile-loss for a torchtitan "
+        "of 2024-12, whose loss ran eager: e8977b00 turned its compile off)",
+        {"compiles_loss": True},
+        {"compiles_loss": False},
+    ),
+    StackOption(
         "expandable-segments",
         ("megatron-core", "torchtitan"),
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
@@ -105,11 +144,7 @@ def with_options(stack: Stack, given: Mapping[str, bool | None]) -> Stack:
 def in_effect(stack: Stack) -> dict[str, bool]:
     """Each setting `stack` has, on or off as the stack stands (its defaults, with whatever
     was given applied): on where the stack's fields are those the setting sets."""
-    return {
-        o.name: all(getattr(stack, k) == v for k, v in o.when_on.items())
-        for o in STACK_OPTIONS
-        if stack.name in o.stacks
-    }
+    return {o.name: o.is_on(stack) for o in STACK_OPTIONS if stack.name in o.stacks}
 
 
 def options_text(given: Mapping[str, bool | None]) -> str:

@@ -163,13 +163,13 @@ ROW_FACTS: tuple[RowFact, ...] = (
     _setting_fact(  # torchtitan's micro-pipelined TP collectives
         "async-tp", lambda r: bool(r.get("async_tp")), lambda r: "async TP", lambda r: True,
     ),
-    RowFact(  # torchtitan runs through 2025-06: K, V repeated before SDPA
-        lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
-        lambda s, r: s.on(kernels=replace(s.kernels, repeat_kv=True)),
+    _setting_fact(  # torchtitan runs before 2026-01-27: K, V repeated before SDPA
+        "repeat-kv", lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
+        lambda r: True,
     ),
-    RowFact(  # a torchtitan of 2024: the loss ran eager
-        lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
-        lambda s, r: s.on(compiles_loss=False),
+    _setting_fact(  # a torchtitan of 2024-12: the loss ran eager
+        "compile-loss", lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
+        lambda r: False,
     ),
     _setting_fact(  # Megatron-Bridge's FP8 recipes: FP8 parameters (NeMo 1's runs: none)
         "fp8-param-gather", lambda r: "fp8_param_gather" in r,
@@ -250,12 +250,13 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
 def plan_command(row: dict[str, Any]) -> str | None:
     """The `llmscale plan` command that predicts this row as the validation page does: its
     layout fixed, its stack and the settings its facts state (`RowFact.flag`). None where the
-    row's model is a custom shape (no preset to name), or it states a fact of older software
-    that no setting gives (K and V repeated, the loss run eager, stage outputs kept, a loss
-    kernel)."""
+    row's model is a custom shape (no preset to name) or runs past its preset's context, or it
+    states a fact of older software that no setting gives (stage outputs kept, a loss kernel)."""
     facts = row_facts(row)
     if row["stack"] not in STACKS or not isinstance(row["model"], str):
         return None
+    if int(row["seq_len"]) > get_preset(row["model"]).max_seq_len:
+        return None  # the context extended past the preset's: a FILE.toml, not a flag
     if any(f.flag is None for f in facts):
         return None
     plan, stack, compiled = run_plan(row)
