@@ -30,6 +30,7 @@ def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -
     assert in_effect(off) == {
         "fp8-param-gather": False,
         "grad-reduce-in-bf16": False,
+        "cross-entropy-fusion": "te",
         "expandable-segments": False,
     }
     assert in_effect(MEGATRON_CORE)["grad-reduce-in-bf16"]
@@ -120,13 +121,17 @@ def test_a_plan_names_the_settings_it_assumes(capsys: pytest.CaptureFixture[str]
     base = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--top", "1"]
     assert main([*base, "--stack", "megatron-core"]) == 0
     out = capsys.readouterr().out
-    assert "megatron-core settings: --fp8-param-gather --grad-reduce-in-bf16\n" in out
+    assert (
+        "megatron-core settings: --fp8-param-gather --grad-reduce-in-bf16 "
+        "--cross-entropy-fusion te\n"
+    ) in out
     assert main([*base, "--stack", "megatron-core", "--no-grad-reduce-in-bf16", "--json"]) == 0
     inputs = json.loads(capsys.readouterr().out)["inputs"]
     assert inputs["stack_options"] == {"grad-reduce-in-bf16": False}
     assert inputs["stack_settings"] == {
         "fp8-param-gather": True,
         "grad-reduce-in-bf16": False,
+        "cross-entropy-fusion": "te",
         "expandable-segments": False,
     }
     assert main(base) == 0  # the llmscale runtime has no such settings: no line
@@ -144,3 +149,29 @@ def test_torchtitans_older_software_is_typed_as_settings() -> None:
     assert in_effect(old) | {"repeat-kv": False, "compile-loss": True} == in_effect(TORCHTITAN)
     with pytest.raises(ConfigError, match="--repeat-kv: got '--stack megatron-core'"):
         with_options(MEGATRON_CORE, {"repeat-kv": True})
+
+
+def test_a_valued_setting_takes_one_of_its_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron's cross-entropy fusion and torch pipelining's kept stage outputs are settings
+    with values (`--NAME VALUE`): each sets its fields, the stack's default is one of them,
+    and a value outside them is refused in one line naming the choices."""
+    assert in_effect(MEGATRON_CORE)["cross-entropy-fusion"] == "te"
+    unfused = with_options(MEGATRON_CORE, {"cross-entropy-fusion": "none"})
+    assert unfused.kernels.loss_kernel == "megatron"
+    assert in_effect(unfused)["cross-entropy-fusion"] == "none"
+    assert with_options(TORCHTITAN, {"pipeline-outputs-kept": "all"}).pipeline_outputs_kept == "all"
+    assert options_text({"cross-entropy-fusion": "native", "async-tp": True}) == (
+        "--cross-entropy-fusion native --async-tp"
+    )
+    with pytest.raises(ConfigError, match="--cross-entropy-fusion: got 'fused'; allowed: te"):
+        with_options(MEGATRON_CORE, {"cross-entropy-fusion": "fused"})
+    base = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--top", "1"]
+    argv = [*base, "--stack", "megatron-core", "--cross-entropy-fusion", "none", "--json"]
+    assert main(argv) == 0
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["stack_options"] == {"cross-entropy-fusion": "none"}
+    assert inputs["stack_settings"]["cross-entropy-fusion"] == "none"
+    with pytest.raises(SystemExit) as exit_:  # argparse's own one-line refusal
+        main([*base, "--stack", "megatron-core", "--cross-entropy-fusion", "fused"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'fused'" in capsys.readouterr().err

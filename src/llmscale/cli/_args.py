@@ -107,6 +107,8 @@ def add_stack_option_args(p: argparse.ArgumentParser) -> None:
     for o in STACK_OPTIONS:
         action: Any = argparse.BooleanOptionalAction if o.when_off is not None else "store_const"
         extra: dict[str, Any] = {} if o.when_off is not None else {"const": True}
+        if o.choices is not None:  # --NAME VALUE
+            action, extra = "store", {"choices": list(o.choices)}
         group.add_argument(
             f"--{o.name}",
             dest=f"stack_option_{o.dest}",
@@ -117,9 +119,10 @@ def add_stack_option_args(p: argparse.ArgumentParser) -> None:
         )
 
 
-def stack_options_given(args: argparse.Namespace) -> dict[str, bool]:
-    """The stack settings given on the command line, by name (unset ones left out)."""
+def stack_options_given(args: argparse.Namespace) -> dict[str, bool | str]:
+    """The stack settings given on the command line, by name (unset ones left out): on or
+    off, or a valued setting's value."""
     from llmscale.stack.options import STACK_OPTIONS
 
     given = {o.name: getattr(args, f"stack_option_{o.dest}", None) for o in STACK_OPTIONS}
-    return {k: bool(v) for k, v in given.items() if v is not None}
+    return {k: v if isinstance(v, str) else bool(v) for k, v in given.items() if v is not None}

@@ -124,7 +124,7 @@ def plan_report(
     stack: str = "llmscale",
     compiled: bool = False,
     float8_recipe: Float8Recipe = "tensorwise",
-    stack_options: Mapping[str, bool] | None = None,
+    stack_options: Mapping[str, bool | str] | None = None,
 ) -> PlanReport:
     """Search the layouts of `model` (a shape, or a spec `config.load_model` reads: preset
     NAME, FILE.toml or a Hugging Face DIR) on `gpus` x `gpu` within `space`; keep the `top`

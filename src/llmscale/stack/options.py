@@ -15,6 +15,9 @@ from typing import Any
 from llmscale.errors import ConfigError
 from llmscale.stack import EXPANDABLE_SEGMENTS_OVERHEAD, STACKS, Stack
 
+# A setting's value: on or off, or one of a valued setting's choices.
+Value = bool | str
+
 
 @dataclass(frozen=True)
 class StackOption:
@@ -29,21 +32,28 @@ class StackOption:
     help: str
     when_on: Mapping[str, Any]
     when_off: Mapping[str, Any] | None = None
+    # A setting with values (`--NAME VALUE`) instead of on/off: each value's Stack fields.
+    choices: Mapping[str, Mapping[str, Any]] | None = None
 
     @property
     def dest(self) -> str:
         """The argparse destination of its flag."""
         return self.name.replace("-", "_")
 
-    def apply(self, stack: Stack, on: bool) -> Stack:
-        """`stack` with this setting on or off (ConfigError if the stack has no such setting,
-        or it cannot be turned off)."""
+    def apply(self, stack: Stack, on: Value) -> Stack:
+        """`stack` with this setting on or off, or at a value (ConfigError if the stack has no
+        such setting, it cannot be turned off, or the value is not one of its choices)."""
         if stack.name not in self.stacks:
             raise ConfigError(
                 f"--{self.name}", f"--stack {stack.name}",
                 " | ".join(f"--stack {s}" for s in self.stacks) + f" ({self.what})",
             )  # fmt: skip
-        changes = self.when_on if on else self.when_off
+        if self.choices is not None:
+            if not isinstance(on, str) or on not in self.choices:
+                raise ConfigError(f"--{self.name}", on, " | ".join(self.choices))
+            changes: Mapping[str, Any] | None = self.choices[on]
+        else:
+            changes = self.when_on if on else self.when_off
         if changes is None:
             raise ConfigError(f"--no-{self.name}", "given", f"--{self.name} or nothing")
         own = {k: v for k, v in changes.items() if not k.startswith(KERNELS)}
@@ -52,9 +62,16 @@ class StackOption:
             own["kernels"] = replace(stack.kernels, **kern)
         return stack.on(**own)
 
-    def is_on(self, stack: Stack) -> bool:
-        """Whether `stack`'s fields are those this setting sets when on."""
-        return all(_field(stack, k) == v for k, v in self.when_on.items())
+    def state(self, stack: Stack) -> Value | None:
+        """This setting as `stack` stands: on (its fields are those it sets when on) or off; a
+        valued one's value (None where the stack's fields match none of them)."""
+        if self.choices is None:
+            return _matches(stack, self.when_on)
+        return next((v for v, ch in self.choices.items() if _matches(stack, ch)), None)
+
+
+def _matches(stack: Stack, changes: Mapping[str, Any]) -> bool:
+    return all(_field(stack, k) == v for k, v in changes.items())
 
 
 KERNELS = "kernels."
@@ -122,6 +139,32 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
         {"compiles_loss": False},
     ),
     StackOption(
+        "cross-entropy-fusion",
+        ("megatron-core",),
+        "Megatron's --cross-entropy-loss-fusion and --cross-entropy-fusion-impl",
+        "the loss kernel: te (TransformerEngine's fused cross-entropy, the default: Megatron-"
+        "Bridge's performance scripts set cross_entropy_fusion_impl te), native (Megatron's "
+        "fused vocab-parallel cross-entropy, its steps compiled), none (unfused, an fp32 copy of "
+        "the logits saved as the softmax: Megatron-LM's and Megatron-Core 0.8's default)",
+        {},
+        choices={
+            "te": {"kernels.loss_kernel": "te"},
+            "native": {"kernels.loss_kernel": "megatron_fused"},
+            "none": {"kernels.loss_kernel": "megatron"},
+        },
+    ),
+    StackOption(
+        "pipeline-outputs-kept",
+        ("torchtitan",),
+        "torch.distributed.pipelining's stage outputs kept to the step's end",
+        "which pipeline stages keep every micro-batch's output: none (torchtitan since its "
+        "#1922, 2025-10: step with return_outputs=False, the default), last (torch's default "
+        "return_outputs: the last stage's logits), all (torch before pytorch#153383, 2025-05: "
+        "every stage's)",
+        {},
+        choices={k: {"pipeline_outputs_kept": k} for k in ("none", "last", "all")},
+    ),
+    StackOption(
         "expandable-segments",
         ("megatron-core", "torchtitan"),
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
@@ -133,7 +176,7 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in STACK_OPTIONS}
 
 
-def with_options(stack: Stack, given: Mapping[str, bool | None]) -> Stack:
+def with_options(stack: Stack, given: Mapping[str, Value | None]) -> Stack:
     """`stack` with each given setting (option name -> on/off; None: the stack's default)."""
     for name, on in given.items():
         if on is not None:
@@ -141,22 +184,26 @@ def with_options(stack: Stack, given: Mapping[str, bool | None]) -> Stack:
     return stack
 
 
-def in_effect(stack: Stack) -> dict[str, bool]:
-    """Each setting `stack` has, on or off as the stack stands (its defaults, with whatever
-    was given applied): on where the stack's fields are those the setting sets."""
-    return {o.name: o.is_on(stack) for o in STACK_OPTIONS if stack.name in o.stacks}
+def in_effect(stack: Stack) -> dict[str, Value]:
+    """Each setting `stack` has as the stack stands (its defaults, with whatever was given
+    applied): on or off, or a valued one's value."""
+    states = {o.name: o.state(stack) for o in STACK_OPTIONS if stack.name in o.stacks}
+    return {k: v for k, v in states.items() if v is not None}
 
 
-def options_text(given: Mapping[str, bool | None]) -> str:
-    """The settings as flags ("--fp8-param-gather --no-async-tp"; "" for none); one off that
-    has no --no-NAME flag (it cannot be turned off, only left unset) is left out."""
-    return " ".join(
-        f"--{'' if on else 'no-'}{n}"
-        for n, on in given.items()
-        if on or (on is False and OPTIONS_BY_NAME[n].when_off is not None)
-    )
+def options_text(given: Mapping[str, Value | None]) -> str:
+    """The settings as flags ("--fp8-param-gather --no-async-tp --cross-entropy-fusion te";
+    "" for none); one off that has no --no-NAME flag (it cannot be turned off, only left unset)
+    is left out."""
+    out = []
+    for n, on in given.items():
+        if isinstance(on, str):
+            out.append(f"--{n} {on}")
+        elif on or (on is False and OPTIONS_BY_NAME[n].when_off is not None):
+            out.append(f"--{'' if on else 'no-'}{n}")
+    return " ".join(out)
 
 
-def validate_options(stack_name: str, given: Mapping[str, bool | None]) -> None:
+def validate_options(stack_name: str, given: Mapping[str, Value | None]) -> None:
     """Refuse, in one line, a setting the named stack has not."""
     with_options(STACKS[stack_name], given)

@@ -258,7 +258,7 @@ def dry_run_lines(
     device: torch.device | None,
     gpu: str | None = None,
     stack: str = "llmscale",
-    stack_options: Mapping[str, bool] | None = None,
+    stack_options: Mapping[str, bool | str] | None = None,
 ) -> list[str]:
     """What `llmscale train --dry-run` prints: the layout, each pipeline rank's memory and the
     predicted step, for catalog `gpu` or, without one, this machine's `device`. No process

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, get_args
@@ -32,7 +32,6 @@ from llmscale.plan.plan import Plan
 from llmscale.plan.search import simulated
 from llmscale.plan.time import estimate_step_time, time_params
 from llmscale.stack import STACKS, PipelineOutputsKept, Stack
-from llmscale.stack.kernels import LOSS_KERNELS
 from llmscale.stack.options import OPTIONS_BY_NAME, options_text
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
@@ -109,12 +108,17 @@ def _recompute(text: str, n_layers: int) -> tuple[Recompute, int]:
     raise ConfigError("recompute", text, "none | selective | selective_op | full | full:N-layers")
 
 
-def _outputs_kept(stack: Stack, row: dict[str, Any]) -> Stack:
-    kept = row["pipeline_outputs_kept"]
-    if kept not in get_args(PipelineOutputsKept):
-        raise ConfigError(f"run {row['id']}.pipeline_outputs_kept", kept,
-                          " | ".join(get_args(PipelineOutputsKept)))  # fmt: skip
-    return stack.on(pipeline_outputs_kept=kept)
+def _choice(row: dict[str, Any], key: str, values: Mapping[str, str]) -> str:
+    """A valued setting's value for the row's `key` (ConfigError naming the row's field where
+    it is none of `values`' keys)."""
+    if row[key] not in values:
+        raise ConfigError(f"run {row['id']}.{key}", row[key], " | ".join(values))
+    return values[row[key]]
+
+
+# A row's `pipeline_outputs_kept` and `loss_kernel` as the values of their stack settings.
+PIPELINE_OUTPUTS_KEPT = {k: k for k in get_args(PipelineOutputsKept)}
+CROSS_ENTROPY_FUSION = {"te": "te", "megatron_fused": "native", "megatron": "none"}
 
 
 LOSS_KERNEL_LABELS = {
@@ -123,13 +127,6 @@ LOSS_KERNEL_LABELS = {
     "megatron_fused": "Megatron fused",
     "te": "TransformerEngine",
 }
-
-
-def _loss_kernel(stack: Stack, row: dict[str, Any]) -> Stack:
-    kernel = row["loss_kernel"]
-    if kernel not in LOSS_KERNELS:
-        raise ConfigError(f"run {row['id']}.loss_kernel", kernel, " | ".join(LOSS_KERNELS))
-    return stack.on(kernels=replace(stack.kernels, loss_kernel=kernel))
 
 
 class RowFact(NamedTuple):
@@ -148,10 +145,11 @@ def _setting_fact(
     name: str,
     stated: Callable[[dict[str, Any]], bool],
     label: Callable[[dict[str, Any]], str],
-    on: Callable[[dict[str, Any]], bool],
+    on: Callable[[dict[str, Any]], bool | str],
 ) -> RowFact:
     """A fact that is a stack setting (`llmscale.stack.options` NAME): the stack takes it as
-    that setting, on or off as `on` reads the row, and the command line types it as its flag."""
+    that setting, on or off (or at the value) as `on` reads the row, and the command line
+    types it as its flag."""
     option = OPTIONS_BY_NAME[name]
     return RowFact(
         stated, label,
@@ -181,14 +179,15 @@ ROW_FACTS: tuple[RowFact, ...] = (
         lambda r: "fp32 gradient reduce" if r["grad_reduce_in_fp32"] else "bf16 gradient reduce",
         lambda r: not r["grad_reduce_in_fp32"],
     ),
-    RowFact(  # torch's pipelining of the run's date
-        lambda r: "pipeline_outputs_kept" in r,
-        lambda r: f"stage outputs kept: {r['pipeline_outputs_kept']}", _outputs_kept,
+    _setting_fact(  # torch's pipelining of the run's date
+        "pipeline-outputs-kept", lambda r: "pipeline_outputs_kept" in r,
+        lambda r: f"stage outputs kept: {r['pipeline_outputs_kept']}",
+        lambda r: _choice(r, "pipeline_outputs_kept", PIPELINE_OUTPUTS_KEPT),
     ),
-    RowFact(  # the cross-entropy kernel of the run's Megatron / NeMo configuration
-        lambda r: "loss_kernel" in r,
+    _setting_fact(  # the cross-entropy kernel of the run's Megatron / NeMo configuration
+        "cross-entropy-fusion", lambda r: "loss_kernel" in r,
         lambda r: f"cross-entropy: {LOSS_KERNEL_LABELS.get(r['loss_kernel'], r['loss_kernel'])}",
-        _loss_kernel,
+        lambda r: _choice(r, "loss_kernel", CROSS_ENTROPY_FUSION),
     ),
     _setting_fact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         "expandable-segments", lambda r: bool(r.get("expandable_segments")),
