@@ -78,8 +78,8 @@ def test_network_table() -> None:
         (["plan", "--gpus", "8", "--json-out", "x"], "plan: error: unrecognized arguments"),
         (  # a preset's context, and how to plan a longer one
             ["plan", "--gpus", "8", "--model", "llama3-8b", "--seq", "131072"],
-            "max_seq_len=8192 (a longer context: --model FILE.toml whose [model] table has "
-            'name = "llama3-8b" and max_seq_len = N)',
+            "max_seq_len=8192 (a longer context: --model llama3.1-8b (131,072 tokens), or "
+            '--model FILE.toml whose [model] table has name = "llama3-8b" and max_seq_len = N)',
         ),
         (["roofline", "--model", "llama3-8b", "--seq", "16384"], "max_seq_len = N"),
     ],
