@@ -250,7 +250,7 @@ def plan_command(row: dict[str, Any]) -> str | None:
     """The `llmscale plan` command that predicts this row as the validation page does: its
     layout fixed, its stack and the settings its facts state (`RowFact.flag`). None where the
     row's model is a custom shape (no preset to name) or runs past its preset's context, or it
-    states a fact of older software that no setting gives (stage outputs kept, a loss kernel)."""
+    states a fact that no stack setting gives (`RowFact.flag` None; every fact has one today)."""
     facts = row_facts(row)
     if row["stack"] not in STACKS or not isinstance(row["model"], str):
         return None
