@@ -22,7 +22,14 @@ from llmscale.stack import STACKS
 from llmscale.ui import console
 from llmscale.validation.published import Row as Published
 from llmscale.validation.published import all_rows
-from llmscale.validation.runs import RunResult, all_results, load_runs, plan_command, summarise
+from llmscale.validation.runs import (
+    RunResult,
+    all_results,
+    load_runs,
+    model_file,
+    plan_command,
+    summarise,
+)
 
 if TYPE_CHECKING:
     from llmscale.bench.report import SuiteResult
@@ -186,19 +193,22 @@ def runs_markdown(results: list[RunResult]) -> list[str]:
     ]
     for r in results:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in _run_cells(r)) + " |")
-    commands = [(r["id"], plan_command(r)) for r in load_runs()]
     lines += [
         "",
         "### The command for each row",
         "",
         "Typed as it is, each prints the row's prediction above (`llmscale plan` with the layout",
         "fixed, the stack and the settings the row's facts state: `llmscale.stack.options`;",
-        "tests/validation/test_runs.py runs every one). Rows whose model is a custom shape, or",
-        "that state a fact of older software no setting gives (K and V repeated, the loss run",
-        "eager, stage outputs kept, a loss kernel), are left out.",
+        "tests/validation/test_runs.py runs every one). A model that is not a preset as it",
+        "stands (a custom shape, or a preset run past its context) is read from ID.toml, whose",
+        "one line is given after the command.",
         "",
     ]
-    lines += [f"- {rid}: `{cmd}`" for rid, cmd in commands if cmd is not None]
+    for row in load_runs():
+        cmd, toml = plan_command(row), model_file(row)
+        if cmd is not None:
+            held = f" with {row['id']}.toml: `{toml}`" if toml is not None else ""
+            lines.append(f"- {row['id']}: `{cmd}`{held}")
     return lines
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, get_args
 
-from llmscale.config import PP_SCHEDULES, Precision, Recompute, model_from_table
+from llmscale.config import PP_SCHEDULES, Precision, Recompute, model_from_table, toml_value
 from llmscale.errors import ConfigError
 from llmscale.hardware.catalog import GiB
 from llmscale.model.config import ModelConfig, get_preset
@@ -246,21 +246,33 @@ def run_plan(row: dict[str, Any]) -> tuple[Plan, Stack, bool]:
     return plan, stack, bool(row.get("compile"))
 
 
-def plan_command(row: dict[str, Any]) -> str | None:
+def model_file(row: dict[str, Any]) -> str | None:
+    """The `--model FILE.toml` a row's command needs, as one line of TOML (a `[model]` table
+    inline): the row's own shape, or its preset with the longer context it ran (`name` and
+    `max_seq_len`); None where `--model PRESET` gives the row's model."""
+    spec = row["model"]
+    if isinstance(spec, str):
+        if int(row["seq_len"]) <= get_preset(spec).max_seq_len:
+            return None
+        table: dict[str, Any] = {"name": spec, "max_seq_len": int(row["seq_len"])}
+    else:
+        table = dict(spec)
+    return "model = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in table.items()) + " }"
+
+
+def plan_command(row: dict[str, Any], model_path: str | None = None) -> str | None:
     """The `llmscale plan` command that predicts this row as the validation page does: its
-    layout fixed, its stack and the settings its facts state (`RowFact.flag`). None where the
-    row's model is a custom shape (no preset to name) or runs past its preset's context, or it
-    states a fact that no stack setting gives (`RowFact.flag` None; every fact has one today)."""
+    layout fixed, its stack and the settings its facts state (`RowFact.flag`); a model that is
+    not a preset as it stands is read from `model_path` (default ID.toml), which holds
+    `model_file(row)`. None where the row states a fact that no stack setting gives
+    (`RowFact.flag` None; every fact has one today) or its stack is not one of `STACKS`."""
     facts = row_facts(row)
-    if row["stack"] not in STACKS or not isinstance(row["model"], str):
-        return None
-    if int(row["seq_len"]) > get_preset(row["model"]).max_seq_len:
-        return None  # the context extended past the preset's: a FILE.toml, not a flag
-    if any(f.flag is None for f in facts):
+    if row["stack"] not in STACKS or any(f.flag is None for f in facts):
         return None
     plan, stack, compiled = run_plan(row)
+    model = row["model"] if model_file(row) is None else model_path or f"{row['id']}.toml"
     parts = [
-        f"llmscale plan --model {row['model']} --gpu {row['gpu']} --gpus {plan.world_size}",
+        f"llmscale plan --model {model} --gpu {row['gpu']} --gpus {plan.world_size}",
         f"--seq {plan.seq_len} --global-batch {plan.global_batch_size}",
         f"--precision {plan.precision} --stack {stack.name}",
     ]
