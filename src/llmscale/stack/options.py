@@ -166,10 +166,12 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
     ),
     StackOption(
         "expandable-segments",
-        ("megatron-core", "torchtitan"),
+        ("megatron-core",),
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-        "the launcher sets the allocator's expandable segments (torchtitan's run_train.sh "
-        "does): the caching allocator reserves no share over what is allocated",
+        "the launcher sets the allocator's expandable segments (Megatron-Bridge's performance "
+        "scripts do for Llama 3.1 405B on GB200): the caching allocator reserves no share over "
+        "what is allocated. torchtitan's launcher always sets them (run_train.sh, since "
+        "a5e57e4a): its stack's reserve is measured under them",
         {"allocator_overhead": EXPANDABLE_SEGMENTS_OVERHEAD},
     ),
 )
