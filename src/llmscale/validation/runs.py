@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 import statistics
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 from llmscale.config import PP_SCHEDULES, Precision, Recompute, model_from_table, toml_value
 from llmscale.errors import ConfigError
@@ -31,8 +31,8 @@ from llmscale.plan.memory import estimate_memory, memory_options
 from llmscale.plan.plan import Plan
 from llmscale.plan.search import simulated
 from llmscale.plan.time import estimate_step_time, time_params
-from llmscale.stack import STACKS, PipelineOutputsKept, Stack
-from llmscale.stack.options import OPTIONS_BY_NAME, options_text
+from llmscale.stack import STACKS, Stack
+from llmscale.stack.options import OPTIONS_BY_NAME, Value, options_text
 
 RUNS = Path(__file__).parent / "data" / "runs.toml"
 ROLES = ("calibration", "validation")
@@ -108,17 +108,14 @@ def _recompute(text: str, n_layers: int) -> tuple[Recompute, int]:
     raise ConfigError("recompute", text, "none | selective | selective_op | full | full:N-layers")
 
 
-def _choice(row: dict[str, Any], key: str, values: Mapping[str, str]) -> str:
-    """A valued setting's value for the row's `key` (ConfigError naming the row's field where
-    it is none of `values`' keys)."""
+def _choice(row: dict[str, Any], key: str, setting: str, field: str) -> str:
+    """The value of the valued stack `setting` whose Stack `field` is the row's `key`
+    (ConfigError naming the row's field where no value of the setting sets it)."""
+    choices = OPTIONS_BY_NAME[setting].choices or {}
+    values = {changes[field]: value for value, changes in choices.items()}
     if row[key] not in values:
         raise ConfigError(f"run {row['id']}.{key}", row[key], " | ".join(values))
     return values[row[key]]
-
-
-# A row's `pipeline_outputs_kept` and `loss_kernel` as the values of their stack settings.
-PIPELINE_OUTPUTS_KEPT = {k: k for k in get_args(PipelineOutputsKept)}
-CROSS_ENTROPY_FUSION = {"te": "te", "megatron_fused": "native", "megatron": "none"}
 
 
 LOSS_KERNEL_LABELS = {
@@ -131,65 +128,58 @@ LOSS_KERNEL_LABELS = {
 
 class RowFact(NamedTuple):
     """A fact of a run's software at its date that a row may state (with its source in a
-    comment): whether the row states it, its label on the validation page, what it changes in
-    the row's stack, and the `llmscale plan` flag that states it (a stack setting,
-    `llmscale.stack.options`; None for a fact of older software that no setting gives)."""
+    comment): a stack setting (`llmscale.stack.options` NAME), whether the row states it, its
+    label on the validation page, and the setting's value the row gives (on or off, or a
+    valued setting's value). The row's stack takes it as that setting, and its `llmscale plan`
+    command types it as the setting's flag."""
 
+    setting: str
     stated: Callable[[dict[str, Any]], bool]
     label: Callable[[dict[str, Any]], str]
-    apply: Callable[[Stack, dict[str, Any]], Stack]
-    flag: Callable[[dict[str, Any]], str] | None = None
+    value: Callable[[dict[str, Any]], Value]
 
+    def apply(self, stack: Stack, row: dict[str, Any]) -> Stack:
+        return OPTIONS_BY_NAME[self.setting].apply(stack, self.value(row))
 
-def _setting_fact(
-    name: str,
-    stated: Callable[[dict[str, Any]], bool],
-    label: Callable[[dict[str, Any]], str],
-    on: Callable[[dict[str, Any]], bool | str],
-) -> RowFact:
-    """A fact that is a stack setting (`llmscale.stack.options` NAME): the stack takes it as
-    that setting, on or off (or at the value) as `on` reads the row, and the command line
-    types it as its flag."""
-    option = OPTIONS_BY_NAME[name]
-    return RowFact(
-        stated, label,
-        lambda s, r: option.apply(s, on(r)), lambda r: options_text({name: on(r)}),
-    )  # fmt: skip
+    def flag(self, row: dict[str, Any]) -> str:
+        return options_text({self.setting: self.value(row)})
 
 
 ROW_FACTS: tuple[RowFact, ...] = (
-    _setting_fact(  # torchtitan's micro-pipelined TP collectives
+    RowFact(  # torchtitan's micro-pipelined TP collectives
         "async-tp", lambda r: bool(r.get("async_tp")), lambda r: "async TP", lambda r: True,
     ),
-    _setting_fact(  # torchtitan runs before 2026-01-27: K, V repeated before SDPA
+    RowFact(  # torchtitan runs before 2026-01-27: K, V repeated before SDPA
         "repeat-kv", lambda r: bool(r.get("repeat_kv")), lambda r: "K/V repeated",
         lambda r: True,
     ),
-    _setting_fact(  # a torchtitan of 2024-12: the loss ran eager
+    RowFact(  # a torchtitan of 2024-12: the loss ran eager
         "compile-loss", lambda r: r.get("compiled_loss") is False, lambda r: "loss eager",
         lambda r: False,
     ),
-    _setting_fact(  # Megatron-Bridge's FP8 recipes: FP8 parameters (NeMo 1's runs: none)
+    RowFact(  # Megatron-Bridge's FP8 recipes: FP8 parameters (NeMo 1's runs: none)
         "fp8-param-gather", lambda r: "fp8_param_gather" in r,
         lambda r: "FP8 parameters" if r["fp8_param_gather"] else "no FP8 parameters",
         lambda r: bool(r["fp8_param_gather"]),
     ),
-    _setting_fact(  # Megatron's main gradients: bf16 (the performance scripts) or fp32
+    RowFact(  # Megatron's main gradients: bf16 (the performance scripts) or fp32
         "grad-reduce-in-bf16", lambda r: "grad_reduce_in_fp32" in r,
         lambda r: "fp32 gradient reduce" if r["grad_reduce_in_fp32"] else "bf16 gradient reduce",
         lambda r: not r["grad_reduce_in_fp32"],
     ),
-    _setting_fact(  # torch's pipelining of the run's date
+    RowFact(  # torch's pipelining of the run's date
         "pipeline-outputs-kept", lambda r: "pipeline_outputs_kept" in r,
         lambda r: f"stage outputs kept: {r['pipeline_outputs_kept']}",
-        lambda r: _choice(r, "pipeline_outputs_kept", PIPELINE_OUTPUTS_KEPT),
+        lambda r: _choice(
+            r, "pipeline_outputs_kept", "pipeline-outputs-kept", "pipeline_outputs_kept"
+        ),
     ),
-    _setting_fact(  # the cross-entropy kernel of the run's Megatron / NeMo configuration
+    RowFact(  # the cross-entropy kernel of the run's Megatron / NeMo configuration
         "cross-entropy-fusion", lambda r: "loss_kernel" in r,
         lambda r: f"cross-entropy: {LOSS_KERNEL_LABELS.get(r['loss_kernel'], r['loss_kernel'])}",
-        lambda r: _choice(r, "loss_kernel", CROSS_ENTROPY_FUSION),
+        lambda r: _choice(r, "loss_kernel", "cross-entropy-fusion", "kernels.loss_kernel"),
     ),
-    _setting_fact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
+    RowFact(  # PYTORCH_CUDA_ALLOC_CONF set by the run's launcher
         "expandable-segments", lambda r: bool(r.get("expandable_segments")),
         lambda r: "expandable segments", lambda r: True,
     ),
@@ -264,10 +254,8 @@ def plan_command(row: dict[str, Any], model_path: str | None = None) -> str | No
     """The `llmscale plan` command that predicts this row as the validation page does: its
     layout fixed, its stack and the settings its facts state (`RowFact.flag`); a model that is
     not a preset as it stands is read from `model_path` (default ID.toml), which holds
-    `model_file(row)`. None where the row states a fact that no stack setting gives
-    (`RowFact.flag` None; every fact has one today) or its stack is not one of `STACKS`."""
-    facts = row_facts(row)
-    if row["stack"] not in STACKS or any(f.flag is None for f in facts):
+    `model_file(row)`. None where the row's stack is not one of `STACKS`."""
+    if row["stack"] not in STACKS:
         return None
     plan, stack, compiled = run_plan(row)
     model = row["model"] if model_file(row) is None else model_path or f"{row['id']}.toml"
@@ -293,7 +281,7 @@ def plan_command(row: dict[str, Any], model_path: str | None = None) -> str | No
     parts.append("--sp" if plan.sequence_parallel else "--no-sp")
     if plan.offload_activations:
         parts.append(f"--offload-activations {plan.offload_activations}")
-    parts += [f.flag(row) for f in facts if f.flag is not None]
+    parts += [f.flag(row) for f in row_facts(row)]
     return " ".join(parts)
 
 
