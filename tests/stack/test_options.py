@@ -5,6 +5,7 @@ validation page shows for it."""
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -19,7 +20,7 @@ from llmscale.stack.options import (
     options_text,
     with_options,
 )
-from llmscale.validation.runs import evaluate, load_runs
+from llmscale.validation.runs import evaluate, load_runs, plan_command
 
 
 def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -> None:
@@ -58,25 +59,11 @@ def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -
 
 
 def _plan_argv(row: dict) -> list[str]:
-    """`llmscale plan` with a published row's layout fixed and its facts as the stack's flags."""
-    flags = {"fp8_param_gather": "fp8-param-gather", "expandable_segments": "expandable-segments",
-             "async_tp": "async-tp"}  # fmt: skip
-    fp32 = row.get("grad_reduce_in_fp32")
-    argv = [
-        "plan", "--model", row["model"], "--gpu", row["gpu"], "--gpus", str(row["gpus"]),
-        "--seq", str(row["seq_len"]), "--global-batch", str(row["global_batch"]),
-        "--precision", row["precision"], "--stack", row["stack"],
-        "--tp", str(row["tp"]), "--pp", str(row["pp"]), "--cp", str(row["cp"]),
-        "--dp-shard", str(row["dp"]), "--dp-replicate", "1", "--zero-stage", "1",
-        "--mbs", str(row["micro_batch"]), "--recompute", row["recompute"],
-        "--schedule", row["schedule"], "--chunks", str(row["vp"]), "--sp", "--json", "--top", "1",
-    ]  # fmt: skip
-    for key, name in flags.items():
-        if key in row:
-            argv.append(f"--{'' if row[key] else 'no-'}{name}")
-    if fp32 is not None:
-        argv.append(f"--{'no-' if fp32 else ''}grad-reduce-in-bf16")
-    return argv
+    """The validation page's `llmscale plan` command for a published row (its layout fixed, its
+    facts as the stack's flags), as argv with --json."""
+    cmd = plan_command(row)
+    assert cmd is not None
+    return [*shlex.split(cmd)[1:], "--json", "--top", "1"]
 
 
 @pytest.mark.parametrize(
