@@ -571,3 +571,19 @@ def test_precision_help_says_which_stacks_run_each() -> None:
     assert text.endswith("under --stack megatron-core)")
     for stack in STACKS.values():
         assert ("fp8" in stack.precisions) == (stack.name in text.split("nvfp4:")[0])
+
+
+def test_selective_recompute_under_fp8_keeps_no_bf16_attention_output() -> None:
+    """Megatron-Core's selective recompute checkpoints the attention core (TransformerEngine's
+    DotProductAttention under checkpoint): it keeps q, k and v, and recomputes the kernel's
+    output and log-sum-exp in backward. Under FP8 the output projection saves its own float8
+    cast, so the bf16 output is kept by nothing; in bf16 it is the projection's saved input."""
+    kern = MEGATRON_CORE.kernels
+    args = (L70, 1, 4096, "fp8", 8, True, kern)
+    none = {s.name: s.nbytes for s in act.block_tensors(*args, "none")}
+    sel = {s.name: s.nbytes for s in act.block_tensors(*args, "selective")}
+    assert set(none) - set(sel) == {"attention output (= wo input)", "log-sum-exp (fp32)"}
+    assert sel["wo input (float8 cast)"] == none["wo input (float8 cast)"] > 0
+    assert {"q", "k", "v"} <= set(sel)
+    bf16 = {s.name for s in act.block_tensors(L70, 1, 4096, "bf16", 8, True, kern, "selective")}
+    assert "attention output (= wo input)" in bf16

@@ -213,7 +213,8 @@ def block_tensors(
     else:  # flash / efficient / cuDNN: q, k, v, out and log-sum-exp
         kv_in = kernels.attention_kv_dim(model)  # K and V as the kernel received them
         per_token += [("q", a * d, "tp"), ("k", a * kv_in, "tp"), ("v", a * kv_in, "tp")]
-        per_token.append(("attention output (= wo input)", a * d, "tp"))
+        if mode == "none" or not fp8_casts:  # else the kernel's output is recomputed, and wo
+            per_token.append(("attention output (= wo input)", a * d, "tp"))  # saves its cast
         if mode == "none":
             per_token.append(("log-sum-exp (fp32)", 4 * heads, "tp"))
         if fp8_casts:
