@@ -31,11 +31,15 @@ def test_each_setting_sets_its_fields_on_its_stacks_and_is_refused_elsewhere() -
     assert in_effect(off) == {
         "fp8-param-gather": False,
         "grad-reduce-in-bf16": False,
+        "tp-comm-overlap": True,
         "cross-entropy-fusion": "te",
         "expandable-segments": False,
     }
     assert in_effect(MEGATRON_CORE)["grad-reduce-in-bf16"]
     assert in_effect(STACKS["llmscale"]) == {}
+    # Megatron-LM's default (--tp-comm-overlap unset): TP collectives beside no GEMM
+    assert MEGATRON_CORE.tp_overlap_gemm
+    assert not with_options(MEGATRON_CORE, {"tp-comm-overlap": False}).tp_overlap_gemm
     tt = with_options(TORCHTITAN, {"async-tp": True})
     assert tt.tp_overlap_gemm and tt.tp_overlap_chunks
     mc = with_options(MEGATRON_CORE, {"expandable-segments": True})
@@ -112,7 +116,7 @@ def test_a_plan_names_the_settings_it_assumes(capsys: pytest.CaptureFixture[str]
     assert main([*base, "--stack", "megatron-core"]) == 0
     out = capsys.readouterr().out
     assert (
-        "megatron-core settings: --fp8-param-gather --grad-reduce-in-bf16 "
+        "megatron-core settings: --fp8-param-gather --grad-reduce-in-bf16 --tp-comm-overlap "
         "--cross-entropy-fusion te\n"
     ) in out
     assert main([*base, "--stack", "megatron-core", "--no-grad-reduce-in-bf16", "--json"]) == 0
@@ -121,6 +125,7 @@ def test_a_plan_names_the_settings_it_assumes(capsys: pytest.CaptureFixture[str]
     assert inputs["stack_settings"] == {
         "fp8-param-gather": True,
         "grad-reduce-in-bf16": False,
+        "tp-comm-overlap": True,
         "cross-entropy-fusion": "te",
         "expandable-segments": False,
     }
@@ -165,3 +170,22 @@ def test_a_valued_setting_takes_one_of_its_choices(capsys: pytest.CaptureFixture
         main([*base, "--stack", "megatron-core", "--cross-entropy-fusion", "fused"])
     assert exit_.value.code == 2
     assert "invalid choice: 'fused'" in capsys.readouterr().err
+
+
+def test_without_tp_comm_overlap_the_tp_collectives_are_exposed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Megatron-LM runs its TP collectives beside no GEMM unless --tp-comm-overlap is set
+    (TransformerEngine's userbuffers): the same layout then takes longer, by its exposed TP
+    traffic."""
+    base = ["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--stack",
+            "megatron-core", "--tp", "8", "--pp", "2", "--mbs", "1", "--recompute", "none",
+            "--schedule", "1f1b", "--top", "1", "--json"]  # fmt: skip
+    steps = {}
+    for flag in ("--tp-comm-overlap", "--no-tp-comm-overlap"):
+        assert main([*base, flag]) == 0
+        (c,) = json.loads(capsys.readouterr().out)["candidates"]
+        steps[flag] = c["step_time"]
+    on, off = steps["--tp-comm-overlap"], steps["--no-tp-comm-overlap"]
+    assert off["seconds"] > 1.05 * on["seconds"]
+    assert off["breakdown_seconds"]["tp_comm"] > on["breakdown_seconds"].get("tp_comm", 0.0)

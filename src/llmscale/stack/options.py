@@ -110,6 +110,16 @@ STACK_OPTIONS: tuple[StackOption, ...] = (
         {"main_grad_bytes": 4},
     ),
     StackOption(
+        "tp-comm-overlap",
+        ("megatron-core",),
+        "Megatron's --tp-comm-overlap (NeMo's ub_tp_comm_overlap)",
+        "TransformerEngine's userbuffers run each tensor-parallel collective beside the GEMM it "
+        "feeds or drains. On by default, as NVIDIA's performance configurations set it "
+        "(off under NVFP4, as Megatron-Bridge's); --no-tp-comm-overlap for a run without it",
+        {"tp_overlap_gemm": True},
+        {"tp_overlap_gemm": False},
+    ),
+    StackOption(
         "async-tp",
         ("torchtitan",),
         "torchtitan's parallelism.enable_async_tensor_parallel",
