@@ -1801,6 +1801,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/planner.md", "cp-rows", par.cp_rows),
     Block("docs/planner.md", "vanilla-tp", par.vanilla_tp),
     Block("docs/planner.md", "gb200-fsdp-memory", par.gb200_fsdp_memory),
+    Block("docs/memory-model.md", "n340-memory", par.n340_memory),
     Block("docs/parallel.md", "init-rate", par.init_rate),
     Block("docs/planner.md", "stack-fits", par.stack_fits),
     Block("docs/planner.md", "fitted-note", par.fitted_note_example),

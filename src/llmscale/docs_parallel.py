@@ -310,6 +310,23 @@ def gb200_fsdp_memory(ctx: Context) -> str:
     return f"{need:.1f} GiB of the {usable:.1f} usable"
 
 
+def n340_memory(ctx: Context) -> str:
+    """memory-model.md: what NeMo 24.07's Nemotron-4 340B row is predicted to allocate and
+    to need with the caching allocator's share, against the H100's usable memory."""
+    from llmscale.hardware.catalog import GiB, get_gpu
+    from llmscale.plan.memory import estimate_memory, memory_options
+    from llmscale.validation.runs import load_runs, run_plan
+
+    (row,) = [r for r in load_runs() if r["id"] == "nemo2407-h100-nemotron-340b"]
+    plan, stack, compiled = run_plan(row)
+    w = estimate_memory(plan, memory_options(stack, compiled=compiled), validate=False).worst
+    usable = get_gpu(str(row["gpu"])).memory_bytes / GiB - stack.device_reserve_GiB
+    return (
+        f"{w.allocated / GiB:.1f} GiB allocated of the {usable:.1f} usable, "
+        f"{w.total / GiB:.1f} with the share"
+    )
+
+
 def init_rate(ctx: Context) -> str:
     """parallel.md's limits: how fast one core draws initial values (docs/results/
     parallel-init.json, `python -m llmscale.bench.parallel_init`) and what that makes of

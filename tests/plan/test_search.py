@@ -267,3 +267,48 @@ def test_activation_offload_is_searched_with_the_fewest_blocks_that_fit() -> Non
     for res in (off, tt):
         assert res.candidates and not any(c.plan.offload_activations for c in res.candidates)
     assert off.candidates[0].time.seconds > offloaded_best
+
+
+def _with_memory(cluster: Cluster, gib: float) -> Cluster:
+    """`cluster` with its GPU's memory replaced (a part between two of the catalog's)."""
+    from llmscale.hardware.spec import Sourced
+
+    return replace(cluster, gpu=replace(cluster.gpu, memory_GiB=Sourced(gib, "test")))
+
+
+def test_the_allocated_peak_decides_the_fit_and_the_allocators_share_tightness() -> None:
+    # One fixed layout on a GPU sized halfway between its allocated peak and its total with
+    # the caching allocator's 5%: it fits (the allocator flushes its cache before it fails),
+    # tightly; a GPU just below the allocated peak does not fit it.
+    fixed = SearchSpace(tp=2, pp=1, dp_shard=32, micro_batch_sizes=(1,), recompute=("full",),
+                        zero_stages=(3,), offload=("none",), sequence_parallel=(True,))  # fmt: skip
+    first = search(L70, 64, H200, 4096, 1024, space=fixed, top=1).candidates[0]
+    w = first.memory.worst
+    assert w.total == pytest.approx(1.05 * w.allocated) and not first.tight
+    between = (w.allocated + 0.5 * w.allocator) / GiB + 1.5
+    r = search(L70, 64, _with_memory(H200, between), 4096, 1024, space=fixed, top=1)
+    (c,) = r.candidates
+    assert c.fits and c.tight and c.why is None and r.feasible == 1
+    assert c.memory.fits(r.cluster.gpu) and c.memory.tight(r.cluster.gpu)
+    from llmscale.plan.search import tight_note
+
+    note = tight_note(c.memory, r.cluster) or ""
+    assert note.startswith(f"tight: {w.allocated / GiB:.1f} GiB allocated on pipeline rank 0")
+    assert "num_alloc_retries" in note and f"{w.total / GiB:.1f} with" in note
+    short = (w.allocated - 0.01 * GiB) / GiB + 1.5
+    r = search(L70, 64, _with_memory(H200, short), 4096, 1024, space=fixed, top=1)
+    assert r.candidates == () and r.unfit and not r.unfit[0].fits
+    assert (r.unfit[0].why or "").startswith(f"needs {w.allocated / GiB:.1f} GiB allocated")
+
+
+def test_plans_that_fit_with_room_rank_before_tight_ones() -> None:
+    # On a GPU sized so that the unfixed search's fastest plan only fits tightly, plans that
+    # fit with the allocator's share come first, and the tight ones do not prune them.
+    best = search(L70, 64, H200, 4096, 1024, top=1).candidates[0].memory.worst
+    gib = (best.allocated + 0.5 * best.allocator) / GiB + 1.5
+    r = search(L70, 64, _with_memory(H200, gib), 4096, 1024, top=10)
+    tight = [c.tight for c in r.candidates]
+    assert len(r.candidates) == 10 and tight == sorted(tight) and not tight[0]
+    roomy = [c.time.seconds for c in r.candidates if not c.tight]
+    assert roomy == sorted(roomy)
+    assert all(c.memory.total + 1.5 * GiB <= gib * GiB for c in r.candidates if not c.tight)

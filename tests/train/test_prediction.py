@@ -203,7 +203,10 @@ def test_dry_run_memory_table_of_the_tiny_model_reads_in_mib(capsys) -> None:
     assert row[:2] == ["0", "0"] and row[-2] == f"{stage.total / 2**20:.2f}"
     assert float(row[2]) == round(stage.params / 2**20, 2) > 0  # was 0.00 (GiB)
     fit = next(line for line in lines if line.startswith("fits: "))
-    assert f"the fullest rank needs {stage.total / 2**20:.2f} MiB (+" in fit
+    assert (
+        f"the fullest rank needs {stage.total / 2**20:.2f} MiB "
+        f"({stage.allocated / 2**20:.2f} allocated, the rest the caching allocator's; +" in fit
+    )
 
 
 def test_dry_run_with_an_unknown_gpu_names_the_allowed_ones(capsys) -> None:
@@ -391,3 +394,24 @@ def test_the_calibration_line_says_its_age_and_load() -> None:
     lines = comparison_lines(pred, [1.0, 0.5], {})
     assert lines[2].split()[-1] == "1.00"  # the step's ratio stays the row's last field
     assert lines[-1].startswith("calibration: measured ")  # now: its own line, last
+
+
+def test_the_dry_runs_verdict_reads_the_allocated_peak_and_names_a_tight_fit() -> None:
+    """A GPU whose usable memory holds the allocated peak but not the caching allocator's share
+    over it fits the run tightly (the allocator flushes its cache before it fails); one just
+    below the allocated peak does not fit it."""
+    from llmscale.hardware.catalog import GPU, GiB, get_gpu
+    from llmscale.hardware.spec import Sourced
+    from llmscale.plan.memory import estimate_memory
+    from llmscale.train.prediction import fit_line
+
+    est = estimate_memory(Plan(model=load_config(None, short_job()).model, seq_len=64,
+                               micro_batch_size=2, global_batch_size=2, precision="bf16"))  # fmt: skip
+    w, h100 = est.worst, get_gpu("h100")
+
+    def sized(nbytes: float) -> GPU:
+        return dataclasses.replace(h100, memory_GiB=Sourced(nbytes / GiB + 1.5, "test"))
+
+    assert fit_line(est, h100).startswith("fits: yes: ")
+    assert fit_line(est, sized(w.allocated + w.allocator / 2)).startswith("fits: tightly: ")
+    assert fit_line(est, sized(0.99 * w.allocated)).startswith("fits: NO: ")

@@ -164,7 +164,7 @@ def _run_cells(r: RunResult) -> list[str]:
     mem = "-" if r.memory_published is None else f"{r.memory_published:.1f}"
     return [r.id, r.stack, r.role, r.layout, r.quantity, f"{r.published:,.1f}",
             f"{r.predicted:,.1f}", f"{r.ratio:.3f}", f"{mem} / {r.memory_predicted:.1f}",
-            "yes" if r.fits else "**no**"]  # fmt: skip
+            "**no**" if not r.fits else "yes, tightly" if r.tight else "yes"]  # fmt: skip
 
 
 def runs_markdown(results: list[RunResult]) -> list[str]:
@@ -183,6 +183,9 @@ def runs_markdown(results: list[RunResult]) -> list[str]:
         "After a layout's `;`: the facts of the run's software at its date that the row states,",
         "each with its source in runs.toml (async TP, K and V repeated before the attention, the",
         "loss run eager, torch's pipelining keeping stage outputs, ...), which the stack takes.",
+        "`fits`: the allocated peak fits the GPU beside its reserve; `yes, tightly`: not with the",
+        "caching allocator's share over it, which the allocator gives up (flushing its cache)",
+        "before it fails (docs/memory-model.md section 5).",
         "",
     ]
     lines += [f"- {s.line}" for s in summarise(results)]

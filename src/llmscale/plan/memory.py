@@ -66,6 +66,8 @@ n_layers - N blocks' on the device; torch's `save_on_cpu` moves each tensor as i
 Allocator: PyTorch's caching allocator reserves more than it allocates (rounding, fragments);
 `allocator_overhead` (default 5%) of the allocated total is added, and `device_reserve_GiB`
 (CUDA context, cuBLAS workspace, NCCL buffers; not torch allocations) counts against capacity.
+A plan fits when its allocated peak does: the allocator's share is a cache it flushes before it
+fails (`MemoryEstimate.fits`), and a plan that fits only without it fits tightly (`tight`).
 
 Pipeline: layers split as the runtime splits them (`model.config.split_layers`: contiguous,
 `parallel.pp_layers` or automatic with the first and last stages the lighter); embedding on the
@@ -242,7 +244,21 @@ class MemoryEstimate:
         return self.worst.total
 
     def fits(self, gpu: GPU) -> bool:
-        return self.total + self.options.device_reserve_GiB * GiB <= gpu.memory_bytes
+        """Whether the allocated peak fits `gpu` beside the device reserve. The caching
+        allocator's share over it (`RankMemory.allocator`) is a cache, not a need: when
+        cudaMalloc fails the allocator frees its unused cached blocks and retries before it
+        reports out of memory (torch.cuda.memory_stats: `num_alloc_retries`, "failed cudaMalloc
+        calls that result in a cache flush and retry"), so a run whose share does not fit runs
+        with less of it (`tight`)."""
+        return self.worst.allocated + self.options.device_reserve_GiB * GiB <= gpu.memory_bytes
+
+    def tight(self, gpu: GPU) -> bool:
+        """Whether it fits `gpu` only without the caching allocator's usual share: the
+        allocator will flush its cache (a device synchronisation each time) to stay within
+        the memory, and fragmentation it cannot flush may still run it out."""
+        return self.fits(gpu) and (
+            self.total + self.options.device_reserve_GiB * GiB > gpu.memory_bytes
+        )
 
 
 class RankPieces(NamedTuple):

@@ -154,6 +154,9 @@ class Candidate:
     time: tm.StepTime
     fits: bool = True
     why: str | None = None  # why it does not fit (None when it fits)
+    # It fits, but not with the caching allocator's usual share over the allocated peak
+    # (`mem.MemoryEstimate.tight`): the allocator will flush its cache to stay within memory.
+    tight: bool = False
 
 
 @dataclass(frozen=True)
@@ -368,10 +371,16 @@ def search(
         raise ConfigError("float8_recipe", float8_recipe, needs)
     tm.check_matmul_precision(precision, cluster, float8_recipe)
     start = time.perf_counter()
-    budget = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
+    # Totals (allocated x `over`) within `room`, the usable memory, fit with the caching
+    # allocator's share; within `budget` the allocated peak fits, which is what fits
+    # (`mem.MemoryEstimate.fits`): past `room` a plan fits tightly, ranked after every plan
+    # that fits with room and not among those that prune the search (`kept`), nor does it
+    # stop the search trying the slower, more frugal settings of its layout.
     over = 1.0 + memory_options.allocator_overhead
+    room = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
+    budget = room * over
     host_per_gpu = cluster.node.host_memory_bytes / cluster.gpus_per_node
-    found: list[tuple[float, float, Plan]] = []
+    found: list[tuple[bool, float, float, Plan]] = []  # (tight, seconds, total, plan)
     evaluated = 0
     # The least `keep` step times found so far, negated (a heap whose top is the largest), and
     # the fitting plans not timed because their floor is past them (`PRUNE_BY_TIME_FLOOR`).
@@ -402,10 +411,14 @@ def search(
     def cost(plan: Plan, total: float, ends: tuple[int, ...]) -> bool:
         """Time a plan that fits and keep it; False (left untimed) when it cannot be among the
         `keep` fastest."""
-        if slower_than_kept(plan, ends):
+        if slower_than_kept(plan, ends) or (
+            PRUNE_BY_TIME_FLOOR and total > room and len(kept) == keep
+        ):  # (a tight plan ranks after the `keep` kept, which fit with room)
             return False
         t = tm.estimate_step_time(plan, cluster, time_params, ranks=ends, validate=False)
-        found.append((t.seconds, total, plan))
+        found.append((total > room, t.seconds, total, plan))
+        if total > room:
+            return True
         if len(kept) < keep:
             heapq.heappush(kept, -t.seconds)
         elif t.seconds < -kept[0]:
@@ -512,8 +525,10 @@ def search(
                         # the plans kept (`_slower_than`, tested at the first setting whose
                         # memory floor fits: counted as maybe fitting, so larger micro-batches
                         # are still tried).
-                        fits: list[tuple[int, int, int]] = []
-                        offloaded: list[Plan] = []  # recompute none over budget: `offload_acts`
+                        fits: list[tuple[int, int, int]] = []  # with room
+                        tight = False  # some setting fits only tightly
+                        # recompute none, over `room` (with its total): `offload_acts`
+                        offloaded: list[tuple[Plan, float]] = []
                         checked = False
                         for ri, rec in enumerate(recs):
                             if rec not in useful:
@@ -529,7 +544,7 @@ def search(
                                 floor = floors.pieces(ri, zi, oi)
                                 if floor is None:  # as worst_total would find, without the plan
                                     if try_offload and rec == "none":
-                                        offloaded.append(floors.plan(ri, zi, oi))
+                                        offloaded.append((floors.plan(ri, zi, oi), math.inf))
                                     continue
                                 if not checked and len(kept) == keep and PRUNE_BY_TIME_FLOOR:
                                     checked = True
@@ -543,22 +558,28 @@ def search(
                                 total = mem.worst_total(
                                     plan, memory_options, ends, budget, known=floor
                                 )
-                                if total > budget and try_offload and rec == "none":
-                                    offloaded.append(plan)
+                                if total > room and try_offload and rec == "none":
+                                    offloaded.append((plan, total))
                                 if total <= budget:
-                                    fits.append((ri, zi, oi))
+                                    if total <= room:
+                                        fits.append((ri, zi, oi))
+                                    tight = tight or total > room
                                     untimed += not cost(plan, total, ends)
                             else:
                                 continue
                             break  # the rest of this knob loop is slower than those kept
-                        fit_any = fit_any or bool(fits)
-                        for plan in offloaded:
+                        fit_any = fit_any or bool(fits) or tight
+                        for plan, total in offloaded:
                             # Offloading adds copies to the plan's time: its floor bounds it.
                             if slower_than_kept(plan, ends):
                                 continue
-                            hit = _fewest_offloaded(
-                                plan, ends, memory_options, budget, host_per_gpu
-                            )  # fmt: skip
+                            # The fewest blocks offloaded that fit with room, else (the plan
+                            # not fitting at all without) that fit tightly.
+                            hit = _fewest_offloaded(plan, ends, memory_options, room, host_per_gpu)
+                            if hit is None and total > budget:
+                                hit = _fewest_offloaded(
+                                    plan, ends, memory_options, budget, host_per_gpu
+                                )  # fmt: skip
                             if hit is not None:
                                 fit_any = True
                                 untimed += not cost(*hit, ends)
@@ -569,9 +590,9 @@ def search(
                     rejected[f"global batch {global_batch_size} is not a multiple of dp {dp} "
                              f"x micro-batch ({mbs_text})"] = None  # fmt: skip
     feasible = len(found) + untimed
-    found.sort(key=lambda x: (x[0], x[1]))
+    found.sort(key=lambda x: x[:3])
     finals: list[Candidate] = []
-    for _, _, plan in found[:keep]:
+    for _, _, _, plan in found[:keep]:
         full_mem = mem.estimate_memory(plan, memory_options, validate=False)
         if full_mem.total > budget:  # a rank the search did not cost is fuller
             feasible -= 1
@@ -579,8 +600,8 @@ def search(
         t = tm.estimate_step_time(
             plan, cluster, time_params, simulate=simulated(plan), validate=False
         )
-        finals.append(Candidate(plan, full_mem, t))
-    finals.sort(key=lambda c: (c.time.seconds, c.memory.total))
+        finals.append(Candidate(plan, full_mem, t, tight=full_mem.tight(cluster.gpu)))
+    finals.sort(key=lambda c: (c.tight, c.time.seconds, c.memory.total))
     unfit: tuple[Candidate, ...] = ()
     if not finals and settings:
         unfit = _closest(settings, offloads, top, cluster, memory_options, time_params)
@@ -674,9 +695,9 @@ def fit_reason(
     host = cluster.node.host_memory_bytes / cluster.gpus_per_node
     w = est.worst
     reasons = []
-    if w.total > usable:
+    if w.allocated > usable:
         reasons.append(
-            f"needs {w.total / GiB:.1f} GiB on pipeline rank {w.pp_rank}, "
+            f"needs {w.allocated / GiB:.1f} GiB allocated on pipeline rank {w.pp_rank}, "
             f"{usable / GiB:.1f} GiB usable ({cluster.gpu.name} less "
             f"{opt.device_reserve_GiB:g} GiB reserve)"
         )
@@ -687,6 +708,23 @@ def fit_reason(
             f"{host / GiB:.1f} GiB available ({cluster.node.name})"
         )
     return "; ".join(reasons) or None
+
+
+def tight_note(est: mem.MemoryEstimate, cluster: Cluster) -> str | None:
+    """What a plan that fits only without the caching allocator's share means (None when it
+    fits with it, or does not fit)."""
+    if not est.tight(cluster.gpu):
+        return None
+    opt, w = est.options, est.worst
+    usable = cluster.gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    return (
+        f"tight: {w.allocated / GiB:.1f} GiB allocated on pipeline rank {w.pp_rank} of "
+        f"{usable / GiB:.1f} usable, {w.total / GiB:.1f} with the caching allocator's usual "
+        f"{100 * opt.allocator_overhead:g}%: it will free its cache and retry when short (a "
+        "device synchronisation each, counted by torch.cuda.memory_stats()['num_alloc_retries']); "
+        "fragments it cannot free may still run it out (PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True avoids most)"
+    )
 
 
 def _closest(
@@ -707,7 +745,8 @@ def _closest(
         best: tuple[float, Plan] | None = None
         for off in offloads:
             plan = replace(frugal, offload=off)
-            excess = max(0.0, mem.worst_total(plan, opt, ends) - gpu_budget)
+            allocated = mem.worst_total(plan, opt, ends) / (1 + opt.allocator_overhead)
+            excess = max(0.0, allocated - gpu_budget)
             host = max(mem.rank_states(plan, r, opt).host for r in ends)
             excess += max(0.0, host - host_budget)
             if best is None or excess < best[0]:

@@ -233,7 +233,8 @@ def search_table(result: SearchResult, wide: bool = False) -> Table:
             if wide else [b(w.total)]
         )  # fmt: skip
         t.add_row(
-            f"{i}" if cand.fits else f"{i}!", *[lab[k] for k in cols[1:10]],
+            f"{i}{'!' if not cand.fits else '~' if cand.tight else ''}",
+            *[lab[k] for k in cols[1:10]],
             f"{cand.time.seconds:.2f}",
             f"{cand.time.tokens_per_s:,.0f}" if wide else _si(cand.time.tokens_per_s),
             f"{cand.time.mfu:.1%}", *mem_cols,
@@ -261,6 +262,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "plan": {"model": p.model.name, **fields},
         "overrides": " ".join(p.overrides()),
         "fits": c.fits,
+        "tight": c.tight,
         "why": c.why,
         "memory_bytes": memory_json(c.memory),
         "step_time": {

@@ -23,7 +23,7 @@ from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import ModelConfig, pp_layer_counts_problem, pp_layers_problem
 from llmscale.plan import memory as mem
 from llmscale.plan.cluster import Cluster
-from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
+from llmscale.plan.search import DEFAULT_SPACE, SearchResult, SearchSpace, search, tight_note
 from llmscale.plan.time import time_params
 from llmscale.report import report
 from llmscale.stack import LLMSCALE, fitted_note, get_stack, layout_problem
@@ -34,10 +34,10 @@ from llmscale.stack.options import in_effect, options_text, with_options
 MEMORY_LEGEND = (
     "memory columns are the fullest GPU, {unit}: states = params + grads + optimizer;\n"
     "working = bf16 weight copies or FSDP-unsharded params; transient includes the allocator's "
-    "{over}"
+    "{over}{marks}"
 )
 NARROW_LEGEND = (
-    "{unit}: the fullest GPU, with the allocator's {over}; ! = does not fit; --wide shows its parts"
+    "{unit}: the fullest GPU, with the allocator's {over}{marks}; --wide shows its parts"
 )
 
 
@@ -45,7 +45,15 @@ def memory_legend(result: SearchResult, wide: bool) -> str:
     """The legend under `report.search_table(result, wide)`, in its unit."""
     unit, _ = report.memory_unit(result)
     over = f"{100 * result.stack.allocator_overhead.value:g}%"
-    return (MEMORY_LEGEND if wide else NARROW_LEGEND).format(unit=unit, over=over)
+    marks = "".join(
+        mark
+        for shown, mark in (
+            (any(not c.fits for c in result.shown), "; ! = does not fit"),
+            (any(c.tight for c in result.shown), "; ~ = fits tightly (below)"),
+        )
+        if shown
+    )
+    return (MEMORY_LEGEND if wide else NARROW_LEGEND).format(unit=unit, over=over, marks=marks)
 
 
 class PlanReport(NamedTuple):
@@ -79,8 +87,14 @@ class PlanReport(NamedTuple):
         return "\n".join(lines)
 
     def unfit_lines(self) -> list[str]:
-        """Why each shown plan does not fit (empty when they fit)."""
-        return [f"#{n}! {c.why}" for n, c in enumerate(self.result.shown, 1) if not c.fits]
+        """Why each shown plan does not fit, and what fitting tightly means for each that
+        does (empty when they fit with room)."""
+        res = self.result
+        return [
+            f"#{n}! {c.why}" if not c.fits else f"#{n}~ {tight_note(c.memory, res.cluster)}"
+            for n, c in enumerate(res.shown, 1)
+            if not c.fits or c.tight
+        ]
 
     def best_command(self, width: int = 100) -> str:
         """The `llmscale train` overrides of the fastest plan (there must be one), as a shell

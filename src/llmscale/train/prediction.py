@@ -312,11 +312,14 @@ def dry_run_lines(
 
 def fit_line(memory: MemoryEstimate, gpu: GPU) -> str:
     """The dry run's verdict on a catalog GPU: does the fullest rank fit, by how much."""
-    unit, size = byte_unit(memory.worst.total)
+    w = memory.worst
+    unit, size = byte_unit(w.total)
+    verdict = "NO" if not memory.fits(gpu) else "tightly" if memory.tight(gpu) else "yes"
     return (
-        f"fits: {'yes' if memory.fits(gpu) else 'NO'}: the fullest rank needs "
-        f"{memory.worst.total / size:.2f} {unit} (+{memory.options.device_reserve_GiB} GiB "
-        f"reserved) of {gpu.display}'s {gpu.memory_bytes / GiB:.0f} GiB"
+        f"fits: {verdict}: the fullest rank needs {w.total / size:.2f} {unit} "
+        f"({w.allocated / size:.2f} allocated, the rest the caching allocator's; "
+        f"+{memory.options.device_reserve_GiB} GiB reserved) of {gpu.display}'s "
+        f"{gpu.memory_bytes / GiB:.0f} GiB"
     )
 
 

@@ -56,6 +56,7 @@ class RunResult:
     memory_predicted: float  # GiB
     fits: bool
     source: str
+    tight: bool = False  # it fits only without the caching allocator's share
 
     @property
     def ratio(self) -> float:
@@ -271,7 +272,7 @@ def plan_command(row: dict[str, Any], model_path: str | None = None) -> str | No
     parts.append(
         f"--tp {plan.tp} --pp {plan.pp} --cp {plan.cp} --dp-shard {plan.dp_shard} "
         f"--dp-replicate {plan.dp_replicate} --zero-stage {plan.zero_stage} "
-        f"--mbs {plan.micro_batch_size}"
+        f"--mbs {plan.micro_batch_size} --offload {plan.offload}"
     )
     if plan.recompute == "every_k":
         parts.append(f"--every-k {plan.recompute_every_k}")
@@ -338,6 +339,7 @@ def evaluate(row: dict[str, Any]) -> RunResult:
         memory_predicted=mem.total / GiB,
         fits=mem.fits(cluster.gpu),
         source=str(row["source"]),
+        tight=mem.tight(cluster.gpu),
     )
 
 
