@@ -82,3 +82,12 @@ def test_a_tiny_model_s_plan_table_is_in_mib_not_zeros() -> None:
     big = _result()  # a 70B model's stays in GiB
     (col,) = [c for c in search_table(big).columns if c.header == "GiB"]
     assert list(col.cells) == [f"{c.memory.worst.total / 2**30:.1f}" for c in big.shown]
+
+
+def test_a_bar_says_when_its_plan_fits_only_tightly_or_not_at_all() -> None:
+    from dataclasses import replace
+
+    c = _result().shown[0]
+    assert not bar_label(c).endswith(("tight", "does not fit"))
+    assert bar_label(replace(c, tight=True)).endswith("s, tight")
+    assert bar_label(replace(c, fits=False, why="x")).endswith("s, does not fit")

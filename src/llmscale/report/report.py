@@ -163,14 +163,16 @@ def plan_label(p: Plan, stack: Stack = LLMSCALE) -> dict[str, str]:
 
 def bar_label(c: Candidate, stack: Stack = LLMSCALE) -> str:
     """A plan named fully under its bar: degrees and data-parallel kind, ZeRO stage, micro-batch
-    and recompute, schedule, offload, step time."""
+    and recompute, schedule, offload, step time, and whether it fits only tightly (without the
+    caching allocator's share, which then stands over the capacity line) or not at all."""
     lab = plan_label(c.plan, stack)
     zero = f" z{lab['zero']}" if lab["zero"] != "-" else ""
     sp = " sp" if lab["sp"] == "y" else ""
     off = "" if lab["offload"] == "none" else f"\noffload {lab['offload']}"
+    fit = ", does not fit" if not c.fits else ", tight" if c.tight else ""
     return (
         f"tp{lab['tp']} pp{lab['pp']}{sp}\ndp {lab['dp']}{zero}\nmbs {lab['mbs']} {lab['recompute']}"
-        f"\n{lab['schedule']}{off}\n{c.time.seconds:.1f}s"
+        f"\n{lab['schedule']}{off}\n{c.time.seconds:.1f}s{fit}"
     )
 
 
