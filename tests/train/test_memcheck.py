@@ -58,3 +58,25 @@ def test_more_than_is_free_now_is_a_warning(monkeypatch) -> None:
     assert "free now" in w and "cannot fit" not in w
     monkeypatch.setattr(memcheck, "host_capacity", lambda: Capacity("RAM", int(10 * need), None))
     assert check_memory(cfg, CPU) == []
+
+
+def test_on_a_gpu_the_allocated_peak_decides_and_the_allocators_share_warns(monkeypatch) -> None:
+    """As the planner's verdict: a GPU holding the allocated peak but not the caching
+    allocator's share over it runs the job, with a warning; one below the peak stops it."""
+    cuda = torch.device("cuda", 0)
+    cfg = load_config(None, [])
+    allocated, _ = predicted_need(cfg, cuda)
+    reserved = memcheck.gpu_reserved(cfg, cuda)
+    assert reserved > allocated > 0
+    between = int((allocated + reserved) / 2)
+    monkeypatch.setattr(memcheck, "cuda_capacity", lambda d: Capacity("GPU", between, None))
+    (w,) = check_memory(cfg, cuda)
+    assert w.startswith("memory: tight: ") and "expandable_segments" in w
+    monkeypatch.setattr(
+        memcheck, "cuda_capacity", lambda d: Capacity("GPU", int(reserved) + 1, None)
+    )
+    assert check_memory(cfg, cuda) == []
+    short = int(0.99 * allocated)
+    monkeypatch.setattr(memcheck, "cuda_capacity", lambda d: Capacity("GPU", short, None))
+    with pytest.raises(UsageError, match="cannot fit"):
+        check_memory(cfg, cuda)

@@ -3,8 +3,10 @@
 `llmscale train` asks the planner (plan/memory.py, byte-exact against the trainer's own ledger
 on CPU) what each rank will hold, and compares it with what the device has:
 
-- CUDA: the fullest pipeline stage's predicted bytes against one GPU's memory (that rank would
-  run out first); host bytes under offload, summed over this host's ranks, against its RAM;
+- CUDA: the fullest pipeline stage's predicted allocated peak against one GPU's memory (that
+  rank would run out first; past it only with the caching allocator's share, a warning: the
+  allocator flushes its cache before it fails); host bytes under offload, summed over this
+  host's ranks, against its RAM;
 - CPU: device and host are the same RAM, shared by every rank on this host: the job's total
   (each stage's bytes times its dp x tp ranks) over the hosts.
 
@@ -61,6 +63,8 @@ def cuda_capacity(device: torch.device) -> Capacity:
 def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
     """(bytes per GPU on the fullest stage, host bytes on this host) the planner predicts.
 
+    On a GPU the first is the allocated peak: the caching allocator's share over it is a cache
+    it flushes before it fails (`plan.memory.MemoryEstimate.fits`; `gpu_reserved` adds it).
     On a CPU device both are host memory; the first is then 0 and the second the whole share of
     this host.
     """
@@ -74,7 +78,14 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
         job = sum((s.total + s.host) * ranks_per_stage for s in stages)
         return 0.0, job / hosts
     host = sum(s.host * ranks_per_stage for s in stages) / hosts
-    return max(s.total for s in stages), host
+    return max(s.allocated for s in stages), host
+
+
+def gpu_reserved(cfg: JobConfig, device: torch.device) -> float:
+    """Bytes the fullest GPU would hold with the caching allocator's usual share over its
+    allocated peak (what `torch.cuda.max_memory_reserved` reads when memory allows)."""
+    plan = as_plan(cfg)
+    return max(s.total for s in estimate_memory(plan, runtime_options(plan, device.type)).per_rank)
 
 
 def model_label(model: ModelConfig) -> str:
@@ -131,4 +142,15 @@ def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
             warnings.append(msg)
         elif cap.free is not None and need > cap.free:
             warnings.append(f"memory: {say}, {cap.free / GIB:.1f} GiB of it free now")
+    if device.type == "cuda" and per_gpu > 0:
+        cap = needs[0][1]
+        reserved = gpu_reserved(cfg, device)
+        if per_gpu <= cap.total < reserved:
+            warnings.append(
+                f"memory: tight: the planner predicts {per_gpu / GIB:.1f} GiB allocated on the "
+                f"fullest GPU of {cap.total / GIB:.1f}, {reserved / GIB:.1f} with the caching "
+                "allocator's usual share: it will free its cache and retry when short (a device "
+                "synchronisation each); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids "
+                "most fragments"
+            )
     return warnings
