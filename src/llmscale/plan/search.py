@@ -408,17 +408,20 @@ def search(
             and tm.step_time_floor(plan, cluster, time_params, ends, past=-kept[0]) > -kept[0]
         )  # fmt: skip
 
+    # Plans that fit only tightly, timed at the end, and only where fewer than `keep` plans fit
+    # with room (they rank after every one of those): (total, plan, costed ranks).
+    tight_plans: list[tuple[float, Plan, tuple[int, ...]]] = []
+
     def cost(plan: Plan, total: float, ends: tuple[int, ...]) -> bool:
         """Time a plan that fits and keep it; False (left untimed) when it cannot be among the
         `keep` fastest."""
-        if slower_than_kept(plan, ends) or (
-            PRUNE_BY_TIME_FLOOR and total > room and len(kept) == keep
-        ):  # (a tight plan ranks after the `keep` kept, which fit with room)
+        if slower_than_kept(plan, ends):
             return False
-        t = tm.estimate_step_time(plan, cluster, time_params, ranks=ends, validate=False)
-        found.append((total > room, t.seconds, total, plan))
         if total > room:
+            tight_plans.append((total, plan, ends))
             return True
+        t = tm.estimate_step_time(plan, cluster, time_params, ranks=ends, validate=False)
+        found.append((False, t.seconds, total, plan))
         if len(kept) < keep:
             heapq.heappush(kept, -t.seconds)
         elif t.seconds < -kept[0]:
@@ -589,6 +592,12 @@ def search(
                     mbs_text = ", ".join(map(str, space.micro_batch_sizes))
                     rejected[f"global batch {global_batch_size} is not a multiple of dp {dp} "
                              f"x micro-batch ({mbs_text})"] = None  # fmt: skip
+    if len(found) < keep or not PRUNE_BY_TIME_FLOOR:
+        for total, plan, ends in tight_plans:
+            t = tm.estimate_step_time(plan, cluster, time_params, ranks=ends, validate=False)
+            found.append((True, t.seconds, total, plan))
+    else:
+        untimed += len(tight_plans)
     feasible = len(found) + untimed
     found.sort(key=lambda x: x[:3])
     finals: list[Candidate] = []
