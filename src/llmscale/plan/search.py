@@ -415,11 +415,11 @@ def search(
     def cost(plan: Plan, total: float, ends: tuple[int, ...]) -> bool:
         """Time a plan that fits and keep it; False (left untimed) when it cannot be among the
         `keep` fastest."""
-        if slower_than_kept(plan, ends):
-            return False
         if total > room:
             tight_plans.append((total, plan, ends))
             return True
+        if slower_than_kept(plan, ends):
+            return False
         t = tm.estimate_step_time(plan, cluster, time_params, ranks=ends, validate=False)
         found.append((False, t.seconds, total, plan))
         if len(kept) < keep:
