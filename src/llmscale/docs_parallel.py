@@ -302,10 +302,11 @@ def gb200_fsdp_memory(ctx: Context) -> str:
     """planner.md: what Megatron-Bridge's GB200 Llama 3 70B Megatron-FSDP rows (activation
     offload) are predicted to need, against the GPU's usable memory (`validation.runs`)."""
     from llmscale.hardware.catalog import GiB, get_gpu
+    from llmscale.plan.memory import memory_options, usable_bytes
     from llmscale.stack import MEGATRON_CORE
 
     rows = [r for r in _validation("mbridge-") if r.id.endswith("gb200-llama3-70b-fp8-fsdp")]
-    usable = get_gpu("gb200").memory_bytes / GiB - MEGATRON_CORE.device_reserve_GiB
+    usable = usable_bytes(get_gpu("gb200"), memory_options(MEGATRON_CORE)) / GiB
     need = max(r.memory_predicted for r in rows)
     return f"{need:.1f} GiB of the {usable:.1f} usable"
 
@@ -314,13 +315,14 @@ def n340_memory(ctx: Context) -> str:
     """memory-model.md: what NeMo 24.07's Nemotron-4 340B row is predicted to allocate and
     to need with the caching allocator's share, against the H100's usable memory."""
     from llmscale.hardware.catalog import GiB, get_gpu
-    from llmscale.plan.memory import estimate_memory, memory_options
+    from llmscale.plan.memory import estimate_memory, memory_options, usable_bytes
     from llmscale.validation.runs import load_runs, run_plan
 
     (row,) = [r for r in load_runs() if r["id"] == "nemo2407-h100-nemotron-340b"]
     plan, stack, compiled = run_plan(row)
-    w = estimate_memory(plan, memory_options(stack, compiled=compiled), validate=False).worst
-    usable = get_gpu(str(row["gpu"])).memory_bytes / GiB - stack.device_reserve_GiB
+    opt = memory_options(stack, compiled=compiled)
+    w = estimate_memory(plan, opt, validate=False).worst
+    usable = usable_bytes(get_gpu(str(row["gpu"])), opt) / GiB
     return (
         f"{w.allocated / GiB:.1f} GiB allocated of the {usable:.1f} usable, "
         f"{w.total / GiB:.1f} with the share"

@@ -179,6 +179,12 @@ def memory_options(
 DEFAULT_OPTIONS = MemoryOptions()
 
 
+def usable_bytes(gpu: GPU, options: MemoryOptions = DEFAULT_OPTIONS) -> float:
+    """What `gpu` offers torch's allocations: its memory less the device reserve (CUDA context,
+    cuBLAS workspaces, NCCL buffers)."""
+    return gpu.memory_bytes - options.device_reserve_GiB * GiB
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes on one GPU of pipeline rank `pp_rank` at the step's peak (plus host bytes)."""
@@ -250,15 +256,13 @@ class MemoryEstimate:
         reports out of memory (torch.cuda.memory_stats: `num_alloc_retries`, "failed cudaMalloc
         calls that result in a cache flush and retry"), so a run whose share does not fit runs
         with less of it (`tight`)."""
-        return self.worst.allocated + self.options.device_reserve_GiB * GiB <= gpu.memory_bytes
+        return self.worst.allocated <= usable_bytes(gpu, self.options)
 
     def tight(self, gpu: GPU) -> bool:
         """Whether it fits `gpu` only without the caching allocator's usual share: the
         allocator will flush its cache (a device synchronisation each time) to stay within
         the memory, and fragmentation it cannot flush may still run it out."""
-        return self.fits(gpu) and (
-            self.total + self.options.device_reserve_GiB * GiB > gpu.memory_bytes
-        )
+        return self.fits(gpu) and self.total > usable_bytes(gpu, self.options)
 
 
 class RankPieces(NamedTuple):

@@ -377,7 +377,7 @@ def search(
     # that fits with room and not among those that prune the search (`kept`), nor does it
     # stop the search trying the slower, more frugal settings of its layout.
     over = 1.0 + memory_options.allocator_overhead
-    room = cluster.gpu.memory_bytes - memory_options.device_reserve_GiB * GiB
+    room = mem.usable_bytes(cluster.gpu, memory_options)
     budget = room * over
     host_per_gpu = cluster.node.host_memory_bytes / cluster.gpus_per_node
     found: list[tuple[bool, float, float, Plan]] = []  # (tight, seconds, total, plan)
@@ -700,7 +700,7 @@ def fit_reason(
     est: mem.MemoryEstimate, cluster: Cluster, opt: mem.MemoryOptions = mem.DEFAULT_OPTIONS
 ) -> str | None:
     """Why a plan's memory does not fit `cluster` (None when it fits)."""
-    usable = cluster.gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    usable = mem.usable_bytes(cluster.gpu, opt)
     host = cluster.node.host_memory_bytes / cluster.gpus_per_node
     w = est.worst
     reasons = []
@@ -725,7 +725,7 @@ def tight_note(est: mem.MemoryEstimate, cluster: Cluster) -> str | None:
     if not est.tight(cluster.gpu):
         return None
     opt, w = est.options, est.worst
-    usable = cluster.gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    usable = mem.usable_bytes(cluster.gpu, opt)
     return (
         f"tight: {w.allocated / GiB:.1f} GiB allocated on pipeline rank {w.pp_rank} of "
         f"{usable / GiB:.1f} usable, {w.total / GiB:.1f} with the caching allocator's usual "
@@ -747,7 +747,7 @@ def _closest(
     """The `top` plans nearest to fitting: each layout with its most frugal knobs (the most
     recompute and the highest ZeRO stage searched), the offload that leaves the least memory
     over, least over first."""
-    gpu_budget = cluster.gpu.memory_bytes - opt.device_reserve_GiB * GiB
+    gpu_budget = mem.usable_bytes(cluster.gpu, opt)
     host_budget = cluster.node.host_memory_bytes / cluster.gpus_per_node
     scored: list[tuple[float, Plan]] = []
     for frugal, ends in settings:
