@@ -66,7 +66,7 @@ def test_on_a_gpu_the_allocated_peak_decides_and_the_allocators_share_warns(monk
     cuda = torch.device("cuda", 0)
     cfg = load_config(None, [])
     allocated, _ = predicted_need(cfg, cuda)
-    reserved = memcheck.gpu_reserved(cfg, cuda)
+    reserved = memcheck.predicted_memory(cfg, cuda).total
     assert reserved > allocated > 0
     between = int((allocated + reserved) / 2)
     monkeypatch.setattr(memcheck, "cuda_capacity", lambda d: Capacity("GPU", between, None))

@@ -27,7 +27,7 @@ import torch
 from llmscale.config import JobConfig
 from llmscale.errors import ConfigError, UsageError
 from llmscale.model.config import ModelConfig, get_preset
-from llmscale.plan.memory import estimate_memory
+from llmscale.plan.memory import MemoryEstimate, estimate_memory
 from llmscale.plan.predict import as_plan, runtime_options
 
 GIB = 2**30
@@ -60,16 +60,26 @@ def cuda_capacity(device: torch.device) -> Capacity:
     return Capacity(torch.cuda.get_device_name(device), total, free)
 
 
-def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
-    """(bytes per GPU on the fullest stage, host bytes on this host) the planner predicts.
+def predicted_memory(cfg: JobConfig, device: torch.device) -> MemoryEstimate:
+    """The planner's memory of `cfg`'s run on `device`'s kind (ConfigError where it does not
+    model the layout)."""
+    plan = as_plan(cfg)
+    return estimate_memory(plan, runtime_options(plan, device.type))
+
+
+def predicted_need(
+    cfg: JobConfig, device: torch.device, memory: MemoryEstimate | None = None
+) -> tuple[float, float]:
+    """(bytes per GPU on the fullest stage, host bytes on this host) the planner predicts
+    (from `memory`, `predicted_memory`'s, where the caller has it).
 
     On a GPU the first is the allocated peak: the caching allocator's share over it is a cache
-    it flushes before it fails (`plan.memory.MemoryEstimate.fits`; `gpu_reserved` adds it).
-    On a CPU device both are host memory; the first is then 0 and the second the whole share of
-    this host.
+    it flushes before it fails (`plan.memory.MemoryEstimate.fits`; the estimate's `total` adds
+    it). On a CPU device both are host memory; the first is then 0 and the second the whole
+    share of this host.
     """
-    plan = as_plan(cfg)
-    stages = estimate_memory(plan, runtime_options(plan, device.type)).per_rank
+    est = predicted_memory(cfg, device) if memory is None else memory
+    plan, stages = est.plan, est.per_rank
     world = plan.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ranks_per_stage = plan.dp * plan.cp * plan.tp  # the ranks of one pipeline stage
@@ -79,13 +89,6 @@ def predicted_need(cfg: JobConfig, device: torch.device) -> tuple[float, float]:
         return 0.0, job / hosts
     host = sum(s.host * ranks_per_stage for s in stages) / hosts
     return max(s.allocated for s in stages), host
-
-
-def gpu_reserved(cfg: JobConfig, device: torch.device) -> float:
-    """Bytes the fullest GPU would hold with the caching allocator's usual share over its
-    allocated peak (what `torch.cuda.max_memory_reserved` reads when memory allows)."""
-    plan = as_plan(cfg)
-    return max(s.total for s in estimate_memory(plan, runtime_options(plan, device.type)).per_rank)
 
 
 def model_label(model: ModelConfig) -> str:
@@ -113,7 +116,8 @@ def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
     if mode == "off":
         return []
     try:
-        per_gpu, host = predicted_need(cfg, device)
+        memory = predicted_memory(cfg, device)
+        per_gpu, host = predicted_need(cfg, device, memory)
     except ConfigError as e:
         return [f"memory check skipped: the planner does not model this layout ({e})"]
     host_label = (
@@ -143,8 +147,7 @@ def check_memory(cfg: JobConfig, device: torch.device) -> list[str]:
         elif cap.free is not None and need > cap.free:
             warnings.append(f"memory: {say}, {cap.free / GIB:.1f} GiB of it free now")
     if device.type == "cuda" and per_gpu > 0:
-        cap = needs[0][1]
-        reserved = gpu_reserved(cfg, device)
+        cap, reserved = needs[0][1], memory.total
         if per_gpu <= cap.total < reserved:
             warnings.append(
                 f"memory: tight: the planner predicts {per_gpu / GIB:.1f} GiB allocated on the "
