@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -312,3 +314,72 @@ def test_plans_that_fit_with_room_rank_before_tight_ones() -> None:
     roomy = [c.time.seconds for c in r.candidates if not c.tight]
     assert roomy == sorted(roomy)
     assert all(c.memory.total + 1.5 * GiB <= gib * GiB for c in r.candidates if not c.tight)
+
+
+def test_context_degrees_keep_4096_tokens_per_rank() -> None:
+    """Without --cp the search tries 1 and each power of two that divides the GPUs, splits the
+    sequence into 2 cp chunks and keeps >= 4,096 tokens per rank."""
+    from llmscale.plan.search import context_degrees
+
+    assert context_degrees(64, 4096) == (1,)
+    assert context_degrees(4096, 8192) == (1, 2)
+    assert context_degrees(256, 262144) == (1, 2, 4, 8, 16, 32, 64)
+    assert context_degrees(24, 131072) == (1, 2, 4, 8)  # 16 does not divide 24 GPUs
+    assert context_degrees(64, 12288) == (1, 2)  # 12,288 / 4 = 3,072 tokens: too few
+
+
+@pytest.mark.parametrize("stack", ["llmscale", "megatron-core", "torchtitan"])
+@pytest.mark.parametrize(
+    ("cp", "mbs", "layout"),
+    [
+        (2, 2, dict(tp=1, pp=1, zero_stage=3, recompute="none", precision="bf16")),
+        (4, 2, dict(tp=2, pp=2, zero_stage=1, recompute="selective", precision="bf16")),
+        (4, 4, dict(tp=4, pp=1, zero_stage=1, recompute="full", precision="fp8")),
+    ],
+)
+def test_a_cp_sharing_a_factor_with_the_micro_batch_is_dominated(
+    stack: str, cp: int, mbs: int, layout: dict[str, Any]
+) -> None:
+    """`search.cp_dominated`'s claim, on the planner's own costs: cp c at micro-batch size b,
+    g = gcd(c, b) > 1, is no faster and no lighter than cp c/g at b/g with dp x g (the same
+    tokens per rank per micro-batch, the same micro-batches; fewer ring steps)."""
+    from llmscale.plan.memory import memory_options
+    from llmscale.plan.plan import Plan
+    from llmscale.plan.search import cp_dominated
+    from llmscale.plan.time import time_params
+    from llmscale.stack import STACKS
+
+    g = math.gcd(cp, mbs)
+    assert cp_dominated(cp, mbs, (1, 2, 4), (1, 2, 4, 8))
+    assert not cp_dominated(cp, 1, (1, 2, 4), (1, 2, 4, 8))
+    assert not cp_dominated(cp, mbs, (cp,), (1, 2, 4, 8))  # a --cp given: nothing to compare
+    h100 = Cluster.of("h100")
+    st = STACKS[stack]
+    common = dict(
+        model=get_preset("llama3-8b"), seq_len=8192, global_batch_size=256, dp_replicate=1,
+        sequence_parallel=layout["tp"] > 1, **layout,
+    )  # fmt: skip
+    shards = 16 // (layout["tp"] * layout["pp"] * cp)
+    wide = Plan(**common, cp=cp, micro_batch_size=mbs, dp_shard=shards)
+    narrow = Plan(**common, cp=cp // g, micro_batch_size=mbs // g, dp_shard=shards * g)
+    assert wide.n_microbatches == narrow.n_microbatches
+    tp_, mo = time_params(st, compiled=False), memory_options(st, compiled=False)
+    assert (
+        estimate_step_time(wide, h100, tp_).seconds >= estimate_step_time(narrow, h100, tp_).seconds
+    )
+    # the same to the rounding of shard sizes (a few bytes), or more
+    assert estimate_memory(wide, mo).total >= estimate_memory(narrow, mo).total * (1 - 1e-9)
+
+
+def test_the_search_tries_context_parallelism_for_long_sequences() -> None:
+    """Without --cp, 128K tokens of Llama 3.1 8B on 16 H100 (4 sequences: dp x cp = 16 needs
+    cp >= 4) plan with cp > 1 at micro-batch size 1; a given --cp is kept."""
+    l8 = get_preset("llama3.1-8b")
+    h100 = Cluster.of("h100")
+    res = search(l8, 16, h100, 131072, 4, top=5)
+    assert res.candidates
+    assert all(c.plan.cp > 1 and c.plan.micro_batch_size == 1 for c in res.candidates)
+    fixed = search(l8, 16, h100, 131072, 4, top=3, space=SearchSpace(cp=4))
+    assert fixed.candidates and {c.plan.cp for c in fixed.candidates} == {4}
+    short = search(get_preset("llama3-8b"), 8, h100, 4096, 64, top=3)
+    assert {c.plan.cp for c in short.candidates} == {1}  # 4,096 tokens: no cp > 1 tried

@@ -333,6 +333,30 @@ def test_tied_pipelines() -> None:
     assert tied_pipeline_problem(TORCHTITAN, False, 2) is None
 
 
+def test_megatron_2021_splits_no_sequence_over_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """megatron-2021 has no context parallelism: `plan --cp 2` and `train --dry-run` with
+    parallel.cp 2 are refused in one line naming the stacks that have it, and its search tries
+    cp 1 only (the others try cp > 1 for a long sequence)."""
+    from llmscale.cli import main
+    from llmscale.plan.search import search
+    from llmscale.stack import MEGATRON_2021, layout_problem
+
+    refused = layout_problem(MEGATRON_2021, recompute=None, schedule=None, pp=1, tied=False, cp=2)
+    assert refused is not None and refused[0] == "parallel.cp"
+    assert "--stack llmscale | megatron-core | torchtitan" in refused[2]
+    for stack in (LLMSCALE, MEGATRON_CORE, TORCHTITAN):
+        assert layout_problem(stack, recompute=None, schedule=None, pp=1, tied=False, cp=2) is None
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
+            "--global-batch", "64", "--stack", "megatron-2021", "--cp", "2"]  # fmt: skip
+    assert main(argv) == 2
+    assert "parallel.cp: got 2" in capsys.readouterr().err
+    l8, h100 = get_preset("llama3.1-8b"), Cluster.of("h100")
+    res = search(l8, 16, h100, 65536, 16, top=3, time_params=time_params(MEGATRON_2021))
+    core = search(l8, 16, h100, 65536, 16, top=3, time_params=time_params(MEGATRON_CORE))
+    assert all(c.plan.cp == 1 for c in res.candidates + res.unfit)
+    assert any(c.plan.cp > 1 for c in core.candidates)
+
+
 def test_op_sac_saves_every_other_matmul() -> None:
     # wq, wk, wv, wo, w1, w3, w2: torchtitan saves the 1st, 3rd, 5th and 7th mm outputs.
     saved = tuple(op_sac_saves_matmul(i) for i in range(len(L8.block_matmuls())))

@@ -108,7 +108,12 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         ("--pp", "pipeline-parallel degree"),
         ("--dp-shard", "FSDP shards"),
         ("--dp-replicate", "data-parallel replicas"),
-        ("--cp", "context-parallel degree (ring attention; gpus = pp x dp x cp x tp)"),
+        (
+            "--cp",
+            "context-parallel degree (ring attention; gpus = pp x dp x cp x tp). Default: 1 "
+            "and each power of two keeping >= 4,096 tokens of a sequence per rank, at "
+            "micro-batch size 1",
+        ),
         ("--mbs", "micro-batch size"),
         ("--every-k", "recompute one block in k (implies --recompute every_k)"),
         ("--chunks", "model chunks per pp rank (> 1: interleaved_1f1b, zero_bubble; V: 2)"),

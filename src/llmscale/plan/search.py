@@ -1,9 +1,10 @@
 """Search parallel layouts and training options for the fastest plan that fits.
 
 Enumerated: tp x pp x dp (dp as replicas x FSDP shards), micro-batch size, recompute mode,
-ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, offload; the
-context-parallel degree and an explicit layer split (`pp_layers`) are fixed by the space (cp
-GPUs per sequence: gpus = pp x dp x cp x tp). Kept only when: tp <= GPUs per node and tp divides
+ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, offload, and,
+unless the space fixes it, the context-parallel degree (cp GPUs per sequence: gpus = pp x dp x
+cp x tp; `context_degrees`, each cp > 1 at the micro-batch sizes it does not divide:
+`cp_dominated`); an explicit layer split (`pp_layers`) is fixed by the space. Kept only when: tp <= GPUs per node and tp divides
 n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers, or n_layers + 2 with the embedding
 and the head each on a stage of their own (a pp that does not divide n_layers splits them
 unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
@@ -126,9 +127,11 @@ class SearchSpace:
     pp: int | None = None
     dp_shard: int | None = None
     dp_replicate: int | None = None
-    # Fixed, never searched: the context-parallel degree and an explicit layer split (pp x
-    # chunks entries; () = the automatic split).
-    cp: int = 1
+    # The context-parallel degree: None searches 1 and every power of two that divides the
+    # GPUs and keeps at least `CP_MIN_TOKENS` tokens of each sequence per rank
+    # (`context_degrees`). Fixed, never searched: an explicit layer split (pp x chunks entries;
+    # () = the automatic split).
+    cp: int | None = None
     pp_layers: tuple[int, ...] = ()
     # Blocks whose activations wait in host memory (pp 1, recompute none only:
     # `report.search_report` narrows the space to them when it is set); 0 with
@@ -141,7 +144,7 @@ class SearchSpace:
         """The degrees this space fixes, by name."""
         names = ("tp", "pp", "dp_shard", "dp_replicate")
         out = {n: v for n in names if (v := getattr(self, n)) is not None}
-        return out | ({"cp": self.cp} if self.cp > 1 else {})
+        return out | ({"cp": self.cp} if self.cp is not None and self.cp > 1 else {})
 
 
 DEFAULT_SPACE = SearchSpace()
@@ -195,12 +198,46 @@ class SearchResult:
         return f"no valid layout of {self.gpus} GPUs: {shown}{more}"
 
 
+# The fewest tokens of a sequence a context-parallel rank keeps in the search (a --cp given is
+# never bounded): every published context-parallel run keeps at least 4,096 (Megatron-Bridge's
+# Llama 3 70B and 405B recipes run cp 2 at 8,192; Llama 3's 405B cp 16 at 131,072 keeps
+# 8,192; NeMo's long-context Llama 2 7B cp 32 at 1M keeps 32,768). Below it the ring's blocks
+# are small and its transfers many for the work they carry.
+CP_MIN_TOKENS = 4096
+
+
+def context_degrees(gpus: int, seq_len: int) -> tuple[int, ...]:
+    """The context-parallel degrees the search tries when --cp is not given: 1 and each power
+    of two that divides the GPUs, splits the sequence into 2 cp equal chunks (the
+    load-balanced ring's rule) and keeps at least `CP_MIN_TOKENS` tokens per rank."""
+    out = [1]
+    cp = 2
+    while gpus % cp == 0 and seq_len % (2 * cp) == 0 and seq_len // cp >= CP_MIN_TOKENS:
+        out.append(cp)
+        cp *= 2
+    return tuple(out)
+
+
+def cp_dominated(cp: int, mbs: int, cps: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+    """Whether cp `cp` at micro-batch size `mbs` is dominated by a setting the search also
+    tries: with g = gcd(cp, mbs) > 1, cp / g at micro-batch size mbs / g (dp x g) runs the
+    same tokens per rank in each micro-batch (mbs x seq / cp), the same micro-batches, the same
+    GEMMs and the same attention work per rank (mbs x s^2 / 2cp), with g-fold fewer ring
+    steps to pass keys and values over; no faster, no lighter (tests/plan/test_search.py). So
+    a searched cp > 1 runs the micro-batch sizes prime to it: 1 for the powers of two
+    (`context_degrees`), as every published context-parallel run does."""
+    g = math.gcd(cp, mbs)
+    return g > 1 and cp // g in cps and mbs // g in sizes
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[tuple[int, int]]:
+def _dp_splits(
+    dp: int, tp: int, cp: int, cluster: Cluster, space: SearchSpace
+) -> list[tuple[int, int]]:
     """(dp_replicate, dp_shard) pairs to try."""
     rep, shard = space.dp_replicate, space.dp_shard
     if rep is not None or shard is not None:
@@ -214,7 +251,7 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
         out.append((1, dp))
     if "replicate" in space.data_parallel or dp == 1:
         out.append((dp, 1))
-    in_node = cluster.gpus_per_node // (tp * space.cp)  # the mesh: dp_shard x cp x tp in-node
+    in_node = cluster.gpus_per_node // (tp * cp)  # the mesh: dp_shard x cp x tp in-node
     if "hybrid" in space.data_parallel and 1 < in_node < dp and dp % in_node == 0:
         out.append((dp // in_node, in_node))
     return out
@@ -223,6 +260,7 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster, space: SearchSpace) -> list[t
 def _layouts(
     model: ModelConfig,
     gpus: int,
+    cp: int,
     cluster: Cluster,
     space: SearchSpace,
     rejected: dict[str, None],
@@ -230,7 +268,7 @@ def _layouts(
 ) -> Iterator[tuple[int, int, int]]:
     """(tp, pp, dp) layouts of `gpus` (cp x tp x pp x dp = gpus); why others were dropped goes
     into `rejected` (in order). A pp that does not divide n_layers splits them unevenly."""
-    gpn, cp = cluster.gpus_per_node, space.cp
+    gpn = cluster.gpus_per_node
     if gpus % cp:
         rejected[f"cp {cp} does not divide {gpus} GPUs"] = None
         return
@@ -388,18 +426,35 @@ def search(
     kept: list[float] = []
     untimed = 0
     rejected: dict[str, None] = {}
-    settings: list[tuple[Plan, tuple[int, ...]]] = []  # each memory-checked layout, once
+    # Each memory-checked layout, once, with the offloads it can run.
+    settings: list[tuple[Plan, tuple[int, ...], list[Offload]]] = []
     recs = [r for r in RECOMPUTE_ORDER if r in space.recompute]
     if "every_k" in recs and space.recompute_every_k > model.n_layers:
         recs.remove("every_k")
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     levels = [RECOMPUTE_LEVEL[r] for r in recs]
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
-    problems = {o: offload_layout_problem(o, space.cp, 1, False) for o in offloads}
-    for why in dict.fromkeys(p for p in problems.values() if p):
-        rejected[f"offload with cp {space.cp}: {why}"] = None
-    offloads = [o for o in offloads if not problems[o]]
-    layouts = _layouts(model, gpus, cluster, space, rejected, time_params.stack)
+    if space.cp is not None:
+        cps: tuple[int, ...] = (space.cp,)
+    elif time_params.stack.context_parallel:
+        cps = context_degrees(gpus, seq_len)
+    else:
+        cps = (1,)
+
+    def layouts() -> Iterator[tuple[int, list[Offload], int, int, int]]:
+        """Each context-parallel degree, the offloads it can run, and its (tp, pp, dp)
+        layouts; a degree that cannot run says why in `rejected`."""
+        for cp in cps:
+            if cp > 1 and seq_len % (2 * cp):  # load-balanced ring attention's rule
+                rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp}"] = None
+                continue
+            problems = {o: offload_layout_problem(o, cp, 1, False) for o in offloads}
+            for why in dict.fromkeys(p for p in problems.values() if p):
+                rejected[f"offload with cp {cp}: {why}"] = None
+            ok = [o for o in offloads if not problems[o]]
+            stack = time_params.stack
+            for tp, pp, dp in _layouts(model, gpus, cp, cluster, space, rejected, stack):
+                yield cp, ok, tp, pp, dp
 
     def slower_than_kept(plan: Plan, ends: tuple[int, ...]) -> bool:
         """Whether `plan`'s step-time floor is past the `keep` fastest plans found so far."""
@@ -438,10 +493,7 @@ def search(
         and model.n_layers > 1
         and activation_offload_problem(time_params.stack, 1) is None
     )
-    if space.cp > 1 and seq_len % (2 * space.cp):  # load-balanced ring attention's rule
-        rejected[f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * space.cp}"] = None
-        layouts = iter(())
-    for tp, pp, dp in layouts:
+    for cp, cp_offloads, tp, pp, dp in layouts():
         # Each rank's activity by (sp, mbs, schedule, chunks), then (recompute, lowp weights,
         # rank), for every dp split of this layout (`_Floors`).
         layout_activity: dict[tuple[bool, int, str, int], dict[tuple[int, bool, int], mem.Activity]] = {}  # fmt: skip
@@ -449,12 +501,12 @@ def search(
         try_offload = offload_acts and pp == 1  # activation offload: no pipeline
         # The runtime's offload rule per layout (a tied model's last-stage copy under pp).
         pp_offloads = []
-        for o in offloads:
-            if refusal := offload_layout_problem(o, space.cp, pp, model.tie_embeddings):
+        for o in cp_offloads:
+            if refusal := offload_layout_problem(o, cp, pp, model.tie_embeddings):
                 rejected[f"offload {o} with pp {pp}: {refusal}"] = None
             else:
                 pp_offloads.append(o)
-        splits = _dp_splits(dp, tp, cluster, space)
+        splits = _dp_splits(dp, tp, cp, cluster, space)
         if not splits:
             fixed = ", ".join(f"{k} {v}" for k, v in space.fixed_degrees().items() if "dp" in k)
             rejected[f"dp {dp} (tp {tp}, pp {pp}) is not {fixed or 'split'}"] = None
@@ -469,7 +521,7 @@ def search(
             base = Plan(
                 model=model, seq_len=seq_len, micro_batch_size=1,
                 global_batch_size=global_batch_size, precision=precision,
-                float8_recipe=float8_recipe, dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=space.cp,
+                float8_recipe=float8_recipe, dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
                 pp_layers=space.pp_layers, recompute_every_k=space.recompute_every_k,
                 offload_activations=space.offload_activations,
             )  # fmt: skip
@@ -488,6 +540,8 @@ def search(
                     if global_batch_size % (mbs * dp):
                         continue
                     divides = True
+                    if cp_dominated(cp, mbs, cps, space.micro_batch_sizes):
+                        continue
                     micro = global_batch_size // (mbs * dp)
                     scheds = list(_schedules(model, pp, micro, space))
                     if not scheds:
@@ -498,7 +552,9 @@ def search(
                                          zero_stage=zeros[-1], sequence_parallel=sp)  # fmt: skip
                         for sched, v in scheds:
                             ends = _costed_ranks(model, pp, space, v, sched in V_SCHEDULES)
-                            settings.append((replace(frugal, pp_schedule=sched, pp_chunks=v), ends))
+                            settings.append(
+                                (replace(frugal, pp_schedule=sched, pp_chunks=v), ends, pp_offloads)
+                            )
                     fit_any = False
                     useful = _useful_recomputes(
                         recs, base.varied(micro_batch_size=mbs, sequence_parallel=sp),
@@ -613,7 +669,7 @@ def search(
     finals.sort(key=lambda c: (c.tight, c.time.seconds, c.memory.total))
     unfit: tuple[Candidate, ...] = ()
     if not finals and settings:
-        unfit = _closest(settings, offloads, top, cluster, memory_options, time_params)
+        unfit = _closest(settings, top, cluster, memory_options, time_params)
     return SearchResult(
         candidates=tuple(finals[:top]),
         evaluated=evaluated,
@@ -737,8 +793,7 @@ def tight_note(est: mem.MemoryEstimate, cluster: Cluster) -> str | None:
 
 
 def _closest(
-    settings: list[tuple[Plan, tuple[int, ...]]],
-    offloads: list[Offload],
+    settings: list[tuple[Plan, tuple[int, ...], list[Offload]]],
     top: int,
     cluster: Cluster,
     opt: mem.MemoryOptions,
@@ -750,7 +805,7 @@ def _closest(
     gpu_budget = mem.usable_bytes(cluster.gpu, opt)
     host_budget = cluster.node.host_memory_bytes / cluster.gpus_per_node
     scored: list[tuple[float, Plan]] = []
-    for frugal, ends in settings:
+    for frugal, ends, offloads in settings:
         best: tuple[float, Plan] | None = None
         for off in offloads:
             plan = replace(frugal, offload=off)

@@ -166,6 +166,7 @@ def plan_report(
         precision=precision,
         float8_recipe=float8_recipe,
         offload=space.offload[0] if len(space.offload) == 1 else None,
+        cp=space.cp or 1,
     )
     if refused:
         raise ConfigError(*refused)

@@ -238,6 +238,9 @@ class Stack:
     # torch's `context_parallel` with its default rotation, one all-gather per attention call
     # (torch.distributed.tensor.experimental._context_parallel, `_cp_options.rotate_method`).
     cp_rotate: Literal["ring", "allgather"] = "ring"
+    # Whether it splits a sequence over context-parallel ranks at all (the search tries cp > 1
+    # only where it does; `--cp` > 1 is refused where it does not).
+    context_parallel: bool = True
     # With torch.compile on, the loss is compiled too (`Kernels.compiled_loss`); the llmscale
     # runtime compiles its blocks only (parallel/compile.py).
     compiles_loss: bool = False
@@ -420,6 +423,7 @@ def layout_problem(
     precision: str | None = None,
     float8_recipe: str | None = None,
     offload: str | None = None,
+    cp: int = 1,
 ) -> tuple[str, object, str] | None:
     """The first of `stack`'s refusals a layout meets, as (config key, value, what is allowed
     instead), None when it runs: the one check `plan --stack` (a recompute policy or schedule
@@ -433,6 +437,7 @@ def layout_problem(
         ),
         ("train.recompute", recompute, recompute and recompute_problem(stack, recompute)),
         ("parallel.pp", pp, tied_pipeline_problem(stack, tied, pp)),
+        ("parallel.cp", cp, context_parallel_problem(stack, cp)),
         ("parallel.pp_schedule", schedule, schedule and schedule_problem(stack, schedule)),
         (
             "train.offload_activations",
@@ -444,6 +449,14 @@ def layout_problem(
     for key, value, problem in checks:
         if problem:
             return key, value, problem
+    return None
+
+
+def context_parallel_problem(stack: Stack, cp: int) -> str | None:
+    """Why `stack` cannot split sequences over `cp` ranks (None when it can)."""
+    if cp > 1 and not stack.context_parallel:
+        runs = [s.name for s in STACKS.values() if s.context_parallel]
+        return f"1 under --stack {stack.name} (no context parallelism; cp > 1: --stack {' | '.join(runs)})"
     return None
 
 
@@ -489,6 +502,9 @@ MEGATRON_2021 = Stack(
     optimizer_bytes_per_param=46.0,
     pipeline="freed",
     tied_under_pp="copy_on_last_stage",
+    # Neither paper splits a sequence over ranks: Korthikanti et al.'s sequence parallelism
+    # shares the tensor-parallel group (--sp); context parallelism is later Megatron-Core's.
+    context_parallel=False,
     float8_recipes=("tensorwise",),
     fitted=(
         Fit(

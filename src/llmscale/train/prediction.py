@@ -343,7 +343,7 @@ def _other_stack_lines(cfg: JobConfig, gpu: str, stack: Stack) -> list[str]:
                              offload_activations=plan.offload_activations,
                              precision=plan.precision,
                              float8_recipe=plan.float8_recipe,
-                             offload=plan.offload)  # fmt: skip
+                             offload=plan.offload, cp=plan.cp)  # fmt: skip
     if refused:
         raise ConfigError(*refused)
     cluster = Cluster.of(gpu)
