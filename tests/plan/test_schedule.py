@@ -285,7 +285,8 @@ def test_bad_schedule_inputs_name_the_field(kwargs, field):
         ({"t_fwd": math.inf}, "t_fwd"),
         ({"t_bwd": -1.0}, "t_bwd"),
         ({"t_bwd": [1.0, 2.0]}, "t_bwd"),  # 4 stages need 4 costs
-        ({"t_fwd": [1.0, 1.0, 0.0, 1.0]}, "t_fwd"),
+        ({"t_fwd": [1.0, 1.0, -1.0, 1.0]}, "t_fwd"),
+        ({"t_fwd": [0.0, 0.0, 0.0, 0.0]}, "t_fwd"),  # a stage may cost 0, not every one
         ({"t_p2p": -0.1}, "t_p2p"),
         ({"t_p2p": math.nan}, "t_p2p"),
     ],

@@ -215,3 +215,32 @@ def test_in_flight_formulas_equal_the_orders_own_count():
                 if m >= 2 * p:
                     got = inflight_units("dualpipev", p, m, 2, r)
                     assert got == order_peak("dualpipev", p, m, 2, r)
+
+
+def test_a_stage_of_the_embedding_or_head_alone_may_cost_nothing() -> None:
+    """126 layers over pp 32 x 4 chunks put the embedding and the head each on a stage of its
+    own (n_layers + 2 stages); the time model shares a rank's time among its stages by their
+    layers, so those two cost 0 in the simulator, which times the plan (it refused them:
+    `llmscale plan` for Llama 3 405B on 128 H100 96GB under torchtitan stopped on it). Costs
+    all 0 are still refused."""
+    from llmscale.errors import ConfigError
+    from llmscale.model.config import get_preset, stage_layer_counts
+    from llmscale.plan.cluster import Cluster
+    from llmscale.plan.plan import Plan
+    from llmscale.plan.time import estimate_step_time
+
+    costs = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    res = simulate("zero_bubble", 4, 8, 2, t_fwd=costs, t_bwd=[3 * c for c in costs])
+    busy = 8 * (1 + 3)  # the fullest rank's forward and backward per micro-batch
+    assert res.makespan >= busy
+    with pytest.raises(ConfigError, match="not all 0"):
+        simulate("zero_bubble", 4, 8, 2, t_fwd=[0.0] * 8, t_bwd=[0.0] * 8)
+    plan = Plan(
+        model=get_preset("llama3-405b"), seq_len=8192, micro_batch_size=1, global_batch_size=32,
+        tp=4, pp=32, dp_shard=1, dp_replicate=1, pp_schedule="zero_bubble", pp_chunks=4,
+        recompute="full", zero_stage=3, offload="optimizer+params",
+    )  # fmt: skip
+    counts = stage_layer_counts(126, 128)
+    assert counts[0] == counts[-1] == 0 and sum(counts) == 126
+    t = estimate_step_time(plan, Cluster.of("h100-96g"), simulate=True)
+    assert t.seconds > 0

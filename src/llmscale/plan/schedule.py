@@ -931,13 +931,17 @@ def _stage_costs(field: str, t: Costs, n_stages: int, chunks: int) -> tuple[floa
     costs = tuple(t)
     if len(costs) != n_stages:
         raise ConfigError(field, list(costs), f"a number, or {n_stages} per-stage numbers")
+    # A stage may cost nothing (the embedding or the head alone on a stage of its own, its
+    # rank's time shared by layers: plan/time.py), not every stage.
     for c in costs:
         if (
             isinstance(c, bool)
             or not isinstance(c, int | float)
-            or not (math.isfinite(c) and c > 0)
+            or not (math.isfinite(c) and c >= 0)
         ):
-            raise ConfigError(field, list(costs), "per-stage finite numbers > 0")
+            raise ConfigError(field, list(costs), "per-stage finite numbers >= 0, not all 0")
+    if not any(costs):
+        raise ConfigError(field, list(costs), "per-stage finite numbers >= 0, not all 0")
     return tuple(float(c) for c in costs)
 
 
@@ -950,7 +954,7 @@ def _split_costs(
     else:
         w = _stage_costs("t_w", t_w, n_stages, chunks)
     for b, wc in zip(t_bwd, w, strict=True):
-        if wc >= b:
+        if wc >= b and (wc > 0 or b > 0):  # a stage that costs nothing has no W either
             shown = t_w if isinstance(t_w, int | float) else list(t_w or ())
             raise ConfigError("t_w", shown, "less than t_bwd (W is part of the backward)")
     return tuple(b - wc for b, wc in zip(t_bwd, w, strict=True)), w
