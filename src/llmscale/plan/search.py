@@ -199,10 +199,11 @@ class SearchResult:
 
 
 # The fewest tokens of a sequence a context-parallel rank keeps in the search (a --cp given is
-# never bounded): every published context-parallel run keeps at least 4,096 (Megatron-Bridge's
-# Llama 3 70B and 405B recipes run cp 2 at 8,192; Llama 3's 405B cp 16 at 131,072 keeps
-# 8,192; NeMo's long-context Llama 2 7B cp 32 at 1M keeps 32,768). Below it the ring's blocks
-# are small and its transfers many for the work they carry.
+# never bounded): every published context-parallel run keeps at least 4,096 (NeMo 24.07's
+# Llama 3 8B and 70B and Megatron-Bridge's Llama 3.1 405B run cp 2 at 8,192; Llama 3's 405B
+# cp 16 at 131,072 keeps 8,192; NeMo's long-context Llama 2 7B cp 32 at 1M keeps 32,768:
+# validation/data/runs.toml). Below it the ring's blocks are small and its transfers many
+# for the work they carry.
 CP_MIN_TOKENS = 4096
 
 
