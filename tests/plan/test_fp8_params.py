@@ -122,11 +122,13 @@ def test_fp8_params_make_a_step_faster_and_its_gathers_smaller() -> None:
 
 def test_every_megatron_bridge_fp8_row_runs_fp8_params() -> None:
     # Megatron-Bridge's fp8_cs and fp8_mx recipes set fp8_param_gather; nvfp4 does not, nor do
-    # NeMo 1's FP8 runs (NeMo 24.07)
+    # NeMo 1's FP8 runs (NeMo 24.07). NeMo 2's (25.04: bf16_with_fp8_current_scaling_mixed) set
+    # it too, but under Megatron-FSDP (its performance scripts' utils.py at v2.3.0)
     for row in load_runs():
         if row["stack"] != "megatron-core":
             continue
         _, stack, _ = run_plan(row)
-        bridge_fp8 = row["id"].startswith("mbridge-") and row["precision"] == "fp8"
+        nemo2 = row["id"].startswith("nemo2504-") and not row["fsdp"]
+        bridge_fp8 = (row["id"].startswith("mbridge-") or nemo2) and row["precision"] == "fp8"
         # (the stack's default is on; it acts under fp8 only)
         assert (stack.fp8_params and row["precision"] == "fp8") == bridge_fp8, row["id"]
