@@ -4,11 +4,11 @@ Enumerated: tp x pp x dp (dp as replicas x FSDP shards), micro-batch size, recom
 ZeRO stage (when sharded), pipeline schedule and chunks, sequence parallelism, offload, and,
 unless the space fixes it, the context-parallel degree (cp GPUs per sequence: gpus = pp x dp x
 cp x tp; `context_degrees`, each cp > 1 at the micro-batch sizes it does not divide:
-`cp_dominated`); an explicit layer split (`pp_layers`) is fixed by the space. Kept only when: tp <= GPUs per node and tp divides
-n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers, or n_layers + 2 with the embedding
-and the head each on a stage of their own (a pp that does not divide n_layers splits them
-unevenly, as the runtime does: `model.config.stage_layer_counts`); the global batch
-divides by micro-batch x dp and the micro-batches meet the schedule's rule, as the runtime's
+`cp_dominated`); an explicit layer split (`pp_layers`) is fixed by the space. Kept only when:
+tp <= GPUs per node and tp divides n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers,
+or n_layers + 2 with the embedding and the head each on a stage of their own (a pp that does
+not divide n_layers splits them unevenly, as the runtime does: `model.config.stage_layer_counts`);
+the global batch divides by micro-batch x dp and the micro-batches meet the schedule's rule, as the runtime's
 (`config.microbatch_rule`: >= pp, a multiple of pp for interleaved_1f1b and zero_bubble, >= 2 pp
 for dualpipev);
 seq_len is a multiple of 2 cp; the fullest GPU fits (plan/memory.py, with its allocator overhead
