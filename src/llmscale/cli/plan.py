@@ -110,9 +110,9 @@ def _add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         ("--dp-replicate", "data-parallel replicas"),
         (
             "--cp",
-            "context-parallel degree (ring attention; gpus = pp x dp x cp x tp). Default: 1 "
-            "and each power of two keeping >= 4,096 tokens of a sequence per rank, at "
-            "micro-batch size 1",
+            "context-parallel degree (ring attention; gpus = pp x dp x cp x tp). Default: "
+            "searched over 1 and each power of two keeping >= 4,096 tokens of a sequence per "
+            "rank, each cp > 1 at micro-batch size 1 (cp 1 only under --stack megatron-2021)",
         ),
         ("--mbs", "micro-batch size"),
         ("--every-k", "recompute one block in k (implies --recompute every_k)"),
