@@ -455,8 +455,8 @@ def layout_problem(
 def context_parallel_problem(stack: Stack, cp: int) -> str | None:
     """Why `stack` cannot split sequences over `cp` ranks (None when it can)."""
     if cp > 1 and not stack.context_parallel:
-        runs = [s.name for s in STACKS.values() if s.context_parallel]
-        return f"1 under --stack {stack.name} (no context parallelism; cp > 1: --stack {' | '.join(runs)})"
+        runs = " | ".join(s.name for s in STACKS.values() if s.context_parallel)
+        return f"1 under --stack {stack.name} (no context parallelism; cp > 1: --stack {runs})"
     return None
 
 
