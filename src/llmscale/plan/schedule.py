@@ -933,14 +933,11 @@ def _stage_costs(field: str, t: Costs, n_stages: int, chunks: int) -> tuple[floa
         raise ConfigError(field, list(costs), f"a number, or {n_stages} per-stage numbers")
     # A stage may cost nothing (the embedding or the head alone on a stage of its own, its
     # rank's time shared by layers: plan/time.py), not every stage.
-    for c in costs:
-        if (
-            isinstance(c, bool)
-            or not isinstance(c, int | float)
-            or not (math.isfinite(c) and c >= 0)
-        ):
-            raise ConfigError(field, list(costs), "per-stage finite numbers >= 0, not all 0")
-    if not any(costs):
+    bad = any(
+        isinstance(c, bool) or not isinstance(c, int | float) or not (math.isfinite(c) and c >= 0)
+        for c in costs
+    )
+    if bad or not any(costs):
         raise ConfigError(field, list(costs), "per-stage finite numbers >= 0, not all 0")
     return tuple(float(c) for c in costs)
 

@@ -7,10 +7,10 @@ cp x tp; `context_degrees`, each cp > 1 at the micro-batch sizes it does not div
 `cp_dominated`); an explicit layer split (`pp_layers`) is fixed by the space. Kept only when:
 tp <= GPUs per node and tp divides n_heads, n_kv_heads and ffn_dim; pp x chunks <= n_layers,
 or n_layers + 2 with the embedding and the head each on a stage of their own (a pp that does
-not divide n_layers splits them unevenly, as the runtime does: `model.config.stage_layer_counts`);
-the global batch divides by micro-batch x dp and the micro-batches meet the schedule's rule, as the runtime's
-(`config.microbatch_rule`: >= pp, a multiple of pp for interleaved_1f1b and zero_bubble, >= 2 pp
-for dualpipev);
+not divide n_layers splits them unevenly, as the runtime does:
+`model.config.stage_layer_counts`); the global batch divides by micro-batch x dp and the
+micro-batches meet the schedule's rule, as the runtime's (`config.microbatch_rule`: >= pp, a
+multiple of pp for interleaved_1f1b and zero_bubble, >= 2 pp for dualpipev);
 seq_len is a multiple of 2 cp; the fullest GPU fits (plan/memory.py, with its allocator overhead
 and device reserve), and offloaded states fit the node's host memory. Ranked by predicted step
 time (plan/time.py), closed-form bubble in the loop; the best `resimulate` are re-timed with the
@@ -435,9 +435,10 @@ def search(
         rejected[f"every_k {space.recompute_every_k} > n_layers {model.n_layers}"] = None
     levels = [RECOMPUTE_LEVEL[r] for r in recs]
     offloads = [o for o in OFFLOAD_MODES if o in space.offload]
+    stack = time_params.stack
     if space.cp is not None:
         cps: tuple[int, ...] = (space.cp,)
-    elif time_params.stack.context_parallel:
+    elif stack.context_parallel:
         cps = context_degrees(gpus, seq_len)
     else:
         cps = (1,)
@@ -453,7 +454,6 @@ def search(
             for why in dict.fromkeys(p for p in problems.values() if p):
                 rejected[f"offload with cp {cp}: {why}"] = None
             ok = [o for o in offloads if not problems[o]]
-            stack = time_params.stack
             for tp, pp, dp in _layouts(model, gpus, cp, cluster, space, rejected, stack):
                 yield cp, ok, tp, pp, dp
 
